@@ -1,0 +1,29 @@
+"""The "operating system" of minipaged: blocks, block tables, requests, schedulers.
+
+Pure Python, importable without torch.
+"""
+
+from minipaged.core.block_pool import BlockPool
+from minipaged.core.kv_cache_manager import PAD_SLOT_ID, KVCacheManager, KVCacheUsage
+from minipaged.core.kv_cache_utils import (
+    NONE_HASH,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    cdiv,
+    hash_block_tokens,
+)
+from minipaged.core.request import Request, RequestStatus
+
+__all__ = [
+    "BlockPool",
+    "FreeKVCacheBlockQueue",
+    "KVCacheBlock",
+    "KVCacheManager",
+    "KVCacheUsage",
+    "NONE_HASH",
+    "PAD_SLOT_ID",
+    "Request",
+    "RequestStatus",
+    "cdiv",
+    "hash_block_tokens",
+]

@@ -1,0 +1,91 @@
+"""Request and its lifecycle.
+
+Mirrors vLLM ``vllm/v1/request.py``.
+
+Lifecycle::
+
+    WAITING --schedule--> RUNNING --stop/length--> FINISHED_*
+       ^                     |
+       +---- PREEMPTED <-----+  (recompute: blocks freed, re-prefilled later)
+             SWAPPED   <-----+  (swap: blocks copied to CPU, copied back later)
+
+Prefill and decode are one mechanism (as in vLLM v1): ``num_computed_tokens`` moves
+toward ``num_tokens`` (prompt + output so far). While it lags by more than one token the
+request is prefilling (possibly in chunks); when it lags by exactly one it is decoding.
+After a recompute preemption ``num_computed_tokens`` is reset to 0 and the prompt *and*
+the output so far are prefilled again.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+from minipaged.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # recompute: waiting again, at the front
+    SWAPPED = "swapped"  # swap: its KV lives in the CPU pool
+    FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token
+    FINISHED_LENGTH = "finished_length"  # max_tokens or the model's context
+    FINISHED_ABORTED = "finished_aborted"  # abort_request
+    FINISHED_IGNORED = "finished_ignored"  # refused: can never fit
+
+    def is_finished(self) -> bool:
+        return self.value.startswith("finished")
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_id: Optional[int] = None
+    arrival_time: float = 0.0
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    stop_reason: Optional[str] = None  # why it finished, in words (for refusals too)
+
+    def __post_init__(self) -> None:
+        if len(self.prompt_token_ids) == 0:
+            raise ValueError(f"request {self.request_id!r}: the prompt is empty")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished()
+
+    def append_output_token_id(self, token_id: int) -> None:
+        self.output_token_ids.append(int(token_id))
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,1 @@
+"""minipaged.model"""
