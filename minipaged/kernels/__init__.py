@@ -1,1 +1,56 @@
-"""minipaged.kernels"""
+"""minipaged.kernels: attention over a paged KV cache, and the ops that fill that cache.
+
+Two implementations behind one contract (see ``reference.py`` for shapes and invariants):
+
+- torch: ``paged_attention_ref`` / ``paged_attention_prefill_ref`` (readable loops),
+  ``paged_attention_torch`` (vectorized, the engine's default ``"torch"`` backend),
+  ``contiguous_attention``; cache ops ``reshape_and_cache``, ``copy_blocks``, ``swap_blocks``.
+- Triton: ``paged_attention_decode`` (V1 and split-KV V2), ``paged_attention_prefill``,
+  ``reshape_and_cache_triton``. ``HAS_TRITON`` says whether Triton is importable; without
+  it the Triton functions raise ``RuntimeError`` when called and the torch ones still work.
+
+On a machine without CUDA the Triton kernels run in Triton's interpreter: this module
+sets ``TRITON_INTERPRET=1`` (unless the user set it) *before* any kernel is defined.
+NOTE: Triton 3.x reads the variable when ``@triton.jit`` decorates a function (see
+``triton.knobs.runtime.interpret``), so it must be set before ``paged_attention`` and
+``cache_ops`` are imported; importing ``triton`` itself earlier is harmless.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from minipaged.kernels.cache_ops import (  # noqa: E402
+    HAS_TRITON,
+    copy_blocks,
+    reshape_and_cache,
+    reshape_and_cache_triton,
+    swap_blocks,
+)
+from minipaged.kernels.paged_attention import (  # noqa: E402
+    paged_attention_decode,
+    paged_attention_prefill,
+)
+from minipaged.kernels.reference import (  # noqa: E402
+    contiguous_attention,
+    paged_attention_prefill_ref,
+    paged_attention_ref,
+    paged_attention_torch,
+)
+
+__all__ = [
+    "HAS_TRITON",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "reshape_and_cache",
+    "reshape_and_cache_triton",
+    "copy_blocks",
+    "swap_blocks",
+    "paged_attention_ref",
+    "paged_attention_prefill_ref",
+    "contiguous_attention",
+    "paged_attention_torch",
+]
