@@ -1,0 +1,283 @@
+"""A roofline cost model of one engine step on a GPU: the simulator's stand-in for the model.
+
+The simulator runs the real scheduler; only the *time* a step takes is modelled, here.
+vLLM has no such file; the nearest thing is the analytic reasoning of the paper's §2-§3
+(decode is memory-bound, the KV cache is what limits the batch) and the profiling run in
+``vllm/worker/worker.py::determine_num_available_blocks`` that sizes the KV cache.
+
+Inputs
+    a ``ModelConfig`` (``OPT_13B``, ``LLAMA_7B`` presets), a ``GPUConfig`` (``A100_40GB``,
+    ``A100_80GB``, ``H100``, ``H200`` presets, in ``GPUS``), and per step the batch as
+    ``(num_new_tokens, num_computed_tokens)`` per scheduled sequence: a prefill chunk has
+    ``num_new_tokens > 1``, a decode step ``num_new_tokens == 1``; ``num_computed_tokens``
+    is the context already in the KV cache before the step.
+
+Outputs
+    ``step_time(batch)`` in seconds; ``breakdown(batch)`` with FLOPs, bytes, the compute and
+    memory times and which one bounds the step; ``kv_cache_bytes()`` and
+    ``num_gpu_blocks(block_size)``: the KV budget,
+    ``GPU memory * utilization - weights - activation reserve``.
+
+The model of one step::
+
+    flops = 2 * P_layers * T                     # every linear layer, every new token
+          + 2 * hidden * vocab * S               # LM head, one sampled position per sequence
+          + 4 * L * H * D * sum_i attn_i         # QK^T and AV: attn_i = keys each query sees
+    bytes = weights                              # all weights read once per step
+          + kv_bytes_per_token * sum_i ctx_i     # the KV context each sequence attends to
+          + kv_bytes_per_token * T               # the new K/V written
+    time  = max(flops / (peak_flops * mfu), bytes / (bandwidth * mbu)) + step_overhead
+
+    T = new tokens in the step, S = sequences, L layers, H query heads of size D.
+
+Where it simplifies (say so when quoting its numbers)
+    - compute and memory overlap perfectly (a pure roofline); real kernels do not, so the
+      ``*_efficiency`` factors stand in for it (one number each for every kernel);
+    - activations are not counted in the bytes moved (they stay in L2/SRAM for decode and
+      the prefill is compute-bound anyway); sampling, the all-reduce of tensor parallelism
+      (one GPU only), CUDA-graph/launch effects and Python overhead are one fixed
+      ``step_overhead_s`` per step;
+    - attention reads each sequence's context once per step, as a fused (Flash/Paged)
+      kernel does; the block size does not change the cost (the paper's Fig. 18 kernel
+      slowdown for tiny blocks is not modelled; the sweep shows the memory side only);
+    - the activation reserve is a fixed number in place of vLLM's profiling run;
+    - one dtype (fp16/bf16, 2 bytes) for weights and KV; no quantization.
+
+Invariants
+    step time is positive, non-decreasing in every sequence's new tokens and context, and
+    at least ``step_overhead_s``; decode with a small batch is memory-bound and a long
+    prefill compute-bound (``check_invariants``).
+
+Failure mode
+    a model whose weights do not fit the GPU's usable memory -> ``ValueError`` from
+    ``kv_cache_bytes`` (and so from ``num_gpu_blocks``) naming both sizes; a negative token
+    count -> ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shapes that decide a decoder-only transformer's FLOPs and bytes."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_model_len: int
+    gated_mlp: bool = False  # Llama: gate, up, down (3 matrices); OPT: fc1, fc2 (2)
+    tie_word_embeddings: bool = True
+    dtype_bytes: int = 2  # fp16 / bf16
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "vocab_size", "max_model_len", "dtype_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of the linear layers of all blocks (biases and norms left out)."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h  # W_q, W_k, W_v, W_o
+        mlp = (3 if self.gated_mlp else 2) * h * self.intermediate_size
+        return self.num_layers * (attn + mlp)
+
+    @property
+    def num_params(self) -> int:
+        """All parameters: blocks + token embedding (+ LM head when untied; + OPT's
+        learned positions, which are small and left out)."""
+        emb = self.vocab_size * self.hidden_size
+        return self.layer_params + emb * (1 if self.tie_word_embeddings else 2)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in every layer: ``2 * L * kv_heads * head_dim * dtype``."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class GPUConfig:
+    """Datasheet peaks of one GPU (dense fp16/bf16 tensor-core FLOP/s, HBM bytes/s)."""
+
+    name: str
+    peak_flops: float
+    mem_bandwidth: float
+    memory_bytes: float
+
+    def __post_init__(self) -> None:
+        for name in ("peak_flops", "mem_bandwidth", "memory_bytes"):
+            v = getattr(self, name)
+            if not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v!r}")
+
+
+# NOTE: the paper's models: OPT-13B on one A100 (40 GB) is its single-GPU setting.
+OPT_13B = ModelConfig(
+    name="OPT-13B", num_layers=40, hidden_size=5120, num_heads=40, num_kv_heads=40,
+    head_dim=128, intermediate_size=20480, vocab_size=50272, max_model_len=2048,
+)
+LLAMA_7B = ModelConfig(  # Llama-2-7B
+    name="Llama-7B", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32,
+    head_dim=128, intermediate_size=11008, vocab_size=32000, max_model_len=4096,
+    gated_mlp=True, tie_word_embeddings=False,
+)
+MODELS = {m.name: m for m in (OPT_13B, LLAMA_7B)}
+
+A100_40GB = GPUConfig("A100-40GB", peak_flops=312e12, mem_bandwidth=1.555e12, memory_bytes=40 * GiB)
+A100_80GB = GPUConfig("A100-80GB", peak_flops=312e12, mem_bandwidth=2.039e12, memory_bytes=80 * GiB)
+H100 = GPUConfig("H100", peak_flops=989e12, mem_bandwidth=3.35e12, memory_bytes=80 * GiB)  # SXM
+H200 = GPUConfig("H200", peak_flops=989e12, mem_bandwidth=4.8e12, memory_bytes=141e9)
+GPUS = {g.name: g for g in (A100_40GB, A100_80GB, H100, H200)}
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    flops: float
+    bytes: float
+    compute_s: float
+    memory_s: float
+    time_s: float  # max(compute_s, memory_s) + overhead
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+
+class CostModel:
+    """Step time and KV budget of ``model`` on ``gpu`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: ModelConfig = OPT_13B,
+        gpu: GPUConfig = A100_40GB,
+        gpu_memory_utilization: float = 0.9,
+        activation_reserve_bytes: float = 1 * GiB,
+        flops_efficiency: float = 0.5,
+        bandwidth_efficiency: float = 0.8,
+        step_overhead_s: float = 0.003,
+    ) -> None:
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        if not 0 < flops_efficiency <= 1:
+            raise ValueError(f"flops_efficiency must be in (0, 1], got {flops_efficiency!r}")
+        if not 0 < bandwidth_efficiency <= 1:
+            raise ValueError(f"bandwidth_efficiency must be in (0, 1], got {bandwidth_efficiency!r}")
+        if step_overhead_s < 0:
+            raise ValueError(f"step_overhead_s must be >= 0, got {step_overhead_s!r}")
+        if activation_reserve_bytes < 0:
+            raise ValueError(f"activation_reserve_bytes must be >= 0, got {activation_reserve_bytes!r}")
+        self.model = model
+        self.gpu = gpu
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.activation_reserve_bytes = activation_reserve_bytes
+        self.flops_efficiency = flops_efficiency
+        self.bandwidth_efficiency = bandwidth_efficiency
+        self.step_overhead_s = step_overhead_s
+        # Per-unit constants, precomputed: step_time runs once per simulated step.
+        m = model
+        self._flops_per_token = 2.0 * m.layer_params
+        self._flops_per_seq = 2.0 * m.hidden_size * m.vocab_size  # LM head on one position
+        self._flops_per_attn = 4.0 * m.num_layers * m.num_heads * m.head_dim
+        self._kv_bytes = float(m.kv_bytes_per_token)
+        self._eff_flops = gpu.peak_flops * flops_efficiency
+        self._eff_bw = gpu.mem_bandwidth * bandwidth_efficiency
+
+    def __repr__(self) -> str:
+        return (f"CostModel({self.model.name} on {self.gpu.name}, util={self.gpu_memory_utilization}, "
+                f"mfu={self.flops_efficiency}, mbu={self.bandwidth_efficiency}, "
+                f"overhead={self.step_overhead_s * 1e3:g} ms)")
+
+    # -- memory -------------------------------------------------------------------
+    def kv_cache_bytes(self) -> float:
+        """GPU memory left for the KV cache: ``memory * util - weights - activations``."""
+        usable = self.gpu.memory_bytes * self.gpu_memory_utilization
+        left = usable - self.model.weight_bytes - self.activation_reserve_bytes
+        if left <= 0:
+            raise ValueError(
+                f"{self.model.name} weights ({self.model.weight_bytes / GiB:.1f} GiB) + activation "
+                f"reserve ({self.activation_reserve_bytes / GiB:.1f} GiB) do not fit the "
+                f"{usable / GiB:.1f} GiB usable on {self.gpu.name}"
+            )
+        return left
+
+    def num_kv_tokens(self) -> int:
+        """Token slots the KV budget holds."""
+        return int(self.kv_cache_bytes() // self.model.kv_bytes_per_token)
+
+    def num_gpu_blocks(self, block_size: int) -> int:
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        return self.num_kv_tokens() // block_size
+
+    # -- time ---------------------------------------------------------------------
+    def breakdown(self, batch: Iterable[tuple[int, int]]) -> StepCost:
+        """FLOPs, bytes and time of one step; ``batch`` = ``(num_new, num_computed)`` pairs."""
+        num_tokens = num_seqs = ctx = attn = 0
+        for q, c in batch:
+            if q < 0 or c < 0:
+                raise ValueError(f"token counts must be >= 0, got (num_new={q}, num_computed={c})")
+            if q == 0:
+                continue
+            num_tokens += q
+            num_seqs += 1
+            ctx += c
+            # query j (0-based) of the chunk sees c + j + 1 keys (causal)
+            attn += q * c + q * (q + 1) // 2
+        flops = (self._flops_per_token * num_tokens + self._flops_per_seq * num_seqs
+                 + self._flops_per_attn * attn)
+        nbytes = self.model.weight_bytes + self._kv_bytes * (ctx + num_tokens)
+        if num_tokens == 0:  # an empty step costs only the overhead
+            flops = nbytes = 0.0
+        compute_s = flops / self._eff_flops
+        memory_s = nbytes / self._eff_bw
+        return StepCost(flops, nbytes, compute_s, memory_s,
+                        max(compute_s, memory_s) + self.step_overhead_s)
+
+    def step_time(self, batch: Iterable[tuple[int, int]]) -> float:
+        """Seconds one engine step over ``batch`` takes."""
+        return self.breakdown(batch).time_s
+
+    def decode_ridge_batch(self, context_len: int = 0) -> float:
+        """Decode batch size at which compute time equals memory time (the roofline ridge),
+        every sequence with ``context_len`` tokens of context."""
+        per_seq_flops = (self._flops_per_token + self._flops_per_seq
+                         + self._flops_per_attn * (context_len + 1))
+        per_seq_bytes = self._kv_bytes * (context_len + 1)
+        # b * f / F = (W + b * k) / B  ->  b = W / B / (f / F - k / B)
+        denom = per_seq_flops / self._eff_flops - per_seq_bytes / self._eff_bw
+        if denom <= 0:
+            return float("inf")  # attention reads grow as fast as compute: never compute-bound
+        return self.model.weight_bytes / self._eff_bw / denom
+
+    def check_invariants(self) -> None:
+        base = self.step_time([(1, 100)])
+        assert base >= self.step_overhead_s, "a step is cheaper than the fixed overhead"
+        assert self.step_time([(1, 100), (1, 100)]) >= base, "a bigger batch got cheaper"
+        assert self.step_time([(1, 1000)]) >= base, "a longer context got cheaper"
+        assert self.breakdown([(1, 100)]).bound == "memory", "single-sequence decode not memory-bound"
+        assert self.breakdown([(self.model.max_model_len, 0)]).bound == "compute", (
+            "a max-length prefill is not compute-bound"
+        )
+
+
+def batch_from_lengths(num_new: Sequence[int], num_computed: Sequence[int]) -> list[tuple[int, int]]:
+    """Zip two lists into the ``(num_new, num_computed)`` pairs ``step_time`` takes."""
+    if len(num_new) != len(num_computed):
+        raise ValueError(f"num_new ({len(num_new)}) and num_computed ({len(num_computed)}) differ in length")
+    return list(zip(num_new, num_computed))
