@@ -1,1 +1,29 @@
-"""minipaged.engine"""
+"""minipaged.engine: the loop that serves requests on a real model.
+
+``LLM`` (front door) -> ``LLMEngine`` (one step = schedule, forward, sample, update)
+-> ``ModelRunner`` (SchedulerOutput -> ModelInput, cache moves) and ``Sampler``.
+Mirrors vLLM ``vllm/v1/engine`` + ``vllm/v1/worker``.
+
+NOTE: names are imported lazily, so that ``minipaged demo --help`` and ``minipaged bench
+--help`` (modules inside this package) do not pay for importing torch.
+"""
+
+import importlib
+
+_LAZY = {
+    "LLM": "minipaged.engine.llm",
+    "LLMEngine": "minipaged.engine.llm_engine",
+    "ModelRunner": "minipaged.engine.model_runner",
+    "Sampler": "minipaged.engine.sampler",
+    "RequestOutput": "minipaged.engine.outputs",
+    "CompletionOutput": "minipaged.engine.outputs",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'minipaged.engine' has no attribute {name!r}")
+
+
+__all__ = list(_LAZY)

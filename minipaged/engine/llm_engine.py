@@ -1,0 +1,406 @@
+"""LLMEngine: requests in, one scheduler step + one forward per ``step()``, outputs out.
+
+Mirrors vLLM ``vllm/v1/engine/llm_engine.py`` + ``core.py`` (and nano-vllm's
+``engine/llm_engine.py``), without processes or queues: one loop, readable top to bottom.
+
+One step (DESIGN.md, "the data path")::
+
+    out     = scheduler.schedule()                     who runs, how many tokens each
+    logits  = model_runner.execute(out, kv_cache_manager)   cache moves, then one forward
+    tokens  = sampler(logits[rows that end their known tokens], params, seeds)
+    done    = scheduler.update_from_output(out, tokens)     append, stop, free blocks
+    trace.record(StepRecord)                           what the pictures are drawn from
+
+Inputs
+    ``add_request(request_id, prompt, sampling_params)``: a prompt string (tokenized with
+    the model's tokenizer, special tokens added as by ``tokenizer(prompt)``) or a list of
+    token ids. ``SamplingParams(n > 1)`` becomes n independent sequences ``"{id}.{j}"``
+    (no block sharing here: the copy-on-write fork is chapter 06's).
+Outputs
+    ``step()`` -> the ``RequestOutput`` of every request that finished (or was refused)
+    during that step. ``trace`` is the ``EngineTrace`` since the last ``reset_trace()``.
+
+Invariants
+    every request added is eventually returned by some ``step()`` exactly once;
+    ``check_invariants()`` checks the scheduler, the cache manager and the trace.
+
+Failure mode
+    bad caller input (empty prompt, a prompt longer than the model's context, a token id
+    outside the vocabulary, a duplicate request id, an unknown model) raises ``ValueError``
+    before anything is queued. A request that can never fit in the KV pool is *refused* by
+    the scheduler: it comes back with ``finish_reason == "refused"`` and the reason in
+    ``stop_reason``; the other requests are unaffected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+
+from minipaged.config import EngineConfig, kv_cache_bytes_per_block
+from minipaged.core.request import Request, RequestStatus
+from minipaged.engine.model_runner import ModelRunner
+from minipaged.engine.outputs import CompletionOutput, RequestOutput
+from minipaged.engine.sampler import Sampler, request_base_seed, sample_seed
+from minipaged.sampling_params import SamplingParams
+from minipaged.trace import EngineTrace, StepRecord
+
+PromptType = Union[str, Sequence[int]]
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "refused",
+}
+
+
+@dataclass
+class _RequestGroup:
+    """One caller request: its n sequences (scheduler Requests) and their seeds."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Request] = field(default_factory=list)
+    base_seeds: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+def load_model_checked(config: EngineConfig):
+    """``minipaged.model.load_model`` with a ``ValueError`` for a model that is not there."""
+    from minipaged.model import load_model
+
+    model = config.model
+    if model is not None and (os.sep in model or model.startswith(".")) and not os.path.isdir(model):
+        raise ValueError(f"model {model!r}: no such directory")
+    try:
+        return load_model(
+            model=model,
+            dtype=config.dtype,
+            device=config.device,
+            attention_backend=config.attention_backend,
+        )
+    except (OSError, FileNotFoundError) as e:
+        raise ValueError(f"model {model!r} could not be loaded: {e}") from e
+
+
+class LLMEngine:
+    def __init__(self, config: Optional[EngineConfig] = None, model=None, tokenizer=None, **kwargs):
+        if config is None:
+            config = EngineConfig(**kwargs)
+        elif kwargs:
+            raise ValueError(f"pass either config or keyword arguments, not both: {sorted(kwargs)}")
+        self.config = config
+        torch.manual_seed(config.seed)
+        if model is None:
+            model, tokenizer = load_model_checked(config)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_model_len = self._resolve_max_model_len(config, model)
+        self.bytes_per_block = kv_cache_bytes_per_block(
+            model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, config.dtype
+        )
+        self.num_blocks = config.num_blocks_for(self.bytes_per_block)
+        self.num_cpu_blocks = config.cpu_blocks_for(self.num_blocks)
+        self.scheduler = self._make_scheduler()
+        self.model_runner = ModelRunner(
+            model, self.num_blocks, config.block_size, self.num_cpu_blocks, config.device
+        )
+        self.sampler = Sampler()
+        self.groups: dict[str, _RequestGroup] = {}  # unfinished caller requests
+        self.seq_to_group: dict[str, _RequestGroup] = {}  # scheduler request id -> group
+        self.trace = self._new_trace()
+        self._prev_tables: dict[str, list[int]] = {}
+
+    # -- construction helpers ------------------------------------------------------
+    @staticmethod
+    def _resolve_max_model_len(config: EngineConfig, model) -> int:
+        limit = int(model.max_model_len)
+        if config.max_model_len is None:
+            return limit
+        if config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's context ({limit})"
+            )
+        return config.max_model_len
+
+    def _make_scheduler(self):
+        from minipaged.core import scheduler as sched
+
+        cls = sched.Scheduler if self.config.scheduling == "continuous" else sched.StaticBatchScheduler
+        c = self.config
+        return cls(
+            num_blocks=self.num_blocks,
+            block_size=c.block_size,
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            enable_chunked_prefill=c.enable_chunked_prefill,
+            preemption_mode=c.preemption_mode,
+            num_cpu_blocks=self.num_cpu_blocks,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=c.enable_prefix_caching,
+        )
+
+    def _new_trace(self, meta: Optional[dict] = None) -> EngineTrace:
+        c = self.config
+        m = {
+            "model": c.model or "course_model",
+            "scheduling": c.scheduling,
+            "preemption_mode": c.preemption_mode,
+            "enable_chunked_prefill": c.enable_chunked_prefill,
+            "num_cpu_blocks": self.num_cpu_blocks,
+            "max_model_len": self.max_model_len,
+        }
+        m.update(meta or {})
+        return EngineTrace(
+            num_blocks=self.num_blocks,
+            block_size=c.block_size,
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            meta=m,
+        )
+
+    def reset_trace(self, meta: Optional[dict] = None) -> EngineTrace:
+        """Start a fresh trace (step numbers restart at 0); returns the old one."""
+        old, self.trace = self.trace, self._new_trace(meta)
+        self._prev_tables = {}
+        return old
+
+    @property
+    def kv_cache_manager(self):
+        return self.scheduler.kv_cache_manager
+
+    @property
+    def step_index(self) -> int:
+        """The number of the next step in the current trace."""
+        return len(self.trace.steps)
+
+    # -- requests ------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType, name: str = "prompt") -> tuple[Optional[str], list[int]]:
+        """(prompt string or None, token ids), validated: ``ValueError`` on bad input."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{name} is a string but this engine has no tokenizer")
+            ids = list(self.tokenizer(prompt)["input_ids"]) if prompt else []
+            text: Optional[str] = prompt
+        else:
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise ValueError(f"{name} must be a string or a list of token ids, got {prompt!r}")
+            if any(not isinstance(t, int) and not hasattr(t, "__index__") for t in prompt):
+                raise ValueError(f"{name} must hold integer token ids")
+            text = None
+        if len(ids) == 0:
+            raise ValueError(f"{name} is empty: a request needs at least one prompt token")
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"{name} has {len(ids)} tokens, longer than the model's context "
+                f"(max_model_len={self.max_model_len})"
+            )
+        vocab = int(self.model.vocab_size)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{name} holds token id {bad[0]} outside the vocabulary [0, {vocab})")
+        return text, ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        sampling_params: Optional[SamplingParams] = None,
+        *,
+        _tokenized: Optional[tuple[Optional[str], list[int]]] = None,
+    ) -> None:
+        """Queue one request (n sequences if ``sampling_params.n > 1``)."""
+        request_id = str(request_id)
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = _tokenized if _tokenized is not None else self.tokenize(prompt)
+        group = _RequestGroup(request_id, text, ids, params)
+        seq_params = dataclasses.replace(params, n=1) if params.n > 1 else params
+        for j in range(params.n):
+            sid = request_id if params.n == 1 else f"{request_id}.{j}"
+            req = Request(
+                request_id=sid,
+                prompt_token_ids=ids,
+                sampling_params=seq_params,
+                eos_token_id=self.model.eos_token_id,
+                arrival_time=float(self.step_index),
+            )
+            group.seqs.append(req)
+            group.base_seeds.append(request_base_seed(params, self.config.seed, request_id, j))
+        self.groups[request_id] = group
+        for req in group.seqs:
+            self.seq_to_group[req.request_id] = group
+            self.trace.requests[req.request_id] = {
+                "prompt_len": len(ids),
+                "output_len": 0,
+                "arrival_step": self.step_index,
+                "finish_step": None,
+            }
+            self.scheduler.add_request(req)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request (all its sequences); its blocks are freed. Unknown ids: ValueError."""
+        group = self.groups.get(str(request_id))
+        if group is None:
+            raise ValueError(f"unknown request_id {request_id!r}")
+        for req in group.seqs:
+            if not req.is_finished:
+                self.scheduler.abort_request(req.request_id)
+                self._note_finished(req)
+        self._pop_group(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.groups)
+
+    # -- the step ------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One schedule + forward + sample + update. Returns the requests finished now."""
+        step = self.step_index
+        out = self.scheduler.schedule()
+        logits, sample_rows = self.model_runner.execute(out, self.kv_cache_manager)
+        record = self._record_before_update(step, out)
+        sampled: dict[str, int] = {}
+        if sample_rows:
+            reqs = [out.scheduled[r][0] for r in sample_rows]
+            params = [r.sampling_params for r in reqs]
+            seeds = [
+                sample_seed(self._base_seed(r), r.num_output_tokens) for r in reqs
+            ]
+            rows = torch.tensor(sample_rows, device=logits.device)
+            tokens = self.sampler(logits.index_select(0, rows), params, seeds).tolist()
+            sampled = {r.request_id: t for r, t in zip(reqs, tokens)}
+        finished = list(self.scheduler.update_from_output(out, sampled))
+        finished += [r for r in getattr(out, "refused", None) or [] if r not in finished]
+        for req in finished:
+            self._note_finished(req, step)
+        self._record_after_update(record, out, finished)
+        self.trace.record(record)
+        return self._collect_outputs(finished)
+
+    def _base_seed(self, req: Request) -> int:
+        group = self.seq_to_group[req.request_id]
+        return group.base_seeds[group.seqs.index(req)] if len(group.seqs) > 1 else group.base_seeds[0]
+
+    def _note_finished(self, req: Request, step: Optional[int] = None) -> None:
+        info = self.trace.requests.get(req.request_id)
+        if info is not None:
+            info["output_len"] = req.num_output_tokens
+            info["finish_step"] = self.step_index if step is None else step
+            info["finish_reason"] = FINISH_REASONS.get(req.status, req.status.value)
+
+    def _collect_outputs(self, finished: list[Request]) -> list[RequestOutput]:
+        outputs = []
+        for group in {id(self.seq_to_group[r.request_id]): self.seq_to_group[r.request_id] for r in finished}.values():
+            if group.finished and group.request_id in self.groups:
+                outputs.append(self.make_output(group))
+                self._pop_group(group)
+        return outputs
+
+    def _pop_group(self, group: _RequestGroup) -> None:
+        self.groups.pop(group.request_id, None)
+        for req in group.seqs:
+            self.seq_to_group.pop(req.request_id, None)
+
+    def make_output(self, group: _RequestGroup) -> RequestOutput:
+        completions = []
+        for j, req in enumerate(group.seqs):
+            reason = FINISH_REASONS.get(req.status) if req.is_finished else None
+            stop_reason = None
+            if reason == "refused":
+                stop_reason = req.stop_reason or "refused: the request can never fit"
+            elif reason == "stop" and req.output_token_ids:
+                last = req.output_token_ids[-1]
+                if last in req.sampling_params.stop_token_ids and last != req.eos_token_id:
+                    stop_reason = last
+            completions.append(
+                CompletionOutput(
+                    index=j,
+                    text=self.decode(req.output_token_ids),
+                    token_ids=list(req.output_token_ids),
+                    finish_reason=reason,
+                    stop_reason=stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=list(group.prompt_token_ids),
+            outputs=completions,
+            finished=all(c.finish_reason is not None for c in completions),
+        )
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None or not token_ids:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # -- trace ---------------------------------------------------------------------
+    def _record_before_update(self, step: int, out) -> StepRecord:
+        """What the step ran and the memory it ran in (taken before blocks are freed)."""
+        mgr = self.kv_cache_manager
+        scheduled = {r.request_id: n for r, n in out.scheduled}
+        prefill_ids, decode_ids = [], []
+        for r, n in out.scheduled:
+            start = r.num_computed_tokens
+            is_decode = n == 1 and start == r.num_tokens - 1 and start >= r.num_prompt_tokens
+            (decode_ids if is_decode else prefill_ids).append(r.request_id)
+        tables = {rid: [b.block_id for b in blocks] for rid, blocks in mgr.req_to_blocks.items()}
+        prev = {b for t in self._prev_tables.values() for b in t}
+        new_blocks = sorted({b for t in tables.values() for b in t} - prev)
+        self._prev_tables = tables
+        holders: dict[int, int] = {}
+        for t in tables.values():
+            for b in t:
+                holders[b] = holders.get(b, 0) + 1
+        return StepRecord(
+            step=step,
+            scheduled=scheduled,
+            prefill_ids=prefill_ids,
+            decode_ids=decode_ids,
+            preempted_ids=[r.request_id for r in getattr(out, "preempted", None) or []],
+            swapped_out_ids=[r.request_id for r in getattr(out, "swapped_out", None) or []],
+            swapped_in_ids=[r.request_id for r in getattr(out, "swapped_in", None) or []],
+            arrived_ids=[
+                rid for rid, info in self.trace.requests.items() if info["arrival_step"] == step
+            ],
+            block_tables=tables,
+            num_tokens={rid: mgr.num_tokens[rid] for rid in tables},
+            new_block_ids=new_blocks,
+            shared_blocks={b: n for b, n in holders.items() if n > 1},
+            num_free_blocks=mgr.get_num_free_blocks(),
+        )
+
+    def _record_after_update(self, record: StepRecord, out, finished: list[Request]) -> None:
+        sched = self.scheduler
+        record.finished_ids = [r.request_id for r in finished]
+        record.waiting_ids = [r.request_id for r in getattr(sched, "waiting", [])]
+        record.swapped_ids = [r.request_id for r in getattr(sched, "swapped", [])]
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+        self.kv_cache_manager.check_invariants()
+        self.trace.check_invariants()
+        for rid, group in self.groups.items():
+            assert not group.finished, f"request {rid} finished but is still held by the engine"
+            for req in group.seqs:
+                assert self.seq_to_group.get(req.request_id) is group, (
+                    f"sequence {req.request_id} lost its group"
+                )

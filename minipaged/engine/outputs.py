@@ -1,0 +1,54 @@
+"""RequestOutput and CompletionOutput: what ``LLM.generate`` returns, as in vLLM.
+
+Mirrors vLLM ``vllm/outputs.py``.
+
+Outputs
+    one ``RequestOutput`` per prompt, in prompt order: ``request_id``, ``prompt`` (the
+    string, or None when token ids were given), ``prompt_token_ids``, ``outputs`` (one
+    ``CompletionOutput`` per sample, ``n`` of them) and ``finished``.
+
+    ``CompletionOutput.finish_reason`` is ``"stop"`` (EOS or a stop token), ``"length"``
+    (``max_tokens`` or the model's context), ``"abort"``, or ``"refused"``: the request
+    could never fit (for example it needs more KV blocks than the whole pool). A refused
+    completion has no tokens and ``stop_reason`` holds the scheduler's explanation; the
+    other requests of the batch are served as if it had not been there.
+
+Invariants
+    ``finished`` is True iff every completion has a ``finish_reason``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+
+@dataclass
+class CompletionOutput:
+    index: int  # which of the request's n samples
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "refused" | None
+    # The stop token id that ended it, or (for "refused") the reason in words.
+    stop_reason: Union[int, str, None] = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+
+    def check_invariants(self) -> None:
+        assert self.finished == all(o.finished() for o in self.outputs), (
+            f"request {self.request_id}: finished={self.finished} but completions "
+            f"{[o.finish_reason for o in self.outputs]}"
+        )
+        assert [o.index for o in self.outputs] == list(range(len(self.outputs))), (
+            f"request {self.request_id}: completion indices out of order"
+        )
