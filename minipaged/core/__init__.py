@@ -13,6 +13,14 @@ from minipaged.core.kv_cache_utils import (
     hash_block_tokens,
 )
 from minipaged.core.request import Request, RequestStatus
+from minipaged.core.scheduler import (
+    Scheduler,
+    SchedulerOutput,
+    StaticBatchScheduler,
+    get_max_num_kv_tokens,
+    record_step,
+    run_scheduler,
+)
 
 __all__ = [
     "BlockPool",
@@ -24,6 +32,12 @@ __all__ = [
     "PAD_SLOT_ID",
     "Request",
     "RequestStatus",
+    "Scheduler",
+    "SchedulerOutput",
+    "StaticBatchScheduler",
     "cdiv",
+    "get_max_num_kv_tokens",
     "hash_block_tokens",
+    "record_step",
+    "run_scheduler",
 ]

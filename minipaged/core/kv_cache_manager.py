@@ -26,6 +26,16 @@ Invariants (``check_invariants``)
     - ``len(block_table) == ceil(num_tokens / block_size)`` for every request;
     - hence, without sharing, fewer than ``block_size`` slots per request are wasted.
 
+Swap bookkeeping (preemption by swapping, the paper's section 4.5)
+    With ``num_cpu_blocks > 0`` the manager also owns a second ``BlockPool`` standing for
+    the CPU swap space. ``swap_out(request)`` moves a request's whole block table to CPU
+    blocks and returns the ``(device block, cpu block)`` pairs to copy; ``swap_in(request)``
+    moves it back and returns ``(cpu block, device block)`` pairs. Both are all or
+    nothing: when the other pool has too few free blocks they return ``None`` and change
+    nothing. A swapped request holds CPU blocks only (``get_cpu_block_ids``);
+    ``free_swapped(request)`` drops them (abort). The manager only does the bookkeeping:
+    the engine copies the data (``kernels.cache_ops.swap_blocks``) before the model runs.
+
 Failure mode
     pool exhausted -> ``allocate_slots`` returns ``None`` and changes nothing (nothing is
     half-allocated); the scheduler then decides whom to preempt. A request that needs
@@ -69,9 +79,13 @@ def _request_id(request) -> str:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = False, num_cpu_blocks: int = 0
+    ) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be an int >= 0, got {num_cpu_blocks!r}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -80,6 +94,11 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # request_id -> number of tokens its slots have been allocated for
         self.num_tokens: dict[str, int] = {}
+        # Swap space: a second pool of CPU blocks, and the tables of swapped-out requests.
+        self.num_cpu_blocks = num_cpu_blocks
+        self.cpu_block_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
+        self.req_to_cpu_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.cpu_num_tokens: dict[str, int] = {}
 
     # -- allocation ---------------------------------------------------------------
     def get_num_blocks_needed(self, request, num_new_tokens: int) -> int:
@@ -118,6 +137,80 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(rid)
         del self.num_tokens[rid]
         self.block_pool.free_blocks(reversed(blocks))
+
+    # -- swapping -----------------------------------------------------------------
+    def get_num_free_cpu_blocks(self) -> int:
+        return 0 if self.cpu_block_pool is None else self.cpu_block_pool.get_num_free_blocks()
+
+    def can_swap_out(self, request) -> bool:
+        rid = _request_id(request)
+        return len(self.req_to_blocks.get(rid, ())) <= self.get_num_free_cpu_blocks()
+
+    def swap_out(self, request) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to CPU blocks: ``[(device id, cpu id)]``, or None.
+
+        None (nothing changed) when the CPU pool has too few free blocks: the caller then
+        falls back to recompute. The device blocks are freed (tail first).
+        NOTE: a block shared with another table gets a private CPU copy; sharing is not
+        restored on swap-in (correct, only less compact).
+        """
+        rid = _request_id(request)
+        if rid not in self.req_to_blocks:
+            raise ValueError(f"unknown request {rid!r}: it holds no device blocks")
+        if rid in self.req_to_cpu_blocks:
+            raise RuntimeError(f"request {rid!r} is already swapped out")
+        blocks = self.req_to_blocks[rid]
+        if self.cpu_block_pool is None or len(blocks) > self.get_num_free_cpu_blocks():
+            return None
+        cpu_blocks = self.cpu_block_pool.get_new_blocks(len(blocks))
+        mapping = [(b.block_id, c.block_id) for b, c in zip(blocks, cpu_blocks)]
+        self.req_to_cpu_blocks[rid] = cpu_blocks
+        self.cpu_num_tokens[rid] = self.num_tokens[rid]
+        self.free(rid)
+        return mapping
+
+    def can_swap_in(self, request, num_new_tokens: int = 0) -> bool:
+        """Whether ``swap_in`` and then ``allocate_slots(request, num_new_tokens)`` fit."""
+        rid = _request_id(request)
+        n = len(self.req_to_cpu_blocks.get(rid, ()))
+        total = self.cpu_num_tokens.get(rid, 0) + num_new_tokens
+        return max(n, cdiv(total, self.block_size)) <= self.get_num_free_blocks()
+
+    def swap_in(self, request) -> list[tuple[int, int]] | None:
+        """Move a swapped request's blocks back to the device: ``[(cpu id, device id)]``.
+
+        None (nothing changed) when the device pool has too few free blocks.
+        """
+        rid = _request_id(request)
+        if rid not in self.req_to_cpu_blocks:
+            raise ValueError(f"request {rid!r} is not swapped out")
+        if rid in self.req_to_blocks:
+            raise RuntimeError(f"request {rid!r} holds device blocks and CPU blocks")
+        cpu_blocks = self.req_to_cpu_blocks[rid]
+        if len(cpu_blocks) > self.get_num_free_blocks():
+            return None
+        blocks = self.block_pool.get_new_blocks(len(cpu_blocks))
+        mapping = [(c.block_id, b.block_id) for c, b in zip(cpu_blocks, blocks)]
+        self.req_to_blocks[rid] = blocks
+        self.num_tokens[rid] = self.cpu_num_tokens[rid]
+        self.free_swapped(rid)
+        return mapping
+
+    def free_swapped(self, request) -> None:
+        """Drop a swapped-out request's CPU blocks (it was aborted, or swapped in)."""
+        rid = _request_id(request)
+        if rid not in self.req_to_cpu_blocks:
+            raise ValueError(f"request {rid!r} is not swapped out")
+        blocks = self.req_to_cpu_blocks.pop(rid)
+        del self.cpu_num_tokens[rid]
+        assert self.cpu_block_pool is not None
+        self.cpu_block_pool.free_blocks(reversed(blocks))
+
+    def get_cpu_block_ids(self, request_id: str) -> list[int]:
+        """The CPU block table of a swapped-out request."""
+        if request_id not in self.req_to_cpu_blocks:
+            raise ValueError(f"request {request_id!r} is not swapped out")
+        return [b.block_id for b in self.req_to_cpu_blocks[request_id]]
 
     # -- addressing ---------------------------------------------------------------
     def get_block_ids(self, request_id: str) -> list[int]:
@@ -173,4 +266,25 @@ class KVCacheManager:
             assert b.ref_cnt == holders.get(b.block_id, 0), (
                 f"block {b.block_id}: ref_cnt {b.ref_cnt} but held by "
                 f"{holders.get(b.block_id, 0)} block tables"
+            )
+        # swap space
+        assert set(self.cpu_num_tokens) == set(self.req_to_cpu_blocks), "cpu tables disagree"
+        both = set(self.req_to_cpu_blocks) & set(self.req_to_blocks)
+        assert not both, f"requests {sorted(both)} hold device and CPU blocks at once"
+        if self.cpu_block_pool is None:
+            assert not self.req_to_cpu_blocks, "CPU block tables without a CPU pool"
+            return
+        self.cpu_block_pool.check_invariants()
+        cpu_holders: dict[int, int] = {}
+        for rid, blocks in self.req_to_cpu_blocks.items():
+            n = self.cpu_num_tokens[rid]
+            assert len(blocks) == cdiv(n, self.block_size), (
+                f"swapped request {rid!r}: {len(blocks)} CPU blocks for {n} tokens"
+            )
+            for b in blocks:
+                cpu_holders[b.block_id] = cpu_holders.get(b.block_id, 0) + 1
+        for b in self.cpu_block_pool.blocks:
+            assert b.ref_cnt == cpu_holders.get(b.block_id, 0), (
+                f"CPU block {b.block_id}: ref_cnt {b.ref_cnt} but held by "
+                f"{cpu_holders.get(b.block_id, 0)} CPU block tables"
             )

@@ -1,0 +1,683 @@
+"""Schedulers: which requests run at each engine step, and how many tokens each.
+
+Mirrors vLLM ``vllm/v1/core/sched/scheduler.py`` (and nano-vllm's ``scheduler.py``);
+swapping follows vLLM v0 ``vllm/core/scheduler.py`` and the paper's section 4.5.
+
+Concept (continuous batching)
+    The batch is rebuilt at every step. ``schedule()`` first keeps the RUNNING requests
+    (a decoding request needs 1 token, a partially prefilled one its next chunk), then
+    brings back swapped requests and admits WAITING ones in arrival order, while the
+    batch has room: at most ``max_num_seqs`` requests, at most ``max_num_batched_tokens``
+    tokens, and free KV blocks. Prefill and decode are one mechanism: a request is
+    scheduled ``num_tokens - num_computed_tokens`` tokens (capped by the budget, so a
+    long prompt is split into chunks across steps, mixed with other requests' decodes).
+
+Inputs / outputs
+    ``add_request(request)``; ``schedule() -> SchedulerOutput`` (requests and token counts
+    in batch order, preemptions, the block copies to do before the model runs);
+    ``update_from_output(output, sampled_token_ids)`` advances ``num_computed_tokens``,
+    appends the token of every request whose prefill is complete, finishes requests on
+    EOS / stop token / ``max_tokens`` / ``max_model_len`` and frees their blocks.
+
+Preemption (when ``allocate_slots`` returns None for a running request)
+    The victim is the latest-arrived running request (possibly the one asking).
+    ``recompute``: its blocks are freed, ``num_computed_tokens`` goes back to 0 and it
+    waits at the front of the queue; its prompt *and* its output so far are prefilled
+    again later. ``swap``: its blocks are copied to the CPU pool (all or nothing; when the
+    CPU pool is full it falls back to recompute) and copied back before anything that
+    arrived after it is admitted. Nothing is admitted in a step that preempted.
+
+Refusal (pick-one rule, applied consistently)
+    ``ValueError`` from ``add_request``: the request is wrong whatever the engine's size
+    (not a fresh WAITING request, an id already in use by an unfinished request, a prompt
+    longer than ``max_model_len``). State is unchanged.
+    ``FINISHED_IGNORED``: a valid request that *this* engine can never serve: its KV
+    (``get_max_num_kv_tokens``) needs more blocks than the whole pool, or, with chunked
+    prefill off, its prompt exceeds ``max_num_batched_tokens``. It is finished at once
+    with a ``stop_reason`` in words, reported in the next ``SchedulerOutput.refused`` and
+    returned by the next ``update_from_output``; the other requests are unaffected.
+    ``prompt + max_tokens > max_model_len`` is not an error: generation stops at
+    ``max_model_len`` with FINISHED_LENGTH (as in vLLM).
+
+Invariants (``check_invariants``)
+    running <= ``max_num_seqs``; the last step's tokens <= ``max_num_batched_tokens``;
+    every request is in exactly one of waiting / running / swapped / finished with a
+    matching status; exactly the running requests hold device blocks, exactly the
+    swapped ones hold CPU blocks, for exactly ``num_computed_tokens`` tokens between
+    steps; FCFS: running, waiting and swapped are each in arrival order and every running
+    request arrived before every waiting or swapped one.
+
+Failure modes
+    Over-admission -> preemption thrash (recompute redoes work). A long prompt at the head
+    of the queue blocks everything behind it (FCFS head-of-line blocking). A request too
+    big for the whole cache is refused. No livelock: the earliest-arrived running request
+    is never the victim unless it runs alone, which the refusal rule makes impossible,
+    so it progresses every step and every request that fits alone finishes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+from minipaged.core.kv_cache_manager import KVCacheManager
+from minipaged.core.kv_cache_utils import cdiv
+from minipaged.core.request import Request, RequestStatus
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs. The engine reads it; ``update_from_output`` consumes it."""
+
+    # (request, num_new_tokens) in batch order: running requests (decodes and continuing
+    # prefill chunks) first, then swapped-in and newly admitted ones.
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)  # recompute, this step
+    # NOTE: a step has swap-outs or swap-ins, never both (nothing is brought back in a
+    # step that preempted), so the engine may do the copies in either order, before the
+    # model runs.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) CoW
+    swapped_out: list[Request] = field(default_factory=list)
+    swapped_in: list[Request] = field(default_factory=list)
+    refused: list[Request] = field(default_factory=list)  # FINISHED_IGNORED this step
+    # Extras (for traces and pictures)
+    admitted: list[Request] = field(default_factory=list)  # from waiting, this step
+    arrived: list[Request] = field(default_factory=list)  # added since the previous step
+    prefill_ids: list[str] = field(default_factory=list)  # scheduled, still prefilling
+    decode_ids: list[str] = field(default_factory=list)  # scheduled for one decode token
+    new_block_ids: list[int] = field(default_factory=list)  # device blocks given this step
+    finished: list[Request] = field(default_factory=list)  # filled by update_from_output
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {req.request_id: n for req, n in self.scheduled}
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def get_max_num_kv_tokens(request: Request, max_model_len: Optional[int] = None) -> int:
+    """The most tokens whose K/V ``request`` can ever hold at once.
+
+    ``prompt + max_tokens - 1``: the last sampled token is never fed back. Generation
+    stops when ``num_tokens`` reaches ``max_model_len``, so at most ``max_model_len - 1``
+    tokens are fed, but the prompt itself always is.
+    """
+    n = request.num_prompt_tokens + request.max_tokens - 1
+    if max_model_len is not None:
+        n = min(n, max_model_len - 1)
+    return max(n, request.num_prompt_tokens)
+
+
+def _check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+class _SchedulerBase:
+    """Queues, arrival order, request validation, refusal and stop checks, shared by both
+    schedulers. The policy (``schedule``) is in the subclasses."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        enable_chunked_prefill: bool = True,
+        preemption_mode: str = "recompute",
+        num_cpu_blocks: int = 0,
+        max_model_len: Optional[int] = None,
+        enable_prefix_caching: bool = False,
+    ) -> None:
+        _check_positive_int("num_blocks", num_blocks)
+        _check_positive_int("block_size", block_size)
+        _check_positive_int("max_num_seqs", max_num_seqs)
+        _check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        if max_model_len is not None:
+            _check_positive_int("max_model_len", max_model_len)
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}"
+            )
+        if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be an int >= 0, got {num_cpu_blocks!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = bool(enable_chunked_prefill)
+        self.preemption_mode = preemption_mode
+        self.num_cpu_blocks = num_cpu_blocks
+        self.max_model_len = max_model_len
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, block_size, enable_caching=enable_prefix_caching,
+            num_cpu_blocks=num_cpu_blocks,
+        )
+        self.waiting: deque[Request] = deque()  # arrival order; preempted ones in front
+        self.running: list[Request] = []  # arrival order
+        self.swapped: deque[Request] = deque()  # arrival order
+        self.finished: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # every request not yet forgotten
+        self.arrival_seq: dict[str, int] = {}  # request_id -> FCFS rank (add order)
+        self._next_seq = 0
+        self._new_arrivals: list[Request] = []
+        self._to_refuse: list[Request] = []  # refused at add_request, reported next step
+        self._last_output: Optional[SchedulerOutput] = None
+        self._in_flight: Optional[SchedulerOutput] = None  # scheduled, not yet updated
+        self.num_steps = 0
+
+    # -- requests -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue ``request`` (FCFS). ValueError for an invalid request, state unchanged."""
+        if not isinstance(request, Request):
+            raise ValueError(f"request must be a Request, got {type(request).__name__}")
+        rid = request.request_id
+        old = self.requests.get(rid)
+        if old is not None and not old.is_finished:
+            raise ValueError(f"request id {rid!r} is already in use by an unfinished request")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens != 0:
+            raise ValueError(
+                f"request {rid!r} is not fresh (status {request.status.name}, "
+                f"{request.num_computed_tokens} computed tokens)"
+            )
+        if self.max_model_len is not None and request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens is longer "
+                f"than max_model_len={self.max_model_len}"
+            )
+        if old is not None:  # NOTE: a finished request's id may be reused
+            del self.finished[rid]
+        self.requests[rid] = request
+        self.arrival_seq[rid] = self._next_seq
+        self._next_seq += 1
+        self._new_arrivals.append(request)
+        reason = self._refusal_reason(request)
+        if reason is not None:
+            request.status = RequestStatus.FINISHED_IGNORED
+            request.stop_reason = reason
+            self.finished[rid] = request
+            self._to_refuse.append(request)
+        else:
+            self.waiting.append(request)
+
+    def _refusal_reason(self, request: Request) -> Optional[str]:
+        """Why this engine can never serve ``request``, or None."""
+        n = get_max_num_kv_tokens(request, self.max_model_len)
+        blocks = cdiv(n, self.block_size)
+        if blocks > self.num_blocks:
+            return (
+                f"refused: needs {blocks} KV blocks for {n} tokens (prompt "
+                f"{request.num_prompt_tokens} + max_tokens {request.max_tokens} - 1) but the "
+                f"whole pool has {self.num_blocks} blocks of {self.block_size} tokens"
+            )
+        if not self._can_chunk_prompts() and request.num_prompt_tokens > self.max_num_batched_tokens:
+            return (
+                f"refused: prompt of {request.num_prompt_tokens} tokens exceeds "
+                f"max_num_batched_tokens={self.max_num_batched_tokens} and chunked prefill is off"
+            )
+        return None
+
+    def _can_chunk_prompts(self) -> bool:
+        return self.enable_chunked_prefill
+
+    def abort_request(self, request_id: str) -> None:
+        """Finish ``request_id`` with FINISHED_ABORTED and free its blocks.
+
+        Aborting a finished request does nothing; an unknown id raises ValueError.
+        """
+        request = self.requests.get(request_id)
+        if request is None:
+            raise ValueError(f"unknown request {request_id!r}")
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+            self.kv_cache_manager.free(request)
+        elif request in self.swapped:
+            self.swapped.remove(request)
+            self.kv_cache_manager.free_swapped(request)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.stop_reason = "aborted"
+        self.finished[request_id] = request
+
+    def get_request(self, request_id: str) -> Request:
+        if request_id not in self.requests:
+            raise ValueError(f"unknown request {request_id!r}")
+        return self.requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped or self._to_refuse)
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests the engine must still step for (refusals count until reported)."""
+        return len(self.waiting) + len(self.running) + len(self.swapped) + len(self._to_refuse)
+
+    def _insert_by_arrival(self, queue, request: Request) -> None:
+        """Put ``request`` into ``queue`` (kept in arrival order)."""
+        seq = self.arrival_seq[request.request_id]
+        i = 0
+        while i < len(queue) and self.arrival_seq[queue[i].request_id] < seq:
+            i += 1
+        queue.insert(i, request)
+
+    def _begin_step(self) -> SchedulerOutput:
+        if self._in_flight is not None:
+            raise RuntimeError("schedule() called twice without update_from_output()")
+        out = SchedulerOutput()
+        out.arrived, self._new_arrivals = self._new_arrivals, []
+        out.refused, self._to_refuse = self._to_refuse, []
+        return out
+
+    def _end_step(self, out: SchedulerOutput) -> SchedulerOutput:
+        total = sum(n for _, n in out.scheduled)
+        out.total_num_scheduled_tokens = total
+        if total > self.max_num_batched_tokens or len(out.scheduled) > self.max_num_seqs:
+            raise RuntimeError(f"over budget: {total} tokens, {len(out.scheduled)} sequences")
+        for req, n in out.scheduled:
+            # NOTE: a request whose scheduled tokens bring it to num_tokens - 1 or less is
+            # (re)prefilling; one that computes only its newest token is decoding.
+            if n == 1 and req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1:
+                out.decode_ids.append(req.request_id)
+            else:
+                out.prefill_ids.append(req.request_id)
+        self._in_flight = out
+        self._last_output = out
+        self.num_steps += 1
+        return out
+
+    # -- after the model ran ----------------------------------------------------------
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Advance the scheduled requests; return every request finished this step.
+
+        A request samples a token only when this step completes its prefill
+        (``num_computed_tokens == num_tokens`` after advancing); a missing token for such a
+        request is a ValueError. The returned list starts with ``output.refused``.
+        """
+        if output is not self._in_flight:
+            raise ValueError("update_from_output() needs the output of the last schedule()")
+        need = [
+            r.request_id for r, n in output.scheduled
+            if not r.is_finished and r.num_computed_tokens + n == r.num_tokens
+            and r.request_id not in sampled_token_ids
+        ]
+        if need:
+            raise ValueError(f"sampled_token_ids lacks a token for requests {need}")
+        finished: list[Request] = list(output.refused)
+        for req, n in output.scheduled:
+            if req.is_finished:  # aborted between schedule() and here
+                continue
+            req.num_computed_tokens += n
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk: the sampled token (if any) is discarded
+            req.append_output_token_id(sampled_token_ids[req.request_id])
+            if self._check_stop(req):
+                self.running.remove(req)
+                self.kv_cache_manager.free(req)
+                self.finished[req.request_id] = req
+                finished.append(req)
+        output.finished = finished
+        self._in_flight = None
+        return finished
+
+    def _check_stop(self, req: Request) -> bool:
+        """Set a finished status on ``req`` if its newest token ends it (vLLM's order)."""
+        tok = req.output_token_ids[-1]
+        params = req.sampling_params
+        if req.num_output_tokens >= params.max_tokens:
+            req.status, req.stop_reason = RequestStatus.FINISHED_LENGTH, f"max_tokens={params.max_tokens} reached"
+        elif self.max_model_len is not None and req.num_tokens >= self.max_model_len:
+            req.status, req.stop_reason = RequestStatus.FINISHED_LENGTH, f"max_model_len={self.max_model_len} reached"
+        elif not params.ignore_eos and req.eos_token_id is not None and tok == req.eos_token_id:
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, f"eos token {tok}"
+        elif tok in params.stop_token_ids:
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, f"stop token {tok}"
+        else:
+            return False
+        return True
+
+    # -- invariants -----------------------------------------------------------------
+    def check_invariants(self) -> None:
+        kv = self.kv_cache_manager
+        kv.check_invariants()
+        assert len(self.running) <= self.max_num_seqs, (
+            f"{len(self.running)} running > max_num_seqs {self.max_num_seqs}"
+        )
+        out = self._last_output
+        if out is not None:
+            total = sum(n for _, n in out.scheduled)
+            assert total == out.total_num_scheduled_tokens, "total_num_scheduled_tokens is wrong"
+            assert total <= self.max_num_batched_tokens, (
+                f"{total} tokens scheduled > max_num_batched_tokens {self.max_num_batched_tokens}"
+            )
+            assert all(n >= 1 for _, n in out.scheduled), "a request was scheduled 0 tokens"
+            ids = [r.request_id for r, _ in out.scheduled]
+            assert len(set(ids)) == len(ids), f"a request scheduled twice: {ids}"
+        # membership and status
+        where: dict[str, str] = {}
+        for name, queue in (("waiting", self.waiting), ("running", self.running),
+                            ("swapped", self.swapped), ("finished", self.finished.values())):
+            for r in queue:
+                assert r.request_id not in where, (
+                    f"{r.request_id} is in both {where[r.request_id]} and {name}"
+                )
+                where[r.request_id] = name
+        assert set(where) == set(self.requests), (
+            f"requests in no queue: {sorted(set(self.requests) - set(where))}"
+        )
+        ok_status = {
+            "waiting": (RequestStatus.WAITING, RequestStatus.PREEMPTED),
+            "running": (RequestStatus.RUNNING,),
+            "swapped": (RequestStatus.SWAPPED,),
+        }
+        for rid, name in where.items():
+            r = self.requests[rid]
+            if name == "finished":
+                assert r.is_finished, f"{rid} is in finished with status {r.status.name}"
+            else:
+                assert r.status in ok_status[name], f"{rid} is {name} with status {r.status.name}"
+            assert 0 <= r.num_computed_tokens <= r.num_tokens, f"{rid}: computed > tokens"
+        # block ownership
+        running_ids = {r.request_id for r in self.running}
+        assert set(kv.req_to_blocks) == running_ids, (
+            f"device blocks held by {sorted(kv.req_to_blocks)}, running {sorted(running_ids)}"
+        )
+        swapped_ids = {r.request_id for r in self.swapped}
+        assert set(kv.req_to_cpu_blocks) == swapped_ids, (
+            f"CPU blocks held by {sorted(kv.req_to_cpu_blocks)}, swapped {sorted(swapped_ids)}"
+        )
+        for r in self.waiting:
+            assert r.num_computed_tokens == 0, f"waiting {r.request_id} has computed tokens"
+        in_flight = {} if self._in_flight is None else self._in_flight.num_scheduled_tokens
+        self._check_allocation(in_flight)
+        for r in self.swapped:
+            assert kv.cpu_num_tokens[r.request_id] == r.num_computed_tokens, (
+                f"swapped {r.request_id}: CPU blocks for {kv.cpu_num_tokens[r.request_id]} "
+                f"tokens, computed {r.num_computed_tokens}"
+            )
+            assert r.num_computed_tokens < r.num_tokens, f"swapped {r.request_id} has nothing to do"
+        # FCFS
+        seq = self.arrival_seq
+        for name, queue in (("running", self.running), ("waiting", self.waiting),
+                            ("swapped", self.swapped)):
+            s = [seq[r.request_id] for r in queue]
+            assert s == sorted(s), f"{name} is not in arrival order: {[r.request_id for r in queue]}"
+        if self.running and (self.waiting or self.swapped):
+            last_running = max(seq[r.request_id] for r in self.running)
+            first_other = min(seq[r.request_id] for r in (*self.waiting, *self.swapped))
+            assert last_running < first_other, (
+                "FCFS: a running request arrived after a waiting or swapped one"
+            )
+
+    def _check_allocation(self, in_flight: dict[str, int]) -> None:
+        kv = self.kv_cache_manager
+        for r in self.running:
+            expected = r.num_computed_tokens + in_flight.get(r.request_id, 0)
+            assert kv.num_tokens[r.request_id] == expected, (
+                f"running {r.request_id}: slots for {kv.num_tokens[r.request_id]} tokens, "
+                f"expected {expected}"
+            )
+            if not in_flight:
+                assert r.num_computed_tokens < r.num_tokens, f"running {r.request_id} is idle"
+
+
+class Scheduler(_SchedulerBase):
+    """Continuous batching with chunked prefill and preemption (vLLM v1 style)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
+            raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")
+
+    def _num_new_tokens(self, request: Request, token_budget: int) -> int:
+        """Tokens to schedule for ``request`` under ``token_budget`` (0 = must wait).
+
+        With chunked prefill off a fresh prompt runs whole or waits; a request resumed after
+        recompute whose prompt + output exceeds the whole budget is still chunked, or it
+        could never run again.
+        """
+        n = request.num_tokens - request.num_computed_tokens
+        if n <= token_budget:
+            return n
+        if self.enable_chunked_prefill or n > self.max_num_batched_tokens:
+            return token_budget
+        return 0
+
+    def _preempt(self, out: SchedulerOutput) -> Request:
+        """Preempt the latest-arrived running request; return it."""
+        victim = self.running.pop()  # NOTE: running is kept in arrival order
+        victim.num_preemptions += 1
+        if self.preemption_mode == "swap":
+            mapping = self.kv_cache_manager.swap_out(victim)
+            if mapping is not None:
+                victim.status = RequestStatus.SWAPPED
+                self._insert_by_arrival(self.swapped, victim)
+                out.blocks_to_swap_out.extend(mapping)
+                out.swapped_out.append(victim)
+                return victim
+            # NOTE: the CPU pool is full: fall back to recompute
+        self.kv_cache_manager.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        self._insert_by_arrival(self.waiting, victim)
+        out.preempted.append(victim)
+        return victim
+
+    def schedule(self) -> SchedulerOutput:
+        out = self._begin_step()
+        kv = self.kv_cache_manager
+        token_budget = self.max_num_batched_tokens
+
+        # 1. running requests first, in arrival order.
+        i = 0
+        while i < len(self.running) and token_budget > 0:
+            request = self.running[i]
+            n = self._num_new_tokens(request, token_budget)
+            if n == 0:
+                i += 1
+                continue
+            while True:
+                new_blocks = kv.allocate_slots(request, n)
+                if new_blocks is not None:
+                    break
+                # NOTE: the victim is never one already scheduled this step: it is the
+                # last of ``running`` and we go through ``running`` front to back.
+                if self._preempt(out) is request:
+                    break
+            if new_blocks is None:
+                break  # the asking request preempted itself; those after it are gone too
+            out.scheduled.append((request, n))
+            out.new_block_ids.extend(b.block_id for b in new_blocks)
+            token_budget -= n
+            i += 1
+
+        # 2. swapped and waiting requests, one merged arrival order (FCFS), unless this
+        # step preempted. Every swapped request arrived before every never-admitted one,
+        # so nothing new is admitted while anything is swapped out.
+        if out.preempted or out.swapped_out:
+            return self._end_step(out)
+        while token_budget > 0 and len(self.running) < self.max_num_seqs:
+            from_swap = bool(self.swapped) and (
+                not self.waiting
+                or self.arrival_seq[self.swapped[0].request_id]
+                < self.arrival_seq[self.waiting[0].request_id]
+            )
+            if not from_swap and not self.waiting:
+                break
+            request = self.swapped[0] if from_swap else self.waiting[0]
+            n = self._num_new_tokens(request, token_budget)
+            if n == 0:
+                break  # head-of-line: FCFS never skips ahead
+            if from_swap:
+                if not kv.can_swap_in(request, n):
+                    break
+                out.blocks_to_swap_in.extend(kv.swap_in(request))
+                self.swapped.popleft()
+                out.swapped_in.append(request)
+            new_blocks = kv.allocate_slots(request, n)
+            if new_blocks is None:
+                assert not from_swap, "can_swap_in promised room"
+                break
+            if not from_swap:
+                self.waiting.popleft()
+                out.admitted.append(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, n))
+            out.new_block_ids.extend(b.block_id for b in new_blocks)
+            token_budget -= n
+        return self._end_step(out)
+
+
+class StaticBatchScheduler(_SchedulerBase):
+    """The baseline: static batches with a max-length reservation per request.
+
+    A batch of up to ``max_num_seqs`` requests is formed only when the previous batch has
+    completely finished; each member reserves ``ceil(get_max_num_kv_tokens / block_size)``
+    blocks up front (memory for its maximum length, as a contiguous allocator must).
+    Prompts run whole (no chunking; ``enable_chunked_prefill`` is ignored) and a prompt
+    waits for a step with enough token budget left. Nothing is ever preempted
+    (``preemption_mode`` and ``num_cpu_blocks`` are accepted and unused).
+    """
+
+    def _can_chunk_prompts(self) -> bool:
+        return False
+
+    def _reservation(self, request: Request) -> int:
+        return get_max_num_kv_tokens(request, self.max_model_len)
+
+    def schedule(self) -> SchedulerOutput:
+        out = self._begin_step()
+        kv = self.kv_cache_manager
+        if not self.running:  # the previous batch is done: form a new one (FCFS)
+            while self.waiting and len(self.running) < self.max_num_seqs:
+                request = self.waiting[0]
+                new_blocks = kv.allocate_slots(request, self._reservation(request))
+                if new_blocks is None:
+                    break
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                out.admitted.append(request)
+                out.new_block_ids.extend(b.block_id for b in new_blocks)
+        token_budget = self.max_num_batched_tokens
+        for request in self.running:
+            n = request.num_tokens - request.num_computed_tokens
+            if n > token_budget:
+                continue  # a whole prompt that does not fit this step waits for the next
+            out.scheduled.append((request, n))
+            token_budget -= n
+        return self._end_step(out)
+
+    def _check_allocation(self, in_flight: dict[str, int]) -> None:
+        kv = self.kv_cache_manager
+        for r in self.running:
+            assert kv.num_tokens[r.request_id] == self._reservation(r), (
+                f"batch member {r.request_id}: slots for {kv.num_tokens[r.request_id]} "
+                f"tokens, reservation {self._reservation(r)}"
+            )
+            assert r.num_computed_tokens + in_flight.get(r.request_id, 0) <= self._reservation(r)
+        if self.running:
+            assert not self.swapped, "static batching never swaps"
+
+
+# -- traces ---------------------------------------------------------------------------
+def record_step(scheduler: _SchedulerBase, output: SchedulerOutput, step: int):
+    """A ``StepRecord`` of ``output``, taken after ``update_from_output``.
+
+    Shared by the engine, the simulator and the notebooks, so that every trace means the
+    same thing. ``num_tokens`` is the tokens each running request's blocks hold (its
+    ``num_computed_tokens``; a static reservation holds more slots than tokens).
+    """
+    from minipaged.trace import StepRecord
+
+    kv = scheduler.kv_cache_manager
+    tables = {r.request_id: kv.get_block_ids(r.request_id) for r in scheduler.running}
+    holders: dict[int, int] = {}
+    for table in tables.values():
+        for b in table:
+            holders[b] = holders.get(b, 0) + 1
+    return StepRecord(
+        step=step,
+        scheduled=dict(output.num_scheduled_tokens),
+        prefill_ids=list(output.prefill_ids),
+        decode_ids=list(output.decode_ids),
+        waiting_ids=[r.request_id for r in scheduler.waiting],
+        preempted_ids=[r.request_id for r in output.preempted],
+        swapped_out_ids=[r.request_id for r in output.swapped_out],
+        swapped_in_ids=[r.request_id for r in output.swapped_in],
+        swapped_ids=[r.request_id for r in scheduler.swapped],
+        finished_ids=[r.request_id for r in output.finished],
+        arrived_ids=[r.request_id for r in output.arrived],
+        block_tables=tables,
+        num_tokens={r.request_id: r.num_computed_tokens for r in scheduler.running},
+        new_block_ids=list(output.new_block_ids),
+        shared_blocks={b: n for b, n in holders.items() if n > 1},
+        num_free_blocks=kv.get_num_free_blocks(),
+    )
+
+
+def run_scheduler(
+    scheduler: _SchedulerBase,
+    arrivals: dict[int, Iterable[Request]] | Iterable[Request],
+    next_token: Callable[[Request], int],
+    max_steps: int = 100_000,
+):
+    """Drive ``scheduler`` with a fake model; return the ``EngineTrace``.
+
+    ``arrivals`` maps a step to the requests added before it (or is one list, all added
+    before step 0). ``next_token(request)`` plays the model: it is called for each request
+    whose prefill completes at a step, and returns the token to append. Used by the
+    notebooks and tests to watch the scheduler without a model.
+    """
+    from minipaged.trace import EngineTrace
+
+    if not isinstance(arrivals, dict):
+        arrivals = {0: list(arrivals)}
+    trace = EngineTrace(
+        num_blocks=scheduler.num_blocks,
+        block_size=scheduler.block_size,
+        max_num_seqs=scheduler.max_num_seqs,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        meta={"scheduler": type(scheduler).__name__,
+              "preemption_mode": scheduler.preemption_mode,
+              "enable_chunked_prefill": scheduler.enable_chunked_prefill},
+    )
+    last_arrival = max(arrivals, default=0)
+    step = 0
+    while step <= last_arrival or scheduler.has_unfinished_requests():
+        if step >= max_steps:
+            raise RuntimeError(f"not finished after {max_steps} steps")
+        for req in arrivals.get(step, ()):
+            scheduler.add_request(req)
+            trace.requests[req.request_id] = {
+                "prompt_len": req.num_prompt_tokens, "arrival_step": step,
+            }
+        out = scheduler.schedule()
+        sampled = {
+            r.request_id: next_token(r)
+            for r, n in out.scheduled
+            if r.num_computed_tokens + n == r.num_tokens
+        }
+        scheduler.update_from_output(out, sampled)
+        trace.record(record_step(scheduler, out, step))
+        for r in out.finished:
+            trace.requests[r.request_id].update(
+                output_len=r.num_output_tokens, finish_step=step,
+                status=r.status.value, stop_reason=r.stop_reason,
+                num_preemptions=r.num_preemptions,
+            )
+        step += 1
+    return trace
