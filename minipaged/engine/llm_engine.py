@@ -43,11 +43,12 @@ import torch
 
 from minipaged.config import EngineConfig, kv_cache_bytes_per_block
 from minipaged.core.request import Request, RequestStatus
+from minipaged.core.scheduler import StaticBatchScheduler, Scheduler, record_step
 from minipaged.engine.model_runner import ModelRunner
 from minipaged.engine.outputs import CompletionOutput, RequestOutput
 from minipaged.engine.sampler import Sampler, request_base_seed, sample_seed
 from minipaged.sampling_params import SamplingParams
-from minipaged.trace import EngineTrace, StepRecord
+from minipaged.trace import EngineTrace
 
 PromptType = Union[str, Sequence[int]]
 
@@ -119,7 +120,6 @@ class LLMEngine:
         self.groups: dict[str, _RequestGroup] = {}  # unfinished caller requests
         self.seq_to_group: dict[str, _RequestGroup] = {}  # scheduler request id -> group
         self.trace = self._new_trace()
-        self._prev_tables: dict[str, list[int]] = {}
 
     # -- construction helpers ------------------------------------------------------
     @staticmethod
@@ -134,9 +134,7 @@ class LLMEngine:
         return config.max_model_len
 
     def _make_scheduler(self):
-        from minipaged.core import scheduler as sched
-
-        cls = sched.Scheduler if self.config.scheduling == "continuous" else sched.StaticBatchScheduler
+        cls = Scheduler if self.config.scheduling == "continuous" else StaticBatchScheduler
         c = self.config
         return cls(
             num_blocks=self.num_blocks,
@@ -172,7 +170,6 @@ class LLMEngine:
     def reset_trace(self, meta: Optional[dict] = None) -> EngineTrace:
         """Start a fresh trace (step numbers restart at 0); returns the old one."""
         old, self.trace = self.trace, self._new_trace(meta)
-        self._prev_tables = {}
         return old
 
     @property
@@ -276,7 +273,6 @@ class LLMEngine:
         step = self.step_index
         out = self.scheduler.schedule()
         logits, sample_rows = self.model_runner.execute(out, self.kv_cache_manager)
-        record = self._record_before_update(step, out)
         sampled: dict[str, int] = {}
         if sample_rows:
             reqs = [out.scheduled[r][0] for r in sample_rows]
@@ -287,12 +283,11 @@ class LLMEngine:
             rows = torch.tensor(sample_rows, device=logits.device)
             tokens = self.sampler(logits.index_select(0, rows), params, seeds).tolist()
             sampled = {r.request_id: t for r, t in zip(reqs, tokens)}
-        finished = list(self.scheduler.update_from_output(out, sampled))
-        finished += [r for r in getattr(out, "refused", None) or [] if r not in finished]
+        # NOTE: the returned list starts with the requests refused this step.
+        finished = self.scheduler.update_from_output(out, sampled)
         for req in finished:
             self._note_finished(req, step)
-        self._record_after_update(record, out, finished)
-        self.trace.record(record)
+        self.trace.record(record_step(self.scheduler, out, step))
         return self._collect_outputs(finished)
 
     def _base_seed(self, req: Request) -> int:
@@ -305,6 +300,9 @@ class LLMEngine:
             info["output_len"] = req.num_output_tokens
             info["finish_step"] = self.step_index if step is None else step
             info["finish_reason"] = FINISH_REASONS.get(req.status, req.status.value)
+            info["status"] = req.status.value
+            info["stop_reason"] = req.stop_reason
+            info["num_preemptions"] = req.num_preemptions
 
     def _collect_outputs(self, finished: list[Request]) -> list[RequestOutput]:
         outputs = []
@@ -351,48 +349,6 @@ class LLMEngine:
         if self.tokenizer is None or not token_ids:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    # -- trace ---------------------------------------------------------------------
-    def _record_before_update(self, step: int, out) -> StepRecord:
-        """What the step ran and the memory it ran in (taken before blocks are freed)."""
-        mgr = self.kv_cache_manager
-        scheduled = {r.request_id: n for r, n in out.scheduled}
-        prefill_ids, decode_ids = [], []
-        for r, n in out.scheduled:
-            start = r.num_computed_tokens
-            is_decode = n == 1 and start == r.num_tokens - 1 and start >= r.num_prompt_tokens
-            (decode_ids if is_decode else prefill_ids).append(r.request_id)
-        tables = {rid: [b.block_id for b in blocks] for rid, blocks in mgr.req_to_blocks.items()}
-        prev = {b for t in self._prev_tables.values() for b in t}
-        new_blocks = sorted({b for t in tables.values() for b in t} - prev)
-        self._prev_tables = tables
-        holders: dict[int, int] = {}
-        for t in tables.values():
-            for b in t:
-                holders[b] = holders.get(b, 0) + 1
-        return StepRecord(
-            step=step,
-            scheduled=scheduled,
-            prefill_ids=prefill_ids,
-            decode_ids=decode_ids,
-            preempted_ids=[r.request_id for r in getattr(out, "preempted", None) or []],
-            swapped_out_ids=[r.request_id for r in getattr(out, "swapped_out", None) or []],
-            swapped_in_ids=[r.request_id for r in getattr(out, "swapped_in", None) or []],
-            arrived_ids=[
-                rid for rid, info in self.trace.requests.items() if info["arrival_step"] == step
-            ],
-            block_tables=tables,
-            num_tokens={rid: mgr.num_tokens[rid] for rid in tables},
-            new_block_ids=new_blocks,
-            shared_blocks={b: n for b, n in holders.items() if n > 1},
-            num_free_blocks=mgr.get_num_free_blocks(),
-        )
-
-    def _record_after_update(self, record: StepRecord, out, finished: list[Request]) -> None:
-        sched = self.scheduler
-        record.finished_ids = [r.request_id for r in finished]
-        record.waiting_ids = [r.request_id for r in getattr(sched, "waiting", [])]
-        record.swapped_ids = [r.request_id for r in getattr(sched, "swapped", [])]
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
