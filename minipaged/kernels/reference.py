@@ -250,9 +250,14 @@ def paged_attention_torch(
         scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale  # [B, KVH, G, Lk]
         k_pos = torch.arange(kv_len, device=device)  # [Lk]
         invalid = k_pos[None, :] >= seq_lens_l[:, None]  # [B, Lk]
+        # NOTE: an empty sequence (seq_len 0, padding) would softmax over nothing -> NaN;
+        # let it see key 0 and zero its output afterwards, as the reference gives zeros.
+        empty = seq_lens_l == 0  # [B]
+        invalid[:, 0] &= ~empty
         scores = scores.masked_fill(invalid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # [B, KVH, G, Lk]
         out = torch.einsum("bkgl,blkd->bkgd", probs, v)  # [B, KVH, G, D]
+        out = out.masked_fill(empty[:, None, None, None], 0.0)
         return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
     # 2. Pad the packed query rows: row j of sequence b is q[cu[b] + j] when j < q_len[b].
