@@ -35,7 +35,9 @@ Failure mode
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -120,6 +122,8 @@ class LLMEngine:
         self.groups: dict[str, _RequestGroup] = {}  # unfinished caller requests
         self.seq_to_group: dict[str, _RequestGroup] = {}  # scheduler request id -> group
         self.trace = self._new_trace()
+        # seconds spent in each phase of step(), summed (for the benchmark's profile)
+        self.step_times = dict.fromkeys(("schedule", "prepare", "forward", "sample", "update"), 0.0)
 
     # -- construction helpers ------------------------------------------------------
     @staticmethod
@@ -191,11 +195,9 @@ class LLMEngine:
             text: Optional[str] = prompt
         else:
             try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError):
-                raise ValueError(f"{name} must be a string or a list of token ids, got {prompt!r}")
-            if any(not isinstance(t, int) and not hasattr(t, "__index__") for t in prompt):
-                raise ValueError(f"{name} must hold integer token ids")
+                ids = [operator.index(t) for t in prompt]
+            except TypeError:
+                raise ValueError(f"{name} must be a string or a list of int token ids, got {prompt!r}")
             text = None
         if len(ids) == 0:
             raise ValueError(f"{name} is empty: a request needs at least one prompt token")
@@ -271,24 +273,50 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One schedule + forward + sample + update. Returns the requests finished now."""
         step = self.step_index
+        clock = time.perf_counter
+        times = self.step_times
+        t0 = clock()
         out = self.scheduler.schedule()
-        logits, sample_rows = self.model_runner.execute(out, self.kv_cache_manager)
+        t1 = clock()
+        runner = self.model_runner
+        runner.apply_cache_ops(out)  # swap out / swap in / copy, before the forward
         sampled: dict[str, int] = {}
-        if sample_rows:
-            reqs = [out.scheduled[r][0] for r in sample_rows]
-            params = [r.sampling_params for r in reqs]
-            seeds = [
-                sample_seed(self._base_seed(r), r.num_output_tokens) for r in reqs
-            ]
-            rows = torch.tensor(sample_rows, device=logits.device)
-            tokens = self.sampler(logits.index_select(0, rows), params, seeds).tolist()
-            sampled = {r.request_id: t for r, t in zip(reqs, tokens)}
+        t2 = t3 = t4 = t1
+        if out.scheduled:
+            inp, sample_rows = runner.prepare(out, self.kv_cache_manager)
+            t2 = clock()
+            with torch.inference_mode():
+                logits = self.model.forward(inp, runner.kv_caches)  # [B, V]
+                if sample_rows:
+                    reqs = [out.scheduled[r][0] for r in sample_rows]
+                    params = [r.sampling_params for r in reqs]
+                    # NOTE: a greedy row needs no seed; a random one is seeded by its
+                    # request and output position alone (see sampler.py).
+                    seeds = [
+                        0 if p.temperature == 0.0 else sample_seed(self._base_seed(r), r.num_output_tokens)
+                        for r, p in zip(reqs, params)
+                    ]
+                    if len(sample_rows) != logits.shape[0]:
+                        logits = logits[torch.tensor(sample_rows, device=logits.device)]  # [S, V]
+                    t3 = clock()
+                    tokens = self.sampler(logits, params, seeds).tolist()
+                    sampled = {r.request_id: t for r, t in zip(reqs, tokens)}
+                else:
+                    t3 = clock()
+            t4 = clock()
         # NOTE: the returned list starts with the requests refused this step.
         finished = self.scheduler.update_from_output(out, sampled)
         for req in finished:
             self._note_finished(req, step)
         self.trace.record(record_step(self.scheduler, out, step))
-        return self._collect_outputs(finished)
+        outputs = self._collect_outputs(finished)
+        t5 = clock()
+        times["schedule"] += t1 - t0
+        times["prepare"] += t2 - t1
+        times["forward"] += t3 - t2
+        times["sample"] += t4 - t3
+        times["update"] += t5 - t4
+        return outputs
 
     def _base_seed(self, req: Request) -> int:
         group = self.seq_to_group[req.request_id]
