@@ -20,7 +20,7 @@ from minipaged.core import (
     RequestStatus,
     Scheduler,
     SchedulerOutput,
-    StaticBatchScheduler,
+    get_max_num_kv_tokens,
     record_step,
     run_scheduler,
 )
@@ -481,7 +481,7 @@ def run_property(sched_cls, c, specs, chunking):
     return sched, outputs
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(c=config, specs=st.lists(request_spec, min_size=1, max_size=8))
 def test_scheduler_random_workloads(c, specs):
     if c["preemption_mode"] == "recompute":
@@ -489,7 +489,7 @@ def test_scheduler_random_workloads(c, specs):
     run_property(Scheduler, c, specs, c["enable_chunked_prefill"])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     specs=st.lists(request_spec, min_size=3, max_size=8),
     block_size=st.sampled_from([1, 2, 4]),
