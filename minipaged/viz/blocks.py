@@ -1,0 +1,300 @@
+"""Block tables: each request's logical blocks mapped onto the grid of physical blocks.
+
+The addressing half of PagedAttention in one picture (the paper's Fig. 6/7): on the left
+each request's *logical* blocks 0, 1, 2, ... (filled in proportion to the tokens they
+hold), each labelled with the *physical* block it maps to; on the right the physical
+pool as a grid, each block coloured by its owner and labelled ``owner:logical``; shared
+blocks carry their ref count (``x2``), free blocks are grey, blocks allocated at this
+step have a thick black edge.
+
+Inputs
+    ``source``: an ``EngineTrace`` with ``step`` (default: its last step), or a live
+    ``minipaged.core.KVCacheManager`` (optionally ``new_block_ids=`` to highlight).
+Outputs
+    ``block_tables(...)`` -> a matplotlib ``Figure``; ``block_tables_text(...)`` -> the
+    same state as a deterministic string (terminals, nbval).
+Invariants
+    what is drawn is exactly ``minipaged.viz.snapshot.snapshot(source, step)``: one cell
+    per table entry, one grid cell per physical block.
+Failure mode
+    a step outside the trace or an unknown source raises ``ValueError``.
+
+vLLM has no such picture; it draws ``KVCacheManager.req_to_blocks`` and the free queue of
+``vllm/v1/core/block_pool.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from minipaged.viz import palette
+from minipaged.viz.snapshot import BlockSnapshot, snapshot
+
+# -- text -------------------------------------------------------------------------
+
+
+def _header(snap: BlockSnapshot) -> str:
+    where = (
+        "now (live KVCacheManager)"
+        if snap.step is None
+        else f"after step {snap.step} / {snap.num_steps - 1}"
+    )
+    new = " ".join(str(b) for b in snap.new_block_ids) or "-"
+    return (
+        f"block tables {where} | block_size {snap.block_size} | {snap.num_blocks} blocks: "
+        f"{snap.num_used_blocks} used, {len(snap.free_block_ids)} free | new: {new}"
+    )
+
+
+def _cell_label(snap: BlockSnapshot, b: int, owners, names) -> str:
+    if b not in owners:
+        return "~" if b in snap.cached_free_ids else "."
+    rid, j = owners[b][0]
+    label = f"{names[rid]}:{j}"
+    if snap.ref_cnt.get(b, 1) > 1:
+        label += f"x{snap.ref_cnt[b]}"
+    if b in snap.new_block_ids:
+        label += "*"
+    return label
+
+
+def _names(snap: BlockSnapshot) -> dict[str, str]:
+    return {r: palette.short_name(r, snap.owner_index(r)) for r in snap.block_tables}
+
+
+def block_tables_text(source, step: Optional[int] = None, *, columns: int = 8, **kwargs) -> str:
+    """The block tables and the physical pool as text (see the module docstring)."""
+    if not isinstance(columns, int) or columns <= 0:
+        raise ValueError(f"columns must be a positive int, got {columns!r}")
+    snap = snapshot(source, step, **kwargs)
+    bs = snap.block_size
+    new = set(snap.new_block_ids)
+    names = _names(snap)
+    lines = [_header(snap)]
+    if snap.block_tables:
+        w = max(7, *(len(r) for r in snap.block_tables))
+        lines.append(f"{'request':<{w}}  tokens/slots  block table (logical j -> physical id)")
+        for rid, table in snap.block_tables.items():
+            n = snap.num_tokens.get(rid, len(table) * bs)
+            cells = []
+            for b in table:
+                c = str(b)
+                if snap.ref_cnt.get(b, 1) > 1:
+                    c += f"x{snap.ref_cnt[b]}"
+                if b in new:
+                    c += "*"
+                cells.append(c)
+            name = rid if names[rid] == rid else f"{rid} ({names[rid]})"
+            slots = f"{n}/{len(table) * bs}"
+            lines.append(f"{name:<{w}}  {slots:>12}  [{', '.join(cells)}]")
+    else:
+        lines.append("no request holds blocks")
+    lines.append("physical blocks (owner:logical block, xN = ref count, * = new, . = free):")
+    owners = snap.owners()
+    labels = [_cell_label(snap, b, owners, names) for b in range(snap.num_blocks)]
+    lw = max(len(s) for s in labels)
+    iw = len(str(snap.num_blocks - 1))
+    for start in range(0, snap.num_blocks, columns):
+        row = [
+            f"{b:>{iw}} {labels[b]:<{lw}}"
+            for b in range(start, min(start + columns, snap.num_blocks))
+        ]
+        lines.append("  ".join(row).rstrip())
+    if snap.step is None:  # a live manager: the free queue order is known
+        q = " ".join(str(b) for b in snap.free_block_ids[:24])
+        more = " ..." if len(snap.free_block_ids) > 24 else ""
+        lines.append(f"free queue (next to hand out first): {q or '-'}{more}")
+        if snap.cached_free_ids:
+            lines.append("~ = free but still caching a prefix (evicted when handed out)")
+    return "\n".join(lines)
+
+
+# -- figure -----------------------------------------------------------------------
+
+
+def _grid_shape(num_blocks: int, aspect: float = 2.0) -> tuple[int, int]:
+    """Columns and rows of the physical grid for a panel ``aspect`` times wider than tall.
+
+    Cells come out roughly 1.6 times wider than tall, room for an ``owner:j`` label.
+    """
+    ncols = max(1, min(num_blocks, round(math.sqrt(num_blocks * aspect / 1.6))))
+    if ncols > 6:
+        ncols = min(4 * round(ncols / 4), num_blocks)  # multiples of 4 are easier to count
+    return ncols, math.ceil(num_blocks / ncols)
+
+
+def figure_size(snap: BlockSnapshot) -> tuple[float, float]:
+    ncols, nrows = _grid_shape(snap.num_blocks)
+    rows = max(len(snap.block_tables), min(nrows, 12), 3)
+    return 12.0, min(9.0, 1.8 + 0.36 * rows)
+
+
+def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
+    """Draw ``snap`` into ``fig`` (a Figure or SubFigure): logical left, physical right."""
+    from matplotlib.patches import Patch, Rectangle
+
+    from minipaged.viz import _draw
+
+    names = _names(snap)
+    owners = snap.owners()
+    new = set(snap.new_block_ids)
+    bs = snap.block_size
+    rids = list(snap.block_tables)
+    max_len = max((len(t) for t in snap.block_tables.values()), default=1)
+    lcols = max(max_len, 4)
+
+    gs = fig.add_gridspec(
+        1, 2, width_ratios=[1.0, 1.25], wspace=0.12,
+        **_draw.margins(fig, left=0.9, right=0.15, top=0.75, bottom=0.75),
+    )
+    ax_l = fig.add_subplot(gs[0, 0])
+    ax_p = fig.add_subplot(gs[0, 1])
+    pw, ph = _draw.cell_points(ax_p, 1, 1)
+    ncols, nrows = _grid_shape(snap.num_blocks, aspect=pw / ph)
+
+    # -- logical: a row per request, a cell per logical block -------------------------
+    nrow_l = max(len(rids), 1)
+    cw, ch = _draw.cell_points(ax_l, lcols, nrow_l)
+    id_chars = len(str(snap.num_blocks - 1))
+    shared_chars = max((len(f"x{c}") for c in snap.ref_cnt.values() if c > 1), default=0)
+    fs_l = _draw.fit_fontsize(cw, ch, id_chars + shared_chars)
+    for y, rid in enumerate(rids):
+        color = palette.owner_color(snap.owner_index(rid))
+        n = snap.num_tokens.get(rid, len(snap.block_tables[rid]) * bs)
+        for j, b in enumerate(snap.block_tables[rid]):
+            held = max(0, min(bs, n - j * bs))
+            # the slots reserved but not holding a token yet: a pale tail
+            ax_l.add_patch(Rectangle((j, y), 1, 1, facecolor=palette.lighten(color, 0.7),
+                                     edgecolor="white", linewidth=1.0))
+            ax_l.add_patch(Rectangle((j, y), held / bs, 1, facecolor=color, linewidth=0))
+            ax_l.add_patch(Rectangle((j, y), 1, 1, fill=False,
+                                     edgecolor=palette.BLACK if b in new else "white",
+                                     linewidth=2.2 if b in new else 1.0))
+            if fs_l >= _draw.MIN_FONT:
+                label = str(b) + (f"x{snap.ref_cnt[b]}" if snap.ref_cnt.get(b, 1) > 1 else "")
+                ax_l.text(j + 0.5, y + 0.5, label, ha="center", va="center", fontsize=fs_l,
+                          color=palette.text_color_on(color if held * 2 >= bs else
+                                                      palette.lighten(color, 0.7)))
+    ax_l.set_xlim(0, lcols)
+    ax_l.set_ylim(nrow_l, 0)
+    ax_l.set_yticks([y + 0.5 for y in range(len(rids))])
+    ax_l.set_yticklabels([f"{r} ({names[r]})" if names[r] != r else r for r in rids])
+    step_x = 1 if lcols <= 16 else max(1, lcols // 8)
+    ax_l.set_xticks([j + 0.5 for j in range(0, lcols, step_x)])
+    ax_l.set_xticklabels([str(j) for j in range(0, lcols, step_x)])
+    ax_l.tick_params(length=0)
+    for s in ax_l.spines.values():
+        s.set_visible(False)
+    ax_l.set_xlabel("logical block j (label: physical block id)")
+    ax_l.set_title("block table per request", loc="left")
+    if not rids:
+        ax_l.text(lcols / 2, 0.5, "no request holds blocks", ha="center", va="center")
+
+    # -- physical: the pool as a grid ---------------------------------------------------
+    cw, ch = _draw.cell_points(ax_p, ncols, nrows)
+    lab_chars = max([len(f"{names[r]}:{len(t) - 1}") for r, t in snap.block_tables.items()]
+                    + [3])
+    fs_owner = _draw.fit_fontsize(cw, ch * 0.62, lab_chars)
+    fs_id = min(fs_owner * 0.85, _draw.fit_fontsize(cw, ch * 0.38, id_chars))
+    show_labels = fs_owner >= _draw.MIN_FONT
+    tokens = snap.tokens_in_block()
+    for b in range(snap.num_blocks):
+        x, y = b % ncols, b // ncols
+        if b in owners:
+            rid, j = owners[b][0]
+            color = palette.owner_color(snap.owner_index(rid))
+            ax_p.add_patch(Rectangle((x, y), 1, 1, facecolor=palette.lighten(color, 0.7),
+                                     edgecolor="white", linewidth=1.0))
+            ax_p.add_patch(Rectangle((x, y), tokens.get(b, bs) / bs, 1, facecolor=color,
+                                     linewidth=0))
+        else:
+            ax_p.add_patch(Rectangle((x, y), 1, 1, facecolor=palette.FREE_GREY,
+                                     edgecolor="white", linewidth=1.0,
+                                     hatch="...." if b in snap.cached_free_ids else None))
+        if b in new:
+            ax_p.add_patch(Rectangle((x + 0.04, y + 0.04), 0.92, 0.92, fill=False,
+                                     edgecolor=palette.BLACK, linewidth=2.2))
+        if show_labels:
+            if b in owners:  # readable on the part of the cell under the label
+                under = color if 2 * tokens.get(b, bs) >= bs else palette.lighten(color, 0.7)
+                fg = palette.text_color_on(under)
+            ax_p.text(x + 0.06, y + 0.06, str(b), ha="left", va="top", fontsize=fs_id,
+                      color=palette.text_color_on(color) if b in owners else "#777777")
+            if b in owners:
+                label = f"{names[rid]}:{j}"
+                if snap.ref_cnt.get(b, 1) > 1:
+                    label = f"x{snap.ref_cnt[b]} {label}" if fs_owner >= 6 else f"x{snap.ref_cnt[b]}"
+                ax_p.text(x + 0.5, y + 0.62, label, ha="center", va="center",
+                          fontsize=fs_owner, color=fg,
+                          fontweight="bold" if snap.ref_cnt.get(b, 1) > 1 else "normal")
+        elif snap.ref_cnt.get(b, 1) > 1:  # ref counts stay visible on a big grid
+            ax_p.text(x + 0.5, y + 0.5, str(snap.ref_cnt[b]), ha="center", va="center",
+                      fontsize=max(4.0, min(7.0, ch * 0.6)), fontweight="bold",
+                      color=palette.text_color_on(color))
+    ax_p.set_xlim(0, ncols)
+    ax_p.set_ylim(nrows, 0)
+    ax_p.set_aspect("auto")
+    ax_p.set_xticks([])
+    if show_labels:
+        ax_p.set_yticks([])
+    else:  # ids are not written in the cells: label each row with its first block id
+        ax_p.set_yticks([y + 0.5 for y in range(nrows)])
+        ax_p.set_yticklabels([str(y * ncols) for y in range(nrows)])
+    ax_p.tick_params(length=0, labelsize=7)
+    for s in ax_p.spines.values():
+        s.set_visible(False)
+    ax_p.set_title(
+        f"physical blocks: {snap.num_used_blocks} used, {len(snap.free_block_ids)} free",
+        loc="left",
+    )
+
+    # -- logical -> physical arrows, only while they stay readable ---------------------
+    if arrows:
+        from matplotlib.patches import ConnectionPatch
+
+        for y, rid in enumerate(rids):
+            for j, b in enumerate(snap.block_tables[rid]):
+                fig.add_artist(ConnectionPatch(
+                    xyA=(j + 0.85, y + 0.75), coordsA=ax_l.transData,
+                    xyB=(b % ncols + 0.5, b // ncols + 0.85), coordsB=ax_p.transData,
+                    color="#444444", alpha=0.6, linewidth=0.9, arrowstyle="-|>",
+                    mutation_scale=9, shrinkA=2, shrinkB=2,
+                    connectionstyle="arc3,rad=-0.12",
+                ))
+
+    handles = [
+        Patch(facecolor=palette.owner_color(0), label="slots holding tokens (colour = request)"),
+        Patch(facecolor=palette.lighten(palette.owner_color(0), 0.7),
+              label="reserved, no token yet"),
+        Patch(facecolor=palette.FREE_GREY, label="free block"),
+        Patch(facecolor="white", edgecolor=palette.BLACK, linewidth=2.0,
+              label="allocated this step"),
+        Patch(facecolor="white", edgecolor="white", label="xN: shared by N tables"),
+    ]
+    if snap.cached_free_ids:
+        handles.insert(3, Patch(facecolor=palette.FREE_GREY, hatch="....",
+                                label="free, prefix still cached"))
+    fig.legend(handles=handles, loc="lower left", ncol=len(handles), frameon=False,
+               bbox_to_anchor=(0.01, 0.0), handlelength=1.4, columnspacing=1.2)
+    where = "now" if snap.step is None else f"after step {snap.step}"
+    fig.suptitle(f"Block tables {where} ({snap.num_blocks} blocks of {bs} slots)",
+                 x=0.01, ha="left", fontsize=11, y=0.99, va="top")
+
+
+def block_tables(source, step: Optional[int] = None, *, arrows: bool = False,
+                 managed: bool = True, **kwargs):
+    """Figure: block tables at ``step`` of a trace, or of a live ``KVCacheManager``.
+
+    ``arrows=True`` draws a line from each logical block to its physical block (readable
+    for a handful of blocks; the cell labels carry the same mapping). ``managed=False`` returns a Figure pyplot does not
+    track (for files and widgets). In a notebook: ``fig = block_tables(...); plt.show();
+    plt.close(fig)``.
+    """
+    from minipaged.viz import _draw
+
+    snap = snapshot(source, step, **kwargs)
+    with _draw.rc_context():
+        fig = _draw.new_figure(figure_size(snap), managed=managed)
+        draw_block_tables(fig, snap, arrows=arrows)
+    return fig
