@@ -1,1 +1,84 @@
-"""minipaged.checks"""
+"""minipaged.checks: the checkers behind the exercise notebooks (``notebooks/exercises/``).
+
+Concept
+    Each exercise in an exercise notebook is three cells: a markdown spec, a *solution*
+    cell where the student writes the real thing (a function, a Triton kernel), and a
+    *check* cell that calls ``check("ex2.3", student_function)``. The checker runs the
+    student's code and a reference (the package's own implementation where it exists, a
+    small reference held in the checker otherwise) on many seeded cases, smallest first.
+
+Inputs / outputs
+    ``check(exercise_id, *student_objects)`` prints exactly one line, ``✅ ex2.3 passed``,
+    or raises ``ExerciseFailure`` (an ``AssertionError``) that names the smallest failing
+    case, what was expected and what the student's code gave. Whatever the student's code
+    prints during the check is captured (and shown only in a failure message), so a
+    passing check cell always has the same output: nbval and the grader compare on it.
+    ``list_exercises()`` -> ``{exercise_id: title}`` for every registered exercise.
+
+Invariants
+    Checks are deterministic: the cases of an exercise come from a RNG seeded with its id,
+    so a failure is reproducible and the same for every student. One chapter module per
+    chapter (``ch01`` .. ``ch06``), imported lazily: ``check("ex2.1", ...)`` never imports
+    torch; ``ex3.*`` do.
+
+Failure mode
+    an unknown exercise id raises ``ValueError``; the student's code raising, returning the
+    wrong thing or breaking an invariant raises ``ExerciseFailure`` with the case.
+
+Mirrors the idea of Triton-Puzzles / tiny-llm: one test harness grades the student's code
+and the reference alike. The notebook tooling is ``minipaged exercises`` (student copies)
+and ``minipaged grade`` (tamper-proof grading); see docs/instructor_guide.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+from minipaged.checks._harness import PASS_TEMPLATE, ExerciseFailure, pass_line
+
+CHAPTER_MODULES = ("ch01", "ch02", "ch03", "ch04", "ch05", "ch06")
+_EXERCISE_RE = re.compile(r"^ex(\d+)\.(\d+)$")
+
+
+def chapter_of(exercise_id: str) -> str:
+    """``"ex2.3"`` -> ``"ch02"``."""
+    m = _EXERCISE_RE.match(str(exercise_id))
+    if not m:
+        raise ValueError(f"exercise_id must look like 'ex2.3', got {exercise_id!r}")
+    return f"ch{int(m.group(1)):02d}"
+
+
+def _registry(chapter: str) -> dict:
+    if chapter not in CHAPTER_MODULES:
+        raise ValueError(f"no checkers for chapter {chapter!r} (known: {', '.join(CHAPTER_MODULES)})")
+    module = importlib.import_module(f"minipaged.checks.{chapter}")
+    return module.CHECKS
+
+
+def check(exercise_id: str, *student_objects) -> None:
+    """Run the checker of ``exercise_id`` on the student's objects; print the ✅ line or raise."""
+    checks = _registry(chapter_of(exercise_id))
+    if exercise_id not in checks:
+        raise ValueError(f"unknown exercise_id {exercise_id!r} (known: {', '.join(checks)})")
+    checks[exercise_id](*student_objects)
+
+
+def list_exercises(chapters=CHAPTER_MODULES) -> dict[str, str]:
+    """``{exercise_id: title}`` for the given chapters, in course order."""
+    out = {}
+    for ch in chapters:
+        for ex_id, fn in _registry(ch).items():
+            out[ex_id] = getattr(fn, "title", "")
+    return out
+
+
+__all__ = [
+    "CHAPTER_MODULES",
+    "ExerciseFailure",
+    "PASS_TEMPLATE",
+    "chapter_of",
+    "check",
+    "list_exercises",
+    "pass_line",
+]

@@ -1,0 +1,173 @@
+"""The harness every checker uses: cases smallest first, one fixed pass line, clear failures.
+
+Inputs / outputs
+    ``run_cases(exercise_id, cases, run_one, size=..., describe=...)`` sorts ``cases`` by
+    ``size`` (stable, so equal sizes keep their seeded order), calls ``run_one(case)`` on
+    each with the student's stdout captured, and prints ``✅ <id> passed`` when all pass.
+    ``run_one`` compares the student's result with the reference and raises ``Mismatch``
+    (via ``expect_equal`` / ``expect_close`` / ``expect_raises``) when they differ.
+
+Invariants
+    A passing check prints exactly one line. The first failing case in size order is the
+    one reported, so the message shows the smallest case that breaks the student's code.
+
+Failure mode
+    ``ExerciseFailure`` (an ``AssertionError``, so nbval and the grader see an error) with:
+    the case, expected vs got (or the exception the student's code raised, chained so the
+    traceback points into the student's code), and what the student's code printed.
+    ``NotImplementedError`` anywhere in the student's code (the stub) gives a short
+    "not implemented yet" message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from typing import Any, Callable, Iterable, Optional
+
+PASS_TEMPLATE = "✅ {} passed"
+
+
+def pass_line(exercise_id: str) -> str:
+    """The one line a passing check cell prints (without the newline)."""
+    return PASS_TEMPLATE.format(exercise_id)
+
+
+class ExerciseFailure(AssertionError):
+    """The student's code is not right yet; the message says on which case and how."""
+
+
+class Mismatch(Exception):
+    """Raised by a checker's ``run_one`` when the student's result differs from the reference."""
+
+
+def exercise(registry: dict, exercise_id: str, title: str):
+    """Decorator: register a checker ``fn(*student_objects)`` under ``exercise_id``."""
+
+    def deco(fn):
+        fn.exercise_id = exercise_id
+        fn.title = title
+        registry[exercise_id] = fn
+        return fn
+
+    return deco
+
+
+def is_not_implemented(exc: BaseException) -> bool:
+    """True if ``exc`` is, wraps or was caused by a ``NotImplementedError`` (the stub).
+
+    NOTE: Triton's interpreter wraps exceptions raised inside a kernel in its own
+    ``InterpreterError``, so the cause chain and the message are both looked at.
+    """
+    seen = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, NotImplementedError):
+            return True
+        if type(e).__name__ == "InterpreterError" and "NotImplementedError" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def require_callable(exercise_id: str, obj: Any, what: str) -> None:
+    if not callable(obj):
+        raise ExerciseFailure(
+            f"{exercise_id}: expected {what} (a function), got {type(obj).__name__} {obj!r}"
+        )
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line for line in str(text).splitlines())
+
+
+def _printed(buf: io.StringIO, max_lines: int = 12) -> str:
+    text = buf.getvalue()
+    if not text.strip():
+        return ""
+    lines = text.rstrip("\n").splitlines()
+    more = len(lines) - max_lines
+    shown = lines[:max_lines] + ([f"... ({more} more lines)"] if more > 0 else [])
+    return "\n  your code printed:\n" + _indent("\n".join(shown))
+
+
+def run_cases(
+    exercise_id: str,
+    cases: Iterable[Any],
+    run_one: Callable[[Any], None],
+    size: Optional[Callable[[Any], Any]] = None,
+    describe: Callable[[Any], str] = repr,
+) -> None:
+    """Run every case smallest first; print the pass line or raise on the first failure."""
+    ordered = list(cases)
+    if size is not None:
+        ordered.sort(key=size)
+    n = len(ordered)
+    for i, case in enumerate(ordered):
+        buf = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(buf):
+                run_one(case)
+        except Mismatch as m:
+            raise ExerciseFailure(
+                f"{exercise_id} failed on case {i + 1} of {n} (cases run smallest first):\n"
+                f"{_indent(describe(case))}\n{_indent(str(m), '  ')}{_printed(buf)}"
+            ) from None
+        except ExerciseFailure:
+            raise
+        except Exception as e:  # the student's code crashed (or broke an invariant)
+            if is_not_implemented(e):
+                raise ExerciseFailure(
+                    f"{exercise_id}: not implemented yet (replace `raise NotImplementedError` "
+                    "with your code)"
+                ) from None
+            raise ExerciseFailure(
+                f"{exercise_id} failed on case {i + 1} of {n} (cases run smallest first):\n"
+                f"{_indent(describe(case))}\n  your code raised {type(e).__name__}: {e}"
+                f"{_printed(buf)}"
+            ) from e
+    print(pass_line(exercise_id))
+
+
+# -- comparisons used inside run_one ------------------------------------------------------
+
+
+def expect_equal(what: str, expected: Any, got: Any) -> None:
+    try:
+        same = bool(expected == got)
+    except Exception:  # e.g. a tensor compared with a list
+        same = False
+    if same and isinstance(expected, bool) != isinstance(got, bool):
+        same = False  # True == 1 in Python, but a count is not a yes/no
+    if not same:
+        raise Mismatch(f"{what}:\n    expected {expected!r}\n    got      {got!r}")
+
+
+def expect_true(what: str, ok: bool, detail: str = "") -> None:
+    if not ok:
+        raise Mismatch(what + (f"\n    {detail}" if detail else ""))
+
+
+def expect_raises(what: str, exc_type: type, thunk: Callable[[], Any]) -> None:
+    """The student's code must raise ``exc_type`` here (a caller error, or "not in queue")."""
+    try:
+        result = thunk()
+    except exc_type:
+        return
+    except Exception as e:
+        if is_not_implemented(e):
+            raise
+        raise Mismatch(
+            f"{what}: expected {exc_type.__name__}, but your code raised "
+            f"{type(e).__name__}: {e}"
+        ) from None
+    raise Mismatch(f"{what}: expected {exc_type.__name__}, but your code returned {result!r}")
+
+
+def expect_invariants(what: str, obj: Any) -> None:
+    """Run ``obj.check_invariants()``; a broken invariant is the student's mismatch."""
+    try:
+        obj.check_invariants()
+    except AssertionError as e:
+        raise Mismatch(f"{what}: invariant broken: {e}") from None

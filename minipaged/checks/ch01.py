@@ -1,0 +1,206 @@
+"""Checkers for chapter 01 exercises: the KV cache and what it costs.
+
+Exercises (notebooks/exercises/ch01_kv_cache.ipynb)
+    ex1.1 ``kv_bytes_per_token(config, dtype_bytes)``: K and V bytes one token costs, from a
+          Hugging Face config dict (GQA and an explicit ``head_dim`` included).
+    ex1.2 ``reserved_slots(prompt_len, output_len, max_seq_len, policy)``: token slots a
+          contiguous allocator reserves for one request (the paper's Orca baselines).
+    ex1.3 ``paged_token_fraction(seq_lens, block_size)``: fraction of reserved slots that
+          hold a token when memory is paged, checked against ``KVCacheManager.usage()``.
+
+Reference: ex1.1 and ex1.2 are defined by the formulas in the spec and held here; ex1.3
+is graded against the package's ``KVCacheManager``. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from minipaged.checks._harness import (
+    ExerciseFailure,
+    Mismatch,
+    expect_equal,
+    expect_raises,
+    exercise,
+    require_callable,
+    run_cases,
+)
+from minipaged.core import KVCacheManager
+
+CHECKS: dict = {}
+
+# Real configurations (the fields that matter), as in their config.json files.
+REAL_CONFIGS = {
+    "Llama-2-7B": dict(num_hidden_layers=32, num_attention_heads=32, hidden_size=4096),
+    "Llama-2-13B": dict(num_hidden_layers=40, num_attention_heads=40, hidden_size=5120),
+    "Llama-3-8B": dict(
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096
+    ),
+    "Qwen2.5-0.5B": dict(
+        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, hidden_size=896
+    ),
+    "SmolLM2-135M": dict(
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576
+    ),
+    "Gemma-7B": dict(
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        hidden_size=3072,
+        head_dim=256,
+    ),
+    "TinyLlama-1.1B": dict(
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        hidden_size=2048,
+        head_dim=None,
+    ),
+}
+
+
+def ref_kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
+    num_layers = config["num_hidden_layers"]
+    num_heads = config["num_attention_heads"]
+    num_kv_heads = config.get("num_key_value_heads") or num_heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+@exercise(CHECKS, "ex1.1", "KV cache bytes per token of a Hugging Face config")
+def check_kv_bytes_per_token(kv_bytes_per_token) -> None:
+    require_callable("ex1.1", kv_bytes_per_token, "kv_bytes_per_token")
+    rng = random.Random("ex1.1")
+    cases = []
+    for name, cfg in REAL_CONFIGS.items():
+        for dtype_bytes in (2, 4, 1):
+            cases.append((name, dict(cfg), dtype_bytes))
+    for i in range(60):
+        kv = rng.choice([1, 2, 4, 8])
+        heads = kv * rng.choice([1, 1, 2, 4])
+        head_dim = rng.choice([16, 32, 64, 80, 128])
+        cfg = dict(
+            num_hidden_layers=rng.randint(1, 48),
+            num_attention_heads=heads,
+            hidden_size=heads * head_dim,
+        )
+        style = rng.random()
+        if style < 0.3:
+            cfg["num_key_value_heads"] = kv
+        elif style < 0.45:
+            cfg["num_key_value_heads"] = None  # some configs write null: means "no GQA"
+        elif style < 0.7:
+            cfg["num_key_value_heads"] = kv
+            cfg["head_dim"] = rng.choice([64, 128, 256])  # not hidden_size // heads
+        cases.append((f"random #{i}", cfg, rng.choice([1, 2, 4])))
+
+    def run_one(case):
+        _, cfg, dtype_bytes = case
+        expected = ref_kv_bytes_per_token(cfg, dtype_bytes)
+        got = kv_bytes_per_token(dict(cfg), dtype_bytes)
+        expect_equal("bytes per token", expected, got)
+
+    def describe(case):
+        name, cfg, dtype_bytes = case
+        return f"{name}: kv_bytes_per_token({cfg}, dtype_bytes={dtype_bytes})"
+
+    def size(case):
+        _, cfg, dtype_bytes = case
+        return 0 if not case[0].startswith("random") else ref_kv_bytes_per_token(cfg, dtype_bytes)
+
+    run_cases("ex1.1", cases, run_one, size=size, describe=describe)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def ref_reserved_slots(prompt_len: int, output_len: int, max_seq_len: int, policy: str) -> int:
+    if policy not in ("max", "pow2", "oracle"):
+        raise ValueError(f"policy must be 'max', 'pow2' or 'oracle', got {policy!r}")
+    if prompt_len < 1 or output_len < 1 or prompt_len + output_len > max_seq_len:
+        raise ValueError("need 1 <= prompt_len, 1 <= output_len, prompt_len + output_len <= max_seq_len")
+    if policy == "max":
+        return max_seq_len
+    if policy == "pow2":
+        return min(max_seq_len, prompt_len + _next_pow2(output_len))
+    return prompt_len + output_len
+
+
+@exercise(CHECKS, "ex1.2", "slots reserved by a contiguous allocator (Orca max / pow2 / oracle)")
+def check_reserved_slots(reserved_slots) -> None:
+    require_callable("ex1.2", reserved_slots, "reserved_slots")
+    rng = random.Random("ex1.2")
+    cases = []
+    # the paper's example: an output of 25 tokens reserves 32 slots under pow2
+    for policy in ("max", "pow2", "oracle"):
+        cases.append((10, 25, 2048, policy))
+    for _ in range(150):
+        max_seq_len = rng.choice([16, 64, 100, 512, 2048])
+        prompt = rng.randint(1, max_seq_len - 1)
+        output = rng.randint(1, max_seq_len - prompt)
+        cases.append((prompt, output, max_seq_len, rng.choice(["max", "pow2", "oracle"])))
+    for _ in range(30):  # caller errors
+        kind = rng.randint(0, 3)
+        if kind == 0:
+            cases.append((rng.randint(1, 8), rng.randint(1, 8), 64, rng.choice(["min", "Pow2", ""])))
+        elif kind == 1:
+            cases.append((rng.randint(10, 40), rng.randint(30, 60), 64, "oracle"))
+        elif kind == 2:
+            cases.append((0, rng.randint(1, 8), 64, rng.choice(["max", "pow2"])))
+        else:
+            cases.append((rng.randint(1, 8), 0, 64, "pow2"))
+
+    def run_one(case):
+        try:
+            expected = ref_reserved_slots(*case)
+        except ValueError:
+            expect_raises("a caller error", ValueError, lambda: reserved_slots(*case))
+            return
+        expect_equal("reserved slots", expected, reserved_slots(*case))
+
+    def describe(case):
+        p, o, m, pol = case
+        return f"reserved_slots(prompt_len={p}, output_len={o}, max_seq_len={m}, policy={pol!r})"
+
+    run_cases("ex1.2", cases, run_one, size=lambda c: (c[2], c[0] + c[1]), describe=describe)
+
+
+def ref_paged_token_fraction(seq_lens: list[int], block_size: int) -> float:
+    """Via the package: allocate every sequence in a KVCacheManager and ask its usage()."""
+    num_blocks = max(1, sum(-(-n // block_size) for n in seq_lens))
+    manager = KVCacheManager(num_blocks=num_blocks, block_size=block_size)
+    for i, n in enumerate(seq_lens):
+        if manager.allocate_slots(f"r{i}", n) is None:
+            raise RuntimeError("checker bug: the pool was sized to fit every sequence")
+    return manager.usage().token_fraction
+
+
+@exercise(CHECKS, "ex1.3", "fraction of reserved KV memory holding tokens, paged")
+def check_paged_token_fraction(paged_token_fraction) -> None:
+    require_callable("ex1.3", paged_token_fraction, "paged_token_fraction")
+    rng = random.Random("ex1.3")
+    cases = [([], 16), ([16], 16), ([17], 16), ([1], 1), ([5, 3], 4)]
+    for _ in range(150):
+        block_size = rng.choice([1, 2, 4, 8, 16, 32])
+        cases.append(([rng.randint(1, 200) for _ in range(rng.randint(1, 8))], block_size))
+
+    def run_one(case):
+        seq_lens, block_size = case
+        expected = ref_paged_token_fraction(seq_lens, block_size)
+        got = paged_token_fraction(list(seq_lens), block_size)
+        try:
+            ok = math.isclose(float(got), expected, rel_tol=1e-9, abs_tol=1e-12)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise Mismatch(f"token fraction:\n    expected {expected!r}\n    got      {got!r}")
+
+    def describe(case):
+        return f"paged_token_fraction(seq_lens={case[0]}, block_size={case[1]})"
+
+    run_cases("ex1.3", cases, run_one, size=lambda c: (len(c[0]), sum(c[0])), describe=describe)
+
+
+__all__ = ["CHECKS", "ExerciseFailure", "ref_kv_bytes_per_token", "ref_reserved_slots"]

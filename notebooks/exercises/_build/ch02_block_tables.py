@@ -1,0 +1,160 @@
+"""Generator of notebooks/exercises/ch02_block_tables.ipynb (chapter 02 exercises)."""
+
+from _common import ExerciseNotebook
+
+nb = ExerciseNotebook(
+    chapter="ch02",
+    filename="ch02_block_tables.ipynb",
+    title="Chapter 02 exercises: the free queue, block tables, slot mapping",
+    minutes=45,
+    intro="""
+    Companion to `notebooks/02_block_tables.ipynb`. You will write the four operations
+    that make PagedAttention's memory work: taking a block out of the free queue (from the
+    middle and from the front), growing a request's block table, and turning token
+    positions into cache slots. The checks run your code side by side with
+    `minipaged.core` on hundreds of random operation sequences; the package's own
+    `popleft` / `remove` / `allocate_slots` are switched off on the objects your code gets.
+    """,
+)
+
+nb.setup("""
+from minipaged.core import FreeKVCacheBlockQueue, KVCacheBlock, KVCacheManager, cdiv
+""")
+
+nb.exercise(
+    "ex2.1", "remove a block from the middle of the free queue",
+    """
+    `FreeKVCacheBlockQueue` is a doubly linked list threaded through the blocks
+    themselves: each `KVCacheBlock` has `prev_free_block` and `next_free_block`, and the
+    queue has two sentinel blocks, `queue._head` (before the first free block) and
+    `queue._tail` (after the last), plus a counter `queue.num_free_blocks`. A block that
+    is not in the queue has both links `None`.
+
+    Write `remove(queue, block)`: unlink `block` from wherever it is, in O(1) (no walking
+    the list), set both of its links to `None`, and decrement `num_free_blocks`. If the
+    block is not in the queue, raise `RuntimeError` and change nothing.
+
+    (Prefix caching needs this: a cached block that is free gets hit again and must leave
+    the queue from the middle.)
+    """,
+    """
+    def remove(queue: FreeKVCacheBlockQueue, block: KVCacheBlock) -> None:
+        \"\"\"Unlink `block` from the free queue in O(1).\"\"\"
+        ### BEGIN SOLUTION
+        prev, nxt = block.prev_free_block, block.next_free_block
+        if prev is None or nxt is None:
+            raise RuntimeError(f"{block} is not in the free queue")
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = None
+        block.next_free_block = None
+        queue.num_free_blocks -= 1
+        ### END SOLUTION
+    """,
+    ["remove"],
+)
+
+nb.exercise(
+    "ex2.2", "popleft: hand out the least recently freed block",
+    """
+    Write `popleft(queue)`: take the first block (the one right after `queue._head`) out
+    of the queue and return it. Freed blocks go to the back, so the front block is the
+    one freed longest ago: with prefix caching that makes eviction LRU. If the queue is
+    empty, raise `ValueError`. You may call your `remove` from ex2.1.
+    """,
+    """
+    def popleft(queue: FreeKVCacheBlockQueue) -> KVCacheBlock:
+        \"\"\"Remove and return the first free block.\"\"\"
+        ### BEGIN SOLUTION
+        block = queue._head.next_free_block
+        if block is queue._tail:
+            raise ValueError("no free blocks left")
+        remove(queue, block)
+        return block
+        ### END SOLUTION
+    """,
+    ["popleft"],
+)
+
+nb.exercise(
+    "ex2.3", "allocate_slots: grow a block table on demand",
+    """
+    A `KVCacheManager` keeps, per request id, its block table `manager.req_to_blocks[rid]`
+    (a list of `KVCacheBlock`, logical block `j` at index `j`) and the number of tokens it
+    has room for, `manager.num_tokens[rid]`. A request not seen before has neither.
+    `manager.block_size` is the tokens per block, `manager.num_blocks` the pool's size, and
+    `manager.block_pool` hands out blocks: `get_num_free_blocks()`, and
+    `get_new_blocks(n)`, which takes `n` blocks from the front of the free queue.
+
+    Write `allocate_slots(manager, request_id, num_new_tokens)`: make room for
+    `num_new_tokens` more tokens of the request and return the list of blocks newly
+    added to its table (`[]` if its last block still had room).
+
+    - Raise `ValueError` if `num_new_tokens <= 0`, or if the request would then need more
+      blocks than the whole pool has (it could never run).
+    - If there are not enough free blocks right now, return `None` and change nothing:
+      all or nothing, so the scheduler can decide whom to preempt.
+    - Otherwise append the new blocks to the table and update `num_tokens`.
+
+    Hand check: block size 4, a request with 6 tokens holds 2 blocks; 3 more tokens make
+    9, which needs `cdiv(9, 4) = 3` blocks, so one new block.
+    """,
+    """
+    def allocate_slots(manager: KVCacheManager, request_id: str, num_new_tokens: int):
+        \"\"\"Room for `num_new_tokens` more tokens: the new blocks, or None if the pool is short.\"\"\"
+        ### BEGIN SOLUTION
+        if num_new_tokens <= 0:
+            raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
+        total = manager.num_tokens.get(request_id, 0) + num_new_tokens
+        blocks_needed = cdiv(total, manager.block_size)
+        if blocks_needed > manager.num_blocks:
+            raise ValueError(f"{request_id!r} would need {blocks_needed} blocks, the pool has {manager.num_blocks}")
+        table = manager.req_to_blocks.get(request_id, [])
+        num_new_blocks = blocks_needed - len(table)
+        if num_new_blocks > manager.block_pool.get_num_free_blocks():
+            return None
+        new_blocks = manager.block_pool.get_new_blocks(num_new_blocks)
+        manager.req_to_blocks[request_id] = table + new_blocks
+        manager.num_tokens[request_id] = total
+        return new_blocks
+        ### END SOLUTION
+    """,
+    ["allocate_slots"],
+)
+
+nb.exercise(
+    "ex2.4", "slot mapping: where each token's K/V goes",
+    """
+    The KV cache is one tensor of `num_blocks * block_size` slots. Token `i` of a request
+    lives in its logical block `i // block_size`, at offset `i % block_size` inside it; the
+    block table says which physical block that logical block is.
+
+    Write `slot_mapping(block_table, block_size, start, end)`: the list of flat slot
+    indices of tokens `start, ..., end - 1`. Raise `ValueError` unless
+    `0 <= start <= end <= len(block_table) * block_size`.
+
+    Hand check: `block_table=[2, 0]`, `block_size=2`, tokens 1..2 are at slots `[5, 0]`.
+    """,
+    """
+    def slot_mapping(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
+        \"\"\"Flat cache slot of each token in [start, end).\"\"\"
+        ### BEGIN SOLUTION
+        if not 0 <= start <= end <= len(block_table) * block_size:
+            raise ValueError(f"tokens [{start}, {end}) are outside the block table")
+        return [block_table[i // block_size] * block_size + i % block_size for i in range(start, end)]
+        ### END SOLUTION
+    """,
+    ["slot_mapping"],
+)
+
+nb.outro("""
+## Recap
+
+The free queue hands out blocks in O(1) from the front and takes them back from anywhere;
+block tables grow one block at a time, all or nothing; a token's slot is one multiply and
+one add away from its position. That is the whole memory manager: the rest of vLLM decides
+*whom* to give blocks to.
+""")
+
+if __name__ == "__main__":
+    nb.build()
