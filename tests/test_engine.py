@@ -218,3 +218,154 @@ def test_parallel_sampling_n_gives_independent_seeded_sequences():
     outs = run_engine(engine, [[1, 2, 3]], SamplingParams(n=3, temperature=0.0, max_tokens=5))
     assert [c.index for c in outs[0].outputs] == [0, 1, 2]
     assert all(c.token_ids == counting_reference([1, 2, 3], 5) for c in outs[0].outputs)
+
+
+# ----------------------------------------------------------------------------- transformers
+VOCAB = 128
+HF_MAX_TOKENS = 10
+
+
+def _save_tiny_tokenizer(path):
+    """A word-level tokenizer "t0".."t127" so that load_model finds one (prompts are ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="t1", eos_token="t2", pad_token="t0", unk_token="t0"
+    ).save_pretrained(path)
+
+
+def _tiny_config(kind):
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if kind == "llama":  # GQA: 4 query heads share 2 kv heads; untied embeddings
+        return LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
+    if kind == "mistral":
+        return MistralConfig(**common, sliding_window=None, rope_theta=1e6)
+    if kind == "qwen2":  # qkv bias, tied embeddings
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=96,
+                      bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoints(tmp_path_factory):
+    """kind -> (checkpoint dir, the transformers model it holds)."""
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for i, kind in enumerate(("llama", "mistral", "qwen2", "gpt2")):
+        torch.manual_seed(100 + i)
+        hf = AutoModelForCausalLM.from_config(_tiny_config(kind)).eval()
+        with torch.no_grad():  # larger weights: peakier logits, no near-ties in argmax
+            for p in hf.parameters():
+                if p.dim() > 1:
+                    p.mul_(4.0)
+        path = tmp_path_factory.mktemp(f"tiny_{kind}")
+        hf.save_pretrained(path)
+        _save_tiny_tokenizer(path)
+        out[kind] = (str(path), hf)
+    return out
+
+
+def hf_greedy(hf, prompt, max_new_tokens):
+    """transformers' greedy continuation of one prompt (fp32, batch of one)."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=hf.config.eos_token_id,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+HF_PROMPTS = _prompts(7, 6, max_len=20, V=VOCAB)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gpt2"])
+def test_greedy_equals_transformers(tiny_checkpoints, kind):
+    from minipaged import LLM
+
+    path, hf = tiny_checkpoints[kind]
+    llm = LLM(model=path, block_size=4, num_blocks=64)
+    outs = llm.generate(HF_PROMPTS, SamplingParams(temperature=0.0, max_tokens=HF_MAX_TOKENS), use_tqdm=False)
+    for p, o in zip(HF_PROMPTS, outs):
+        assert o.prompt_token_ids == p
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, HF_MAX_TOKENS), f"{kind}, prompt {p}"
+
+
+SCHEDULING_VARIANTS = {
+    "continuous-chunked": dict(block_size=4, num_blocks=64),
+    "continuous-no-chunking": dict(block_size=4, num_blocks=64, enable_chunked_prefill=False),
+    "static": dict(block_size=4, num_blocks=64, scheduling="static", max_num_seqs=3),
+    "tiny-budget-chunks": dict(block_size=4, num_blocks=64, max_num_batched_tokens=7),
+    "recompute-small-pool": dict(block_size=2, num_blocks=26, max_num_batched_tokens=16),
+    "swap-small-pool": dict(block_size=2, num_blocks=26, max_num_batched_tokens=16, preemption_mode="swap"),
+}
+
+
+@pytest.fixture(scope="module")
+def llama_reference(tiny_checkpoints):
+    path, hf = tiny_checkpoints["llama"]
+    return path, [hf_greedy(hf, p, HF_MAX_TOKENS) for p in HF_PROMPTS]
+
+
+@pytest.mark.parametrize("variant", list(SCHEDULING_VARIANTS))
+def test_scheduling_variants_give_the_same_tokens(llama_reference, variant):
+    from minipaged import LLM
+
+    path, want = llama_reference
+    llm = LLM(model=path, **SCHEDULING_VARIANTS[variant])
+    outs = llm.generate(HF_PROMPTS, SamplingParams(temperature=0.0, max_tokens=HF_MAX_TOKENS), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    steps = llm.trace.steps
+    llm.trace.check_invariants()
+    if variant == "recompute-small-pool":
+        assert any(s.preempted_ids for s in steps), "the pool should be small enough to preempt"
+    if variant == "swap-small-pool":
+        assert any(s.swapped_out_ids for s in steps), "the pool should be small enough to swap"
+    if variant == "tiny-budget-chunks":
+        assert max(sum(s.scheduled.values()) for s in steps) <= 7
+    if variant == "static":
+        # a static batch admits nobody until the whole batch is done
+        assert max(len(s.scheduled) for s in steps) <= 3
+
+
+def test_triton_backend_equals_torch_backend(llama_reference):
+    """The Triton kernels (interpreted on CPU) give the same greedy tokens; few tokens."""
+    from minipaged import LLM
+    from minipaged.kernels import HAS_TRITON
+
+    if not HAS_TRITON:
+        pytest.skip("Triton is not installed on this platform")
+    path, want = llama_reference
+    llm = LLM(model=path, block_size=4, num_blocks=32, attention_backend="triton")
+    prompts = HF_PROMPTS[:2]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [w[:3] for w in want[:2]]
+
+
+def test_course_model_greedy_equals_transformers():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from minipaged import LLM
+    from minipaged.model import COURSE_MODEL_DIR
+
+    hf = AutoModelForCausalLM.from_pretrained(COURSE_MODEL_DIR).eval()
+    tok = AutoTokenizer.from_pretrained(COURSE_MODEL_DIR)
+    prompts = ["Once upon a time", "The little dog", "One day, a girl named Lily went"]
+    llm = LLM(block_size=16)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        ids = tok(p)["input_ids"]
+        assert o.prompt_token_ids == ids
+        want = hf_greedy(hf, ids, 24)
+        assert o.outputs[0].token_ids == want
+        assert o.outputs[0].text == tok.decode(want, skip_special_tokens=True)

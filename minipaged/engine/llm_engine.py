@@ -83,8 +83,6 @@ def load_model_checked(config: EngineConfig):
     from minipaged.model import load_model
 
     model = config.model
-    if model is not None and (os.sep in model or model.startswith(".")) and not os.path.isdir(model):
-        raise ValueError(f"model {model!r}: no such directory")
     try:
         return load_model(
             model=model,
@@ -92,7 +90,7 @@ def load_model_checked(config: EngineConfig):
             device=config.device,
             attention_backend=config.attention_backend,
         )
-    except (OSError, FileNotFoundError) as e:
+    except OSError as e:  # e.g. a hub id that cannot be reached or does not exist
         raise ValueError(f"model {model!r} could not be loaded: {e}") from e
 
 
@@ -108,6 +106,10 @@ class LLMEngine:
             model, tokenizer = load_model_checked(config)
         self.model = model
         self.tokenizer = tokenizer
+        eos = getattr(model, "eos_token_ids", None)
+        if eos is None:
+            eos = [] if model.eos_token_id is None else [model.eos_token_id]
+        self.eos_token_ids: list[int] = [int(e) for e in eos]
         self.max_model_len = self._resolve_max_model_len(config, model)
         self.bytes_per_block = kv_cache_bytes_per_block(
             model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, config.dtype
@@ -230,13 +232,20 @@ class LLMEngine:
         text, ids = _tokenized if _tokenized is not None else self.tokenize(prompt)
         group = _RequestGroup(request_id, text, ids, params)
         seq_params = dataclasses.replace(params, n=1) if params.n > 1 else params
+        # NOTE: a Request stops on one eos_token_id; a model with several (a generation
+        # config listing more than one) stops on the others as stop tokens.
+        extra_eos = [e for e in self.eos_token_ids[1:] if e not in seq_params.stop_token_ids]
+        if extra_eos and not seq_params.ignore_eos:
+            seq_params = dataclasses.replace(
+                seq_params, stop_token_ids=seq_params.stop_token_ids + extra_eos
+            )
         for j in range(params.n):
             sid = request_id if params.n == 1 else f"{request_id}.{j}"
             req = Request(
                 request_id=sid,
                 prompt_token_ids=ids,
                 sampling_params=seq_params,
-                eos_token_id=self.model.eos_token_id,
+                eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
                 arrival_time=float(self.step_index),
             )
             group.seqs.append(req)
