@@ -16,12 +16,15 @@ from minipaged.core.request import Request
 
 
 def snapshot(mgr):
-    pool = mgr.block_pool
+    pool, cpu = mgr.block_pool, mgr.cpu_block_pool
     return (
         {rid: [b.block_id for b in blocks] for rid, blocks in mgr.req_to_blocks.items()},
         dict(mgr.num_tokens),
         [b.ref_cnt for b in pool.blocks],
         [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+        {rid: [b.block_id for b in blocks] for rid, blocks in mgr.req_to_cpu_blocks.items()},
+        dict(mgr.cpu_num_tokens),
+        None if cpu is None else [b.block_id for b in cpu.free_block_queue.get_all_free_blocks()],
     )
 
 
@@ -115,7 +118,25 @@ def test_bad_num_blocks():
         KVCacheManager(num_blocks=0, block_size=4)
 
 
-# -- random allocate / append / free --------------------------------------------------
+def test_swap_out_and_in_by_hand():
+    mgr = KVCacheManager(num_blocks=4, block_size=2, num_cpu_blocks=3)
+    mgr.allocate_slots("a", 3)  # device blocks 0, 1
+    mgr.allocate_slots("b", 4)  # device blocks 2, 3
+    assert mgr.swap_out("a") == [(0, 0), (1, 1)]  # (device, cpu)
+    assert mgr.get_cpu_block_ids("a") == [0, 1] and "a" not in mgr.req_to_blocks
+    before = snapshot(mgr)
+    assert mgr.swap_out("b") is None  # needs 2 CPU blocks, 1 free: nothing changes
+    assert snapshot(mgr) == before
+    mgr.allocate_slots("c", 4)  # takes the freed device blocks 1, 0 (tail first)
+    assert mgr.get_block_ids("c") == [1, 0]
+    assert mgr.swap_in("a") is None  # no device block free
+    mgr.free("c")
+    assert mgr.swap_in("a") == [(0, 0), (1, 1)]  # (cpu, device)
+    assert mgr.num_tokens["a"] == 3 and mgr.get_num_free_cpu_blocks() == 3
+    mgr.check_invariants()
+
+
+# -- random allocate / append / free / swap ----------------------------------------------
 REQUEST_IDS = [f"r{i}" for i in range(6)]
 
 
@@ -124,16 +145,24 @@ class ManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.tokens: dict[str, int] = {}  # reference: tokens allocated per request
 
-    @initialize(num_blocks=st.integers(1, 16), block_size=st.sampled_from([1, 2, 4, 16]))
-    def init(self, num_blocks, block_size):
-        self.num_blocks, self.bs = num_blocks, block_size
-        self.mgr = KVCacheManager(num_blocks, block_size)
+    @initialize(num_blocks=st.integers(1, 16), block_size=st.sampled_from([1, 2, 4, 16]),
+                num_cpu_blocks=st.integers(0, 8))
+    def init(self, num_blocks, block_size, num_cpu_blocks):
+        self.num_blocks, self.bs, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
+        self.mgr = KVCacheManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks)
+        self.swapped: dict[str, int] = {}  # reference: tokens of swapped-out requests
 
     def blocks_held(self):
         return sum(cdiv(n, self.bs) for n in self.tokens.values())
 
     @rule(rid=st.sampled_from(REQUEST_IDS), k=st.integers(1, 40))
     def allocate(self, rid, k):
+        if rid in self.swapped:
+            before = snapshot(self.mgr)
+            with pytest.raises(ValueError, match="swapped out"):
+                self.mgr.allocate_slots(rid, k)
+            assert snapshot(self.mgr) == before
+            return
         old = self.tokens.get(rid, 0)
         want_total = cdiv(old + k, self.bs)
         needed = want_total - cdiv(old, self.bs)
@@ -171,6 +200,60 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.mgr.free(rid)
             assert snapshot(self.mgr) == before
 
+    @rule(rid=st.sampled_from(REQUEST_IDS))
+    def swap_out(self, rid):
+        before = snapshot(self.mgr)
+        if rid not in self.tokens:
+            with pytest.raises(ValueError):
+                self.mgr.swap_out(rid)
+            assert snapshot(self.mgr) == before
+            return
+        n = cdiv(self.tokens[rid], self.bs)
+        cpu_used = sum(cdiv(t, self.bs) for t in self.swapped.values())
+        if n > self.num_cpu_blocks - cpu_used:
+            assert not self.mgr.can_swap_out(rid)
+            assert self.mgr.swap_out(rid) is None
+            assert snapshot(self.mgr) == before
+            return
+        assert self.mgr.can_swap_out(rid)
+        table = before[0][rid]
+        mapping = self.mgr.swap_out(rid)
+        assert [d for d, _ in mapping] == table
+        assert [c for _, c in mapping] == self.mgr.get_cpu_block_ids(rid) == before[6][:n]
+        self.swapped[rid] = self.tokens.pop(rid)
+
+    @rule(rid=st.sampled_from(REQUEST_IDS))
+    def swap_in(self, rid):
+        before = snapshot(self.mgr)
+        if rid not in self.swapped:
+            with pytest.raises(ValueError, match="not swapped out"):
+                self.mgr.swap_in(rid)
+            assert snapshot(self.mgr) == before
+            return
+        n = cdiv(self.swapped[rid], self.bs)
+        if n > self.num_blocks - self.blocks_held():
+            assert not self.mgr.can_swap_in(rid)
+            assert self.mgr.swap_in(rid) is None
+            assert snapshot(self.mgr) == before
+            return
+        assert self.mgr.can_swap_in(rid)
+        cpu_table = before[4][rid]
+        mapping = self.mgr.swap_in(rid)
+        assert [c for c, _ in mapping] == cpu_table
+        assert [d for _, d in mapping] == self.mgr.get_block_ids(rid) == before[3][:n]
+        self.tokens[rid] = self.swapped.pop(rid)
+
+    @rule(rid=st.sampled_from(REQUEST_IDS))
+    def free_swapped(self, rid):
+        if rid in self.swapped:
+            self.mgr.free_swapped(rid)
+            del self.swapped[rid]
+        else:
+            before = snapshot(self.mgr)
+            with pytest.raises(ValueError, match="not swapped out"):
+                self.mgr.free_swapped(rid)
+            assert snapshot(self.mgr) == before
+
     @rule(rid=st.sampled_from(REQUEST_IDS), k=st.integers(-3, 0))
     def bad_allocate(self, rid, k):
         before = snapshot(self.mgr)
@@ -201,6 +284,13 @@ class ManagerMachine(RuleBasedStateMachine):
         assert u.num_reserved_slots == held * bs
         assert u.num_free_slots == (self.num_blocks - held) * bs
         assert 0 <= u.internal_fragmentation < bs * max(1, len(self.tokens))
+        # swap space
+        assert set(mgr.req_to_cpu_blocks) == set(self.swapped)
+        cpu_held = 0
+        for rid, n in self.swapped.items():
+            assert len(mgr.get_cpu_block_ids(rid)) == cdiv(n, bs) and mgr.cpu_num_tokens[rid] == n
+            cpu_held += cdiv(n, bs)
+        assert mgr.get_num_free_cpu_blocks() == self.num_cpu_blocks - cpu_held
 
 
 TestManagerMachine = ManagerMachine.TestCase

@@ -115,6 +115,8 @@ class KVCacheManager:
         if not isinstance(num_new_tokens, int) or num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be a positive int, got {num_new_tokens!r}")
         rid = _request_id(request)
+        if rid in self.req_to_cpu_blocks:
+            raise ValueError(f"request {rid!r} is swapped out: swap_in before allocate_slots")
         total = self.num_tokens.get(rid, 0) + num_new_tokens
         if cdiv(total, self.block_size) > self.num_blocks:
             raise ValueError(
