@@ -1,0 +1,89 @@
+"""PagedAttention as a model layer: write this step's K/V into the cache, then attend
+through the block tables.
+
+Mirrors vLLM ``vllm/attention/layer.py`` (``Attention``) with the backend choice of
+``vllm/v1/attention/backends/`` reduced to two: ``"torch"`` and ``"triton"``.
+
+Inputs
+    q [T, H, D], k [T, KVH, D], v [T, KVH, D] for the T scheduled tokens of one step (RoPE
+    already applied); this layer's ``(k_cache, v_cache)``, each
+    ``[num_blocks, block_size, KVH, D]``; the step's ``ModelInput`` (slot_mapping,
+    block_tables, seq_lens, cu_seqlens_q, max_query_len, max_seq_len).
+Output
+    [T, H, D]: for each token, softmax attention over its own sequence's context (every
+    cached token plus the new ones up to and including itself).
+
+Invariants
+    - The cache is written *before* it is read: a prefill chunk attends to itself through
+      the cache like any earlier chunk, so prefill, chunked prefill and decode are one path.
+    - Token ``i`` of the step is written at ``slot_mapping[i]``; slot -1 (padding) is skipped.
+    - Backends compute the same function; "triton" picks the decode kernel when every
+      sequence has exactly one query (``inp.is_decode_only``), the varlen kernel otherwise.
+
+Failure mode
+    An unknown backend raises ``ValueError``; "triton" without Triton installed raises
+    ``RuntimeError`` from ``minipaged.kernels`` when called. A slot mapping or block table
+    that points at another sequence's blocks silently mixes sequences: the scheduler and
+    ``KVCacheManager`` own that invariant, not this layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minipaged import kernels
+from minipaged.model.input import ModelInput
+
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+class PagedAttention(nn.Module):
+    """Attention over a paged KV cache. Holds no weights, only the head geometry."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, backend: str = "torch"):
+        super().__init__()
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.backend = backend
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KVH, D]
+        v: torch.Tensor,  # [T, KVH, D]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        inp: ModelInput,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache  # each [num_blocks, block_size, KVH, D]
+        # 1. Write: token i's key and value go to slot_mapping[i].
+        kernels.reshape_and_cache(k, v, k_cache, v_cache, inp.slot_mapping)
+
+        # 2. Read: each query attends to its sequence's tokens, found through its block table.
+        if self.backend == "torch":
+            return kernels.paged_attention_torch(
+                q, k_cache, v_cache, inp.block_tables, inp.cu_seqlens_q, inp.seq_lens,
+                inp.max_query_len, inp.max_seq_len, self.scale,
+            )  # [T, H, D]
+        if inp.is_decode_only:
+            # NOTE: decode-only means T == num_seqs, so q is already [num_seqs, H, D].
+            return kernels.paged_attention_decode(
+                q, k_cache, v_cache, inp.block_tables, inp.seq_lens, self.scale,
+                max_seq_len=inp.max_seq_len,
+            )  # [B, H, D]
+        return kernels.paged_attention_prefill(
+            q, k_cache, v_cache, inp.block_tables, inp.cu_seqlens_q, inp.seq_lens, self.scale,
+            max_query_len=inp.max_query_len,
+        )  # [T, H, D]
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, scale={self.scale:.4g}, backend={self.backend!r}"
+        )

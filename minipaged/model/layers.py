@@ -1,0 +1,200 @@
+"""Building blocks shared by the model files: RMSNorm, rotary embeddings, activations, and
+the base class every paged model derives from.
+
+Mirrors vLLM ``vllm/model_executor/layers/layernorm.py`` (RMSNorm),
+``rotary_embedding.py`` (RotaryEmbedding, neox style) and ``activation.py`` (SiluAndMul).
+
+Inputs / outputs
+    All layers work on the flat token batch of one engine step: ``[T, hidden]`` rows, no
+    padding and no batch axis (``minipaged.model.input.ModelInput``). ``RotaryEmbedding``
+    takes each token's *position* ``[T]`` explicitly, because the rows of one step belong to
+    different sequences at different offsets.
+
+Invariants
+    - ``RMSNorm`` and ``RotaryEmbedding`` compute in fp32 and cast back, as Hugging Face does,
+      so fp32 results match transformers to rounding.
+    - ``PagedCausalLM.allocate_kv_caches`` returns one ``(k_cache, v_cache)`` pair per layer,
+      each ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model's dtype/device.
+
+Failure mode
+    Unsupported RoPE variants or activations raise ``ValueError`` naming the config field.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight  (Llama, Mistral, Qwen2)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()  # [T, hidden]
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # [T, hidden]
+        return self.weight * x.to(dtype)
+
+
+def rope_parameters(config) -> dict:
+    """The RoPE settings of a config, whichever transformers version wrote it.
+
+    transformers 5.x keeps them in ``config.rope_parameters`` (with ``rope_theta`` inside);
+    4.x has ``config.rope_theta`` and an optional ``config.rope_scaling`` dict.
+    Returns a dict with at least ``rope_type`` and ``rope_theta``.
+    """
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None)
+    if not params and scaling:
+        params = dict(scaling)
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    return params
+
+
+# RoPE variants whose frequencies do not depend on the sequence length at run time (within
+# max_position_embeddings, which is all minipaged ever runs): transformers computes them once.
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, neox style (rotate the two halves of each head).
+
+    q' = q * cos(pos * inv_freq) + rotate_half(q) * sin(pos * inv_freq), same for k.
+    """
+
+    def __init__(self, config, head_dim: int):
+        super().__init__()
+        params = rope_parameters(config)
+        rope_type = params["rope_type"]
+        if rope_type == "default":
+            base = float(params["rope_theta"])
+            exps = torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim  # [D/2]
+            inv_freq = 1.0 / (base**exps)  # [D/2]
+            attention_scaling = 1.0
+        elif rope_type in _STATIC_ROPE_TYPES:
+            # NOTE: scaled variants (Llama 3.x "llama3", "linear", "yarn") only reshape the
+            # frequencies; borrow transformers' formulas rather than copy them here.
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        else:
+            raise ValueError(f"config.rope_parameters: rope_type {rope_type!r} is not supported")
+        # NOTE: a plain attribute, not a buffer: ``model.to(torch.bfloat16)`` must not round
+        # the frequencies (transformers keeps them in fp32 too). Moved to q's device on use.
+        self.inv_freq = inv_freq.float().cpu()  # [D/2]
+        self.attention_scaling = float(attention_scaling)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions [T]; q [T, H, D]; k [T, KVH, D] -> rotated (q, k), same shapes."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        cos = (emb.cos() * self.attention_scaling).to(q.dtype)[:, None, :]  # [T, 1, D]
+        sin = (emb.sin() * self.attention_scaling).to(q.dtype)[:, None, :]  # [T, 1, D]
+        q = q * cos + self._rotate_half(q) * sin  # [T, H, D]
+        k = k * cos + self._rotate_half(k) * sin  # [T, KVH, D]
+        return q, k
+
+
+def get_act_fn(name: str):
+    """The activation called ``name`` in a transformers config (``hidden_act``)."""
+    acts = {
+        "silu": F.silu,
+        "swish": F.silu,
+        "gelu": F.gelu,
+        "relu": F.relu,
+        # gelu_new (GPT-2) is the tanh approximation of GELU.
+        "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    }
+    if name not in acts:
+        raise ValueError(f"config.hidden_act / activation_function {name!r} is not supported")
+    return acts[name]
+
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    """'float32' | 'float16' | 'bfloat16' (or a torch.dtype) -> torch.dtype."""
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype must be one of 'float32', 'float16', 'bfloat16', got {dtype!r}")
+
+
+class PagedCausalLM(nn.Module):
+    """What every minipaged model exposes to the engine, besides ``forward``.
+
+    Subclasses set ``num_layers``, ``num_heads``, ``num_kv_heads``, ``head_dim``,
+    ``vocab_size``, ``max_model_len`` and ``eos_token_ids`` in ``__init__`` and implement
+    ``forward(inp: ModelInput, kv_caches) -> logits [B, vocab]`` (fp32) and
+    ``load_weights(state_dict)``.
+    """
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+
+    @property
+    def eos_token_id(self):
+        """The first EOS id (``None`` if the checkpoint names none)."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One zeroed (k_cache, v_cache) per layer, each [num_blocks, block_size, KVH, D]."""
+        for name, val in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        kw = dict(dtype=self.dtype, device=self.device)
+        return [(torch.zeros(shape, **kw), torch.zeros(shape, **kw)) for _ in range(self.num_layers)]
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one block takes across all layers, keys and values."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+
+    def check_invariants(self) -> None:
+        assert self.num_heads % self.num_kv_heads == 0, (
+            f"num_kv_heads {self.num_kv_heads} must divide num_heads {self.num_heads}"
+        )
+        assert self.max_model_len >= 1, f"max_model_len {self.max_model_len} < 1"
+        assert self.num_layers == len(self.attention_layers()), "one attention layer per layer"
+
+    def attention_layers(self) -> list:
+        """The model's ``PagedAttention`` modules, in layer order."""
+        from minipaged.model.attention import PagedAttention
+
+        return [m for m in self.modules() if isinstance(m, PagedAttention)]

@@ -1,0 +1,166 @@
+"""The Llama family (Llama, Mistral, Qwen2) on a paged KV cache.
+
+Mirrors vLLM ``vllm/model_executor/models/llama.py`` (and ``qwen2.py``, which differs only
+in its q/k/v biases). Module and parameter names are Hugging Face's
+(``model.layers.0.self_attn.q_proj.weight`` ...), so a transformers state dict loads as is.
+
+One decoder layer, pre-norm::
+
+    h = h + o_proj(PagedAttention(RoPE(q_proj(norm(h))), RoPE(k_proj(..)), v_proj(..)))
+    h = h + down_proj(silu(gate_proj(norm(h))) * up_proj(norm(h)))
+
+Inputs
+    ``forward(inp: ModelInput, kv_caches)``: the flat token batch of one step (``input_ids``
+    and ``positions`` [T]) and one ``(k_cache, v_cache)`` per layer.
+Output
+    fp32 logits ``[B, vocab]``: one row per sequence, taken at ``inp.logits_indices`` (its
+    last scheduled token). The other T - B rows never reach the LM head.
+
+Invariants
+    - Grouped-query attention: ``num_kv_heads`` divides ``num_heads``; the cache holds only
+      the KV heads, so it is ``num_heads / num_kv_heads`` times smaller than with MHA.
+    - ``head_dim`` is ``config.head_dim`` when the config has one, else hidden / heads.
+    - Tied embeddings: ``lm_head.weight`` *is* ``embed_tokens.weight`` (one tensor).
+
+Failure mode
+    Features outside the family as written here (Qwen3's q/k norms, sliding-window attention
+    beyond the window) are not implemented: Qwen3 is refused by the loader, and
+    ``max_model_len`` is capped at a Mistral-style ``sliding_window`` so the window never
+    matters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minipaged.model.attention import PagedAttention
+from minipaged.model.input import ModelInput
+from minipaged.model.layers import PagedCausalLM, RMSNorm, RotaryEmbedding, get_act_fn
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down_proj(act(gate_proj(x)) * up_proj(x))."""
+
+    def __init__(self, config):
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act_fn = get_act_fn(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))  # [T, hidden]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, head_dim: int, rotary_emb: RotaryEmbedding, backend: str):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim
+        # NOTE: Qwen2 always has q/k/v biases (and none on o_proj); Llama has an
+        # attention_bias switch for all four; Mistral has none.
+        if config.model_type == "qwen2":
+            qkv_bias, o_bias = True, False
+        else:
+            qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=o_bias)
+        self.rotary_emb = rotary_emb  # shared by all layers; holds no weights
+        self.attn = PagedAttention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5, backend)
+
+    def forward(self, positions, h, kv_cache, inp: ModelInput) -> torch.Tensor:
+        T = h.shape[0]
+        q = self.q_proj(h).view(T, self.num_heads, self.head_dim)  # [T, H, D]
+        k = self.k_proj(h).view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = self.v_proj(h).view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v, kv_cache, inp)  # [T, H, D]
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # [T, hidden]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, head_dim: int, rotary_emb: RotaryEmbedding, backend: str):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, head_dim, rotary_emb, backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, h, kv_cache, inp: ModelInput) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, inp)  # [T, hidden]
+        return h + self.mlp(self.post_attention_layernorm(h))  # [T, hidden]
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, head_dim: int, backend: str):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary_emb = RotaryEmbedding(config, head_dim)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, head_dim, rotary_emb, backend)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(PagedCausalLM):
+    """Llama / Mistral / Qwen2 causal LM reading and writing a paged KV cache."""
+
+    def __init__(self, config, attention_backend: str = "torch", eos_token_ids=None):
+        super().__init__()
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.vocab_size = config.vocab_size
+        self.max_model_len = int(config.max_position_embeddings)
+        window = getattr(config, "sliding_window", None)
+        if window and getattr(config, "use_sliding_window", True):
+            self.max_model_len = min(self.max_model_len, int(window))
+        self.eos_token_ids = list(eos_token_ids or [])
+
+        self.model = LlamaModel(config, self.head_dim, attention_backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, inp: ModelInput, kv_caches) -> torch.Tensor:
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model {self.num_layers}")
+        h = self.model.embed_tokens(inp.input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h = layer(inp.positions, h, kv_cache, inp)  # [T, hidden]
+        h = h[inp.logits_indices]  # [B, hidden]: only each sequence's last token
+        h = self.model.norm(h)  # [B, hidden]
+        return self.lm_head(h).float()  # [B, vocab]
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy a transformers state dict in (names match; casts to this model's dtype)."""
+        if self.tie_word_embeddings:  # NOTE: Module.to_empty() can untie shared parameters
+            self.lm_head.weight = self.model.embed_tokens.weight
+        params = dict(self.named_parameters())
+        missing = set(params)
+        for name, tensor in state_dict.items():
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # the same tensor as embed_tokens
+            if name not in params:
+                if "rotary_emb" in name:
+                    continue  # older checkpoints store inv_freq; we compute it
+                raise ValueError(f"checkpoint weight {name!r} has no place in {type(self).__name__}")
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            missing.discard(name)
+        if self.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")

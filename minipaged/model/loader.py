@@ -1,0 +1,173 @@
+"""Load a Hugging Face checkpoint into a minipaged model: ``load_model(model) -> (model, tokenizer)``.
+
+Mirrors vLLM ``vllm/model_executor/model_loader/`` (default loader) and the architecture
+registry of ``vllm/model_executor/models/registry.py``, cut down to four families.
+
+Inputs
+    ``model``: ``None`` (the course model shipped in ``minipaged/data/course_model``), a
+    local directory in Hugging Face format, or a hub id such as ``"HuggingFaceTB/SmolLM2-135M"``
+    (downloaded by transformers where a network is reachable). ``dtype``: "float32",
+    "float16" or "bfloat16". ``device``: anything ``torch.device`` accepts.
+    ``attention_backend``: "torch" or "triton".
+Output
+    ``(model, tokenizer)``: a ``PagedCausalLM`` in eval mode on ``device`` in ``dtype`` with
+    the checkpoint's weights, and the checkpoint's transformers tokenizer (``None`` for a
+    local directory that holds no tokenizer files at all).
+
+How
+    transformers reads the config and the weights (``AutoConfig``,
+    ``AutoModelForCausalLM.from_pretrained(...).state_dict()``), which handles local and hub
+    paths, safetensors and ``.bin``, sharding and tied weights; the minipaged model is built
+    on the ``meta`` device (no random init), materialised on ``device`` and filled by its
+    ``load_weights``.
+
+Invariants
+    Same weights as transformers' model, so the same logits up to the attention kernel's
+    rounding; ``model.eos_token_ids`` is the generation config's EOS (else the config's).
+
+Failure mode
+    ``ValueError`` naming the argument for: a path that is neither a local directory nor a
+    plausible hub id, a checkpoint whose config cannot be loaded, an architecture outside
+    Llama / Mistral / Qwen2 / GPT-2, a bad dtype or backend.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from minipaged.model.attention import ATTENTION_BACKENDS
+from minipaged.model.gpt2 import GPT2LMHeadModel
+from minipaged.model.layers import PagedCausalLM, resolve_dtype
+from minipaged.model.llama import LlamaForCausalLM
+
+COURSE_MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "course_model"
+
+# config.model_type -> minipaged class
+_MODEL_REGISTRY: dict[str, type[PagedCausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "gpt2": GPT2LMHeadModel,
+}
+
+# "name" or "namespace/name": letters, digits, '.', '_', '-' (Hugging Face's repo id rule).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]{0,95}(/[A-Za-z0-9][\w.\-]{0,95})?")
+
+
+# A local checkpoint without any of these has no tokenizer: load_model returns None for it
+# (the engine then takes token-id prompts only). Tests build such checkpoints.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> str:
+    """The directory or hub id to load; ``ValueError`` if ``model`` can be neither."""
+    if model is None:
+        if not (COURSE_MODEL_DIR / "config.json").is_file():
+            raise ValueError(f"model=None: the course model is missing from {COURSE_MODEL_DIR}")
+        return str(COURSE_MODEL_DIR)
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be a path, a hub id or None, got {type(model).__name__}")
+    path = os.fspath(model)
+    if os.path.isdir(path):
+        return path
+    looks_like_path = path.startswith(("/", ".", "~")) or os.sep + os.sep in path or "\\" in path
+    if looks_like_path or not _HUB_ID.fullmatch(path) or "--" in path or ".." in path:
+        raise ValueError(f"model {path!r}: no such local directory, and not a Hugging Face hub id")
+    return path  # a hub id: transformers downloads it (or finds it in the local HF cache)
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_MODEL_REGISTRY)
+
+
+def _from_pretrained_dtype_kwargs(dtype: torch.dtype) -> dict:
+    # NOTE: transformers >= 4.56 calls the argument ``dtype``; older versions ``torch_dtype``.
+    import transformers
+    from packaging.version import Version
+
+    key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    return {key: dtype}
+
+
+def _eos_token_ids(config, src: str) -> list[int]:
+    eos = None
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(src).eos_token_id
+    except (OSError, ValueError):
+        pass  # no generation_config.json: fall back to the model config
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _quietly(fn, *args, **kwargs):
+    """Call ``fn`` with transformers' progress bars off (they would land in notebook output)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def load_model(
+    model: str | os.PathLike | None = None,
+    dtype="float32",
+    device="cpu",
+    attention_backend: str = "torch",
+):
+    """Load ``model`` (None = the course model) -> ``(PagedCausalLM, tokenizer)``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = resolve_dtype(dtype)
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a torch device: {e}") from e
+    src = resolve_model_path(model)
+
+    try:
+        config = AutoConfig.from_pretrained(src)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model {src!r}: could not load its config: {e}") from e
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _MODEL_REGISTRY:
+        archs = getattr(config, "architectures", None)
+        raise ValueError(
+            f"model {src!r}: architecture {model_type!r} ({archs}) is not supported; "
+            f"supported model types: {supported_model_types()}"
+        )
+    cls = _MODEL_REGISTRY[model_type]
+
+    # 1. The weights, as transformers reads them (any format, any source).
+    hf_model = _quietly(
+        AutoModelForCausalLM.from_pretrained, src, **_from_pretrained_dtype_kwargs(torch_dtype)
+    )
+    state_dict = hf_model.state_dict()
+
+    # 2. The minipaged model: built without random init, then filled.
+    with torch.device("meta"):
+        paged = cls(config, attention_backend=attention_backend, eos_token_ids=_eos_token_ids(config, src))
+    paged = paged.to_empty(device=device).to(torch_dtype)
+    paged.load_weights(state_dict)
+    del hf_model, state_dict
+    paged.eval().requires_grad_(False)
+    paged.check_invariants()
+
+    tokenizer = None
+    if not os.path.isdir(src) or any(os.path.isfile(os.path.join(src, f)) for f in _TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(src)
+    return paged, tokenizer
