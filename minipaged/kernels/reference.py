@@ -51,6 +51,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 
 def _default_scale(head_dim: int, scale: Optional[float]) -> float:
@@ -199,6 +200,32 @@ def paged_attention_prefill_ref(
     return out
 
 
+def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks_used: int) -> torch.Tensor:
+    """All sequences' K (or V) at once: [B, max_blocks] ids -> [B, KVH, nb * block_size, D] fp32."""
+    num_seqs = block_tables.shape[0]
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    table = block_tables[:, :num_blocks_used].long()  # [B, nb]
+    kv = cache[table].reshape(num_seqs, num_blocks_used * block_size, num_kv_heads, head_dim)  # [B, Lk, KVH, D]
+    return kv.transpose(1, 2).float()  # [B, KVH, Lk, D]
+
+
+def _sdpa_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float):
+    """SDPA with GQA folded into the query axis: the G query heads of a kv head are extra rows.
+
+    q [B, Mq, H, D]; k, v [B, KVH, Lk, D]; allowed [B, Mq, Lk] bool -> [B, Mq, H, D] fp32.
+    """
+    num_seqs, max_q, num_heads, head_dim = q.shape
+    num_kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    qg = q.float().reshape(num_seqs, max_q, num_kv_heads, group, head_dim)
+    qg = qg.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group * max_q, head_dim)  # [B, KVH, G*Mq, D]
+    mask = allowed[:, None, None].expand(num_seqs, 1, group, max_q, kv_len)
+    mask = mask.reshape(num_seqs, 1, group * max_q, kv_len)  # [B, 1, G*Mq, Lk], broadcast over KVH
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [B, KVH, G*Mq, D]
+    out = out.reshape(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(num_seqs, max_q, num_heads, head_dim)  # [B, Mq, H, D]
+
+
 def paged_attention_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -213,10 +240,12 @@ def paged_attention_torch(
     """Vectorized paged attention for a whole batch (decode, prefill or both), in torch.
 
     Same contract as ``paged_attention_prefill_ref`` (q [total_q, H, D] -> [total_q, H, D]);
-    ``max_query_len`` / ``max_seq_len`` are host ints (``ModelInput`` carries them) so no
-    device sync is needed. Steps: gather every sequence's blocks at once into
-    ``[B, max_blocks * block_size, KVH, D]``, pad the query rows to ``[B, max_q, H, D]``,
-    mask (causal and length), two batched matmuls, unpad. Computed in fp32.
+    ``max_query_len`` / ``max_seq_len`` are host ints (``ModelInput`` carries them). Steps:
+    gather every sequence's blocks at once into ``[B, KVH, max_blocks * block_size, D]``,
+    pad the query rows to ``[B, max_q, H, D]``, build the causal + length mask, one SDPA
+    call, unpad. A mixed batch is split in two such calls, decode rows and prefill rows,
+    so that 60 decodes do not get padded to one long prompt's length (this split reads
+    the query lengths on the host: a device sync on a GPU). Computed in fp32.
     """
     _check_cache(q, k_cache, v_cache)
     num_seqs = seq_lens.shape[0]
@@ -224,47 +253,52 @@ def paged_attention_torch(
         raise ValueError(f"cu_seqlens_q must be [{num_seqs + 1}], got {tuple(cu_seqlens_q.shape)}")
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}")
-    total_q, num_heads, head_dim = q.shape
+    total_q = q.shape[0]
     if total_q == 0 or num_seqs == 0:
         return torch.empty_like(q)
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    scale = _default_scale(head_dim, scale)
-    device = q.device
+    scale = _default_scale(q.shape[2], scale)
     max_query_len = max(int(max_query_len), 1)
-    num_blocks_used = min(-(-int(max_seq_len) // block_size), block_tables.shape[1])
+    cu = cu_seqlens_q.to(device=q.device, dtype=torch.long)  # [B + 1]
+    q_lens = cu[1:] - cu[:-1]  # [B]
+    if max_query_len > 1 and total_q > 1:
+        is_decode = q_lens == 1  # [B]
+        num_decode = int(is_decode.sum())
+        if 0 < num_decode < num_seqs:
+            out = torch.empty_like(q)  # [T, H, D]
+            for part in (is_decode, ~is_decode):
+                rows = torch.repeat_interleave(part, q_lens)  # [T] rows of these sequences
+                part_q_lens = q_lens[part]
+                part_cu = torch.zeros(part_q_lens.shape[0] + 1, dtype=torch.long, device=q.device)
+                part_cu[1:] = part_q_lens.cumsum(0)
+                out[rows] = _paged_attention_padded(
+                    q[rows], k_cache, v_cache, block_tables[part], part_cu, seq_lens[part],
+                    1 if part is is_decode else max_query_len, max_seq_len, scale,
+                )
+            return out
+    return _paged_attention_padded(q, k_cache, v_cache, block_tables, cu, seq_lens, max_query_len,
+                                   max_seq_len, scale)
+
+
+def _paged_attention_padded(q, k_cache, v_cache, block_tables, cu, seq_lens, max_query_len, max_seq_len, scale):
+    """The body of ``paged_attention_torch``: pad queries, one masked SDPA, unpad."""
+    total_q, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    device = q.device
+    block_size = k_cache.shape[1]
+    num_blocks_used = max(1, min(-(-int(max_seq_len) // block_size), block_tables.shape[1]))
     kv_len = num_blocks_used * block_size
 
-    # 1. Gather K/V through the block tables: [B, nb] ids -> [B, nb, bs, KVH, D] -> [B, Lk, KVH, D].
-    table = block_tables[:, :num_blocks_used].long()  # [B, nb]
-    k = k_cache[table].reshape(num_seqs, kv_len, num_kv_heads, head_dim).float()  # [B, Lk, KVH, D]
-    v = v_cache[table].reshape(num_seqs, kv_len, num_kv_heads, head_dim).float()  # [B, Lk, KVH, D]
-
-    seq_lens_l = seq_lens.to(device=device, dtype=torch.long)  # [B]
-    cu = cu_seqlens_q.to(device=device, dtype=torch.long)  # [B + 1]
-    q_lens = cu[1:] - cu[:-1]  # [B]
-
-    if max_query_len == 1 and total_q == num_seqs:
-        # Decode fast path: one query row per sequence, no padding, no causal mask.
-        qg = q.float().reshape(num_seqs, num_kv_heads, group, head_dim)  # [B, KVH, G, D]
-        scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale  # [B, KVH, G, Lk]
-        k_pos = torch.arange(kv_len, device=device)  # [Lk]
-        invalid = k_pos[None, :] >= seq_lens_l[:, None]  # [B, Lk]
-        # NOTE: an empty sequence (seq_len 0, padding) would softmax over nothing -> NaN;
-        # let it see key 0 and zero its output afterwards, as the reference gives zeros.
-        empty = seq_lens_l == 0  # [B]
-        invalid[:, 0] &= ~empty
-        scores = scores.masked_fill(invalid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)  # [B, KVH, G, Lk]
-        out = torch.einsum("bkgl,blkd->bkgd", probs, v)  # [B, KVH, G, D]
-        out = out.masked_fill(empty[:, None, None, None], 0.0)
-        return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    # 1. Gather K/V through the block tables.
+    k = _gather_blocks(k_cache, block_tables, num_blocks_used)  # [B, KVH, Lk, D]
+    v = _gather_blocks(v_cache, block_tables, num_blocks_used)  # [B, KVH, Lk, D]
 
     # 2. Pad the packed query rows: row j of sequence b is q[cu[b] + j] when j < q_len[b].
+    seq_lens_l = seq_lens.to(device=device, dtype=torch.long)  # [B]
+    q_lens = cu[1:] - cu[:-1]  # [B]
     j = torch.arange(max_query_len, device=device)  # [Mq]
     row_valid = j[None, :] < q_lens[:, None]  # [B, Mq]
     rows = (cu[:-1, None] + j[None, :]).clamp(max=total_q - 1)  # [B, Mq]
-    q_pad = q.float()[rows].reshape(num_seqs, max_query_len, num_kv_heads, group, head_dim)
+    q_pad = q[rows]  # [B, Mq, H, D]
 
     # 3. Mask: query j sits at position seq_len - q_len + j and sees keys 0..that position.
     q_pos = (seq_lens_l - q_lens)[:, None] + j[None, :]  # [B, Mq]
@@ -272,16 +306,12 @@ def paged_attention_torch(
     allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
         k_pos[None, None, :] < seq_lens_l[:, None, None]
     )  # [B, Mq, Lk]
-    # NOTE: padding rows (j >= q_len) may see nothing at all; give them key 0 so the
-    # softmax stays finite. They are dropped when unpadding.
-    allowed[:, :, 0] |= ~row_valid
+    # NOTE: padding rows, and the rows of an empty sequence (seq_len 0), would see no key
+    # at all and softmax to NaN; let them see key 0 and overwrite them below.
+    empty = ~row_valid | (seq_lens_l == 0)[:, None]  # [B, Mq]
+    allowed[:, :, 0] |= empty
 
-    # 4. Attention with GQA kept as a separate group axis (no K/V copies per query head).
-    scores = torch.einsum("bqkgd,blkd->bkgql", q_pad, k) * scale  # [B, KVH, G, Mq, Lk]
-    scores = scores.masked_fill(~allowed[:, None, None, :, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # [B, KVH, G, Mq, Lk]
-    out = torch.einsum("bkgql,blkd->bqkgd", probs, v)  # [B, Mq, KVH, G, D]
-    out = out.reshape(num_seqs, max_query_len, num_heads, head_dim)  # [B, Mq, H, D]
-
-    # 5. Unpad: boolean indexing keeps (b, j) order, which is the packed row order.
+    # 4. Attention, 5. unpad: boolean indexing keeps (b, j) order, the packed row order.
+    out = _sdpa_grouped(q_pad, k, v, allowed, scale)  # [B, Mq, H, D]
+    out = out.masked_fill(empty[:, :, None, None], 0.0)
     return out[row_valid].to(q.dtype)  # [T, H, D]
