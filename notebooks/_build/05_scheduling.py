@@ -1,0 +1,481 @@
+"""Generate notebooks/05_scheduling.ipynb (run from the repo root, then execute it).
+
+    python notebooks/_build/05_scheduling.py
+    jupyter nbconvert --to notebook --execute --inplace notebooks/05_scheduling.ipynb
+"""
+
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+cells = []
+
+
+def md(text: str) -> None:
+    cells.append(new_markdown_cell(text.strip("\n")))
+
+
+def code(text: str) -> None:
+    cells.append(new_code_cell(text.strip("\n")))
+
+
+md(r"""
+# 05 · Scheduling: token budgets, chunked prefill, memory pressure
+
+Chapter 04 showed *that* continuous batching beats static batching. This chapter opens the
+scheduler and pushes on it until it hurts.
+
+**You will learn**
+
+1. how one step's batch is built: running requests first, then waiting ones in arrival
+   order (FCFS), under three limits: `max_num_seqs`, `max_num_batched_tokens` and free KV blocks;
+2. **chunked prefill**: why a long prompt is cut into pieces and mixed with other requests' decodes;
+3. what happens when the blocks run out: **preemption** by *recompute* or by *swap*, step by step;
+4. the failure modes: **thrash**, **head-of-line blocking**, and **a request too big to ever fit**.
+
+No model is needed: the scheduler only decides *who computes how many tokens*. We drive it
+with a fake model that always "samples" token 7, so every run is instant and exact.
+""")
+
+md("## Setup")
+
+code(r"""
+import inspect
+
+import matplotlib.pyplot as plt
+
+from minipaged import viz
+from minipaged.core import Request, RequestStatus, Scheduler, run_scheduler
+from minipaged.sampling_params import SamplingParams
+
+
+def make(rid, prompt_len, max_tokens):
+    # A request with a deterministic prompt; no EOS, so it runs to max_tokens.
+    prompt = [(7 * j + 3) % 50 for j in range(prompt_len)]
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens))
+
+
+fake_model = lambda request: 7  # the "model": every sampled token is 7
+""")
+
+md(r"""
+## 1. The concept: one step
+
+Prefill and decode are one mechanism. A request has `num_tokens` (prompt + output so far)
+and `num_computed_tokens` (those whose K/V are in the cache). Each step the scheduler gives it
+`num_tokens - num_computed_tokens` more, capped by the token budget: a whole prompt,
+a *chunk* of a prompt, or 1 token (a decode). When its computed count catches up with its
+token count, the model's output at the last position is its next token.
+
+`schedule()` builds the batch in two passes (as in vLLM v1):
+
+1. **running requests first**, in arrival order: each gets its decode token or its next
+   prefill chunk, and `allocate_slots` finds blocks for it. If the pool is full, the
+   *latest-arrived* running request is preempted to make room (possibly the asking one);
+2. **then waiting requests, in arrival order (FCFS)**, while there is room in all three
+   limits. The first one that does not fit stops admission: nobody jumps the queue.
+
+`update_from_output` then advances `num_computed_tokens`, appends the sampled tokens and
+frees the blocks of finished requests. Here is one step by hand:
+""")
+
+code(r"""
+s = Scheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
+a = make("A", 5, 3)
+s.add_request(a)
+out = s.schedule()
+print("scheduled:", out.num_scheduled_tokens, "| total", out.total_num_scheduled_tokens)
+print("A's block table:", s.kv_cache_manager.get_block_ids("A"))
+finished = s.update_from_output(out, {"A": fake_model(a)})
+print(a, "| finished:", finished)
+s.check_invariants()
+""")
+
+md(r"""
+## 2. Token budget and chunked prefill
+
+### Hand check
+
+Budget `max_num_batched_tokens = 6`, blocks of 4 tokens. A (prompt 5, 3 tokens to
+generate) and B (prompt 4, 2 tokens) arrive together. Predict before running:
+
+| step | A | B | why |
+|---|---|---|---|
+| 0 | 5 (whole prompt) | 1 (chunk) | A takes 5 of the 6 tokens; B's prompt is *split*: 1 now |
+| 1 | 1 (decode) | 3 (rest of prompt) | B finishes its prefill and samples its 1st token |
+| 2 | 1 (decode) | 1 (decode) | A reaches 3 tokens, B 2: both finish |
+
+Block tables: A's 5 prompt tokens need 2 blocks (0, 1), B's first token 1 block (2).
+""")
+
+code(r"""
+s = Scheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
+trace = run_scheduler(s, [make("A", 5, 3), make("B", 4, 2)], fake_model)
+print([st.scheduled for st in trace.steps])
+assert [st.scheduled for st in trace.steps] == [{"A": 5, "B": 1}, {"A": 1, "B": 3}, {"A": 1, "B": 1}]
+assert trace[0].block_tables == {"A": [0, 1], "B": [2]}
+print(viz.step_text(trace, 0))
+""")
+
+md(r"""
+`run_scheduler(scheduler, arrivals, next_token)` is the loop of section 1 with arrivals, and
+it records an `EngineTrace` with `record_step`, the same record the real engine writes, so all
+of `minipaged.viz` works on it. The timeline has a row per request and a column per step
+(`P` prefill, `d` decode); the `tokens` row is the work done per step:
+""")
+
+code(r"""
+print(viz.timeline_text(trace))
+""")
+
+md(r"""
+### Why chunk?
+
+Four short requests are decoding when a 40-token prompt `L` arrives at step 3.
+
+* **Chunking on, budget 16**: `L` is prefilled in chunks of at most 12 (16 minus the 4
+  decodes: 12 + 12 + 12 + 4) over 4 steps, and the decodes never stop.
+* **Chunking off**: the prompt must run *whole*, so the budget must be at least 40
+  (we use 48). The step that prefills `L` computes 44 tokens.
+
+Both finish in the same number of steps, but a step's time grows with its tokens: the four
+decoding requests wait for the whole 44-token step to get their next token. Chunked
+prefill keeps every step under the budget, so the time between two tokens stays flat.
+""")
+
+code(r"""
+def workload():
+    return {0: [make(f"s{i}", 4, 12) for i in range(4)], 3: [make("L", 40, 4)]}
+
+
+for chunked, budget in ((True, 16), (False, 48)):
+    s = Scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=budget,
+                  enable_chunked_prefill=chunked)
+    t = run_scheduler(s, workload(), fake_model)
+    per_step = [sum(st.scheduled.values()) for st in t.steps]
+    print(f"chunked prefill {'on ' if chunked else 'off'} budget {budget}: {len(t)} steps, "
+          f"tokens per step {per_step}")
+    print(viz.timeline_text(t))
+""")
+
+md(r"""
+## 3. Memory pressure
+
+Six requests, prompt 8, up to 24 new tokens each: at full length one needs
+8 + 24 - 1 = 31 slots, 8 blocks of 4. The pool has 16 blocks. All six prompts fit at step 0
+(2 blocks each), but they grow one token per step and the pool fills up. The scheduler
+then preempts the **latest arrival** (`X` on the timeline): its blocks are freed and it waits
+at the front of the queue.
+""")
+
+code(r"""
+def pressure():
+    return [make(f"r{i}", 8, 24) for i in range(6)]
+
+
+s = Scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64)
+pressure_trace = run_scheduler(s, pressure(), fake_model)
+print(viz.timeline_text(pressure_trace))
+print(viz.memory_text(pressure_trace, max_rows=12))
+""")
+
+md(r"""
+Read the timeline: r5 (the last arrival) is preempted at step 1, r4 at step 5, r3 at
+step 9, r2 at step 13. r0 and r1, the earliest arrivals, are never touched: **the earliest
+running request is never the victim unless it runs alone**, so it makes progress every step.
+That is the scheduler's no-livelock argument: every request that fits in the pool on its own
+eventually finishes. After a recompute preemption the request's prompt *and* its output so far
+are prefilled again (the `P` in the middle of a row).
+
+The picture of the same run (the memory plot shows the pool filling and emptying):
+""")
+
+code(r"""
+fig = viz.timeline(pressure_trace)
+plt.show()
+plt.close(fig)
+fig = viz.memory(pressure_trace)
+plt.show()
+plt.close(fig)
+""")
+
+md(r"""
+## 4. Recompute vs swap, step by step
+
+The smallest case that preempts: 4 blocks of 2 slots, A and B with 3-token prompts and
+4 tokens to generate each. After their first decode (step 1) they hold all 4 blocks. At
+step 2 A needs a third block.
+
+* **recompute**: B (the later arrival) loses its blocks (`num_computed_tokens = 0`) and waits.
+  At step 4, after A finishes, B prefills its prompt *and* its 2 output tokens again: 5 tokens.
+* **swap**: B's two blocks are copied to the CPU pool (`blocks_to_swap_out`); at step 4
+  they are copied back (`blocks_to_swap_in`) and B simply decodes.
+
+Hand check: both take 6 steps; recompute computes 5 + 1 = 6 tokens for B after the
+preemption, swap only 2 (two decodes) but copies 2 blocks each way.
+""")
+
+code(r"""
+def ab():
+    return [make("A", 3, 4), make("B", 3, 4)]
+
+
+rec = run_scheduler(Scheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16), ab(), fake_model)
+swp = run_scheduler(
+    Scheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16,
+              preemption_mode="swap", num_cpu_blocks=4),
+    ab(), fake_model,
+)
+print("recompute:", [st.scheduled for st in rec.steps])
+print("swap:     ", [st.scheduled for st in swp.steps])
+assert [st.scheduled for st in rec.steps][4] == {"B": 5}
+assert [st.scheduled for st in swp.steps][4] == {"B": 1}
+""")
+
+code(r"""
+for i in (1, 2, 4):
+    print("--- recompute ---")
+    print(viz.step_text(rec, i))
+    print("--- swap ---")
+    print(viz.step_text(swp, i))
+    print()
+""")
+
+md(r"""
+At step 2 B's blocks 2 and 3 went to CPU blocks 0 and 1; the freed device block 3 went to
+A (blocks are freed tail first, so 3 is handed out before 2). The engine copies the data
+before the model runs; the `SchedulerOutput` says what to copy:
+""")
+
+code(r"""
+s = Scheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16,
+              preemption_mode="swap", num_cpu_blocks=4)
+for r in ab():
+    s.add_request(r)
+for step in range(5):
+    out = s.schedule()
+    if out.blocks_to_swap_out or out.blocks_to_swap_in:
+        print(f"step {step}: swap out (device, cpu) {out.blocks_to_swap_out} | "
+              f"swap in (cpu, device) {out.blocks_to_swap_in}")
+    s.update_from_output(out, {r.request_id: 7 for r, n in out.scheduled
+                               if r.num_computed_tokens + n == r.num_tokens})
+""")
+
+md(r"""
+Which is cheaper depends on the hardware: recompute spends GPU FLOPs (prefill is fast,
+many tokens per step), swap spends PCIe bandwidth (proportional to the blocks). The paper
+(section 7.3, Fig. 19) finds recompute better for small blocks, swap for large ones. On the
+memory-pressure workload of section 3:
+""")
+
+code(r"""
+def costs(trace):
+    computed = sum(sum(st.scheduled.values()) for st in trace.steps)
+    useful = sum(r["prompt_len"] + r["output_len"] - 1 for r in trace.requests.values())
+    moved = sum(len(st.swapped_out_ids) + len(st.swapped_in_ids) for st in trace.steps)
+    return computed, computed - useful, moved
+
+
+print(f"{'mode':>9}  steps  tokens computed  recomputed  preemptions  swap-outs")
+for mode in ("recompute", "swap"):
+    s = Scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64,
+                  preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0)
+    t = run_scheduler(s, pressure(), fake_model)
+    computed, wasted, _ = costs(t)
+    print(f"{mode:>9}  {len(t):5d}  {computed:15d}  {wasted:10d}  "
+          f"{sum(len(st.preempted_ids) for st in t.steps):11d}  "
+          f"{sum(len(st.swapped_out_ids) for st in t.steps):9d}")
+""")
+
+md(r"""
+## 5. Failure modes
+
+### 5a. Thrash
+
+Admit too much for the memory and the scheduler spends its time preempting and redoing
+work. Same six requests, shrinking pool (recompute): as the pool shrinks toward the size of
+one request (8 blocks), up to half of the computed tokens are *recomputed*, and the same
+request is preempted again and again.
+""")
+
+code(r"""
+print(f"{'blocks':>6}  steps  computed  recomputed  preemptions  max per request")
+for num_blocks in (48, 32, 24, 16, 12, 8):
+    s = Scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64)
+    t = run_scheduler(s, pressure(), fake_model)
+    computed, wasted, _ = costs(t)
+    worst = max(r["num_preemptions"] for r in t.requests.values())
+    print(f"{num_blocks:6d}  {len(t):5d}  {computed:8d}  {wasted:5d} ({wasted / computed:4.0%})  "
+          f"{sum(len(st.preempted_ids) for st in t.steps):11d}  {worst:15d}")
+""")
+
+md(r"""
+The cure is admission control: admit less. `max_num_seqs` caps the batch; with 8 blocks,
+fewer sequences at once means fewer preemptions and less recomputed work, at the price of
+less batching (one at a time takes the most steps).
+""")
+
+code(r"""
+print(f"{'max_num_seqs':>12}  steps  recomputed  preemptions")
+for max_num_seqs in (6, 3, 2, 1):
+    s = Scheduler(num_blocks=8, block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=64)
+    t = run_scheduler(s, pressure(), fake_model)
+    computed, wasted, _ = costs(t)
+    print(f"{max_num_seqs:12d}  {len(t):5d}  {wasted:10d}  {sum(len(st.preempted_ids) for st in t.steps):11d}")
+""")
+
+md(r"""
+### 5b. Head-of-line blocking
+
+FCFS is fair but rigid. A (prompt 32, 24 new tokens) is running. At step 1 a big request
+`BIG` (prompt 32) arrives, followed by four small ones. `BIG`'s prompt needs 8 blocks but only
+7 are free, so it waits, and **the small requests wait behind it although each would fit**.
+The same arrivals with `BIG` last:
+""")
+
+code(r"""
+for big_first in (True, False):
+    smalls = [make(f"s{i}", 4, 4) for i in range(4)]
+    big = make("BIG", 32, 8)
+    arrivals = {0: [make("A", 32, 24)], 1: [big] + smalls if big_first else smalls + [big]}
+    t = run_scheduler(Scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64),
+                      arrivals, fake_model)
+    done = {rid: r["finish_step"] for rid, r in t.requests.items()}
+    print(("BIG first" if big_first else "BIG last "), "finish steps:", done)
+    print(viz.timeline_text(t))
+""")
+
+md(r"""
+The small requests finish at steps 27-30 instead of 4-7, and `BIG` finishes at step 31
+either way. Schedulers that let small requests overtake (shortest-job-first, or vLLM's
+priority scheduling) trade this latency for fairness and the risk of starving `BIG`.
+
+### 5c. A request too big to ever fit
+
+A request whose K/V can never fit in the whole pool (prompt + max_tokens - 1 tokens), or
+whose prompt exceeds the token budget when chunking is off, is **refused**: it finishes at
+once with `FINISHED_IGNORED` and a reason, and the others run as if it had never come.
+Without this rule it would be admitted, grow, preempt everyone, and finally preempt itself,
+forever. A prompt longer than `max_model_len` is a caller error: `add_request` raises
+`ValueError` and nothing changes.
+""")
+
+code(r"""
+s = Scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=32, max_model_len=128)
+huge = make("huge", 60, 20)  # 79 tokens of K/V > 64 slots
+t = run_scheduler(s, [make("ok1", 8, 4), huge, make("ok2", 8, 4)], fake_model)
+for rid in ("ok1", "huge", "ok2"):
+    r = s.finished[rid]
+    print(f"{rid:5} {r.status.name:17} out={r.num_output_tokens}  {r.stop_reason}")
+print([st.scheduled for st in t.steps])
+
+try:
+    s.add_request(make("too-long", 200, 1))
+except ValueError as e:
+    print("ValueError:", e)
+
+s_off = Scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=32, enable_chunked_prefill=False)
+run_scheduler(s_off, [make("L", 40, 4)], fake_model)
+print(s_off.finished["L"].stop_reason)
+""")
+
+md(r"""
+## 6. Code tour
+
+The whole policy is `Scheduler.schedule`. Read it against section 1: the first loop keeps
+running requests (and preempts), the second admits, swapped and waiting requests in one
+arrival order.
+""")
+
+code(r"""
+print(inspect.getsource(Scheduler.schedule))
+""")
+
+code(r"""
+print(inspect.getsource(Scheduler._preempt))
+print(inspect.getsource(Scheduler._num_new_tokens))
+""")
+
+md(r"""
+Every step can be checked: `check_invariants()` asserts the budgets, that each request is in
+exactly one of waiting / running / swapped / finished with a matching status, that exactly
+the running requests hold device blocks (and the swapped ones CPU blocks) for exactly their
+computed tokens, and FCFS: every running request arrived before every waiting one.
+""")
+
+code(r"""
+s = Scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=16,
+              preemption_mode="swap", num_cpu_blocks=8)
+reqs = pressure()
+for r in reqs:
+    s.add_request(r)
+steps = 0
+while s.has_unfinished_requests():
+    out = s.schedule()
+    s.check_invariants()
+    s.update_from_output(out, {r.request_id: 7 for r, n in out.scheduled
+                               if r.num_computed_tokens + n == r.num_tokens})
+    s.check_invariants()
+    steps += 1
+print(steps, "steps, invariants held after each;",
+      "free blocks at the end:", s.kv_cache_manager.get_num_free_blocks(), "of 12")
+""")
+
+md(r"""
+## 7. Experiment
+
+Change the knobs and rerun: a smaller `num_blocks` (thrash), a smaller
+`max_num_batched_tokens` (more chunks), `enable_chunked_prefill=False`,
+`preemption_mode="swap"` with a small `num_cpu_blocks` (swap falls back to recompute when the
+CPU pool is full).
+""")
+
+code(r"""
+num_blocks, budget, chunked, mode, cpu_blocks = 12, 16, True, "swap", 6
+
+s = Scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
+              enable_chunked_prefill=chunked, preemption_mode=mode,
+              num_cpu_blocks=cpu_blocks if mode == "swap" else 0)
+t = run_scheduler(s, {0: pressure()[:3], 4: pressure()[3:]}, fake_model)
+computed, wasted, moved = costs(t)
+print(f"{len(t)} steps, {computed} tokens computed ({wasted} recomputed), "
+      f"{sum(len(st.preempted_ids) for st in t.steps)} recompute preemptions, "
+      f"{sum(len(st.swapped_out_ids) for st in t.steps)} swap-outs")
+print(viz.timeline_text(t))
+""")
+
+md(r"""
+With these defaults, look at r1: `XPXPXP`. Each time it is readmitted it gets a first
+chunk of its re-prefill (15 of its 25 tokens: the budget minus r0's decode). At the next step
+its second chunk needs 3 more blocks while 1 is free, and r1 is the latest arrival running,
+so it preempts *itself* and loses the chunk. Admitting chunk by
+chunk (as vLLM v1 does) lets a request start before all its blocks are free, which can
+thrash like this; vLLM v0 admitted a prompt only when all of its blocks fit, plus a
+watermark of spare blocks. Progress is still guaranteed: r0, the earliest arrival, decodes at
+every step and finishes, and then r1 fits.
+
+## Recap
+
+* A step's batch = running requests first (decode or next chunk), then FCFS admissions,
+  under `max_num_seqs`, `max_num_batched_tokens` and free blocks. Prefill and decode are
+  one mechanism: `num_computed_tokens` catches up with `num_tokens`.
+* **Chunked prefill** splits long prompts so every step stays under the token budget and
+  decodes keep flowing.
+* When blocks run out the **latest arrival** is preempted: **recompute** frees its blocks
+  and prefills prompt + output again; **swap** copies its blocks to a CPU pool and back.
+  Same steps, different cost: FLOPs vs PCIe bytes.
+* Failure modes: **thrash** (over-admission, cured by admission control), **head-of-line
+  blocking** (FCFS makes small requests wait behind a big one), and the request that can
+  **never fit** (refused up front, so nobody livelocks).
+
+Next: chapter 06 shares blocks between sequences (parallel sampling, beam search, prefixes)
+with copy-on-write.
+""")
+
+nb = new_notebook(cells=cells)
+nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+nb.metadata["language_info"] = {"name": "python"}
+out = Path(__file__).resolve().parents[1] / "05_scheduling.ipynb"
+nbformat.write(nb, out)
+print(f"wrote {out}")
