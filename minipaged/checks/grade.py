@@ -169,8 +169,9 @@ def _reason(run) -> str:
     if run.status in ("timeout", "hung", "died"):
         return run.error
     if run.status == "error":
-        first = run.error.splitlines()[0] if run.error else "raised an error"
-        return first.removeprefix("ExerciseFailure: ")
+        lines = run.error.splitlines()[:4] if run.error else ["raised an error"]
+        lines[0] = lines[0].removeprefix("ExerciseFailure: ")
+        return " | ".join(line.strip() for line in lines)
     return "the check printed no ✅ line"
 
 
@@ -215,6 +216,23 @@ def grade_submission(path, authored_by_chapter: dict, timeout: float = DEFAULT_T
     if ch not in authored_by_chapter:
         return _zero_row(name, None, authored_by_chapter, f"no authored exercises for chapter {ch!r}")
     return grade_notebook(nb, authored_by_chapter[ch], timeout=timeout, submission=name)
+
+
+def grade_many(paths, authored_by_chapter: dict, timeout: float = DEFAULT_TIMEOUT,
+               chapter: Optional[str] = None, jobs: int = 1, progress: bool = False) -> list[SubmissionResult]:
+    """Grade several submissions (``jobs`` at a time, one kernel each); results in input order."""
+
+    def one(path):
+        if progress:
+            print(f"grading {path} ...", file=sys.stderr, flush=True)
+        return grade_submission(path, authored_by_chapter, timeout=timeout, chapter=chapter)
+
+    if jobs <= 1 or len(paths) <= 1:
+        return [one(p) for p in paths]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(one, paths))
 
 
 def _chapter_from_name(name: str, authored_by_chapter: dict) -> Optional[str]:
@@ -293,7 +311,8 @@ def write_csv(results: list[SubmissionResult], path) -> None:
             for ex in exs:
                 res = r.exercises.get(ex)
                 row.append("" if res is None else int(res.passed))
-            note = r.error or "; ".join(r.flags)
+            reasons = [f"{ex}: {res.reason}" for ex, res in r.exercises.items() if not res.passed]
+            note = r.error or "; ".join(reasons + r.flags)
             row += [r.score, "" if r.max_score is None else r.max_score, note]
             w.writerow(row)
 
@@ -312,6 +331,8 @@ def add_arguments(parser) -> None:
                              "of this checkout)")
     parser.add_argument("--chapter", metavar="chNN",
                         help="grade every submission as this chapter (default: read it from the notebook)")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="grade N submissions at a time, each in its own kernel (default 1)")
     parser.add_argument("--quiet", action="store_true", help="print the table without the reasons")
 
 
@@ -330,10 +351,11 @@ def run(args) -> int:
         print(f"minipaged grade: no exercises for --chapter {args.chapter!r} "
               f"(known: {', '.join(sorted(authored))})", file=sys.stderr)
         return 2
-    results = []
-    for path in args.submissions:
-        print(f"grading {path} ...", file=sys.stderr, flush=True)
-        results.append(grade_submission(path, authored, timeout=args.timeout, chapter=args.chapter))
+    if args.jobs < 1:
+        print("minipaged grade: --jobs must be >= 1", file=sys.stderr)
+        return 2
+    results = grade_many(args.submissions, authored, timeout=args.timeout, chapter=args.chapter,
+                         jobs=args.jobs, progress=True)
     print(format_table(results, details=not args.quiet), end="")
     if args.csv:
         write_csv(results, args.csv)
