@@ -509,3 +509,36 @@ def test_scheduler_under_heavy_pressure_preempts_and_finishes(
              preemption_mode="swap" if swap else "recompute",
              num_cpu_blocks=num_cpu_blocks if swap else 0, max_model_len=None)
     run_property(Scheduler, c, specs, chunking)
+
+
+# -- KVCacheManager swap bookkeeping (used by the scheduler) ---------------------------
+def test_kv_cache_manager_swap_is_all_or_nothing():
+    from minipaged.core import KVCacheManager
+
+    kv = KVCacheManager(num_blocks=4, block_size=2, num_cpu_blocks=3)
+    kv.allocate_slots("a", 5)  # 3 blocks
+    kv.allocate_slots("b", 2)  # 1 block
+    assert kv.swap_out("a") == [(0, 0), (1, 1), (2, 2)]
+    assert kv.get_cpu_block_ids("a") == [0, 1, 2] and kv.get_num_free_blocks() == 3
+    assert kv.swap_out("b") is None  # CPU pool full: nothing changes
+    assert kv.get_block_ids("b") == [3] and kv.get_num_free_cpu_blocks() == 0
+    kv.check_invariants()
+    kv.allocate_slots("c", 3)  # 2 of the 3 free device blocks
+    assert not kv.can_swap_in("a") and kv.swap_in("a") is None
+    assert kv.get_cpu_block_ids("a") == [0, 1, 2]
+    kv.free("c")
+    assert kv.can_swap_in("a", 1) and not kv.can_swap_in("a", 2)  # 5 + 2 tokens = 4 blocks
+    mapping = kv.swap_in("a")
+    assert [c for c, _ in mapping] == [0, 1, 2] and kv.get_block_ids("a") == [d for _, d in mapping]
+    assert kv.num_tokens["a"] == 5 and kv.get_num_free_cpu_blocks() == 3
+    kv.check_invariants()
+    with pytest.raises(ValueError, match="not swapped"):
+        kv.swap_in("a")
+    with pytest.raises(ValueError, match="not swapped"):
+        kv.free_swapped("b")
+    with pytest.raises(ValueError, match="num_cpu_blocks"):
+        KVCacheManager(4, 2, num_cpu_blocks=-1)
+    assert KVCacheManager(4, 2).swap_out is not None
+    kv0 = KVCacheManager(4, 2)
+    kv0.allocate_slots("x", 1)
+    assert kv0.swap_out("x") is None and kv0.get_num_free_cpu_blocks() == 0

@@ -219,15 +219,12 @@ class _SchedulerBase:
                 f"{request.num_prompt_tokens} + max_tokens {request.max_tokens} - 1) but the "
                 f"whole pool has {self.num_blocks} blocks of {self.block_size} tokens"
             )
-        if not self._can_chunk_prompts() and request.num_prompt_tokens > self.max_num_batched_tokens:
+        if not self.enable_chunked_prefill and request.num_prompt_tokens > self.max_num_batched_tokens:
             return (
                 f"refused: prompt of {request.num_prompt_tokens} tokens exceeds "
                 f"max_num_batched_tokens={self.max_num_batched_tokens} and chunked prefill is off"
             )
         return None
-
-    def _can_chunk_prompts(self) -> bool:
-        return self.enable_chunked_prefill
 
     def abort_request(self, request_id: str) -> None:
         """Finish ``request_id`` with FINISHED_ABORTED and free its blocks.
@@ -552,8 +549,9 @@ class StaticBatchScheduler(_SchedulerBase):
     (``preemption_mode`` and ``num_cpu_blocks`` are accepted and unused).
     """
 
-    def _can_chunk_prompts(self) -> bool:
-        return False
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.enable_chunked_prefill = False  # NOTE: static batching never chunks
 
     def _reservation(self, request: Request) -> int:
         return get_max_num_kv_tokens(request, self.max_model_len)
