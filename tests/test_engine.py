@@ -222,18 +222,20 @@ def test_parallel_sampling_n_gives_independent_seeded_sequences():
 
 # ----------------------------------------------------------------------------- transformers
 VOCAB = 128
+# word-level vocabulary: special tokens 0-3, then "w4" .. "w127" (no word contains another)
+WORDS = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, VOCAB)}}
 HF_MAX_TOKENS = 10
 
 
 def _save_tiny_tokenizer(path):
-    """A word-level tokenizer "t0".."t127" so that load_model finds one (prompts are ids)."""
+    """A word-level tokenizer "w4".."w127" so that load_model finds one (prompts are ids)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tk = Tokenizer(models.WordLevel(WORDS, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(
-        tokenizer_object=tk, bos_token="t1", eos_token="t2", pad_token="t0", unk_token="t0"
+        tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
     ).save_pretrained(path)
 
 
