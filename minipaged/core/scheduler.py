@@ -18,6 +18,11 @@ Inputs / outputs
     ``update_from_output(output, sampled_token_ids)`` advances ``num_computed_tokens``,
     appends the token of every request whose prefill is complete, finishes requests on
     EOS / stop token / ``max_tokens`` / ``max_model_len`` and frees their blocks.
+    Contract with the engine: exactly one ``update_from_output`` per ``schedule``; between
+    the two, request ``r`` scheduled ``n`` tokens computes positions
+    ``r.num_computed_tokens .. + n - 1`` and samples iff ``r.num_computed_tokens + n ==
+    r.num_tokens``; the block copies in the output are done before the model runs.
+    Arrival (FCFS) order is the order of ``add_request`` calls.
 
 Preemption (when ``allocate_slots`` returns None for a running request)
     The victim is the latest-arrived running request (possibly the one asking).
@@ -51,8 +56,10 @@ Failure modes
     Over-admission -> preemption thrash (recompute redoes work). A long prompt at the head
     of the queue blocks everything behind it (FCFS head-of-line blocking). A request too
     big for the whole cache is refused. No livelock: the earliest-arrived running request
-    is never the victim unless it runs alone, which the refusal rule makes impossible,
-    so it progresses every step and every request that fits alone finishes.
+    is the victim only if it runs alone and still cannot get a block, i.e. it alone needs
+    more than the pool, which the refusal rule excludes; so it gets >= 1 token every step,
+    and every request that fits alone finishes. Admitting chunk by chunk (as vLLM v1) can
+    still thrash: a resumed request may get a first chunk and lose it at the next step.
 """
 
 from __future__ import annotations
