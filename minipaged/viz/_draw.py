@@ -84,13 +84,13 @@ def fit_fontsize(cell_w: float, cell_h: float, nchars: int, lines: int = 1, cap=
 MIN_FONT = 5.0  # below this, labels are dropped rather than drawn unreadably small
 
 
-def png_bytes(fig, dpi: int = DPI) -> bytes:
+def png_bytes(fig, dpi="figure") -> bytes:
     buf = io.BytesIO()
     with rc_context():
         fig.savefig(buf, format="png", dpi=dpi, metadata=PNG_METADATA)
     return buf.getvalue()
 
 
-def save_png(fig, path, dpi: int = DPI) -> None:
+def save_png(fig, path, dpi="figure") -> None:
     with open(path, "wb") as f:
         f.write(png_bytes(fig, dpi=dpi))

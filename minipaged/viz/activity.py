@@ -154,10 +154,10 @@ def timeline_text(trace: EngineTrace, *, width: int = 100, cursor: Optional[int]
         lines.append("")
         ticks = [" "] * (end - start)
         for j in range(start, end):
-            if j % 10 == 0:  # the step number, written from its column rightwards
+            # the step number, written from its column rightwards where it fits
+            if j % 10 == 0 and j - start + len(str(j)) <= len(ticks):
                 for o, ch in enumerate(str(j)):
-                    if j - start + o < len(ticks):
-                        ticks[j - start + o] = ch
+                    ticks[j - start + o] = ch
         ticks = "".join(ticks)
         lines.append(f"{'step':<{w}}  {ticks.rstrip()}")
         if cursor is not None and start <= cursor < end:

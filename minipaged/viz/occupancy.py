@@ -3,7 +3,7 @@
 The paper's memory argument (Fig. 2) as it unfolds step by step: with paging, the slots
 reserved but not yet holding a token are only the tails of each request's last block, so
 the orange band stays thin while the blue band (real token states) grows and shrinks
-with the batch. Preemptions are marked above the plot.
+with the batch. Preemptions and swap-outs are marked above the plot.
 
 Inputs: an ``EngineTrace``. Outputs: ``memory(trace)`` -> Figure; ``memory_text(trace)``
 -> a deterministic table; ``memory_series(trace)`` -> the numbers both are drawn from.
@@ -30,7 +30,8 @@ class MemorySeries:
     tokens: list[int]  # per step: slots holding a token's K/V
     reserved: list[int]  # per step: slots in held blocks not holding a token (yet)
     free: list[int]  # per step: slots in free blocks
-    preemptions: list[int]  # per step: requests preempted (recompute) or swapped out
+    preemptions: list[int]  # per step: requests preempted (recompute)
+    swapped_out: list[int]  # per step: requests swapped out to the CPU pool
 
     @property
     def num_steps(self) -> int:
@@ -41,15 +42,16 @@ def memory_series(trace: EngineTrace) -> MemorySeries:
     if not trace.steps:
         raise ValueError("trace has no steps to draw")
     bs = trace.block_size
-    tokens, reserved, free, pre = [], [], [], []
+    tokens, reserved, free, pre, swp = [], [], [], [], []
     for i, s in enumerate(trace.steps):
         snap = snapshot_from_trace(trace, i)
         held = sum(snap.tokens_in_block().values())
         tokens.append(held)
         reserved.append(snap.num_used_blocks * bs - held)
         free.append((trace.num_blocks - snap.num_used_blocks) * bs)
-        pre.append(len(s.preempted_ids) + len(s.swapped_out_ids))
-    return MemorySeries(trace.num_blocks * bs, tokens, reserved, free, pre)
+        pre.append(len(s.preempted_ids))
+        swp.append(len(s.swapped_out_ids))
+    return MemorySeries(trace.num_blocks * bs, tokens, reserved, free, pre, swp)
 
 
 def memory_text(trace: EngineTrace, *, max_rows: int = 24, bar: int = 40) -> str:
@@ -77,7 +79,8 @@ def memory_text(trace: EngineTrace, *, max_rows: int = 24, bar: int = 40) -> str
         nt = round(bar * t / m.num_slots)
         nr = round(bar * (t + r) / m.num_slots) - nt
         frac = f"{100 * t / (t + r):.1f}%" if t + r else "-"
-        mark = "  preempted" if m.preemptions[i] else ""
+        mark = ("  preempted" if m.preemptions[i] else "") + (
+            "  swapped out" if m.swapped_out[i] else "")
         lines.append(
             f"{i:>5} {t:>7} {r:>7} {f:>7} {frac:>8}  "
             f"{'#' * nt}{'+' * nr}{'.' * (bar - nt - nr)}{mark}"
@@ -87,7 +90,7 @@ def memory_text(trace: EngineTrace, *, max_rows: int = 24, bar: int = 40) -> str
     lines.append(
         f"over {n} steps: {100 * tot_t / max(1, tot_t + tot_r):.1f}% of reserved slots held "
         f"tokens; peak reserved {peak}/{m.num_slots} slots; "
-        f"{sum(m.preemptions)} preemptions"
+        f"{sum(m.preemptions)} preempted, {sum(m.swapped_out)} swapped out"
     )
     return "\n".join(lines)
 
@@ -113,10 +116,12 @@ def draw_memory(fig, trace: EngineTrace, series: MemorySeries | None = None):
     ax.set_ylabel(f"KV slots (of {m.num_slots})")
     ax.set_xlabel("engine step")
     ax.xaxis.set_major_locator(MaxNLocator(min(m.num_steps, 20), integer=True))
-    pre = [i for i, p in enumerate(m.preemptions) if p]
-    if pre:
-        ax.plot(pre, [m.num_slots * 1.02] * len(pre), linestyle="none", marker="v",
-                color=palette.VERMILLION, clip_on=False, label="preemption")
+    for kind, marks, color in (("preempted (recompute)", m.preemptions, palette.VERMILLION),
+                               ("swapped out", m.swapped_out, palette.REDDISH_PURPLE)):
+        at = [i for i, p in enumerate(marks) if p]
+        if at:
+            ax.plot(at, [m.num_slots * 1.02] * len(at), linestyle="none", marker="v",
+                    color=color, clip_on=False, label=kind)
     sec = ax.secondary_yaxis("right", functions=(lambda v: 100 * v / m.num_slots,
                                                  lambda p: p * m.num_slots / 100))
     sec.set_ylabel("% of the cache")

@@ -1,0 +1,257 @@
+"""``minipaged figures``: regenerate every PNG in ``figures/`` from seeded runs.
+
+Each figure is a name and a function that returns a matplotlib Figure from a seeded
+run; the same code gives the same bytes (fixed fonts, no software/date metadata in the
+PNG; ``--check`` renders everything twice and compares sha256).
+
+Sources of the runs
+    - the engine on the course model (``minipaged.LLM()``), where the course model is
+      present: the run of chapter 00 (``engine_demo_trace``);
+    - otherwise, and for the large picture, the real ``Scheduler`` driven by a fake model
+      (``minipaged.core.scheduler.run_scheduler``; ``scheduler_demo_trace``,
+      ``scheduler_large_trace``: 20 requests x about 200 steps);
+    - figures owned by other modules (``minipaged.sim.memory_waste``: the paper's Fig. 2)
+      are drawn by their own functions; a module that is missing is skipped with a note.
+
+Inputs: ``--out DIR`` (default ``figures``), ``--only NAME...``, ``--list``, ``--check``.
+Output: the PNGs, one line each with its sha256. Failure mode: an unknown ``--only`` name
+is an error (exit 2); a figure whose module is missing is skipped (exit 0).
+
+This module must not import torch or matplotlib at import time (``minipaged.cli``
+imports every subcommand module to build its parser).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+# -- seeded runs ----------------------------------------------------------------------
+
+DEMO_PROMPTS = [
+    "Once upon a time",
+    "The little dog",
+    "One day, Mia found a",
+    "In the big forest there was",
+    "Tom and his friend",
+    "The sun was hot and",
+    "A small bird sat on",
+    "At the end of the day",
+]
+# the engine run of chapter 00 and of figures/: a pool small enough that requests queue,
+# and at least one is preempted (see notebooks/00_overview.ipynb)
+DEMO_ENGINE_KWARGS = dict(block_size=4, num_blocks=24, max_num_seqs=4,
+                          max_num_batched_tokens=24, seed=0)
+DEMO_MAX_TOKENS = 24
+
+
+def course_model_available() -> bool:
+    """True where ``minipaged.LLM()`` can load the shipped course model."""
+    try:
+        from minipaged.model import COURSE_MODEL_DIR
+        import minipaged.engine.llm  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means: not available yet
+        return False
+    return (Path(COURSE_MODEL_DIR) / "config.json").is_file()
+
+
+def engine_demo_trace():
+    """The engine on the course model: eight prompts through a small paged pool."""
+    from minipaged import LLM, SamplingParams
+
+    llm = LLM(**DEMO_ENGINE_KWARGS)
+    llm.generate(DEMO_PROMPTS, SamplingParams(temperature=0.0, max_tokens=DEMO_MAX_TOKENS,
+                                              ignore_eos=True), use_tqdm=False)
+    return llm.trace
+
+
+def scheduler_trace(
+    num_requests: int,
+    *,
+    seed: int = 0,
+    num_blocks: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    prompt_range: tuple[int, int],
+    output_range: tuple[int, int],
+    arrival_span: int,
+    preemption_mode: str = "recompute",
+    num_cpu_blocks: int = 0,
+):
+    """The real ``Scheduler`` on seeded requests, a fake model appending token 1."""
+    from minipaged.core import Request
+    from minipaged.core.scheduler import Scheduler, run_scheduler
+    from minipaged.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    arrivals: dict[int, list] = {}
+    steps = sorted(rng.randint(0, arrival_span) for _ in range(num_requests))
+    width = len(str(num_requests - 1))
+    for k, at in enumerate(steps):
+        req = Request(
+            request_id=f"R{k:0{width}d}",
+            prompt_token_ids=[rng.randint(2, 99) for _ in range(rng.randint(*prompt_range))],
+            sampling_params=SamplingParams(max_tokens=rng.randint(*output_range),
+                                           ignore_eos=True),
+        )
+        arrivals.setdefault(at, []).append(req)
+    sched = Scheduler(num_blocks, block_size, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=max_num_batched_tokens,
+                      preemption_mode=preemption_mode, num_cpu_blocks=num_cpu_blocks)
+    trace = run_scheduler(sched, arrivals, next_token=lambda r: 1)
+    trace.meta["source"] = f"Scheduler + fake model, seed {seed}"
+    return trace
+
+
+def scheduler_demo_trace(seed: int = 0, preemption_mode: str = "recompute"):
+    """8 requests, 24 blocks of 4 slots: requests queue, chunk and get preempted."""
+    return scheduler_trace(
+        8, seed=seed, num_blocks=24, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+        prompt_range=(4, 22), output_range=(4, 16), arrival_span=8,
+        preemption_mode=preemption_mode, num_cpu_blocks=24 if preemption_mode == "swap" else 0,
+    )
+
+
+def scheduler_large_trace(seed: int = 3):
+    """20 requests over about 200 steps: the readability check of every picture."""
+    return scheduler_trace(
+        20, seed=seed, num_blocks=96, block_size=8, max_num_seqs=8, max_num_batched_tokens=64,
+        prompt_range=(20, 90), output_range=(30, 80), arrival_span=120,
+    )
+
+
+def demo_trace():
+    """The run the main figures are drawn from: the engine where it can run, else the
+    scheduler with a fake model."""
+    return engine_demo_trace() if course_model_available() else scheduler_demo_trace()
+
+
+def interesting_step(trace) -> int:
+    """A step worth drawing: the first preemption if any, else the fullest pool."""
+    for s in trace.steps:
+        if s.preempted_ids or s.swapped_out_ids:
+            return s.step
+    return min(trace.steps, key=lambda s: (s.num_free_blocks, s.step)).step
+
+
+# -- the figures ----------------------------------------------------------------------
+
+
+def _memory_waste(workload: str):
+    from minipaged.sim import memory_waste
+
+    return memory_waste.plot_memory_waste(memory_waste.run_memory_experiment(workload=workload))
+
+
+def _own(kind: str, which: str = "demo") -> Callable:
+    def build():
+        from minipaged import viz
+
+        trace = demo_trace() if which == "demo" else scheduler_large_trace()
+        if kind == "timeline":
+            return viz.timeline(trace, managed=False)
+        if kind == "memory":
+            return viz.memory(trace, managed=False)
+        i = interesting_step(trace)
+        if kind == "block_tables":
+            return viz.block_tables(trace, i, managed=False)
+        return viz.step(trace, i, managed=False)
+
+    return build
+
+
+# name -> (module it needs, builder, what it shows)
+FIGURES: dict[str, tuple[str, Callable, str]] = {
+    "timeline.png": ("minipaged.core.scheduler", _own("timeline"),
+                     "active sequences per step (chapter 00 run)"),
+    "block_tables.png": ("minipaged.core.scheduler", _own("block_tables"),
+                         "block tables at the first preemption (chapter 00 run)"),
+    "step.png": ("minipaged.core.scheduler", _own("step"),
+                 "the lecture's picture: one step, timeline + block tables"),
+    "memory.png": ("minipaged.core.scheduler", _own("memory"),
+                   "KV slots over time (chapter 00 run)"),
+    "timeline_20x200.png": ("minipaged.core.scheduler", _own("timeline", "large"),
+                            "20 requests x ~200 steps, scheduler + fake model"),
+    "step_20x200.png": ("minipaged.core.scheduler", _own("step", "large"),
+                        "one step of the large run"),
+    "memory_20x200.png": ("minipaged.core.scheduler", _own("memory", "large"),
+                          "KV slots over time, large run"),
+    "memory_waste.png": ("minipaged.sim.memory_waste", lambda: _memory_waste("sharegpt"),
+                         "paper Fig. 2, ShareGPT-like workload"),
+    "memory_waste_alpaca.png": ("minipaged.sim.memory_waste", lambda: _memory_waste("alpaca"),
+                                "paper Fig. 2, Alpaca-like workload"),
+}
+
+
+def _module_available(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def write_figures(out_dir, names: Optional[list[str]] = None, log=print) -> dict[str, str]:
+    """Render ``names`` (default: all) into ``out_dir``; returns name -> sha256."""
+    import matplotlib
+
+    if "matplotlib.pyplot" not in sys.modules:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from minipaged.viz import _draw
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hashes = {}
+    for name in names or list(FIGURES):
+        module, build, _ = FIGURES[name]
+        if not _module_available(module):
+            log(f"skip {name}: {module} is not available in this version")
+            continue
+        fig = build()
+        path = out / name
+        _draw.save_png(fig, path)
+        plt.close(fig)  # a no-op for figures pyplot does not track
+        hashes[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+        log(f"wrote {path}  sha256 {hashes[name][:16]}")
+    return hashes
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--out", default="figures", help="folder for the PNGs (default figures)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="only these figures")
+    parser.add_argument("--list", action="store_true", help="list the figures and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="render twice into temporary folders and compare sha256")
+
+
+def run(args) -> int:
+    if args.list:
+        for name, (module, _, what) in FIGURES.items():
+            print(f"{name:<26} {what}  [{module}]")
+        return 0
+    names = args.only or None
+    for n in names or ():
+        if n not in FIGURES:
+            print(f"unknown figure {n!r}; choose from {', '.join(FIGURES)}", file=sys.stderr)
+            return 2
+    if args.check:
+        with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+            ha = write_figures(a, names, log=lambda _: None)
+            hb = write_figures(b, names, log=lambda _: None)
+        bad = [n for n in ha if ha[n] != hb.get(n)]
+        for n in ha:
+            print(f"{'DIFFERENT' if n in bad else 'identical'}  {n}  {ha[n][:16]}")
+        return 1 if bad else 0
+    source = "engine on the course model" if course_model_available() else (
+        "scheduler + fake model (the course model is not available yet)")
+    print(f"demo run: {source}")
+    write_figures(args.out, names)
+    return 0
