@@ -1,0 +1,438 @@
+"""Generate notebooks/03_paged_attention.ipynb (run from the repo root, then execute it).
+
+    python notebooks/_build/03_paged_attention.py
+    jupyter nbconvert --to notebook --execute --inplace notebooks/03_paged_attention.ipynb
+"""
+
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+cells = []
+
+
+def md(text: str) -> None:
+    cells.append(new_markdown_cell(text.strip("\n")))
+
+
+def code(text: str) -> None:
+    cells.append(new_code_cell(text.strip("\n")))
+
+
+md(r"""
+# 03 · PagedAttention: attention through a block table
+
+Chapter 02 cut the KV cache into fixed-size **blocks** and gave every request a **block
+table** that maps its logical blocks to physical blocks anywhere in the pool. That solves the
+memory problem, but it leaves the attention layer with a new job: a request's keys and
+values are no longer one contiguous tensor. This chapter is about the kernel that does
+attention anyway, reading K/V *through* the block table. That is the "attention" half of
+PagedAttention.
+
+**You will learn**
+
+1. decode attention on a contiguous cache, checked by hand on a tiny example;
+2. the same attention when the tokens sit in scattered blocks: the slot formula, by hand;
+3. the Triton decode kernel (one program per sequence and KV head, an *online softmax* over
+   tiles of tokens), checked against both;
+4. how the split-KV kernel ("PagedAttention V2") spreads one long context over many programs
+   and merges them;
+5. prefill over a cached prefix: what chunked prefill and prefix caching need;
+6. what PagedAttention addresses and what FlashAttention addresses: two different things.
+""")
+
+md("## Setup")
+
+code(r"""
+import inspect
+import json
+import math
+import textwrap
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+
+import minipaged
+import minipaged.kernels.paged_attention as pa
+from minipaged.kernels import (
+    contiguous_attention,
+    paged_attention_decode,
+    paged_attention_prefill,
+    paged_attention_prefill_ref,
+    paged_attention_ref,
+    paged_attention_torch,
+    reshape_and_cache,
+)
+
+torch.manual_seed(0)
+torch.set_printoptions(precision=3, sci_mode=False)
+# On a machine without CUDA, importing minipaged.kernels switched Triton to its interpreter
+# (TRITON_INTERPRET=1): the kernels run as NumPy code, slowly but exactly, on tiny shapes.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+REPO = Path(minipaged.__file__).resolve().parents[1]  # benchmarks/ lives next to the package
+
+
+def show_source(fn):
+    print(textwrap.dedent(inspect.getsource(getattr(fn, "fn", fn))))
+""")
+
+md(r"""
+## 1. Decode attention on a contiguous cache
+
+At a decode step each sequence has exactly **one** new token. Its query $q$ attends to the
+keys and values of all $L$ tokens so far (the new one included, already written to the cache):
+
+$$o = \sum_{i < L} p_i\, v_i, \qquad p = \mathrm{softmax}\!\left(\frac{q K^\top}{\sqrt{d}}\right).$$
+
+A tiny example: one sequence of 6 tokens, 2 query heads that share 1 KV head (grouped-query
+attention, GQA), head size 4. Small integers so the scores can be checked by eye.
+""")
+
+code(r"""
+L, num_heads, num_kv_heads, head_dim = 6, 2, 1, 4
+k = torch.randint(-2, 3, (L, num_kv_heads, head_dim)).float()  # [L, KVH, D]
+v = torch.randint(-2, 3, (L, num_kv_heads, head_dim)).float()  # [L, KVH, D]
+q = torch.randint(-2, 3, (1, num_heads, head_dim)).float()  # [1, H, D]: the new token
+
+scores = (k[:, 0] @ q[0, 0]) / math.sqrt(head_dim)  # head 0 uses kv head 0 // (2 // 1) = 0
+p = torch.softmax(scores, dim=0)
+print("keys of head 0:\n", k[:, 0])
+print("q (head 0)    :", q[0, 0])
+print("scores q.k/2  :", scores)
+print("softmax       :", p)
+print("output head 0 :", p @ v[:, 0])
+out_contig = contiguous_attention(q, k, v, causal=False)  # [1, H, D]
+print("contiguous_attention, head 0:", out_contig[0, 0])
+""")
+
+md(r"""
+## 2. The same tokens, scattered in blocks
+
+Now put those 6 tokens into a paged cache with `block_size = 2`. The cache of one layer is
+`[num_blocks, block_size, num_kv_heads, head_dim]`; the sequence's block table is
+`[5, 1, 6]`: logical block 0 (tokens 0, 1) is physical block 5, logical block 1 (tokens 2, 3)
+is block 1, logical block 2 is block 6. Token $i$ lives at
+
+$$\text{slot}(i) = \text{block\_table}[i \,/\!/\, \text{block\_size}] \cdot \text{block\_size} + i \bmod \text{block\_size}.$$
+
+`reshape_and_cache` is the op the model calls every step to write new K/V at their slots.
+""")
+
+code(r"""
+block_size, num_blocks = 2, 8
+k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)  # [N, bs, KVH, D]
+v_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
+block_table = torch.tensor([5, 1, 6], dtype=torch.int32)
+slot_mapping = torch.tensor([int(block_table[i // block_size]) * block_size + i % block_size for i in range(L)])
+print("slot_mapping:", slot_mapping.tolist())
+reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+print("which physical blocks hold data:", [b for b in range(num_blocks) if k_cache[b].abs().sum() > 0])
+""")
+
+code(r"""
+fig, ax = plt.subplots(figsize=(6, 1.6))
+grid = torch.full((block_size, num_blocks), float("nan"))
+for i, slot in enumerate(slot_mapping.tolist()):
+    grid[slot % block_size, slot // block_size] = i
+ax.imshow(grid, cmap="viridis", vmin=0, vmax=L)
+for i, slot in enumerate(slot_mapping.tolist()):
+    ax.text(slot // block_size, slot % block_size, f"t{i}", ha="center", va="center", color="white")
+ax.set_xticks(range(num_blocks))
+ax.set_xlabel("physical block")
+ax.set_yticks(range(block_size))
+ax.set_ylabel("slot")
+ax.set_title("tokens t0..t5 of one sequence in a paged cache (block table [5, 1, 6])")
+plt.show()
+plt.close(fig)
+""")
+
+md(r"""
+By hand: read each token back through the block table, then attend exactly as before.
+The answer cannot depend on *where* the blocks are, only on which tokens they hold.
+""")
+
+code(r"""
+k_gathered = torch.stack([k_cache[block_table[i // block_size], i % block_size] for i in range(L)])  # [L, KVH, D]
+v_gathered = torch.stack([v_cache[block_table[i // block_size], i % block_size] for i in range(L)])
+print("gathered K equals the contiguous K:", torch.equal(k_gathered, k))
+by_hand = contiguous_attention(q, k_gathered, v_gathered, causal=False)
+seq_lens = torch.tensor([L], dtype=torch.int32)
+out_ref = paged_attention_ref(q, k_cache, v_cache, block_table[None], seq_lens)
+print("by hand            :", by_hand[0, 0])
+print("paged_attention_ref:", out_ref[0, 0])
+print("same as contiguous :", torch.allclose(out_ref, out_contig, atol=1e-6))
+""")
+
+md(r"""
+### Code tour: the reference
+
+`paged_attention_ref` is the readable version every kernel is graded against: for each
+sequence, gather its tokens through the block table, then plain softmax attention.
+""")
+
+code(r"""
+show_source(paged_attention_ref)
+""")
+
+md(r"""
+## 3. The Triton decode kernel
+
+A GPU cannot afford the gather: it would copy every sequence's K/V into a new tensor at every
+step of every layer. The kernel instead computes attention **while** it walks the block
+table, tile by tile:
+
+- one *program* per (sequence, KV head); the query heads of the GQA group are the rows of one
+  tile, so each K/V tile is loaded once per group;
+- each iteration takes `BLOCK_N` token positions, looks up `block_table[n // block_size]` for
+  each, loads the K tile, computes scores, then the V tile;
+- the softmax is **online**: it keeps a running max $m$, running sum $\ell$ and running
+  output, and rescales them by $e^{m_{old} - m_{new}}$ when a larger score appears. So one
+  pass over the tokens suffices and the $1 \times L$ score row is never stored.
+
+The online softmax first, in plain torch, on the scores of section 1 split into tiles of 4:
+""")
+
+code(r"""
+m, l, acc = float("-inf"), 0.0, torch.zeros(head_dim)
+for start in range(0, L, 4):
+    s = scores[start : start + 4]  # this tile's scores
+    m_new = max(m, s.max().item())
+    alpha = math.exp(m - m_new)  # rescale what was accumulated under the old max
+    p_tile = torch.exp(s - m_new)
+    l = l * alpha + p_tile.sum().item()
+    acc = acc * alpha + p_tile @ v[start : start + 4, 0]
+    m = m_new
+print("online softmax, 2 tiles:", acc / l)
+print("one-shot softmax       :", p @ v[:, 0])
+""")
+
+md(r"""
+The kernel's inner loop does exactly this, with `exp2` (scores are pre-multiplied by
+$\log_2 e$) and on tiles of query rows. Read it: the two lines after "The paging" are the
+only difference from a FlashAttention loop.
+""")
+
+code(r"""
+show_source(pa._attend_kv_range)
+""")
+
+code(r"""
+q_d, kc_d, vc_d, bt_d, sl_d = (t.to(DEVICE) for t in (q, k_cache, v_cache, block_table[None], seq_lens))
+out_kernel = paged_attention_decode(q_d, kc_d, vc_d, bt_d, sl_d, use_v2=False).cpu()
+print("Triton decode kernel, head 0:", out_kernel[0, 0])
+print("matches paged_attention_ref :", torch.allclose(out_kernel, out_ref, atol=1e-5))
+print("matches contiguous          :", torch.allclose(out_kernel, out_contig, atol=1e-5))
+""")
+
+md(r"""
+A bigger check: a batch of 4 sequences of lengths 1, 16, 17 and 100 (a length of one block,
+one block + 1, and several tiles) in a shuffled pool, 8 query heads over 2 KV heads, head
+size 80 (not a power of two: the kernel pads the tile to 128 and masks), for every block
+size from 1 to 256.
+""")
+
+code(r"""
+def random_paged(seq_lens, block_size, num_kv_heads, head_dim, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in seq_lens]
+    kc = torch.randn(sum(need) + 2, block_size, num_kv_heads, head_dim, generator=g)
+    vc = torch.randn(sum(need) + 2, block_size, num_kv_heads, head_dim, generator=g)
+    ids = torch.randperm(sum(need) + 2, generator=g)
+    bt = torch.zeros(len(seq_lens), max(need), dtype=torch.int32)
+    for b, n in enumerate(need):
+        bt[b, :n], ids = ids[:n], ids[n:]
+    return kc, vc, bt, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+lens = [1, 16, 17, 100]
+q4 = torch.randn(4, 8, 80, generator=torch.Generator().manual_seed(1))
+for bs in [1, 4, 16, 64, 256]:
+    kc, vc, bt, sl = random_paged(lens, bs, 2, 80, seed=bs)
+    want = paged_attention_ref(q4, kc, vc, bt, sl)
+    got = paged_attention_decode(*(t.to(DEVICE) for t in (q4, kc, vc, bt, sl)), use_v2=False, block_n=16).cpu()
+    print(f"block_size {bs:>3}: blocks per sequence {[-(-n // bs) for n in lens]}, "
+          f"max |kernel - ref| < 1e-5: {bool((got - want).abs().max() < 1e-5)}")
+""")
+
+md(r"""
+## 4. Split-KV: "PagedAttention V2"
+
+One program per (sequence, KV head) walks the *whole* context. With a batch of 1 and a 32k
+context on a GPU with 132 SMs, that is 8 programs (8 KV heads) for 132 SMs: most of the chip
+idles while 8 programs each stream 32k tokens. V2 cuts each context into **partitions**
+(512 tokens by default) and runs one program per (sequence, KV head, partition). Each writes
+its partition's normalized output $o_p$, its max $m_p$ and its exp-sum $\ell_p$; a **reduce**
+kernel merges them with the same rescaling the online softmax uses:
+
+$$o = \frac{\sum_p \ell_p\, e^{m_p - M}\, o_p}{\sum_p \ell_p\, e^{m_p - M}}, \qquad M = \max_p m_p .$$
+""")
+
+code(r"""
+def programs(batch, kv_heads, context, partition=512):
+    return batch * kv_heads, batch * kv_heads * math.ceil(context / partition)
+
+for batch, context in [(1, 32768), (8, 4096), (64, 4096)]:
+    v1, v2 = programs(batch, 8, context)
+    print(f"batch {batch:>2} x context {context:>5}: V1 {v1:>4} programs, V2 {v2:>5} programs (132 SMs)")
+""")
+
+md(r"""
+The merge by hand, on one sequence of 50 tokens split into partitions of 16 (the reference
+gives each partition's attention; the log-sum-exp bookkeeping is done here), then the V2
+kernel with the same partition size:
+""")
+
+code(r"""
+kc, vc, bt, sl = random_paged([50], 4, 1, 16, seed=7)
+q1 = torch.randn(1, 1, 16, generator=torch.Generator().manual_seed(8))
+k_seq, v_seq = kc[bt[0].long()].reshape(-1, 1, 16)[:50], vc[bt[0].long()].reshape(-1, 1, 16)[:50]
+partials = []
+for start in range(0, 50, 16):
+    s = (k_seq[start : start + 16, 0] @ q1[0, 0]) / 4.0  # scores in this partition
+    m_p, l_p = s.max(), torch.exp(s - s.max()).sum()
+    o_p = contiguous_attention(q1, k_seq[start : start + 16], v_seq[start : start + 16], causal=False)[0, 0]
+    partials.append((m_p, l_p, o_p))
+M = max(m_p for m_p, _, _ in partials)
+w = [l_p * torch.exp(m_p - M) for m_p, l_p, _ in partials]
+merged = sum(w_p * o_p for w_p, (_, _, o_p) in zip(w, partials)) / sum(w)
+want = paged_attention_ref(q1, kc, vc, bt, sl)[0, 0]
+v2 = paged_attention_decode(*(t.to(DEVICE) for t in (q1, kc, vc, bt, sl)), use_v2=True, partition_size=16, block_n=16)
+print("partitions:", len(partials), "| merged by hand == reference:", torch.allclose(merged, want, atol=1e-5))
+print("V2 kernel == reference:", torch.allclose(v2.cpu()[0, 0], want, atol=1e-5))
+""")
+
+md(r"""
+`paged_attention_decode` picks V2 by itself when contexts are long (over 8192 tokens) or
+when V1's grid would leave the GPU's SMs idle; `use_v2=True/False` forces a path (the tests
+run both). The reduce kernel:
+""")
+
+code(r"""
+show_source(pa._paged_attention_reduce_kernel)
+""")
+
+md(r"""
+## 5. Prefill over a cached prefix
+
+A prefill computes many query tokens at once, causally. With **chunked prefill** a long
+prompt is processed in pieces, and with **prefix caching** the first blocks of a prompt may
+already be in the cache from another request. Either way the queries are the *last* `q_len`
+of a sequence's `seq_len` tokens, and query $j$ sees keys $0 .. (\text{seq\_len} - \text{q\_len} + j)$.
+`paged_attention_prefill` takes a whole batch of such spans packed into one tensor, with
+`cu_seqlens_q` marking where each sequence's rows start (decode rows are spans of 1).
+
+Check: a 10-token sequence whose first 6 tokens are cached, queried for its last 4, must give
+the last 4 rows of plain causal attention over all 10.
+""")
+
+code(r"""
+kc, vc, bt, sl = random_paged([10, 3], 4, 2, 16, seed=11)
+g = torch.Generator().manual_seed(12)
+q_rows = torch.randn(4 + 1, 4, 16, generator=g)  # 4 rows of sequence 0, then 1 decode row of sequence 1
+cu_seqlens_q = torch.tensor([0, 4, 5], dtype=torch.int32)
+k10, v10 = kc[bt[0].long()].reshape(-1, 2, 16)[:10], vc[bt[0].long()].reshape(-1, 2, 16)[:10]
+want = contiguous_attention(q_rows[:4], k10, v10, causal=True)  # queries at positions 6..9
+got = paged_attention_prefill(*(t.to(DEVICE) for t in (q_rows, kc, vc, bt, cu_seqlens_q, sl))).cpu()
+fast = paged_attention_torch(q_rows, kc, vc, bt, cu_seqlens_q, sl, max_query_len=4, max_seq_len=10)
+print("Triton prefill == causal attention over all 10 tokens:", torch.allclose(got[:4], want, atol=1e-5))
+print("decode row == paged_attention_ref:", torch.allclose(
+    got[4:], paged_attention_ref(q_rows[4:], kc, vc, bt[1:], sl[1:]), atol=1e-5))
+print("paged_attention_torch (the engine's default backend) agrees:",
+      torch.allclose(fast, paged_attention_prefill_ref(q_rows, kc, vc, bt, cu_seqlens_q, sl), atol=1e-5))
+""")
+
+md(r"""
+## 6. PagedAttention is not FlashAttention
+
+Both kernels above use an online softmax over tiles, which is FlashAttention's idea. It is
+easy to conflate the two; they answer different questions.
+
+| | PagedAttention (vLLM, 2023) | FlashAttention (Dao et al., 2022) |
+|---|---|---|
+| problem | *memory management*: KV caches of unknown final length fragment GPU memory | *IO inside one attention call*: the $T \times T$ score matrix costs HBM traffic |
+| idea | store K/V in fixed-size blocks anywhere; a block table maps logical to physical blocks | tile Q, K, V into on-chip SRAM; online softmax so scores never reach HBM |
+| what it changes | **where** K/V live and how they are **addressed** | **how** the attention arithmetic is scheduled |
+| wins | batch size (less waste, sharing, copy-on-write) -> throughput | speed and memory of one attention call |
+| without the other | the paper's kernel: paged reads, no tiling of a long sequence (V1) | contiguous K/V only (later versions added a paged KV cache) |
+
+A kernel can do both, as modern ones (and this chapter's) do: the tile loop is FlashAttention,
+the `block_table[n // block_size]` lookup inside it is PagedAttention. The price of paging is
+the indirection: the vLLM paper measured its paged kernel 20-26% slower than FasterTransformer's
+contiguous one (§7.1), and paid it many times over in batch size.
+
+## 7. Experiment: the price of paging on a GPU
+
+`benchmarks/kernels.py` times the decode kernel against contiguous attention (torch SDPA, and
+flash-attn where installed) over batch x context, and sweeps the block size 8..256 like the
+paper's Fig. 18a. On a CPU it can only check correctness in the interpreter, so the cell below
+only runs on a GPU (nbval skips it).
+""")
+
+code(r"""
+# NBVAL_SKIP
+import subprocess, sys
+if torch.cuda.is_available():
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "kernels.py"), "--quick", "--figure", ""], check=False)
+else:
+    print("no CUDA GPU: see benchmarks/kernels.py for what it measures")
+""")
+
+md("Recorded GPU results, where a run was committed to `benchmarks/results/`:")
+
+code(r"""
+recorded = sorted((REPO / "benchmarks" / "results").glob("kernels*.json"))
+if not recorded:
+    print("no recorded GPU results in benchmarks/results/ yet: run benchmarks/kernels.py on a GPU")
+for path in recorded:
+    with open(path) as f:
+        res = json.load(f)
+    if res.get("mode") != "gpu":
+        continue
+    print(f"{res['gpu']}  {res['dtype']}  heads {res['num_heads']}/{res['num_kv_heads']}  head_dim {res['head_dim']}")
+    print(f"{'batch':>5} {'context':>7} {'paged/contiguous':>17} {'GB/s':>7}")
+    for r in res["sweep"]:
+        print(f"{r['batch']:>5} {r['context']:>7} {r['paged_over_contiguous']:>17.2f} {r['paged_GBps']:>7.0f}")
+""")
+
+md(r"""
+On the CPU the interpreter can still show the *work* a block size implies: how many
+block-table lookups and separate memory runs one decode step needs for a 4k context, and how
+many slots the last, partly filled block wastes on average (chapter 02's trade-off).
+""")
+
+code(r"""
+context = 4096
+print(f"{'block_size':>10} {'blocks/seq':>10} {'contiguous run (bf16, 8x128)':>29} {'avg wasted slots':>17}")
+for bs in [8, 16, 32, 64, 128, 256]:
+    run_bytes = bs * 8 * 128 * 2  # one block of one layer's K: block_size tokens x 8 kv heads x 128 x 2 B
+    print(f"{bs:>10} {context // bs:>10} {run_bytes // 1024:>26} KiB {(bs - 1) / 2:>17.1f}")
+""")
+
+md(r"""
+Small blocks mean many short reads (poor memory-bandwidth use, and in the paper's kernel,
+less parallelism per block); large blocks mean more internal fragmentation and less sharing.
+The paper found 16-128 work well and picked 16 as vLLM's default.
+
+## Recap
+
+- PagedAttention's attention half is ordinary attention with one indirection: token $i$'s
+  K/V are at `cache[block_table[i // block_size], i % block_size]`.
+- `paged_attention_ref` gathers through the table and does plain softmax: the grader.
+- The Triton decode kernel walks the table tile by tile with an online softmax, one program
+  per (sequence, KV head) with the GQA group as tile rows; any block size 1..256, odd head
+  sizes by masking, fp32 accumulation.
+- Split-KV (V2) adds a partition axis to the grid and a reduce kernel, for few long sequences.
+- The prefill kernel handles causal query spans over a cached prefix, so chunked prefill and
+  prefix caching are the same code path.
+- PagedAttention decides *where KV lives*; FlashAttention decides *how attention is computed*.
+
+Next, chapter 04: continuous batching, the scheduler that rebuilds the batch every step.
+""")
+
+nb = new_notebook(cells=cells)
+nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+out = Path(__file__).resolve().parents[1] / "03_paged_attention.ipynb"
+nbformat.write(nb, out)
+print("wrote", out)
