@@ -4,12 +4,13 @@ Exercises (notebooks/exercises/ch01_kv_cache.ipynb)
     ex1.1 ``kv_bytes_per_token(config, dtype_bytes)``: K and V bytes one token costs, from a
           Hugging Face config dict (GQA and an explicit ``head_dim`` included).
     ex1.2 ``reserved_slots(prompt_len, output_len, max_seq_len, policy)``: token slots a
-          contiguous allocator reserves for one request (the paper's Orca baselines).
+          contiguous allocator reserves for one request (the paper's Orca baselines),
+          checked against ``ContiguousAllocator.reservation_size``.
     ex1.3 ``paged_token_fraction(seq_lens, block_size)``: fraction of reserved slots that
           hold a token when memory is paged, checked against ``KVCacheManager.usage()``.
 
-Reference: ex1.1 and ex1.2 are defined by the formulas in the spec and held here; ex1.3
-is graded against the package's ``KVCacheManager``. Pure Python, no torch.
+Reference: ex1.1 is the formula in the spec, held here; ex1.2 and ex1.3 are graded
+against the package (``minipaged.core.contiguous`` and ``KVCacheManager``). Pure Python.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from minipaged.checks._harness import (
     run_cases,
 )
 from minipaged.core import KVCacheManager
+from minipaged.core.contiguous import ContiguousAllocator
 
 CHECKS: dict = {}
 
@@ -112,20 +114,12 @@ def check_kv_bytes_per_token(kv_bytes_per_token) -> None:
     run_cases("ex1.1", cases, run_one, size=size, describe=describe)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def ref_reserved_slots(prompt_len: int, output_len: int, max_seq_len: int, policy: str) -> int:
-    if policy not in ("max", "pow2", "oracle"):
-        raise ValueError(f"policy must be 'max', 'pow2' or 'oracle', got {policy!r}")
+    """Via the package: ``ContiguousAllocator.reservation_size`` (the paper's Orca baselines)."""
     if prompt_len < 1 or output_len < 1 or prompt_len + output_len > max_seq_len:
         raise ValueError("need 1 <= prompt_len, 1 <= output_len, prompt_len + output_len <= max_seq_len")
-    if policy == "max":
-        return max_seq_len
-    if policy == "pow2":
-        return min(max_seq_len, prompt_len + _next_pow2(output_len))
-    return prompt_len + output_len
+    allocator = ContiguousAllocator(num_slots=max_seq_len, max_model_len=max_seq_len, policy=policy)
+    return allocator.reservation_size(prompt_len + output_len)
 
 
 @exercise(CHECKS, "ex1.2", "slots reserved by a contiguous allocator (Orca max / pow2 / oracle)")
@@ -133,9 +127,8 @@ def check_reserved_slots(reserved_slots) -> None:
     require_callable("ex1.2", reserved_slots, "reserved_slots")
     rng = random.Random("ex1.2")
     cases = []
-    # the paper's example: an output of 25 tokens reserves 32 slots under pow2
     for policy in ("max", "pow2", "oracle"):
-        cases.append((10, 25, 2048, policy))
+        cases.append((10, 25, 2048, policy))  # 35 tokens: 2048 / 64 / 35 slots
     for _ in range(150):
         max_seq_len = rng.choice([16, 64, 100, 512, 2048])
         prompt = rng.randint(1, max_seq_len - 1)

@@ -56,8 +56,9 @@ nb.exercise(
     token slots reserved for one request of `prompt_len + output_len` tokens:
 
     - `"max"`: the model's whole context, `max_seq_len`;
-    - `"pow2"`: the prompt plus the output length rounded up to a power of two
-      (an output of 25 tokens reserves 32), but never more than `max_seq_len`;
+    - `"pow2"`: the final length `prompt_len + output_len` rounded up to a power of two
+      (a request that ends at 600 tokens reserves 1024), but never more than `max_seq_len`:
+      a system that knows the final length within a factor of two;
     - `"oracle"`: exactly `prompt_len + output_len`.
 
     Raise `ValueError` for another policy, or unless `prompt_len >= 1`, `output_len >= 1`
@@ -75,9 +76,9 @@ nb.exercise(
             return max_seq_len
         if policy == "pow2":
             pow2 = 1
-            while pow2 < output_len:
+            while pow2 < prompt_len + output_len:
                 pow2 *= 2
-            return min(max_seq_len, prompt_len + pow2)
+            return min(max_seq_len, pow2)
         return prompt_len + output_len
         ### END SOLUTION
     """,

@@ -1,0 +1,330 @@
+"""Checkers for chapter 06 exercises: sharing blocks.
+
+Exercises (notebooks/exercises/ch06_sharing.ipynb)
+    ex6.1 ``fork(kv_cache_manager, parent_id, child_id)``: the child shares every block of
+          the parent (each block's ``ref_cnt`` + 1), like pages after ``fork()``.
+    ex6.2 ``append_slot(kv_cache_manager, request_id)``: room for one more token, with
+          copy-on-write when the last block is shared and partly filled.
+    ex6.3 ``block_hashes(token_ids, block_size)``: the chained hash of every full block.
+    ex6.4 ``find_cached_blocks(block_pool, token_ids, block_size)``: the prefix-cache
+          lookup: the cached blocks of the longest cached prefix (at most
+          ``len(token_ids) - 1`` tokens, so the last token is always computed).
+
+Reference: this module's ``ref_fork`` / ``ref_append_slot`` / ``ref_block_hashes`` /
+``ref_find_cached_blocks``, written over the package's ``KVCacheManager`` / ``BlockPool``
+(``touch``, ``free_blocks``, ``get_new_blocks``, ``get_cached_block``,
+``hash_block_tokens``) and the semantics of the paper (section 4.4) and of vLLM's
+prefix caching. The student's code and the reference run side by side on seeded random
+operation sequences; ``KVCacheManager.check_invariants`` (``ref_cnt`` equals the number
+of block tables holding a block; free queue = blocks with ``ref_cnt == 0``) runs after
+every step.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Optional
+
+from minipaged.checks._harness import (
+    Mismatch,
+    expect_equal,
+    expect_invariants,
+    expect_raises,
+    expect_true,
+    exercise,
+    require_callable,
+    run_cases,
+)
+from minipaged.core import BlockPool, KVCacheBlock, KVCacheManager, hash_block_tokens
+
+CHECKS: dict = {}
+
+
+# -- references ----------------------------------------------------------------------------
+
+
+def ref_fork(m: KVCacheManager, parent_id: str, child_id: str) -> None:
+    if parent_id not in m.req_to_blocks:
+        raise ValueError(f"unknown parent {parent_id!r}")
+    if child_id in m.req_to_blocks:
+        raise ValueError(f"{child_id!r} already has blocks")
+    blocks = list(m.req_to_blocks[parent_id])  # NOTE: a new list: the tables diverge later
+    m.block_pool.touch(blocks)
+    m.req_to_blocks[child_id] = blocks
+    m.num_tokens[child_id] = m.num_tokens[parent_id]
+
+
+def ref_append_slot(m: KVCacheManager, request_id: str) -> Optional[list[tuple[int, int]]]:
+    if request_id not in m.req_to_blocks:
+        raise ValueError(f"unknown request {request_id!r}")
+    table, n, bs = m.req_to_blocks[request_id], m.num_tokens[request_id], m.block_size
+    if n % bs == 0:  # the last block is full: the new token starts a new block
+        if m.block_pool.get_num_free_blocks() == 0:
+            return None
+        table.extend(m.block_pool.get_new_blocks(1))
+        m.num_tokens[request_id] = n + 1
+        return []
+    last = table[-1]
+    if last.ref_cnt == 1:  # ours alone: write in place
+        m.num_tokens[request_id] = n + 1
+        return []
+    # shared and partly filled: copy on write
+    if m.block_pool.get_num_free_blocks() == 0:
+        return None
+    new = m.block_pool.get_new_blocks(1)[0]
+    m.block_pool.free_blocks([last])  # drops our reference only; the others keep it
+    table[-1] = new
+    m.num_tokens[request_id] = n + 1
+    return [(last.block_id, new.block_id)]
+
+
+def ref_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+    hashes, parent = [], None
+    for j in range(len(token_ids) // block_size):
+        parent = hash_block_tokens(parent, token_ids[j * block_size : (j + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def ref_find_cached_blocks(pool: BlockPool, token_ids: list[int], block_size: int) -> list[KVCacheBlock]:
+    hits = []
+    max_blocks = (len(token_ids) - 1) // block_size  # NOTE: the last token is always computed
+    for h in ref_block_hashes(token_ids, block_size)[:max_blocks]:
+        block = pool.get_cached_block(h)
+        if block is None:
+            break
+        hits.append(block)
+    return hits
+
+
+# -- state comparison ----------------------------------------------------------------------
+
+
+class _StudentManager(KVCacheManager):
+    """Switches off the package's own sharing methods (if it has them) for the student's code."""
+
+    def fork(self, *args, **kwargs):
+        raise RuntimeError("kv_cache_manager.fork() is switched off in this check: write it yourself")
+
+    def append_slot(self, *args, **kwargs):
+        raise RuntimeError("kv_cache_manager.append_slot() is switched off in this check")
+
+
+def _mstate(m: KVCacheManager) -> dict:
+    return {
+        "tables": {rid: (m.num_tokens.get(rid), [b.block_id for b in bl]) for rid, bl in sorted(m.req_to_blocks.items())},
+        "ref_cnt": [b.ref_cnt for b in m.block_pool.blocks],
+        "free": [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()],
+    }
+
+
+_MWHAT = {"tables": "{request: (num_tokens, block table)}", "ref_cnt": "ref_cnt of blocks 0, 1, 2, ...",
+          "free": "the free queue, front to back"}
+
+
+def _compare(step: str, ref: KVCacheManager, stu: KVCacheManager) -> None:
+    a, b = _mstate(ref), _mstate(stu)
+    for key in a:
+        expect_equal(f"after {step}: {_MWHAT[key]}", a[key], b[key])
+    expect_invariants(f"after {step}", stu)
+
+
+def _sharing_cases(exercise_id: str, n: int, focus: str) -> list:
+    """(num_blocks, block_size, ops); ops: ("alloc", rid, n) | ("fork", parent, child) |
+    ("append", rid) | ("free", rid) | ("fork?", parent, child) (a fork that must raise)."""
+    rng = random.Random(exercise_id)
+    cases = []
+    for _ in range(n):
+        num_blocks = rng.randint(2, 10)
+        block_size = rng.choice([1, 2, 3, 4])
+        m = KVCacheManager(num_blocks, block_size)  # simulated to keep ops valid
+        ops, k = [], 0
+        for _ in range(rng.randint(1, 10)):
+            holders = sorted(m.req_to_blocks)
+            r = rng.random()
+            if not holders or r < 0.2:
+                rid = f"r{k}"
+                want = rng.randint(1, 2 * block_size + 1)
+                if m.get_num_blocks_needed(rid, want) <= m.get_num_free_blocks() and want <= num_blocks * block_size:
+                    m.allocate_slots(rid, want)
+                    ops.append(("alloc", rid, want))
+                    k += 1
+            elif r < 0.5:
+                parent, child = rng.choice(holders), f"r{k}"
+                k += 1
+                ref_fork(m, parent, child)
+                ops.append(("fork", parent, child))
+            elif r < 0.58 and focus == "fork":
+                bad = rng.choice([("fork?", f"x{k}", f"r{k + 1}"), ("fork?", rng.choice(holders), rng.choice(holders))])
+                ops.append(bad)
+            elif r < 0.9:
+                rid = rng.choice(holders)
+                ref_append_slot(m, rid)
+                ops.append(("append", rid))
+            else:
+                rid = rng.choice(holders)
+                m.free(rid)
+                ops.append(("free", rid))
+        cases.append((num_blocks, block_size, ops))
+    return cases
+
+
+def _describe_ops(case) -> str:
+    num_blocks, block_size, ops = case
+    words = {"alloc": lambda o: f"allocate_slots({o[1]!r}, {o[2]})", "fork": lambda o: f"fork({o[1]!r} -> {o[2]!r})",
+             "fork?": lambda o: f"fork({o[1]!r} -> {o[2]!r}) [must raise ValueError]",
+             "append": lambda o: f"append_slot({o[1]!r})", "free": lambda o: f"free({o[1]!r})"}
+    return (f"KVCacheManager(num_blocks={num_blocks}, block_size={block_size}), then: "
+            + "; ".join(words[o[0]](o) for o in ops))
+
+
+def _replay(case, fork_fn, append_fn):
+    """Run the ops on a reference manager and a student manager; compare after each."""
+    num_blocks, block_size, ops = case
+    ref, stu = KVCacheManager(num_blocks, block_size), _StudentManager(num_blocks, block_size)
+    for i, op in enumerate(ops):
+        step = f"step {i + 1} ({op[0].rstrip('?')} {', '.join(map(str, op[1:]))})"
+        kind = op[0]
+        if kind == "alloc":
+            ref.allocate_slots(op[1], op[2])
+            KVCacheManager.allocate_slots(stu, op[1], op[2])
+        elif kind == "free":
+            ref.free(op[1])
+            KVCacheManager.free(stu, op[1])
+        elif kind == "fork?":
+            expect_raises(f"{step}: fork from an unknown parent or onto an existing child", ValueError,
+                          lambda: fork_fn(stu, op[1], op[2]))
+        elif kind == "fork":
+            ref_fork(ref, op[1], op[2])
+            got = fork_fn(stu, op[1], op[2])
+            if fork_fn is not ref_fork:
+                expect_equal(f"{step}: return value of fork", None, got)
+                if stu.req_to_blocks.get(op[2]) is stu.req_to_blocks.get(op[1]):
+                    raise Mismatch(f"{step}: the child's block table is the parent's list object itself; "
+                                   "give the child its own list (the tables must be able to diverge)")
+        else:  # append
+            expected = ref_append_slot(ref, op[1])
+            got = append_fn(stu, op[1])
+            if append_fn is not ref_append_slot:
+                expect_equal(f"{step}: copies to do, [(src block, dst block)] (None = no free block)",
+                             expected, got)
+        _compare(step, ref, stu)
+
+
+@exercise(CHECKS, "ex6.1", "fork: the child shares every block of the parent")
+def check_fork(fork) -> None:
+    require_callable("ex6.1", fork, "fork(kv_cache_manager, parent_id, child_id)")
+    run_cases("ex6.1", _sharing_cases("ex6.1", 250, focus="fork"), lambda c: _replay(c, fork, ref_append_slot),
+              size=lambda c: (len(c[2]), c[0]), describe=_describe_ops)
+
+
+@exercise(CHECKS, "ex6.2", "append_slot with copy-on-write")
+def check_append_slot(append_slot) -> None:
+    require_callable("ex6.2", append_slot, "append_slot(kv_cache_manager, request_id)")
+    run_cases("ex6.2", _sharing_cases("ex6.2", 250, focus="append"), lambda c: _replay(c, ref_fork, append_slot),
+              size=lambda c: (len(c[2]), c[0]), describe=_describe_ops)
+
+
+# -- ex6.3 -------------------------------------------------------------------------------
+
+
+@exercise(CHECKS, "ex6.3", "the chained hash of every full block")
+def check_block_hashes(block_hashes) -> None:
+    require_callable("ex6.3", block_hashes, "block_hashes(token_ids, block_size)")
+    rng = random.Random("ex6.3")
+    cases = [([], 4), ([5], 1), ([1, 2, 3], 4), ([1, 2, 3, 4], 2)]
+    for _ in range(150):
+        bs = rng.choice([1, 2, 3, 4, 16])
+        cases.append(([rng.randrange(100) for _ in range(rng.randint(0, 40))], bs))
+
+    def run_one(c):
+        tokens, bs = c
+        expected = ref_block_hashes(tokens, bs)
+        got = block_hashes(list(tokens), bs)
+        expect_true("block_hashes must return a list", isinstance(got, list), f"got {type(got).__name__}")
+        expect_equal("number of hashes (one per *full* block)", len(expected), len(got))
+        for j, (e, g) in enumerate(zip(expected, got)):
+            if e != g:
+                raise Mismatch(f"hash of block {j} (tokens {tokens[j * bs:(j + 1) * bs]}) differs:\n"
+                               f"    expected {e.hex()[:16]}...\n    got      "
+                               f"{g.hex()[:16] + '...' if isinstance(g, bytes) else repr(g)}")
+
+    run_cases("ex6.3", cases, run_one, size=lambda c: (len(c[0]), c[1]),
+              describe=lambda c: f"block_hashes(token_ids={c[0]}, block_size={c[1]})")
+
+
+# -- ex6.4 -------------------------------------------------------------------------------
+
+
+def _prefix_cases(n: int) -> list[dict]:
+    rng = random.Random("ex6.4")
+    cases = []
+    for _ in range(n):
+        bs = rng.choice([1, 2, 4])
+        stems = [[rng.randrange(50) for _ in range(rng.randint(1, 4) * bs)] for _ in range(rng.randint(1, 3))]
+
+        def prompt():
+            stem = rng.choice(stems)
+            cut = rng.randint(0, len(stem))
+            return stem[:cut] + [rng.randrange(50) for _ in range(rng.randint(0, 2 * bs + 1))] or [1]
+
+        history = []  # earlier requests: (prompt, keep holding its blocks?)
+        for _ in range(rng.randint(1, 5)):
+            history.append((prompt(), rng.random() < 0.3))
+        queries = [prompt() for _ in range(rng.randint(1, 4))]
+        queries.append(list(rng.choice(history)[0]))  # the exact same prompt again
+        cases.append(dict(num_blocks=rng.randint(3, 14), block_size=bs, history=history, queries=queries))
+    return cases
+
+
+def _build_pool(c: dict) -> BlockPool:
+    """A caching pool after the history ran: each request took blocks, cached its full ones,
+    and released them unless it still holds them (evicting LRU when the pool ran short)."""
+    pool = BlockPool(c["num_blocks"], enable_caching=True)
+    bs = c["block_size"]
+    for tokens, keep in c["history"]:
+        need = -(-len(tokens) // bs)
+        if need > pool.get_num_free_blocks():
+            continue
+        blocks = pool.get_new_blocks(need)
+        for block, h in zip(blocks, ref_block_hashes(tokens, bs)):
+            pool.cache_block(block, h)
+        if not keep:
+            pool.free_blocks(reversed(blocks))
+    return pool
+
+
+def _pool_state(pool: BlockPool):
+    return ([b.ref_cnt for b in pool.blocks], [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+            sorted(b.block_id for b in pool.cached_block_hash_to_block.values()))
+
+
+@exercise(CHECKS, "ex6.4", "the prefix-cache lookup")
+def check_find_cached_blocks(find_cached_blocks) -> None:
+    require_callable("ex6.4", find_cached_blocks, "find_cached_blocks(block_pool, token_ids, block_size)")
+
+    def run_one(c):
+        ref_pool, stu_pool = _build_pool(c), _build_pool(c)
+        bs = c["block_size"]
+        for q in c["queries"]:
+            expected = [b.block_id for b in ref_find_cached_blocks(ref_pool, q, bs)]
+            before = _pool_state(stu_pool)
+            got = find_cached_blocks(stu_pool, list(q), bs)
+            expect_true("find_cached_blocks must return a list of KVCacheBlock",
+                        isinstance(got, list) and all(isinstance(b, KVCacheBlock) for b in got), f"got {got!r}")
+            expect_equal(f"cached block ids for token_ids={q}", expected, [b.block_id for b in got])
+            expect_true("the blocks returned must be the pool's own block objects",
+                        all(b is stu_pool.blocks[b.block_id] for b in got))
+            expect_equal("the pool after the lookup (a lookup must not change ref counts, the free queue "
+                         "or the cache)", before, _pool_state(stu_pool))
+
+    def describe(c):
+        hist = "; ".join(f"{t}{' (still held)' if keep else ''}" for t, keep in c["history"])
+        return (f"BlockPool(num_blocks={c['num_blocks']}, enable_caching=True), block_size={c['block_size']}; "
+                f"earlier prompts (their full blocks cached, then freed): {hist}; lookups: {c['queries']}")
+
+    run_cases("ex6.4", _prefix_cases(200), run_one,
+              size=lambda c: (c["num_blocks"], sum(map(len, c["queries"]))), describe=describe)
+
+
+__all__ = ["CHECKS", "ref_append_slot", "ref_block_hashes", "ref_find_cached_blocks", "ref_fork"]
