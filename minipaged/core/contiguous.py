@@ -11,13 +11,13 @@ Concept
     for the worst case it can afford to assume. The three policies differ only in how
     many slots they reserve for a request whose final length (prompt + output) is ``F``:
 
-    =============  =====================================  ===========================
+    =============  =====================================  ==============================
     policy         reserves                               stands for
-    =============  =====================================  ===========================
+    =============  =====================================  ==============================
     ``"max"``      ``max_model_len``                      Orca (Max): knows nothing
     ``"pow2"``     ``min(next_pow2(F), max_model_len)``   Orca (Pow2): knows F within 2x
     ``"oracle"``   ``F``                                  Orca (Oracle): knows F exactly
-    =============  =====================================  ===========================
+    =============  =====================================  ==============================
 
     Regions are placed *first-fit*: in the lowest-addressed free hole large enough.
     Freed regions become holes (merged with free neighbours), so the free space breaks

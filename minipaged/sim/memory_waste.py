@@ -22,7 +22,8 @@ The replay (one loop, the same for every policy)
        the last one is full; if the pool is empty it preempts the latest-arrived running
        request (recompute: its blocks are freed and it goes back to the front of the
        queue, to be re-admitted with prompt + output so far). Contiguous never allocates
-       here: the region was reserved up front.
+       here: the region was reserved up front. NOTE: paged admission is greedy (no
+       watermark of spare blocks, unlike vLLM), so it preempts often; the count is reported.
     4. finish: requests that reached their final length free their memory.
 
 The categories (every slot of the pool is in exactly one; they add up to 100%)
@@ -345,10 +346,6 @@ HATCHES = {"reserved": "//", "external_fragmentation": "xx"}
 
 def plot_memory_waste(result: MemoryWasteResult):
     """Stacked bars, one per policy: where the KV pool's slots go. Returns a Figure."""
-    import matplotlib
-
-    if "matplotlib.pyplot" not in sys.modules:
-        matplotlib.use("Agg")  # NOTE: headless unless a notebook already chose a backend
     import matplotlib.pyplot as plt
 
     stats = list(result.policies.values())
