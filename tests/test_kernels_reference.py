@@ -231,3 +231,41 @@ def test_bad_shapes_raise_value_error_naming_the_argument():
         paged_attention_torch(torch.randn(1, 4, 8), k, v, bt, torch.zeros(3, dtype=torch.int32), sl, 1, 4)
     with pytest.raises(ValueError, match="q_len"):
         contiguous_attention(torch.randn(5, 2, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8))
+
+
+# --------------------------------------------------------------------------- without Triton
+
+
+def test_torch_paths_work_and_triton_paths_explain_without_triton():
+    """macOS has no Triton: the package imports, torch ops work, Triton ops raise RuntimeError."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.modules["triton"] = None  # make `import triton` fail as if it were not installed
+        import torch
+        import minipaged.kernels as K
+        assert K.HAS_TRITON is False
+        k = torch.randn(4, 2, 1, 8); v = torch.randn(4, 2, 1, 8)
+        bt = torch.tensor([[2, 0]], dtype=torch.int32); sl = torch.tensor([3], dtype=torch.int32)
+        q = torch.randn(1, 2, 8)
+        K.paged_attention_ref(q, k, v, bt, sl)
+        K.paged_attention_torch(q, k, v, bt, torch.tensor([0, 1], dtype=torch.int32), sl, 1, 3)
+        K.reshape_and_cache(torch.randn(1, 1, 8), torch.randn(1, 1, 8), k, v, torch.tensor([5]))
+        for call in (lambda: K.paged_attention_decode(q, k, v, bt, sl),
+                     lambda: K.reshape_and_cache_triton(torch.randn(1, 1, 8), torch.randn(1, 1, 8), k, v,
+                                                        torch.tensor([5]))):
+            try:
+                call()
+            except RuntimeError as e:
+                assert "Triton" in str(e), e
+            else:
+                raise AssertionError("no RuntimeError")
+        print("ok")
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr

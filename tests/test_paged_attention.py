@@ -88,6 +88,25 @@ def test_interpreter_is_on_without_cuda():
     assert pa._INTERPRETED and os.environ["TRITON_INTERPRET"] == "1"
 
 
+def test_package_import_turns_on_interpreter_even_after_triton_import():
+    """Triton reads TRITON_INTERPRET when @triton.jit decorates, so importing triton first is fine."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA machine: kernels are compiled")
+    import subprocess
+    import sys
+
+    script = (
+        "import triton, torch\n"
+        "import minipaged.kernels.paged_attention as pa\n"
+        "from triton.runtime.interpreter import InterpretedFunction\n"
+        "assert pa._INTERPRETED and isinstance(pa._paged_attention_decode_kernel, InterpretedFunction)\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
 def test_without_triton_kernels_raise_runtime_error(monkeypatch):
     monkeypatch.setattr(pa, "HAS_TRITON", False)
     k, v, bt, sl = make_paged([3], 4, 1, 8)
