@@ -253,15 +253,21 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
     if arrows:
         from matplotlib.patches import ConnectionPatch
 
+        # NOTE: added to the physical axes (drawn second) so that its cell labels stay
+        # on top; each arrow leaves its logical cell below the label and lands between a
+        # physical cell's id and its owner label.
         for y, rid in enumerate(rids):
             for j, b in enumerate(snap.block_tables[rid]):
-                fig.add_artist(ConnectionPatch(
-                    xyA=(j + 0.85, y + 0.75), coordsA=ax_l.transData,
-                    xyB=(b % ncols + 0.5, b // ncols + 0.85), coordsB=ax_p.transData,
-                    color="#444444", alpha=0.6, linewidth=0.9, arrowstyle="-|>",
-                    mutation_scale=9, shrinkA=2, shrinkB=2,
-                    connectionstyle="arc3,rad=-0.12",
-                ))
+                con = ConnectionPatch(
+                    xyA=(j + 0.5, y + 0.82), coordsA=ax_l.transData,
+                    xyB=(b % ncols + 0.5, b // ncols + 0.3), coordsB=ax_p.transData,
+                    color="#333333", alpha=0.55, linewidth=0.9, arrowstyle="-|>",
+                    mutation_scale=9, shrinkA=0, shrinkB=0, zorder=2.5,
+                )
+                con.set_annotation_clip(False)
+                ax_p.add_artist(con)
+        for t in ax_p.texts + ax_l.texts:
+            t.set_zorder(3)
 
     handles = [
         Patch(facecolor=palette.owner_color(0), label="slots holding tokens (colour = request)"),

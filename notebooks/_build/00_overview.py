@@ -1,0 +1,303 @@
+"""Generate notebooks/00_overview.ipynb (run from the repo root, then execute it).
+
+    python notebooks/_build/00_overview.py
+    jupyter nbconvert --to notebook --execute --inplace notebooks/00_overview.ipynb
+
+The end-to-end run uses the engine on the course model (``minipaged.LLM()``) where the
+course model is present when this script runs; otherwise the real scheduler driven by a
+fake model (same pictures, no text). Re-run this script once the course model lands.
+"""
+
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+from minipaged.viz.figures import DEMO_ENGINE_KWARGS, DEMO_MAX_TOKENS, DEMO_PROMPTS
+from minipaged.viz.figures import course_model_available
+
+ENGINE = course_model_available()
+cells = []
+
+
+def md(text: str) -> None:
+    cells.append(new_markdown_cell(text.strip("\n")))
+
+
+def code(text: str) -> None:
+    cells.append(new_code_cell(text.strip("\n")))
+
+
+md(r"""
+# 00 · Overview: one engine, three ideas
+
+vLLM serves many requests on one GPU at once. Three ideas make that work, and this course
+builds each of them, small enough to read, in the `minipaged` package:
+
+| idea | what it is | kind of thing | where it lives |
+|---|---|---|---|
+| **KV cache** | per layer, the keys and values of every token seen so far | *data* | `minipaged/model/`, cache tensors `[num_blocks, block_size, num_kv_heads, head_dim]` |
+| **PagedAttention** | a request's logical blocks map through a *block table* to physical blocks anywhere in the cache; attention reads through that map | *addressing* | `minipaged/core/` (pool, manager, tables), `minipaged/kernels/` |
+| **continuous batching** | the batch is rebuilt at every step as requests arrive, finish or are preempted | *scheduling* | `minipaged/core/scheduler.py` |
+
+They are easy to blur together. Keep them apart: the KV cache is *what* is stored, paging
+is *where* it is stored and how it is found, scheduling is *who* runs at each step. (And
+PagedAttention is not FlashAttention: paging is about where KV lives; FlashAttention is
+about memory traffic inside one attention computation. Chapter 03 shows both.)
+
+**You will learn**
+
+1. the three ideas and the words for them (`block_table`, `slot_mapping`, `ref_cnt`,
+   `max_num_seqs`, `max_num_batched_tokens`), the same words vLLM uses;
+2. to read the two pictures of the course: the **active sequences** at every step, and the
+   **block tables** after a step, side by side;
+3. to step through a real run like a debugger;
+4. where each idea is taught: a map of the course.
+""")
+
+md("## Setup")
+
+code(r"""
+import inspect
+
+import matplotlib.pyplot as plt
+
+from minipaged import viz
+from minipaged.core import KVCacheManager
+from minipaged.viz.figures import interesting_step, scheduler_trace
+""" + ("from minipaged import LLM, SamplingParams\n" if ENGINE else
+       "from minipaged.viz.figures import scheduler_demo_trace\n"))
+
+md(r"""
+## 1. Data: the KV cache
+
+Generating token *t* needs attention over tokens 0 .. *t*−1, and attention needs their
+keys and values at every layer. Computing them once and keeping them is the **KV cache**.
+Its size per token is fixed by the model: `2 (K and V) × layers × kv_heads × head_dim ×
+bytes per number`. Chapter 01 counts it for real models (800 KB per token for OPT-13B);
+what matters here is that it is the biggest thing a server holds besides the weights,
+and that it grows by one token per request per step.
+
+## 2. Addressing: block tables
+
+The cache is cut into **blocks** of `block_size` token slots. A request's tokens fill its
+*logical* blocks 0, 1, 2, ...; its **block table** lists the *physical* block behind each.
+Token `i` lives in slot `block_table[i // block_size] * block_size + i % block_size`.
+
+A hand check first. With `block_size = 4`, request A gets 10 tokens and B 5, from an
+empty pool of 8 blocks. The pool hands out blocks 0, 1, 2 to A (⌈10/4⌉ = 3) and 3, 4 to B
+(⌈5/4⌉ = 2). So A's token 9 is in logical block 2, offset 1: slot 2·4 + 1 = **9**; B's
+token 4 is in logical block 1 (physical 4), offset 0: slot 4·4 + 0 = **16**.
+""")
+
+code(r"""
+kv = KVCacheManager(num_blocks=8, block_size=4)
+kv.allocate_slots("A", 10)
+kv.allocate_slots("B", 5)
+print("A:", kv.get_block_ids("A"), " B:", kv.get_block_ids("B"))
+print("slot of A's token 9:", kv.get_slot_mapping("A", 9, 10), " slot of B's token 4:", kv.get_slot_mapping("B", 4, 5))
+assert kv.get_slot_mapping("A", 9, 10) == [9] and kv.get_slot_mapping("B", 4, 5) == [16]
+""")
+
+md(r"""
+Now B grows by 4 tokens and A finishes. B's new block is the next one in the free
+queue, block 5: nothing needs to be contiguous, so any free block will do.
+""")
+
+code(r"""
+new = kv.allocate_slots("B", 4)
+kv.free("A")
+fig = viz.block_tables(kv, new_block_ids=[b.block_id for b in new], arrows=True)
+plt.show()
+plt.close(fig)
+print(viz.block_tables_text(kv, new_block_ids=[b.block_id for b in new]))
+""")
+
+md(r"""
+On the left, each request's logical blocks, filled in proportion to the tokens they hold
+and labelled with the physical block they map to; on the right, the physical blocks,
+labelled `owner:logical block`. The pale tail of B's last block is reserved but holds no
+token yet: with paging, that tail (fewer than `block_size` slots per request) is all the
+memory a request can waste. The free queue hands out blocks that were never used first;
+A's blocks went to its back when A finished, tail first.
+
+## 3. Scheduling: continuous batching
+
+Every engine step the scheduler rebuilds the batch: running requests first (one token
+each when decoding, a chunk of the prompt when prefilling), then waiting ones in arrival
+order, as long as there are seats (`max_num_seqs`), token budget
+(`max_num_batched_tokens`) and free blocks. When a running request needs a block and none
+is free, the latest arrival is **preempted**: its blocks are freed and it waits to be
+recomputed.
+
+## 4. The whole engine, end to end
+""")
+
+if ENGINE:
+    md(rf"""
+Eight story openings on the course model (a small Llama trained for this course), through
+a KV pool of only {DEMO_ENGINE_KWARGS['num_blocks']} blocks of {DEMO_ENGINE_KWARGS['block_size']}
+slots, at most {DEMO_ENGINE_KWARGS['max_num_seqs']} sequences and
+{DEMO_ENGINE_KWARGS['max_num_batched_tokens']} tokens per step, so that requests queue,
+prompts are chunked, and the pool runs out. Greedy decoding, so the texts are the same on
+every run.
+""")
+    kw = ", ".join(f"{k}={v}" for k, v in DEMO_ENGINE_KWARGS.items())
+    code(rf"""
+prompts = {DEMO_PROMPTS!r}
+llm = LLM({kw})
+outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens={DEMO_MAX_TOKENS}, ignore_eos=True), use_tqdm=False)
+for o in outs:
+    print(f"{{o.prompt!r:32}} -> {{o.outputs[0].text!r}}")
+trace = llm.trace  # one StepRecord per engine step: what the pictures are drawn from
+print(len(trace), "steps")
+""")
+else:
+    md(r"""
+*The course model is not in this checkout yet, so this run uses the real `Scheduler` and
+`KVCacheManager` with a stand-in for the model that always emits the same token (that is
+all scheduling needs: lengths, not words). Once the engine ships its model, this cell
+becomes `LLM(...).generate(...)` and the pictures below are drawn from `llm.trace`.*
+
+Eight requests with seeded prompt and output lengths arrive over the first steps, through
+a pool of only 24 blocks of 4 slots, at most 4 sequences and 16 tokens per step, so that
+requests queue, prompts are chunked, and the pool runs out.
+""")
+    code(r"""
+print(inspect.getsource(scheduler_demo_trace))
+trace = scheduler_demo_trace()  # one StepRecord per engine step: what the pictures are drawn from
+print(len(trace), "steps;", {rid: (r["prompt_len"], r["output_len"]) for rid, r in trace.requests.items()})
+""")
+
+md(r"""
+## 5. The two pictures
+
+**Active sequences.** A row per request, a column per step: grey while waiting, dark blue
+while prefilling (the number is the chunk of prompt tokens computed in that step), light
+blue while decoding one token per step, vermillion when preempted. The strips beneath
+count the sequences in each step's batch and the tokens it used, against the two budgets.
+""")
+
+code(r"""
+fig = viz.timeline(trace)
+plt.show()
+plt.close(fig)
+""")
+
+md(r"""
+**One step, side by side.** The lecture's picture: the same timeline with one step
+framed, and the block tables *after* that step. Here the step is the first preemption:
+the preempted request's blocks are back in the free pool (grey), and the blocks just
+handed out have a black frame.
+""")
+
+code(r"""
+i = interesting_step(trace)
+fig = viz.step(trace, i)
+plt.show()
+plt.close(fig)
+""")
+
+md(r"""
+## 6. Step through it
+
+Drag the slider, press ▶ to play, or step with *prev* / *next*: at every step the batch
+is rebuilt (left) and blocks are handed out and returned (right). Watch a request's table
+grow one block at a time, and watch what happens to the pool just before a preemption.
+(Where widgets cannot render, for example in a static viewer, the picture of the first
+shown step appears instead.)
+""")
+
+code(r"""
+viz.stepper(trace, start=i)
+""")
+
+md("The same step as text (what the tests and the notebook checks compare):")
+
+code(r"""
+print(viz.step_text(trace, i))
+""")
+
+md(r"""
+And the memory over the whole run: slots holding a token's K/V (blue), reserved in a held
+block but not holding a token yet (orange), free (grey). With paging the orange band is
+only the tails of last blocks.
+""")
+
+code(r"""
+fig = viz.memory(trace)
+plt.show()
+plt.close(fig)
+print(viz.memory_text(trace, max_rows=8))
+""")
+
+md(r"""
+## 7. Code tour
+
+The pictures are drawn from a `StepRecord` per step, recorded after each step by
+`minipaged.core.scheduler.record_step` (the engine and the simulator use the same one):
+plain data, saved and reloaded as JSON, so every picture can be tested.
+""")
+
+code(r"""
+from minipaged.trace import StepRecord
+
+print(inspect.getsource(StepRecord))
+print(trace.steps[i])
+""")
+
+md(r"""
+## 8. Experiment: how big a pool?
+
+The same eight requests with pools of different sizes, scheduler only (no model, so it runs
+in milliseconds). A smaller pool means fewer requests fit at once: more steps, more
+preemptions. *Try*: change `max_num_seqs` or `max_num_batched_tokens` instead.
+""")
+
+code(r"""
+print(f"{'num_blocks':>10} {'steps':>6} {'preemptions':>12} {'mean batch':>11}")
+for num_blocks in (14, 18, 24, 32, 64):
+    t = scheduler_trace(8, seed=0, num_blocks=num_blocks, block_size=4, max_num_seqs=4,
+                        max_num_batched_tokens=16, prompt_range=(4, 22), output_range=(4, 16),
+                        arrival_span=8)
+    cells = viz.timeline_cells(t)
+    pre = sum(len(s.preempted_ids) for s in t.steps)
+    print(f"{num_blocks:>10} {len(t):>6} {pre:>12} {sum(cells.running) / len(t):>11.2f}")
+""")
+
+md(r"""
+## 9. Map of the course
+
+| chapter | idea | you build / measure |
+|---|---|---|
+| **00 overview** | all three | this notebook: the pictures and the words |
+| **01 KV cache** | data | K and V per layer and head; bytes per token of real models; why contiguous reservation wastes memory (the paper's Fig. 2) |
+| **02 block tables** | addressing | logical vs physical blocks, the free queue, on-demand allocation, slot mapping, the block-size trade-off |
+| **03 PagedAttention** | addressing | attention through a block table: torch reference and Triton kernels (decode, split-KV, prefill); not FlashAttention |
+| **04 continuous batching** | scheduling | the scheduler loop line by line; static vs continuous batching, measured |
+| **05 scheduling** | scheduling | token budget and chunked prefill; memory pressure; recompute vs swap; thrash and head-of-line blocking |
+| **06 sharing** | addressing | copy-on-write forks for parallel sampling and beam search; prefix caching |
+| **07 serving at scale** | all three | a simulator running the real scheduler on a GPU cost model: the paper's experiments |
+| **exercises/** | | one notebook per chapter 01–06: write the real thing, graded automatically |
+
+## Recap
+
+- **Data**: the KV cache holds every token's keys and values, per layer; it grows one
+  token per request per step.
+- **Addressing**: block tables map logical blocks to any free physical block, so a request
+  wastes less than one block and the pool never fragments.
+- **Scheduling**: the batch is rebuilt at every step under `max_num_seqs`,
+  `max_num_batched_tokens` and free blocks; when blocks run out, the latest arrival is
+  preempted.
+- Every picture is drawn from an `EngineTrace`, recorded step by step; each has a text
+  twin (`viz.*_text`).
+
+**Next**: chapter 01 measures the KV cache.
+""")
+
+nb = new_notebook(cells=cells)
+nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+nb.metadata["language_info"] = {"name": "python"}
+out = Path(__file__).resolve().parents[1] / "00_overview.ipynb"
+nbformat.write(nb, out)
+print(f"wrote {out} ({'engine' if ENGINE else 'scheduler + fake model'} run)")
