@@ -4,6 +4,7 @@ Pure Python, importable without torch.
 """
 
 from minipaged.core.block_pool import BlockPool
+from minipaged.core.contiguous import ContiguousAllocator
 from minipaged.core.kv_cache_manager import PAD_SLOT_ID, KVCacheManager, KVCacheUsage
 from minipaged.core.kv_cache_utils import (
     NONE_HASH,
@@ -24,6 +25,7 @@ from minipaged.core.scheduler import (
 
 __all__ = [
     "BlockPool",
+    "ContiguousAllocator",
     "FreeKVCacheBlockQueue",
     "KVCacheBlock",
     "KVCacheManager",
