@@ -5,6 +5,7 @@ than FasterTransformer's contiguous one) and Fig. 18a (block-size sweep).
 
     python benchmarks/kernels.py                 # CUDA: full sweep; CPU: interpreter sanity pass
     python benchmarks/kernels.py --quick --json benchmarks/results/kernels_<gpu>.json
+    python benchmarks/kernels.py --dry-run       # the GPU code path on tiny shapes, anywhere
 
 On a CUDA GPU, for every (batch, context) it times
     paged    minipaged's Triton ``paged_attention_decode`` (V1 or split-KV V2, chosen by it),
@@ -70,8 +71,11 @@ def parse_args(argv=None):
     p.add_argument("--sweep-batch", type=int, default=64, help="batch of the block-size sweep")
     p.add_argument("--sweep-context", type=int, default=4096, help="context of the block-size sweep")
     p.add_argument("--quick", action="store_true", help="a smaller sweep (batches 8,64; contexts 1k,4k)")
-    p.add_argument("--figure", default="figures/kernel_bench.png", help="where to write the figure ('' = none)")
+    p.add_argument("--figure", default=None,
+                   help="where to write the figure (default figures/kernel_bench.png on a GPU; '' = none)")
     p.add_argument("--json", default="", help="write the results as JSON to this path")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run the GPU code path on the CPU with tiny shapes (checks the script; timings meaningless)")
     return p.parse_args(argv)
 
 
@@ -149,8 +153,8 @@ def cpu_sanity() -> dict:
 # --------------------------------------------------------------------------- GPU sweep
 
 
-def gpu_benchmark(args) -> dict:
-    import triton.testing
+def gpu_benchmark(args, device: str = "cuda") -> dict:
+    import time
 
     from minipaged.kernels import paged_attention_decode
 
@@ -159,10 +163,10 @@ def gpu_benchmark(args) -> dict:
     except ImportError:
         flash_attn_with_kvcache = None
 
-    device = torch.device("cuda")
+    device = torch.device(device)
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    name = torch.cuda.get_device_name(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU dry run (not a measurement)"
     peak = peak_bandwidth(name)
     H, KVH, D = args.num_heads, args.num_kv_heads, args.head_dim
     batches = [8, 64] if args.quick else [int(x) for x in args.batches.split(",")]
@@ -170,7 +174,13 @@ def gpu_benchmark(args) -> dict:
     block_sizes = [int(x) for x in args.block_sizes.split(",")]
 
     def bench(fn):
-        return triton.testing.do_bench(fn, warmup=25, rep=100)  # ms per call
+        if device.type == "cuda":
+            import triton.testing
+
+            return triton.testing.do_bench(fn, warmup=25, rep=100)  # ms per call
+        start = time.perf_counter()  # dry run: one call, just to exercise the code
+        fn()
+        return (time.perf_counter() - start) * 1e3
 
     def time_all(batch, context, block_size):
         q, kc, vc, bt, sl = make_decode_inputs(batch, context, block_size, H, KVH, D, dtype, device)
@@ -182,7 +192,7 @@ def gpu_benchmark(args) -> dict:
         row["sdpa_ms"] = bench(
             lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
         )
-        if flash_attn_with_kvcache is not None and dtype != torch.float32:
+        if flash_attn_with_kvcache is not None and dtype != torch.float32 and device.type == "cuda":
             qf = q[:, None]  # [B, 1, H, D]
             row["flash_ms"] = bench(lambda: flash_attn_with_kvcache(qf, k, v, cache_seqlens=sl))
         nbytes = decode_bytes(q, kc, batch, context)
@@ -192,11 +202,12 @@ def gpu_benchmark(args) -> dict:
         best = min(row[k] for k in ("sdpa_ms", "flash_ms") if k in row)
         row["paged_over_contiguous"] = row["paged_ms"] / best
         del q, kc, vc, bt, sl, k, v, ks, vs
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         return row
 
     # Measured device-to-device copy: the bandwidth a kernel can realistically reach.
-    buf = torch.empty(1 << 28, dtype=torch.uint8, device=device)
+    buf = torch.empty(1 << (28 if device.type == "cuda" else 20), dtype=torch.uint8, device=device)
     copy_ms = bench(lambda: buf.clone())
     measured_peak = 2 * buf.numel() / (copy_ms * 1e-3)
     del buf
@@ -226,7 +237,7 @@ def gpu_benchmark(args) -> dict:
         write_figure(args.figure, sweep, blocks, name)
         print(f"\nfigure: {args.figure}")
     return {
-        "mode": "gpu",
+        "mode": "gpu" if device.type == "cuda" else "dry-run",
         "gpu": name,
         "dtype": args.dtype,
         "num_heads": H,
@@ -273,7 +284,14 @@ def write_figure(path, sweep, blocks, gpu_name):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if torch.cuda.is_available():
+    if args.figure is None:
+        args.figure = "" if args.dry_run else "figures/kernel_bench.png"
+    if args.dry_run:
+        args.batches, args.contexts, args.block_sizes = "1,2", "16,48", "8,16,32"
+        args.num_heads, args.num_kv_heads, args.head_dim = 4, 2, 16
+        args.sweep_batch, args.sweep_context, args.quick = 2, 48, False
+        results = gpu_benchmark(args, device="cuda" if torch.cuda.is_available() else "cpu")
+    elif torch.cuda.is_available():
         results = gpu_benchmark(args)
     else:
         results = cpu_sanity()
