@@ -136,8 +136,9 @@ def _stdout_text(cell) -> str:
     )
 
 
-def parse_authored(nb, path: Path, require_outputs: bool = True) -> AuthoredNotebook:
-    """Index and validate an authored exercise notebook."""
+def parse_authored(nb, path: Path, require_outputs: bool = True, require_solutions: bool = True) -> AuthoredNotebook:
+    """Index and validate an authored exercise notebook (``require_solutions=False``: a
+    student copy, whose solution cells hold stubs)."""
     chapter = nb.metadata.get(META_KEY, {}).get("chapter")
     if not isinstance(chapter, str) or not _CHAPTER_RE.fullmatch(chapter):
         raise ValueError(f"{path}: notebook metadata.minipaged.chapter must be like 'ch02', got {chapter!r}")
@@ -150,10 +151,11 @@ def parse_authored(nb, path: Path, require_outputs: bool = True) -> AuthoredNote
         if role == "solution":
             if cell.cell_type != "code":
                 raise ValueError(f"{path}: solution cell {i} ({ex}) is not a code cell")
-            try:
-                stub_source(cell_source(cell))
-            except ValueError as e:
-                raise ValueError(f"{path}: solution cell {i} ({ex}): {e}") from None
+            if require_solutions:
+                try:
+                    stub_source(cell_source(cell))
+                except ValueError as e:
+                    raise ValueError(f"{path}: solution cell {i} ({ex}): {e}") from None
             solutions[ex] = solutions.get(ex, 0) + 1
         elif role == "check":
             if ex in a.check_cells:

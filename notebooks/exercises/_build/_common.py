@@ -24,15 +24,16 @@ HERE = Path(__file__).resolve().parent
 OUT_DIR = HERE.parent
 
 
-def _md(text: str, **meta) -> nbformat.NotebookNode:
-    cell = nbformat.v4.new_markdown_cell(textwrap.dedent(text).strip("\n"))
+def _md(text: str, cell_id: str, **meta) -> nbformat.NotebookNode:
+    # NOTE: fixed cell ids (nbformat makes random ones), so a rebuild changes no line
+    cell = nbformat.v4.new_markdown_cell(textwrap.dedent(text).strip("\n"), id=cell_id)
     if meta:
         cell.metadata["minipaged"] = meta
     return cell
 
 
-def _code(src: str, **meta) -> nbformat.NotebookNode:
-    cell = nbformat.v4.new_code_cell(textwrap.dedent(src).strip("\n"))
+def _code(src: str, cell_id: str, **meta) -> nbformat.NotebookNode:
+    cell = nbformat.v4.new_code_cell(textwrap.dedent(src).strip("\n"), id=cell_id)
     if meta:
         cell.metadata["minipaged"] = meta
     return cell
@@ -52,22 +53,24 @@ class ExerciseNotebook:
         self.path = OUT_DIR / filename
         self.cells = [
             _md(f"# {title}\n\n" + textwrap.dedent(intro).strip("\n") + "\n\n" + _HOW_TO.format(
-                minutes=minutes, filename=filename)),
+                minutes=minutes, filename=filename), "intro"),
         ]
 
     def setup(self, src: str) -> None:
-        self.cells.append(_code(src, role="setup"))
+        self.cells.append(_code(src, "setup", role="setup"))
 
     def exercise(self, exercise_id: str, title: str, spec: str, solution: str, names: list[str]) -> None:
+        slug = exercise_id.replace(".", "-")
         self.cells.append(_md(f"## {exercise_id}: {title}\n\n" + textwrap.dedent(spec).strip("\n"),
-                              role="spec", exercise=exercise_id))
-        sol = _code(solution, role="solution", exercise=exercise_id)
+                              f"{slug}-spec", role="spec", exercise=exercise_id))
+        sol = _code(solution, f"{slug}-solution", role="solution", exercise=exercise_id)
         sol.metadata["tags"] = ["nbval-ignore-output"]
         self.cells.append(sol)
-        self.cells.append(_code(check_source(exercise_id, *names), role="check", exercise=exercise_id))
+        self.cells.append(_code(check_source(exercise_id, *names), f"{slug}-check", role="check",
+                                exercise=exercise_id))
 
     def outro(self, text: str) -> None:
-        self.cells.append(_md(text))
+        self.cells.append(_md(text, "recap"))
 
     def build(self, execute: bool = True) -> Path:
         nb = nbformat.v4.new_notebook()
