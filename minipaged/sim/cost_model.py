@@ -40,6 +40,8 @@ Where it simplifies (say so when quoting its numbers)
     - attention reads each sequence's context once per step, as a fused (Flash/Paged)
       kernel does; the block size does not change the cost (the paper's Fig. 18 kernel
       slowdown for tiny blocks is not modelled; the sweep shows the memory side only);
+    - swap preemption costs ``swap_time``: the blocks' bytes over PCIe, added to the step
+      (no overlap with compute);
     - the activation reserve is a fixed number in place of vLLM's profiling run;
     - one dtype (fp16/bf16, 2 bytes) for weights and KV; no quantization.
 
@@ -119,9 +121,10 @@ class GPUConfig:
     peak_flops: float
     mem_bandwidth: float
     memory_bytes: float
+    pcie_bandwidth: float = 25e9  # host<->GPU bytes/s actually reached (swap preemption)
 
     def __post_init__(self) -> None:
-        for name in ("peak_flops", "mem_bandwidth", "memory_bytes"):
+        for name in ("peak_flops", "mem_bandwidth", "memory_bytes", "pcie_bandwidth"):
             v = getattr(self, name)
             if not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v!r}")
@@ -141,8 +144,12 @@ MODELS = {m.name: m for m in (OPT_13B, LLAMA_7B)}
 
 A100_40GB = GPUConfig("A100-40GB", peak_flops=312e12, mem_bandwidth=1.555e12, memory_bytes=40 * GiB)
 A100_80GB = GPUConfig("A100-80GB", peak_flops=312e12, mem_bandwidth=2.039e12, memory_bytes=80 * GiB)
-H100 = GPUConfig("H100", peak_flops=989e12, mem_bandwidth=3.35e12, memory_bytes=80 * GiB)  # SXM
-H200 = GPUConfig("H200", peak_flops=989e12, mem_bandwidth=4.8e12, memory_bytes=141e9)
+# NOTE: PCIe 4.0 x16 peaks at 32 GB/s (A100), PCIe 5.0 x16 at 64 GB/s (H100, H200);
+# pinned-memory copies reach roughly 80% of that.
+H100 = GPUConfig("H100", peak_flops=989e12, mem_bandwidth=3.35e12, memory_bytes=80 * GiB,
+                 pcie_bandwidth=50e9)  # SXM
+H200 = GPUConfig("H200", peak_flops=989e12, mem_bandwidth=4.8e12, memory_bytes=141e9,
+                 pcie_bandwidth=50e9)
 GPUS = {g.name: g for g in (A100_40GB, A100_80GB, H100, H200)}
 
 
@@ -252,6 +259,16 @@ class CostModel:
     def step_time(self, batch: Iterable[tuple[int, int]]) -> float:
         """Seconds one engine step over ``batch`` takes."""
         return self.breakdown(batch).time_s
+
+    def swap_time(self, num_tokens: int) -> float:
+        """Seconds to copy the K/V of ``num_tokens`` token slots over PCIe (one direction).
+
+        NOTE: added to the step time, as vLLM v0 waits for the swap copies before the model
+        runs; overlap with compute is not modelled.
+        """
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens!r}")
+        return num_tokens * self.model.kv_bytes_per_token / self.gpu.pcie_bandwidth
 
     def decode_ridge_batch(self, context_len: int = 0) -> float:
         """Decode batch size at which compute time equals memory time (the roofline ridge),
