@@ -24,7 +24,8 @@ Invariants (``check_invariants``)
     - a block's ``ref_cnt`` equals the number of block tables holding it;
     - the free queue holds exactly the blocks with ``ref_cnt == 0``;
     - ``len(block_table) == ceil(num_tokens / block_size)`` for every request;
-    - hence, without sharing, fewer than ``block_size`` slots per request are wasted.
+    - hence, without sharing, fewer than ``block_size`` slots per request are wasted;
+    - pending copies have distinct destinations, each held by some table.
 
 Swap bookkeeping (preemption by swapping, the paper's section 4.5)
     With ``num_cpu_blocks > 0`` the manager also owns a second ``BlockPool`` standing for
@@ -35,6 +36,30 @@ Swap bookkeeping (preemption by swapping, the paper's section 4.5)
     nothing. A swapped request holds CPU blocks only (``get_cpu_block_ids``);
     ``free_swapped(request)`` drops them (abort). The manager only does the bookkeeping:
     the engine copies the data (``kernels.cache_ops.swap_blocks``) before the model runs.
+
+Sharing (the paper's section 4.4)
+    ``fork(parent, child)``: the child's block table holds the *same* blocks as the
+    parent's (every ``ref_cnt`` + 1); no K/V is copied. Parallel sampling and beam search
+    fork. Freeing a shared block only drops its count.
+    Copy-on-write: when ``allocate_slots`` would write into a shared, partly filled last
+    block, it takes a fresh block for this request, records ``(src, dst)`` so the engine
+    copies the block (``kernels.cache_ops.copy_blocks``) before the model writes, and drops
+    one reference from the shared block. ``take_pending_copies()`` hands the recorded
+    pairs over (the scheduler puts them into ``SchedulerOutput.blocks_to_copy``). Full
+    shared blocks are never copied: a new token starts a new block.
+    ``swap_out_group`` / ``swap_in_group`` move several tables at once and keep the
+    blocks they share shared (one CPU block per shared device block, and back).
+
+Automatic prefix caching (``enable_caching=True``; vLLM's APC)
+    A full block is known by ``hash_block_tokens(parent_hash, its tokens)``, chained from
+    the first block, so equal hashes mean equal *prefixes*. ``cache_blocks(request)``
+    registers a request's blocks as they fill (after the model wrote them).
+    ``get_computed_blocks(request)`` -> ``(blocks, num_computed_tokens)``: the cached
+    blocks of the request's longest cached prefix, at most ``num_tokens - 1`` tokens so
+    that the last token is always computed (its logits are needed); pass them to
+    ``allocate_slots(request, n, new_computed_blocks=blocks)``, which shares them. A
+    freed cached block stays in the free queue with its hash and can be hit again until
+    the pool hands it out to someone else: eviction in LRU order (free order, tail first).
 
 Failure mode
     pool exhausted -> ``allocate_slots`` returns ``None`` and changes nothing (nothing is
@@ -49,7 +74,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from minipaged.core.block_pool import BlockPool
-from minipaged.core.kv_cache_utils import KVCacheBlock, cdiv
+from minipaged.core.kv_cache_utils import BlockHash, KVCacheBlock, cdiv, hash_block_tokens
 
 PAD_SLOT_ID = -1  # slot id for padding tokens: reshape_and_cache skips it
 
@@ -99,46 +124,194 @@ class KVCacheManager:
         self.cpu_block_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
         self.req_to_cpu_blocks: dict[str, list[KVCacheBlock]] = {}
         self.cpu_num_tokens: dict[str, int] = {}
+        # Copy-on-write: (src block id, dst block id) pairs not yet handed to the engine.
+        self.pending_copies: list[tuple[int, int]] = []
+        # Prefix caching: request_id -> how many of its leading blocks are cached.
+        self.num_cached_blocks: dict[str, int] = {}
 
     # -- allocation ---------------------------------------------------------------
+    def _needs_copy_on_write(self, rid: str) -> bool:
+        """Whether the next token of ``rid`` lands in a shared, partly filled block."""
+        table = self.req_to_blocks.get(rid)
+        return bool(table) and self.num_tokens[rid] % self.block_size != 0 and table[-1].ref_cnt > 1
+
     def get_num_blocks_needed(self, request, num_new_tokens: int) -> int:
-        """How many *new* blocks ``allocate_slots(request, num_new_tokens)`` would take."""
+        """How many *new* blocks ``allocate_slots(request, num_new_tokens)`` would take
+        (a copy-on-write copy counts as one)."""
         rid = _request_id(request)
         total = self.num_tokens.get(rid, 0) + num_new_tokens
-        return max(0, cdiv(total, self.block_size) - len(self.req_to_blocks.get(rid, ())))
+        grow = max(0, cdiv(total, self.block_size) - len(self.req_to_blocks.get(rid, ())))
+        return grow + int(self._needs_copy_on_write(rid))
 
     def can_allocate(self, request, num_new_tokens: int) -> bool:
         return self.get_num_blocks_needed(request, num_new_tokens) <= self.get_num_free_blocks()
 
-    def allocate_slots(self, request, num_new_tokens: int) -> list[KVCacheBlock] | None:
-        """Make room for ``num_new_tokens`` more tokens; the new blocks, or None if full."""
+    def allocate_slots(
+        self, request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens; the new blocks, or None if full.
+
+        ``new_computed_blocks`` (prefix-cache hits from ``get_computed_blocks``, only for a
+        request that holds no blocks yet) start the table and are shared, not allocated;
+        ``num_new_tokens`` then counts the tokens *after* them. If the request's last
+        block is shared and partly filled, its first new token would overwrite the other
+        holders' K/V: the block is copied first (copy-on-write), and the copy is among the
+        returned blocks.
+        """
         if not isinstance(num_new_tokens, int) or num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be a positive int, got {num_new_tokens!r}")
         rid = _request_id(request)
         if rid in self.req_to_cpu_blocks:
             raise ValueError(f"request {rid!r} is swapped out: swap_in before allocate_slots")
-        total = self.num_tokens.get(rid, 0) + num_new_tokens
+        computed = list(new_computed_blocks or ())
+        if computed and rid in self.req_to_blocks:
+            raise ValueError(f"new_computed_blocks: request {rid!r} already holds blocks")
+        start = self.num_tokens.get(rid, 0) + len(computed) * self.block_size
+        total = start + num_new_tokens
         if cdiv(total, self.block_size) > self.num_blocks:
             raise ValueError(
                 f"request {rid!r} needs {cdiv(total, self.block_size)} blocks for {total} "
                 f"tokens but the pool has only {self.num_blocks}"
             )
-        num_needed = self.get_num_blocks_needed(rid, num_new_tokens)
-        if num_needed > self.block_pool.get_num_free_blocks():
+        table = self.req_to_blocks.get(rid, [])
+        cow = self._needs_copy_on_write(rid)
+        num_grow = cdiv(total, self.block_size) - len(table) - len(computed)
+        # NOTE: a cache hit sitting in the free queue leaves it when shared, so it costs a
+        # free block just like a new one.
+        num_revived = sum(1 for b in computed if b.ref_cnt == 0)
+        if num_grow + int(cow) + num_revived > self.block_pool.get_num_free_blocks():
             return None  # NOTE: nothing changed; the caller preempts or waits
-        new_blocks = self.block_pool.get_new_blocks(num_needed)
-        self.req_to_blocks.setdefault(rid, []).extend(new_blocks)
+        if computed:
+            self.block_pool.touch(computed)
+            self.req_to_blocks[rid] = table = list(computed)
+            self.num_cached_blocks[rid] = len(computed)
+        new_blocks = self.block_pool.get_new_blocks(num_grow + int(cow))
+        if cow:
+            shared, copy = table[-1], new_blocks[0]
+            table[-1] = copy
+            # NOTE: the shared block keeps ref_cnt >= 1 (the other holders), so this never
+            # returns it to the free queue.
+            self.block_pool.free_blocks([shared])
+            # NOTE: if the shared block is itself the destination of a copy not yet done
+            # (forked again after a copy-on-write in the same step), copy from *its*
+            # source: the engine does all copies at once, reading every source first.
+            src = next((s for s, d in self.pending_copies if d == shared.block_id), shared.block_id)
+            self.pending_copies.append((src, copy.block_id))
+            table.extend(new_blocks[1:])
+        else:
+            table.extend(new_blocks)
+        self.req_to_blocks[rid] = table
         self.num_tokens[rid] = total
         return new_blocks
 
     def free(self, request) -> None:
-        """Return all of a request's blocks to the pool (tail first, for LRU eviction)."""
+        """Return all of a request's blocks to the pool (tail first, for LRU eviction).
+
+        A shared block only loses one reference; it is free when its last holder frees it.
+        """
         rid = _request_id(request)
         if rid not in self.req_to_blocks:
             raise ValueError(f"unknown request {rid!r}: it holds no blocks")
         blocks = self.req_to_blocks.pop(rid)
         del self.num_tokens[rid]
+        self.num_cached_blocks.pop(rid, None)
         self.block_pool.free_blocks(reversed(blocks))
+        if self.pending_copies:
+            # NOTE: a copy into a block nobody holds any more is moot (and the block may be
+            # handed to someone else before the engine would do it).
+            self.pending_copies = [
+                (s, d) for s, d in self.pending_copies if self.block_pool.blocks[d].ref_cnt > 0
+            ]
+
+    # -- sharing ------------------------------------------------------------------
+    def fork(self, parent, child) -> None:
+        """The child shares every block of the parent (each ``ref_cnt`` + 1); no copy.
+
+        ``child`` (a request or an id) must hold no blocks. The tables diverge later:
+        the first write into the shared, partly filled last block copies it.
+        """
+        pid, cid = _request_id(parent), _request_id(child)
+        if pid not in self.req_to_blocks:
+            raise ValueError(f"fork: unknown parent {pid!r} (it holds no device blocks)")
+        if cid in self.req_to_blocks or cid in self.req_to_cpu_blocks:
+            raise ValueError(f"fork: child {cid!r} already holds blocks")
+        blocks = list(self.req_to_blocks[pid])  # NOTE: a new list: the tables diverge later
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[cid] = blocks
+        self.num_tokens[cid] = self.num_tokens[pid]
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The ``(src, dst)`` copy-on-write pairs recorded since the last call (cleared)."""
+        out, self.pending_copies = self.pending_copies, []
+        return out
+
+    def get_ref_cnt(self, block_id: int) -> int:
+        return self.block_pool.blocks[block_id].ref_cnt
+
+    # -- prefix caching -----------------------------------------------------------
+    def _block_hashes(self, request, num_blocks: int) -> list[BlockHash]:
+        """The chained hashes of the request's first ``num_blocks`` full blocks.
+
+        Kept on the request (``Request.block_hashes``) and extended lazily: a request's
+        tokens only ever grow, so a block's hash never changes.
+        """
+        if isinstance(request, str):
+            raise ValueError("prefix caching needs a Request (its token ids), not an id")
+        hashes = request.block_hashes
+        if len(hashes) < num_blocks:
+            bs = self.block_size
+            tokens = request.all_token_ids
+            num_blocks = min(num_blocks, len(tokens) // bs)
+            parent = hashes[-1] if hashes else None
+            for j in range(len(hashes), num_blocks):
+                parent = hash_block_tokens(parent, tokens[j * bs : (j + 1) * bs])
+                hashes.append(parent)
+        return hashes[:num_blocks]
+
+    def get_computed_blocks(
+        self, request, max_num_tokens: int | None = None
+    ) -> tuple[list[KVCacheBlock], int]:
+        """The cached blocks of the request's longest cached prefix, and its token count.
+
+        At most ``num_tokens - 1`` tokens (and at most ``max_num_tokens``): the last token
+        is always computed, because its logits give the next token. ``([], 0)`` when
+        caching is off. The blocks are not yet shared: pass them to ``allocate_slots``.
+        """
+        if not self.enable_caching:
+            return [], 0
+        limit = request.num_tokens - 1
+        if max_num_tokens is not None:
+            limit = min(limit, max_num_tokens)
+        hits: list[KVCacheBlock] = []
+        for h in self._block_hashes(request, max(0, limit) // self.block_size):
+            block = self.block_pool.get_cached_block(h)
+            if block is None:
+                break  # NOTE: a chained hash: nothing after a miss can hit
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def cache_blocks(self, request, num_computed_tokens: int | None = None) -> None:
+        """Register the request's full blocks up to ``num_computed_tokens`` in the cache.
+
+        Call it after the model wrote them (the scheduler does, in ``update_from_output``).
+        A block whose prefix is already cached in another block is left uncached.
+        """
+        if not self.enable_caching:
+            return
+        rid = _request_id(request)
+        if rid not in self.req_to_blocks:
+            raise ValueError(f"unknown request {rid!r}")
+        n = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        if n > self.num_tokens[rid]:
+            raise ValueError(f"num_computed_tokens {n} > the {self.num_tokens[rid]} allocated tokens")
+        full = n // self.block_size
+        done = self.num_cached_blocks.get(rid, 0)
+        if full <= done:
+            return
+        table = self.req_to_blocks[rid]
+        for j, h in enumerate(self._block_hashes(request, full)[done:], start=done):
+            self.block_pool.cache_block(table[j], h)
+        self.num_cached_blocks[rid] = full
 
     # -- swapping -----------------------------------------------------------------
     def get_num_free_cpu_blocks(self) -> int:
@@ -154,49 +327,90 @@ class KVCacheManager:
         None (nothing changed) when the CPU pool has too few free blocks: the caller then
         falls back to recompute. The device blocks are freed (tail first).
         NOTE: a block shared with another table gets a private CPU copy; sharing is not
-        restored on swap-in (correct, only less compact).
+        restored on swap-in (correct, only less compact). ``swap_out_group`` keeps the
+        sharing inside a group.
         """
-        rid = _request_id(request)
-        if rid not in self.req_to_blocks:
-            raise ValueError(f"unknown request {rid!r}: it holds no device blocks")
-        if rid in self.req_to_cpu_blocks:
-            raise RuntimeError(f"request {rid!r} is already swapped out")
-        blocks = self.req_to_blocks[rid]
-        if self.cpu_block_pool is None or len(blocks) > self.get_num_free_cpu_blocks():
+        return self.swap_out_group([request])
+
+    def swap_out_group(self, requests) -> list[tuple[int, int]] | None:
+        """Swap out several requests at once; a block they share gets one CPU block."""
+        rids = [_request_id(r) for r in requests]
+        for rid in rids:
+            if rid not in self.req_to_blocks:
+                raise ValueError(f"unknown request {rid!r}: it holds no device blocks")
+            if rid in self.req_to_cpu_blocks:
+                raise RuntimeError(f"request {rid!r} is already swapped out")
+        if len(set(rids)) != len(rids):
+            raise ValueError(f"requests appear twice: {rids}")
+        distinct = list({b.block_id: b for rid in rids for b in self.req_to_blocks[rid]}.values())
+        if self.cpu_block_pool is None or len(distinct) > self.get_num_free_cpu_blocks():
             return None
-        cpu_blocks = self.cpu_block_pool.get_new_blocks(len(blocks))
-        mapping = [(b.block_id, c.block_id) for b, c in zip(blocks, cpu_blocks)]
-        self.req_to_cpu_blocks[rid] = cpu_blocks
-        self.cpu_num_tokens[rid] = self.num_tokens[rid]
-        self.free(rid)
-        return mapping
+        cpu_blocks = self.cpu_block_pool.get_new_blocks(len(distinct))
+        to_cpu = {b.block_id: c for b, c in zip(distinct, cpu_blocks)}
+        for rid in rids:
+            self.req_to_cpu_blocks[rid] = [to_cpu[b.block_id] for b in self.req_to_blocks[rid]]
+            self.cpu_num_tokens[rid] = self.num_tokens[rid]
+        # get_new_blocks gave each CPU block one reference; add one per further holder.
+        _add_extra_refs(self.cpu_block_pool, [self.req_to_cpu_blocks[r] for r in rids])
+        for rid in rids:
+            self.free(rid)
+        return [(b.block_id, to_cpu[b.block_id].block_id) for b in distinct]
 
     def can_swap_in(self, request, num_new_tokens: int = 0) -> bool:
         """Whether ``swap_in`` and then ``allocate_slots(request, num_new_tokens)`` fit."""
-        rid = _request_id(request)
-        n = len(self.req_to_cpu_blocks.get(rid, ()))
-        total = self.cpu_num_tokens.get(rid, 0) + num_new_tokens
-        return max(n, cdiv(total, self.block_size)) <= self.get_num_free_blocks()
+        return self.can_swap_in_group([request], [num_new_tokens])
+
+    def can_swap_in_group(self, requests, num_new_tokens) -> bool:
+        """Whether ``swap_in_group`` and then each ``allocate_slots(r, n)`` fit.
+
+        Counts exactly what will happen: one device block per distinct CPU block, the
+        blocks each request grows by, and the copy-on-write copies (in order: the last
+        writer of a shared partly filled block writes in place).
+        """
+        bs = self.block_size
+        tables = [self.req_to_cpu_blocks.get(_request_id(r), []) for r in requests]
+        refs: dict[int, int] = {}
+        for t in tables:
+            for c in t:
+                refs[c.block_id] = refs.get(c.block_id, 0) + 1
+        need = len(refs)
+        for r, t, k in zip(requests, tables, num_new_tokens):
+            n = self.cpu_num_tokens.get(_request_id(r), 0)
+            if k > 0 and t and n % bs != 0 and refs[t[-1].block_id] > 1:
+                refs[t[-1].block_id] -= 1
+                need += 1
+            need += max(0, cdiv(n + k, bs) - len(t))
+        return need <= self.get_num_free_blocks()
 
     def swap_in(self, request) -> list[tuple[int, int]] | None:
         """Move a swapped request's blocks back to the device: ``[(cpu id, device id)]``.
 
         None (nothing changed) when the device pool has too few free blocks.
         """
-        rid = _request_id(request)
-        if rid not in self.req_to_cpu_blocks:
-            raise ValueError(f"request {rid!r} is not swapped out")
-        if rid in self.req_to_blocks:
-            raise RuntimeError(f"request {rid!r} holds device blocks and CPU blocks")
-        cpu_blocks = self.req_to_cpu_blocks[rid]
-        if len(cpu_blocks) > self.get_num_free_blocks():
+        return self.swap_in_group([request])
+
+    def swap_in_group(self, requests) -> list[tuple[int, int]] | None:
+        """Swap several requests back in at once; a shared CPU block gets one device block."""
+        rids = [_request_id(r) for r in requests]
+        for rid in rids:
+            if rid not in self.req_to_cpu_blocks:
+                raise ValueError(f"request {rid!r} is not swapped out")
+            if rid in self.req_to_blocks:
+                raise RuntimeError(f"request {rid!r} holds device blocks and CPU blocks")
+        if len(set(rids)) != len(rids):
+            raise ValueError(f"requests appear twice: {rids}")
+        distinct = list({c.block_id: c for rid in rids for c in self.req_to_cpu_blocks[rid]}.values())
+        if len(distinct) > self.get_num_free_blocks():
             return None
-        blocks = self.block_pool.get_new_blocks(len(cpu_blocks))
-        mapping = [(c.block_id, b.block_id) for c, b in zip(cpu_blocks, blocks)]
-        self.req_to_blocks[rid] = blocks
-        self.num_tokens[rid] = self.cpu_num_tokens[rid]
-        self.free_swapped(rid)
-        return mapping
+        blocks = self.block_pool.get_new_blocks(len(distinct))
+        to_dev = {c.block_id: b for c, b in zip(distinct, blocks)}
+        for rid in rids:
+            self.req_to_blocks[rid] = [to_dev[c.block_id] for c in self.req_to_cpu_blocks[rid]]
+            self.num_tokens[rid] = self.cpu_num_tokens[rid]
+        _add_extra_refs(self.block_pool, [self.req_to_blocks[r] for r in rids])
+        for rid in rids:
+            self.free_swapped(rid)
+        return [(c.block_id, to_dev[c.block_id].block_id) for c in distinct]
 
     def free_swapped(self, request) -> None:
         """Drop a swapped-out request's CPU blocks (it was aborted, or swapped in)."""
@@ -235,6 +449,14 @@ class KVCacheManager:
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
 
+    def get_num_used_blocks(self) -> int:
+        """Physical blocks held by some table (a shared block counts once)."""
+        return self.num_blocks - self.get_num_free_blocks()
+
+    def get_num_table_blocks(self) -> int:
+        """Block-table entries over all requests: the blocks used *without* sharing."""
+        return sum(len(t) for t in self.req_to_blocks.values())
+
     def usage(self) -> KVCacheUsage:
         """Slots holding tokens, reserved, free. Shared blocks count once."""
         bs = self.block_size
@@ -269,6 +491,17 @@ class KVCacheManager:
                 f"block {b.block_id}: ref_cnt {b.ref_cnt} but held by "
                 f"{holders.get(b.block_id, 0)} block tables"
             )
+        # copy-on-write: each destination is a private block of its writer
+        dsts = [d for _, d in self.pending_copies]
+        assert len(set(dsts)) == len(dsts), f"a block is the destination of two copies: {dsts}"
+        for s, d in self.pending_copies:
+            assert s != d and self.block_pool.blocks[d].ref_cnt >= 1, (
+                f"copy {s}->{d}: the destination must be held by a table"
+            )
+        # prefix caching
+        assert set(self.num_cached_blocks) <= set(self.req_to_blocks), "cached counts of unknown requests"
+        for rid, k in self.num_cached_blocks.items():
+            assert k <= len(self.req_to_blocks[rid]), f"{rid!r}: {k} cached blocks > its table"
         # swap space
         assert set(self.cpu_num_tokens) == set(self.req_to_cpu_blocks), "cpu tables disagree"
         both = set(self.req_to_cpu_blocks) & set(self.req_to_blocks)
@@ -290,3 +523,15 @@ class KVCacheManager:
                 f"CPU block {b.block_id}: ref_cnt {b.ref_cnt} but held by "
                 f"{cpu_holders.get(b.block_id, 0)} CPU block tables"
             )
+
+
+def _add_extra_refs(pool: BlockPool, tables: list[list[KVCacheBlock]]) -> None:
+    """Each block appearing k times in ``tables`` already has one reference: add k - 1."""
+    seen: set[int] = set()
+    extra = []
+    for table in tables:
+        for b in table:
+            if b.block_id in seen:
+                extra.append(b)
+            seen.add(b.block_id)
+    pool.touch(extra)

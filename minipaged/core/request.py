@@ -14,6 +14,11 @@ toward ``num_tokens`` (prompt + output so far). While it lags by more than one t
 request is prefilling (possibly in chunks); when it lags by exactly one it is decoding.
 After a recompute preemption ``num_computed_tokens`` is reset to 0 and the prompt *and*
 the output so far are prefilled again.
+
+Sharing (chapter 06): ``block_hashes`` holds the chained hashes of the request's full
+blocks (``hash_block_tokens``), filled lazily by the ``KVCacheManager`` when prefix
+caching is on; tokens only ever grow, so a hash once computed never changes. A request of
+a ``SamplingParams(n > 1)`` group is one sequence of the group (``Scheduler.add_request_group``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class Request:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: Optional[str] = None  # why it finished, in words (for refusals too)
+    # chained hashes of the full blocks of all_token_ids, filled lazily (prefix caching)
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.prompt_token_ids) == 0:

@@ -44,10 +44,33 @@ Refusal (pick-one rule, applied consistently)
     ``prompt + max_tokens > max_model_len`` is not an error: generation stops at
     ``max_model_len`` with FINISHED_LENGTH (as in vLLM).
 
+Sharing (chapter 06; the paper's section 4.4, vLLM v0's ``SequenceGroup``)
+    ``add_request_group(seqs)`` queues the n sequences of one ``SamplingParams(n > 1)``
+    request as a *sequence group*. Only the first unfinished sequence, the *leader*, is
+    queued and prefilled; the others are *held*. In the step whose chunk completes the
+    leader's prompt, the held sequences are forked from it (``KVCacheManager.fork``:
+    they share its blocks) and join ``running``; those without output yet draw their
+    first token from the leader's logits row (``SchedulerOutput.fork_samples``): the
+    prompt is prefilled once. From then on each sequence appends its own tokens and the
+    first write into a shared partly filled block is copied (``blocks_to_copy``). A group
+    is scheduled, preempted, swapped and resumed all or nothing; a group preempted by
+    recompute is held again and forks again at its prompt (each sequence then re-prefills
+    its own output). It is refused if ``n > max_num_seqs`` or if its worst case (shared
+    full prompt blocks + n private tails) exceeds the pool. ``StaticBatchScheduler`` (the
+    baseline) serves the n sequences independently, without sharing.
+
+    With ``enable_prefix_caching`` a request admitted from ``waiting`` first looks up its
+    longest cached prefix (``KVCacheManager.get_computed_blocks``, full blocks, at most
+    ``num_tokens - 1`` tokens): those blocks are shared and ``num_computed_tokens``
+    starts at the hit length, so the prefill skips them (``num_cached_tokens`` per step,
+    ``prefix_cache_queries`` / ``prefix_cache_hits`` in tokens over the run). Blocks are
+    cached as they fill, in ``update_from_output``.
+
 Invariants (``check_invariants``)
     running <= ``max_num_seqs``; the last step's tokens <= ``max_num_batched_tokens``;
-    every request is in exactly one of waiting / running / swapped / finished with a
-    matching status; exactly the running requests hold device blocks, exactly the
+    every request is in exactly one of waiting / running / swapped / held / finished with
+    a matching status; a held sequence holds no blocks and waits for its group's leader;
+    the unfinished sequences of a forked group are all running or all swapped; exactly the running requests hold device blocks, exactly the
     swapped ones hold CPU blocks, for exactly ``num_computed_tokens`` tokens between
     steps; FCFS: running, waiting and swapped are each in arrival order and every running
     request arrived before every waiting or swapped one.
@@ -100,6 +123,13 @@ class SchedulerOutput:
     decode_ids: list[str] = field(default_factory=list)  # scheduled for one decode token
     new_block_ids: list[int] = field(default_factory=list)  # device blocks given this step
     finished: list[Request] = field(default_factory=list)  # filled by update_from_output
+    # Sharing: (parent, child) forks made this step (the child shares the parent's blocks),
+    # and those of them whose child has no token yet: the child's first token is sampled
+    # from the parent's logits row (the prompt was prefilled once, for the parent).
+    forks: list[tuple[Request, Request]] = field(default_factory=list)
+    fork_samples: list[tuple[Request, Request]] = field(default_factory=list)
+    # Prefix caching: request_id -> prompt tokens found in the cache at admission
+    num_cached_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -185,6 +215,50 @@ class _SchedulerBase:
     # -- requests -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue ``request`` (FCFS). ValueError for an invalid request, state unchanged."""
+        self._validate_new(request)
+        self._register(request)
+        reason = self._refusal_reason(request)
+        if reason is not None:
+            self._refuse(request, reason)
+        else:
+            self.waiting.append(request)
+
+    def add_request_group(self, requests: list[Request]) -> None:
+        """Queue the sequences of one ``n > 1`` request. The baseline serves them as
+        independent requests; ``Scheduler`` shares their prompt (see the module docstring)."""
+        requests = self._validate_group(requests)
+        for r in requests:
+            self.add_request(r)
+
+    def _validate_group(self, requests) -> list[Request]:
+        requests = list(requests)
+        if not requests:
+            raise ValueError("requests: a sequence group needs at least one sequence")
+        ids = [r.request_id if isinstance(r, Request) else None for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"requests: sequence ids must be distinct, got {ids}")
+        for r in requests:
+            self._validate_new(r)
+            if r.prompt_token_ids != requests[0].prompt_token_ids:
+                raise ValueError("requests: the sequences of a group share one prompt")
+        return requests
+
+    def _register(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.finished:  # NOTE: a finished request's id may be reused
+            del self.finished[rid]
+        self.requests[rid] = request
+        self.arrival_seq[rid] = self._next_seq
+        self._next_seq += 1
+        self._new_arrivals.append(request)
+
+    def _refuse(self, request: Request, reason: str) -> None:
+        request.status = RequestStatus.FINISHED_IGNORED
+        request.stop_reason = reason
+        self.finished[request.request_id] = request
+        self._to_refuse.append(request)
+
+    def _validate_new(self, request: Request) -> None:
         if not isinstance(request, Request):
             raise ValueError(f"request must be a Request, got {type(request).__name__}")
         rid = request.request_id
@@ -201,20 +275,6 @@ class _SchedulerBase:
                 f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens is longer "
                 f"than max_model_len={self.max_model_len}"
             )
-        if old is not None:  # NOTE: a finished request's id may be reused
-            del self.finished[rid]
-        self.requests[rid] = request
-        self.arrival_seq[rid] = self._next_seq
-        self._next_seq += 1
-        self._new_arrivals.append(request)
-        reason = self._refusal_reason(request)
-        if reason is not None:
-            request.status = RequestStatus.FINISHED_IGNORED
-            request.stop_reason = reason
-            self.finished[rid] = request
-            self._to_refuse.append(request)
-        else:
-            self.waiting.append(request)
 
     def _refusal_reason(self, request: Request) -> Optional[str]:
         """Why this engine can never serve ``request``, or None."""
@@ -265,7 +325,12 @@ class _SchedulerBase:
 
     def get_num_unfinished_requests(self) -> int:
         """Requests the engine must still step for (refusals count until reported)."""
-        return len(self.waiting) + len(self.running) + len(self.swapped) + len(self._to_refuse)
+        return (len(self.waiting) + len(self.running) + len(self.swapped)
+                + len(self._held_seqs()) + len(self._to_refuse))
+
+    def _held_seqs(self) -> list[Request]:
+        """Sequences waiting for their group's leader to be forked (none in the baseline)."""
+        return []
 
     def _insert_by_arrival(self, queue, request: Request) -> None:
         """Put ``request`` into ``queue`` (kept in arrival order)."""
@@ -284,6 +349,7 @@ class _SchedulerBase:
         return out
 
     def _end_step(self, out: SchedulerOutput) -> SchedulerOutput:
+        out.blocks_to_copy = self.kv_cache_manager.take_pending_copies()
         total = sum(n for _, n in out.scheduled)
         out.total_num_scheduled_tokens = total
         if total > self.max_num_batched_tokens or len(out.scheduled) > self.max_num_seqs:
@@ -316,6 +382,9 @@ class _SchedulerBase:
             r.request_id for r, n in output.scheduled
             if not r.is_finished and r.num_computed_tokens + n == r.num_tokens
             and r.request_id not in sampled_token_ids
+        ] + [
+            c.request_id for _, c in output.fork_samples
+            if not c.is_finished and c.request_id not in sampled_token_ids
         ]
         if need:
             raise ValueError(f"sampled_token_ids lacks a token for requests {need}")
@@ -324,17 +393,27 @@ class _SchedulerBase:
             if req.is_finished:  # aborted between schedule() and here
                 continue
             req.num_computed_tokens += n
+            if self.enable_prefix_caching:
+                self.kv_cache_manager.cache_blocks(req)  # NOTE: its new full blocks are written now
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prefill chunk: the sampled token (if any) is discarded
-            req.append_output_token_id(sampled_token_ids[req.request_id])
-            if self._check_stop(req):
-                self.running.remove(req)
-                self.kv_cache_manager.free(req)
-                self.finished[req.request_id] = req
-                finished.append(req)
+            self._append_and_check(req, sampled_token_ids[req.request_id], finished)
+        # NOTE: a child forked this step computed nothing; its first token was sampled from
+        # its parent's logits row.
+        for _, child in output.fork_samples:
+            if not child.is_finished:
+                self._append_and_check(child, sampled_token_ids[child.request_id], finished)
         output.finished = finished
         self._in_flight = None
         return finished
+
+    def _append_and_check(self, req: Request, token_id: int, finished: list[Request]) -> None:
+        req.append_output_token_id(token_id)
+        if self._check_stop(req):
+            self.running.remove(req)
+            self.kv_cache_manager.free(req)
+            self.finished[req.request_id] = req
+            finished.append(req)
 
     def _check_stop(self, req: Request) -> bool:
         """Set a finished status on ``req`` if its newest token ends it (vLLM's order)."""
@@ -372,7 +451,8 @@ class _SchedulerBase:
         # membership and status
         where: dict[str, str] = {}
         for name, queue in (("waiting", self.waiting), ("running", self.running),
-                            ("swapped", self.swapped), ("finished", self.finished.values())):
+                            ("swapped", self.swapped), ("held", self._held_seqs()),
+                            ("finished", self.finished.values())):
             for r in queue:
                 assert r.request_id not in where, (
                     f"{r.request_id} is in both {where[r.request_id]} and {name}"
@@ -383,6 +463,7 @@ class _SchedulerBase:
         )
         ok_status = {
             "waiting": (RequestStatus.WAITING, RequestStatus.PREEMPTED),
+            "held": (RequestStatus.WAITING, RequestStatus.PREEMPTED),
             "running": (RequestStatus.RUNNING,),
             "swapped": (RequestStatus.SWAPPED,),
         }
@@ -402,7 +483,7 @@ class _SchedulerBase:
         assert set(kv.req_to_cpu_blocks) == swapped_ids, (
             f"CPU blocks held by {sorted(kv.req_to_cpu_blocks)}, swapped {sorted(swapped_ids)}"
         )
-        for r in self.waiting:
+        for r in (*self.waiting, *self._held_seqs()):
             assert r.num_computed_tokens == 0, f"waiting {r.request_id} has computed tokens"
         in_flight = {} if self._in_flight is None else self._in_flight.num_scheduled_tokens
         self._check_allocation(in_flight)
@@ -437,82 +518,250 @@ class _SchedulerBase:
                 assert r.num_computed_tokens < r.num_tokens, f"running {r.request_id} is idle"
 
 
+@dataclass(eq=False)
+class SequenceGroup:
+    """The sequences of one ``SamplingParams(n > 1)`` request (vLLM v0's SequenceGroup)."""
+
+    group_id: str
+    seqs: list[Request]  # in arrival order
+    forked: bool = False  # the unfinished sequences share the leader's prompt blocks
+
+    @property
+    def unfinished(self) -> list[Request]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def leader(self) -> Request:
+        """The sequence that is queued and prefilled for the whole group."""
+        return self.unfinished[0]
+
+    @property
+    def needs_fork(self) -> bool:
+        return not self.forked and len(self.unfinished) > 1
+
+
 class Scheduler(_SchedulerBase):
-    """Continuous batching with chunked prefill and preemption (vLLM v1 style)."""
+    """Continuous batching with chunked prefill, preemption, sequence groups and prefix
+    caching (vLLM v1 style, groups as in vLLM v0)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")
+        self.seq_groups: dict[str, SequenceGroup] = {}  # sequence id -> its group (n > 1)
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission
+        self.prefix_cache_hits = 0  # of which found cached (their prefill was skipped)
 
+    # -- groups ---------------------------------------------------------------------
+    def add_request_group(self, requests: list[Request]) -> None:
+        """Queue the n sequences of one request: the leader waits, the others are held
+        until the leader's prompt is computed, then forked from it. ValueError for an
+        invalid group, state unchanged."""
+        requests = self._validate_group(requests)
+        if len(requests) == 1:
+            return self.add_request(requests[0])
+        group = SequenceGroup(requests[0].request_id, requests)
+        for r in requests:
+            self._register(r)
+        reason = self._group_refusal_reason(requests)
+        if reason is not None:
+            for r in requests:
+                self._refuse(r, reason)
+            return
+        for r in requests:
+            self.seq_groups[r.request_id] = group
+        self.waiting.append(requests[0])
+
+    def _group_refusal_reason(self, requests: list[Request]) -> Optional[str]:
+        reason = self._refusal_reason(requests[0])
+        if reason is not None:
+            return reason
+        n = len(requests)
+        if n > self.max_num_seqs:
+            return f"refused: a group of {n} sequences exceeds max_num_seqs={self.max_num_seqs}"
+        bs = self.block_size
+        shared = requests[0].num_prompt_tokens // bs  # full prompt blocks, never copied
+        tail = cdiv(get_max_num_kv_tokens(requests[0], self.max_model_len), bs) - shared
+        if shared + n * tail > self.num_blocks:
+            return (
+                f"refused: {n} sequences may need {shared} shared + {n} x {tail} private KV "
+                f"blocks but the whole pool has {self.num_blocks}"
+            )
+        return None
+
+    def _held_seqs(self) -> list[Request]:
+        groups = {id(g): g for g in self.seq_groups.values()}.values()
+        return [s for g in groups if g.needs_fork for s in g.unfinished[1:]]
+
+    def _fork_target(self, request: Request) -> Optional[SequenceGroup]:
+        """The group whose held sequences fork from ``request`` once its prompt is computed."""
+        g = self.seq_groups.get(request.request_id)
+        return g if g is not None and g.needs_fork and g.leader is request else None
+
+    def _units(self, queue) -> list[list[Request]]:
+        """``queue`` cut into scheduling units: a group's sequences together, in order."""
+        units: list[list[Request]] = []
+        last = None
+        for r in queue:
+            g = self.seq_groups.get(r.request_id)
+            if g is not None and g is last:
+                units[-1].append(r)
+            else:
+                units.append([r])
+            last = g
+        return units
+
+    def _maybe_fork(self, request: Request, n: int, out: SchedulerOutput) -> None:
+        """Fork the held sequences from ``request`` if this step computes its last prompt token."""
+        group = self._fork_target(request)
+        if group is None or request.num_computed_tokens + n != request.num_prompt_tokens:
+            return
+        kv = self.kv_cache_manager
+        for child in group.unfinished[1:]:
+            kv.fork(request, child)
+            # NOTE: the child's prompt K/V is written by the parent's rows of this very step;
+            # nobody reads it before then, so it counts as computed from now on.
+            child.num_computed_tokens = request.num_prompt_tokens
+            child.status = RequestStatus.RUNNING
+            self._insert_by_arrival(self.running, child)
+            out.forks.append((request, child))
+            if child.num_computed_tokens == child.num_tokens:
+                out.fork_samples.append((request, child))
+        group.forked = True
+
+    def abort_request(self, request_id: str) -> None:
+        """As in the base class; aborting any sequence of a group that has not forked yet
+        aborts the whole group (its held sequences have nothing of their own)."""
+        g = self.seq_groups.get(request_id)
+        if g is not None and g.needs_fork and not self.requests[request_id].is_finished:
+            held = g.unfinished[1:]
+            super().abort_request(g.leader.request_id)
+            for r in held:
+                r.status = RequestStatus.FINISHED_ABORTED
+                r.stop_reason = "aborted"
+                self.finished[r.request_id] = r
+        else:
+            super().abort_request(request_id)
+        self._forget_group_if_done(request_id)
+
+    def _forget_group_if_done(self, request_id: str) -> None:
+        g = self.seq_groups.get(request_id)
+        if g is not None and not g.unfinished:
+            for s in g.seqs:
+                self.seq_groups.pop(s.request_id, None)
+
+    def update_from_output(self, output, sampled_token_ids):
+        finished = super().update_from_output(output, sampled_token_ids)
+        for r in finished:
+            self._forget_group_if_done(r.request_id)
+        return finished
+
+    # -- one step -------------------------------------------------------------------
     def _num_new_tokens(self, request: Request, token_budget: int) -> int:
         """Tokens to schedule for ``request`` under ``token_budget`` (0 = must wait).
 
         With chunked prefill off a fresh prompt runs whole or waits; a request resumed after
         recompute whose prompt + output exceeds the whole budget is still chunked, or it
-        could never run again.
+        could never run again. A group leader with held sequences stops at its prompt's
+        end, where they fork.
         """
-        n = request.num_tokens - request.num_computed_tokens
+        target = request.num_tokens
+        if self._fork_target(request) is not None:
+            target = request.num_prompt_tokens
+        n = target - request.num_computed_tokens
         if n <= token_budget:
             return n
         if self.enable_chunked_prefill or n > self.max_num_batched_tokens:
             return token_budget
         return 0
 
-    def _preempt(self, out: SchedulerOutput) -> Request:
-        """Preempt the latest-arrived running request; return it."""
-        victim = self.running.pop()  # NOTE: running is kept in arrival order
-        victim.num_preemptions += 1
+    def _plan(self, unit: list[Request], token_budget: int) -> Optional[list[tuple[Request, int]]]:
+        """Tokens for every sequence of ``unit``, or None if one of them must wait."""
+        plan = []
+        for r in unit:
+            n = self._num_new_tokens(r, token_budget)
+            if n <= 0:
+                return None
+            plan.append((r, n))
+            token_budget -= n
+        return plan
+
+    def _preempt(self, out: SchedulerOutput) -> list[Request]:
+        """Preempt the latest-arrived running request, with its whole group; return them."""
+        last = self.running[-1]  # NOTE: running is kept in arrival order
+        g = self.seq_groups.get(last.request_id)
+        victims = [r for r in self.running if self.seq_groups.get(r.request_id) is g] if g else [last]
+        del self.running[len(self.running) - len(victims):]
+        for v in victims:
+            v.num_preemptions += 1
         if self.preemption_mode == "swap":
-            mapping = self.kv_cache_manager.swap_out(victim)
+            mapping = self.kv_cache_manager.swap_out_group(victims)
             if mapping is not None:
-                victim.status = RequestStatus.SWAPPED
-                self._insert_by_arrival(self.swapped, victim)
+                for v in victims:
+                    v.status = RequestStatus.SWAPPED
+                    self._insert_by_arrival(self.swapped, v)
                 out.blocks_to_swap_out.extend(mapping)
-                out.swapped_out.append(victim)
-                return victim
+                out.swapped_out.extend(victims)
+                return victims
             # NOTE: the CPU pool is full: fall back to recompute
-        self.kv_cache_manager.free(victim)
-        victim.num_computed_tokens = 0
-        victim.status = RequestStatus.PREEMPTED
-        self._insert_by_arrival(self.waiting, victim)
-        out.preempted.append(victim)
-        return victim
+        for v in victims:
+            self.kv_cache_manager.free(v)
+            v.num_computed_tokens = 0
+            v.status = RequestStatus.PREEMPTED
+        if g is not None:
+            g.forked = False  # NOTE: the leader re-prefills the prompt, the others fork again
+        self._insert_by_arrival(self.waiting, victims[0])
+        out.preempted.extend(victims)
+        return victims
+
+    def _schedule_unit(self, plan, out: SchedulerOutput, new_blocks_per_seq) -> None:
+        for (req, n), new_blocks in zip(plan, new_blocks_per_seq):
+            out.scheduled.append((req, n))
+            out.new_block_ids.extend(b.block_id for b in new_blocks)
+        for req, n in plan:
+            self._maybe_fork(req, n, out)
 
     def schedule(self) -> SchedulerOutput:
         out = self._begin_step()
         kv = self.kv_cache_manager
         token_budget = self.max_num_batched_tokens
 
-        # 1. running requests first, in arrival order.
-        i = 0
-        while i < len(self.running) and token_budget > 0:
-            request = self.running[i]
-            n = self._num_new_tokens(request, token_budget)
-            if n == 0:
-                i += 1
+        # 1. running requests first, in arrival order, a group all or nothing.
+        units = self._units(self.running)
+        u = 0
+        while u < len(units) and token_budget > 0:
+            plan = self._plan(units[u], token_budget)
+            if plan is None:
+                u += 1
                 continue
-            while True:
-                new_blocks = kv.allocate_slots(request, n)
-                if new_blocks is not None:
+            allocated, lost = [], False
+            for req, n in plan:
+                while True:
+                    new_blocks = kv.allocate_slots(req, n)
+                    if new_blocks is not None:
+                        break
+                    # NOTE: the victim is never a unit already scheduled this step: it is the
+                    # last of ``running`` and we go through ``running`` front to back.
+                    victims = self._preempt(out)
+                    units.pop()
+                    if req in victims:
+                        lost = True
+                        break
+                if lost:
                     break
-                # NOTE: the victim is never one already scheduled this step: it is the
-                # last of ``running`` and we go through ``running`` front to back.
-                if self._preempt(out) is request:
-                    break
-            if new_blocks is None:
-                break  # the asking request preempted itself; those after it are gone too
-            out.scheduled.append((request, n))
-            out.new_block_ids.extend(b.block_id for b in new_blocks)
-            token_budget -= n
-            i += 1
+                allocated.append(new_blocks)
+            if lost:
+                break  # the asking unit preempted itself; those after it are gone too
+            self._schedule_unit(plan, out, allocated)
+            token_budget -= sum(n for _, n in plan)
+            u += 1
 
         # 2. swapped and waiting requests, one merged arrival order (FCFS), unless this
         # step preempted. Every swapped request arrived before every never-admitted one,
         # so nothing new is admitted while anything is swapped out.
         if out.preempted or out.swapped_out:
             return self._end_step(out)
-        while token_budget > 0 and len(self.running) < self.max_num_seqs:
+        while token_budget > 0:
             from_swap = bool(self.swapped) and (
                 not self.waiting
                 or self.arrival_seq[self.swapped[0].request_id]
@@ -520,29 +769,71 @@ class Scheduler(_SchedulerBase):
             )
             if not from_swap and not self.waiting:
                 break
-            request = self.swapped[0] if from_swap else self.waiting[0]
-            n = self._num_new_tokens(request, token_budget)
-            if n == 0:
-                break  # head-of-line: FCFS never skips ahead
             if from_swap:
-                if not kv.can_swap_in(request, n):
+                unit = self._units(self.swapped)[0]
+                if len(self.running) + len(unit) > self.max_num_seqs:
                     break
-                out.blocks_to_swap_in.extend(kv.swap_in(request))
-                self.swapped.popleft()
-                out.swapped_in.append(request)
-            new_blocks = kv.allocate_slots(request, n)
-            if new_blocks is None:
-                assert not from_swap, "can_swap_in promised room"
-                break
-            if not from_swap:
+                plan = self._plan(unit, token_budget)
+                if plan is None or not kv.can_swap_in_group(unit, [n for _, n in plan]):
+                    break  # head-of-line: FCFS never skips ahead
+                out.blocks_to_swap_in.extend(kv.swap_in_group(unit))
+                for r in unit:
+                    self.swapped.remove(r)
+                out.swapped_in.extend(unit)
+                allocated = [kv.allocate_slots(r, n) for r, n in plan]
+                assert all(a is not None for a in allocated), "can_swap_in_group promised room"
+            else:
+                request = self.waiting[0]
+                group = self._fork_target(request)
+                size = 1 if group is None else len(group.unfinished)
+                if len(self.running) + size > self.max_num_seqs:
+                    break
+                plan, allocated = self._admit(request, token_budget, out)
+                if plan is None:
+                    break  # head-of-line: FCFS never skips ahead
                 self.waiting.popleft()
                 out.admitted.append(request)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append((request, n))
-            out.new_block_ids.extend(b.block_id for b in new_blocks)
-            token_budget -= n
+                unit = [request]
+            for r in unit:
+                r.status = RequestStatus.RUNNING
+                self._insert_by_arrival(self.running, r)
+            self._schedule_unit(plan, out, allocated)
+            token_budget -= sum(n for _, n in plan)
         return self._end_step(out)
+
+    def _admit(self, request: Request, token_budget: int, out: SchedulerOutput):
+        """Prefix-cache lookup and blocks for a request from ``waiting``; (plan, blocks) or
+        (None, None) with nothing changed."""
+        kv = self.kv_cache_manager
+        computed, num_computed = [], 0
+        if self.enable_prefix_caching:
+            limit = None
+            if self._fork_target(request) is not None:
+                limit = request.num_prompt_tokens - 1  # NOTE: the group forks at the prompt's end
+            computed, num_computed = kv.get_computed_blocks(request, limit)
+        request.num_computed_tokens = num_computed
+        n = self._num_new_tokens(request, token_budget)
+        new_blocks = kv.allocate_slots(request, n, computed) if n > 0 else None
+        if new_blocks is None:
+            request.num_computed_tokens = 0
+            return None, None
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_computed
+            out.num_cached_tokens[request.request_id] = num_computed
+        return [(request, n)], [new_blocks]
+
+    def check_invariants(self) -> None:
+        super().check_invariants()
+        for g in {id(g): g for g in self.seq_groups.values()}.values():
+            live = g.unfinished
+            assert live, f"group {g.group_id} is done but still registered"
+            if g.forked:
+                places = {("running" if r in self.running else "swapped" if r in self.swapped
+                           else "elsewhere") for r in live}
+                assert places in ({"running"}, {"swapped"}), (
+                    f"group {g.group_id}: sequences split across {sorted(places)}"
+                )
 
 
 class StaticBatchScheduler(_SchedulerBase):
@@ -643,8 +934,10 @@ def run_scheduler(
     """Drive ``scheduler`` with a fake model; return the ``EngineTrace``.
 
     ``arrivals`` maps a step to the requests added before it (or is one list, all added
-    before step 0). ``next_token(request)`` plays the model: it is called for each request
-    whose prefill completes at a step, and returns the token to append. Used by the
+    before step 0); an entry that is itself a list of requests is a sequence group
+    (``add_request_group``). ``next_token(request)`` plays the model: it is called for each
+    request whose prefill completes at a step (and for each sequence forked with no token
+    yet), and returns the token to append. Used by the
     notebooks and tests to watch the scheduler without a model.
     """
     from minipaged.trace import EngineTrace
@@ -665,17 +958,24 @@ def run_scheduler(
     while step <= last_arrival or scheduler.has_unfinished_requests():
         if step >= max_steps:
             raise RuntimeError(f"not finished after {max_steps} steps")
-        for req in arrivals.get(step, ()):
-            scheduler.add_request(req)
-            trace.requests[req.request_id] = {
-                "prompt_len": req.num_prompt_tokens, "arrival_step": step,
-            }
+        for item in arrivals.get(step, ()):
+            group = list(item) if isinstance(item, (list, tuple)) else [item]
+            if isinstance(item, (list, tuple)):
+                scheduler.add_request_group(group)
+            else:
+                scheduler.add_request(item)
+            for req in group:
+                trace.requests[req.request_id] = {
+                    "prompt_len": req.num_prompt_tokens, "arrival_step": step,
+                }
         out = scheduler.schedule()
         sampled = {
             r.request_id: next_token(r)
             for r, n in out.scheduled
             if r.num_computed_tokens + n == r.num_tokens
         }
+        for _, child in out.fork_samples:
+            sampled[child.request_id] = next_token(child)
         scheduler.update_from_output(out, sampled)
         trace.record(record_step(scheduler, out, step))
         for r in out.finished:

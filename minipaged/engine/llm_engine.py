@@ -14,8 +14,8 @@ One step (DESIGN.md, "the data path")::
 Inputs
     ``add_request(request_id, prompt, sampling_params)``: a prompt string (tokenized with
     the model's tokenizer, special tokens added as by ``tokenizer(prompt)``) or a list of
-    token ids. ``SamplingParams(n > 1)`` becomes n independent sequences ``"{id}.{j}"``
-    (no block sharing here: the copy-on-write fork is chapter 06's).
+    token ids. ``SamplingParams(n > 1)`` becomes n sequences ``"{id}.{j}"``, a sequence group:
+    the scheduler prefills the prompt once and forks them (copy-on-write, chapter 06).
 Outputs
     ``step()`` -> the ``RequestOutput`` of every request that finished (or was refused)
     during that step. ``trace`` is the ``EngineTrace`` since the last ``reset_trace()``.
@@ -259,7 +259,8 @@ class LLMEngine:
                 "arrival_step": self.step_index,
                 "finish_step": None,
             }
-            self.scheduler.add_request(req)
+        # NOTE: n > 1: a sequence group; the scheduler prefills the prompt once and forks.
+        self.scheduler.add_request_group(group.seqs)
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request (all its sequences); its blocks are freed. Unknown ids: ValueError."""
@@ -298,6 +299,9 @@ class LLMEngine:
                 logits = self.model.forward(inp, runner.kv_caches)  # [B, V]
                 if sample_rows:
                     reqs = [out.scheduled[r][0] for r in sample_rows]
+                    for parent, child in out.fork_samples:  # n > 1: forked from parent's row
+                        sample_rows = sample_rows + [sample_rows[reqs.index(parent)]]
+                        reqs.append(child)
                     params = [r.sampling_params for r in reqs]
                     # NOTE: a greedy row needs no seed; a random one is seeded by its
                     # request and output position alone (see sampler.py).
@@ -305,7 +309,7 @@ class LLMEngine:
                         0 if p.temperature == 0.0 else sample_seed(self._base_seed(r), r.num_output_tokens)
                         for r, p in zip(reqs, params)
                     ]
-                    if len(sample_rows) != logits.shape[0]:
+                    if sample_rows != list(range(logits.shape[0])):
                         logits = logits[torch.tensor(sample_rows, device=logits.device)]  # [S, V]
                     t3 = clock()
                     tokens = self.sampler(logits, params, seeds).tolist()
