@@ -143,6 +143,17 @@ class KVCacheManager:
         grow = max(0, cdiv(total, self.block_size) - len(self.req_to_blocks.get(rid, ())))
         return grow + int(self._needs_copy_on_write(rid))
 
+    def get_num_blocks_needed_group(self, requests, num_new_tokens) -> int:
+        """New blocks for ``allocate_slots(r, n)`` on each ``(r, n)`` in order.
+
+        Exact with shared blocks: once all but one holder of a shared partly filled block
+        have copied it, the last one writes in place.
+        """
+        tables = [self.req_to_blocks.get(_request_id(r), []) for r in requests]
+        refs = {b.block_id: b.ref_cnt for t in tables for b in t}
+        lens = [self.num_tokens.get(_request_id(r), 0) for r in requests]
+        return _num_blocks_needed(tables, lens, list(num_new_tokens), refs, self.block_size)
+
     def can_allocate(self, request, num_new_tokens: int) -> bool:
         return self.get_num_blocks_needed(request, num_new_tokens) <= self.get_num_free_blocks()
 
@@ -367,19 +378,13 @@ class KVCacheManager:
         blocks each request grows by, and the copy-on-write copies (in order: the last
         writer of a shared partly filled block writes in place).
         """
-        bs = self.block_size
         tables = [self.req_to_cpu_blocks.get(_request_id(r), []) for r in requests]
-        refs: dict[int, int] = {}
+        refs: dict[int, int] = {}  # NOTE: after swap-in, shared only inside the group
         for t in tables:
             for c in t:
                 refs[c.block_id] = refs.get(c.block_id, 0) + 1
-        need = len(refs)
-        for r, t, k in zip(requests, tables, num_new_tokens):
-            n = self.cpu_num_tokens.get(_request_id(r), 0)
-            if k > 0 and t and n % bs != 0 and refs[t[-1].block_id] > 1:
-                refs[t[-1].block_id] -= 1
-                need += 1
-            need += max(0, cdiv(n + k, bs) - len(t))
+        lens = [self.cpu_num_tokens.get(_request_id(r), 0) for r in requests]
+        need = len(refs) + _num_blocks_needed(tables, lens, list(num_new_tokens), dict(refs), self.block_size)
         return need <= self.get_num_free_blocks()
 
     def swap_in(self, request) -> list[tuple[int, int]] | None:
@@ -523,6 +528,19 @@ class KVCacheManager:
                 f"CPU block {b.block_id}: ref_cnt {b.ref_cnt} but held by "
                 f"{cpu_holders.get(b.block_id, 0)} CPU block tables"
             )
+
+
+def _num_blocks_needed(tables, lens, ks, refs: dict[int, int], block_size: int) -> int:
+    """Blocks that growing table i from lens[i] by ks[i] tokens takes, in order, counting
+    copy-on-write copies; ``refs`` (block id -> holders) is updated as copies are made."""
+    need = 0
+    for t, n, k in zip(tables, lens, ks):
+        if k > 0 and t and n % block_size != 0 and refs[t[-1].block_id] > 1:
+            refs[t[-1].block_id] -= 1
+            need += 1
+        if k > 0:
+            need += max(0, cdiv(n + k, block_size) - len(t))
+    return need
 
 
 def _add_extra_refs(pool: BlockPool, tables: list[list[KVCacheBlock]]) -> None:

@@ -734,24 +734,23 @@ class Scheduler(_SchedulerBase):
             if plan is None:
                 u += 1
                 continue
-            allocated, lost = [], False
-            for req, n in plan:
-                while True:
-                    new_blocks = kv.allocate_slots(req, n)
-                    if new_blocks is not None:
-                        break
-                    # NOTE: the victim is never a unit already scheduled this step: it is the
-                    # last of ``running`` and we go through ``running`` front to back.
-                    victims = self._preempt(out)
-                    units.pop()
-                    if req in victims:
-                        lost = True
-                        break
-                if lost:
+            # NOTE: the whole unit's blocks are counted before any is taken, so a unit
+            # that must preempt itself holds nothing half-allocated (its swap copies
+            # exactly its computed tokens).
+            seqs, ns = [r for r, _ in plan], [n for _, n in plan]
+            lost = False
+            while kv.get_num_blocks_needed_group(seqs, ns) > kv.get_num_free_blocks():
+                # NOTE: the victim is never a unit already scheduled this step: it is the
+                # last of ``running`` and we go through ``running`` front to back.
+                victims = self._preempt(out)
+                units.pop()
+                if seqs[0] in victims:
+                    lost = True
                     break
-                allocated.append(new_blocks)
             if lost:
                 break  # the asking unit preempted itself; those after it are gone too
+            allocated = [kv.allocate_slots(r, n) for r, n in plan]
+            assert all(a is not None for a in allocated), "get_num_blocks_needed_group promised room"
             self._schedule_unit(plan, out, allocated)
             token_budget -= sum(n for _, n in plan)
             u += 1
