@@ -365,23 +365,31 @@ def test_scheduler_recipes_are_valid_scheduler_states():
         ]
 
 
-def test_sharing_references_keep_the_managers_invariants():
-    from minipaged.checks.ch06 import _replay, _sharing_cases, ref_append_slot, ref_fork
+def test_sharing_references_agree_with_the_package():
+    from minipaged.checks.ch06 import (
+        _build_pool,
+        _prefix_cases,
+        _replay,
+        _sharing_cases,
+        pkg_block_hashes,
+        ref_append_slot,
+        ref_block_hashes,
+        ref_find_cached_blocks,
+        ref_fork,
+    )
+    from minipaged.core import Request
 
-    for case in _sharing_cases("test", 150, focus="append"):
-        _replay(case, ref_fork, ref_append_slot)  # compares and runs check_invariants each step
-
-
-def test_ref_fork_matches_the_package_fork_when_it_exists():
-    from minipaged.checks.ch06 import ref_fork
-    from minipaged.core import KVCacheManager
-
-    if not hasattr(KVCacheManager, "fork"):
-        pytest.skip("KVCacheManager.fork is not in the package yet (issue 5)")
-    a, b = KVCacheManager(8, 2), KVCacheManager(8, 2)
-    for m in (a, b):
-        m.allocate_slots("p", 3)
-    a.fork("p", "c")
-    ref_fork(b, "p", "c")
-    assert a.get_block_ids("c") == b.get_block_ids("c")
-    assert [x.ref_cnt for x in a.block_pool.blocks] == [x.ref_cnt for x in b.block_pool.blocks]
+    # the written-out fork / copy-on-write against KVCacheManager.fork / allocate_slots,
+    # with check_invariants after every step
+    for case in _sharing_cases("test", 150, focus="fork"):
+        _replay(case, ref_fork, ref_append_slot)
+    rng = random.Random(1)
+    for _ in range(200):
+        tokens, bs = [rng.randrange(9) for _ in range(rng.randint(0, 30))], rng.choice([1, 2, 3, 16])
+        assert ref_block_hashes(tokens, bs) == pkg_block_hashes(tokens, bs)
+    for c in _prefix_cases(100):
+        m = _build_pool(c)
+        for q in c["queries"]:
+            assert [b.block_id for b in ref_find_cached_blocks(m.block_pool, q, c["block_size"])] == [
+                b.block_id for b in m.get_computed_blocks(Request("q", list(q)))[0]
+            ]

@@ -142,7 +142,9 @@ def check_preempt_recompute(preempt_recompute) -> None:
 
     def run_one(recipe: Recipe):
         ref = build(recipe)
-        expected_victim = ref._preempt(SchedulerOutput())  # recompute mode: the last running request
+        victims = ref._preempt(SchedulerOutput())  # recompute mode: the last running request
+        assert len(victims) == 1, "checker bug: recipes have no sequence groups"
+        expected_victim = victims[0]
         stu = build(recipe, _NoPreempt)
         victim = stu.running[-1]
         got = preempt_recompute(stu, victim)

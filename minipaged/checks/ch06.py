@@ -10,14 +10,15 @@ Exercises (notebooks/exercises/ch06_sharing.ipynb)
           lookup: the cached blocks of the longest cached prefix (at most
           ``len(token_ids) - 1`` tokens, so the last token is always computed).
 
-Reference: this module's ``ref_fork`` / ``ref_append_slot`` / ``ref_block_hashes`` /
-``ref_find_cached_blocks``, written over the package's ``KVCacheManager`` / ``BlockPool``
-(``touch``, ``free_blocks``, ``get_new_blocks``, ``get_cached_block``,
-``hash_block_tokens``) and the semantics of the paper (section 4.4) and of vLLM's
-prefix caching. The student's code and the reference run side by side on seeded random
-operation sequences; ``KVCacheManager.check_invariants`` (``ref_cnt`` equals the number
-of block tables holding a block; free queue = blocks with ``ref_cnt == 0``) runs after
-every step.
+Reference: the package's ``KVCacheManager`` (``fork``; ``allocate_slots`` of one token,
+whose copy-on-write records the ``(src, dst)`` pair that ``take_pending_copies`` hands
+over; ``get_computed_blocks``; the chained ``_block_hashes``). ``ref_fork`` /
+``ref_append_slot`` / ``ref_block_hashes`` / ``ref_find_cached_blocks`` below are the same
+rules written out over ``BlockPool`` alone (tests/test_checks.py checks that they agree
+with the package). The student's code and the reference run side by side on seeded
+random operation sequences; ``KVCacheManager.check_invariants`` (``ref_cnt`` equals the
+number of block tables holding a block; free queue = blocks with ``ref_cnt == 0``) runs
+after every step.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from minipaged.checks._harness import (
     require_callable,
     run_cases,
 )
-from minipaged.core import BlockPool, KVCacheBlock, KVCacheManager, hash_block_tokens
+from minipaged.core import BlockPool, KVCacheBlock, KVCacheManager, Request, hash_block_tokens
 
 CHECKS: dict = {}
 
@@ -97,6 +98,24 @@ def ref_find_cached_blocks(pool: BlockPool, token_ids: list[int], block_size: in
     return hits
 
 
+def pkg_append_slot(m: KVCacheManager, request_id: str) -> Optional[list[tuple[int, int]]]:
+    """The package's way: ``allocate_slots`` of one token, then the copies it recorded.
+
+    NOTE: called through the class, so it also works on the student's manager, whose own
+    ``allocate_slots`` is switched off.
+    """
+    if KVCacheManager.allocate_slots(m, request_id, 1) is None:
+        return None
+    return KVCacheManager.take_pending_copies(m)
+
+
+def pkg_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+    if len(token_ids) < block_size:
+        return []
+    manager = KVCacheManager(1, block_size)
+    return list(manager._block_hashes(Request("q", list(token_ids)), len(token_ids) // block_size))
+
+
 # -- state comparison ----------------------------------------------------------------------
 
 
@@ -106,8 +125,9 @@ class _StudentManager(KVCacheManager):
     def fork(self, *args, **kwargs):
         raise RuntimeError("kv_cache_manager.fork() is switched off in this check: write it yourself")
 
-    def append_slot(self, *args, **kwargs):
-        raise RuntimeError("kv_cache_manager.append_slot() is switched off in this check")
+    def allocate_slots(self, *args, **kwargs):
+        raise RuntimeError("kv_cache_manager.allocate_slots() is switched off in this check "
+                           "(it does copy-on-write itself): write it with the block pool")
 
 
 def _mstate(m: KVCacheManager) -> dict:
@@ -152,15 +172,16 @@ def _sharing_cases(exercise_id: str, n: int, focus: str) -> list:
             elif r < 0.5:
                 parent, child = rng.choice(holders), f"r{k}"
                 k += 1
-                ref_fork(m, parent, child)
+                m.fork(parent, child)
                 ops.append(("fork", parent, child))
             elif r < 0.58 and focus == "fork":
                 bad = rng.choice([("fork?", f"x{k}", f"r{k + 1}"), ("fork?", rng.choice(holders), rng.choice(holders))])
                 ops.append(bad)
             elif r < 0.9:
                 rid = rng.choice(holders)
-                ref_append_slot(m, rid)
-                ops.append(("append", rid))
+                if -(-(m.num_tokens[rid] + 1) // block_size) <= num_blocks:
+                    pkg_append_slot(m, rid)
+                    ops.append(("append", rid))
             else:
                 rid = rng.choice(holders)
                 m.free(rid)
@@ -178,8 +199,14 @@ def _describe_ops(case) -> str:
             + "; ".join(words[o[0]](o) for o in ops))
 
 
-def _replay(case, fork_fn, append_fn):
-    """Run the ops on a reference manager and a student manager; compare after each."""
+def _replay(case, fork_fn, append_fn, ref_fork_fn=None, ref_append_fn=None):
+    """Run the ops on a reference manager and a student manager; compare after each.
+
+    The reference is the package (``KVCacheManager.fork``, ``pkg_append_slot``) unless
+    other functions are given; the student's side uses ``fork_fn`` / ``append_fn``.
+    """
+    ref_fork_fn = ref_fork_fn or KVCacheManager.fork
+    ref_append_fn = ref_append_fn or pkg_append_slot
     num_blocks, block_size, ops = case
     ref, stu = KVCacheManager(num_blocks, block_size), _StudentManager(num_blocks, block_size)
     for i, op in enumerate(ops):
@@ -195,33 +222,31 @@ def _replay(case, fork_fn, append_fn):
             expect_raises(f"{step}: fork from an unknown parent or onto an existing child", ValueError,
                           lambda: fork_fn(stu, op[1], op[2]))
         elif kind == "fork":
-            ref_fork(ref, op[1], op[2])
+            ref_fork_fn(ref, op[1], op[2])
             got = fork_fn(stu, op[1], op[2])
-            if fork_fn is not ref_fork:
-                expect_equal(f"{step}: return value of fork", None, got)
-                if stu.req_to_blocks.get(op[2]) is stu.req_to_blocks.get(op[1]):
-                    raise Mismatch(f"{step}: the child's block table is the parent's list object itself; "
-                                   "give the child its own list (the tables must be able to diverge)")
+            expect_equal(f"{step}: return value of fork", None, got)
+            if stu.req_to_blocks.get(op[2]) is stu.req_to_blocks.get(op[1]):
+                raise Mismatch(f"{step}: the child's block table is the parent's list object itself; "
+                               "give the child its own list (the tables must be able to diverge)")
         else:  # append
-            expected = ref_append_slot(ref, op[1])
+            expected = ref_append_fn(ref, op[1])
             got = append_fn(stu, op[1])
-            if append_fn is not ref_append_slot:
-                expect_equal(f"{step}: copies to do, [(src block, dst block)] (None = no free block)",
-                             expected, got)
+            expect_equal(f"{step}: copies to do, [(src block, dst block)] (None = no free block)",
+                         expected, got)
         _compare(step, ref, stu)
 
 
 @exercise(CHECKS, "ex6.1", "fork: the child shares every block of the parent")
 def check_fork(fork) -> None:
     require_callable("ex6.1", fork, "fork(kv_cache_manager, parent_id, child_id)")
-    run_cases("ex6.1", _sharing_cases("ex6.1", 250, focus="fork"), lambda c: _replay(c, fork, ref_append_slot),
+    run_cases("ex6.1", _sharing_cases("ex6.1", 250, focus="fork"), lambda c: _replay(c, fork, pkg_append_slot),
               size=lambda c: (len(c[2]), c[0]), describe=_describe_ops)
 
 
 @exercise(CHECKS, "ex6.2", "append_slot with copy-on-write")
 def check_append_slot(append_slot) -> None:
     require_callable("ex6.2", append_slot, "append_slot(kv_cache_manager, request_id)")
-    run_cases("ex6.2", _sharing_cases("ex6.2", 250, focus="append"), lambda c: _replay(c, ref_fork, append_slot),
+    run_cases("ex6.2", _sharing_cases("ex6.2", 250, focus="append"), lambda c: _replay(c, KVCacheManager.fork, append_slot),
               size=lambda c: (len(c[2]), c[0]), describe=_describe_ops)
 
 
@@ -239,7 +264,7 @@ def check_block_hashes(block_hashes) -> None:
 
     def run_one(c):
         tokens, bs = c
-        expected = ref_block_hashes(tokens, bs)
+        expected = pkg_block_hashes(tokens, bs)
         got = block_hashes(list(tokens), bs)
         expect_true("block_hashes must return a list", isinstance(got, list), f"got {type(got).__name__}")
         expect_equal("number of hashes (one per *full* block)", len(expected), len(got))
@@ -277,10 +302,12 @@ def _prefix_cases(n: int) -> list[dict]:
     return cases
 
 
-def _build_pool(c: dict) -> BlockPool:
-    """A caching pool after the history ran: each request took blocks, cached its full ones,
-    and released them unless it still holds them (evicting LRU when the pool ran short)."""
-    pool = BlockPool(c["num_blocks"], enable_caching=True)
+def _build_pool(c: dict) -> KVCacheManager:
+    """A caching manager after the history ran: each earlier request took blocks from the
+    pool, cached its full ones, and released them unless it still holds them (evicting
+    LRU when the pool ran short). The student's code gets its ``block_pool``."""
+    manager = KVCacheManager(c["num_blocks"], c["block_size"], enable_caching=True)
+    pool = manager.block_pool
     bs = c["block_size"]
     for tokens, keep in c["history"]:
         need = -(-len(tokens) // bs)
@@ -291,7 +318,7 @@ def _build_pool(c: dict) -> BlockPool:
             pool.cache_block(block, h)
         if not keep:
             pool.free_blocks(reversed(blocks))
-    return pool
+    return manager
 
 
 def _pool_state(pool: BlockPool):
@@ -304,10 +331,10 @@ def check_find_cached_blocks(find_cached_blocks) -> None:
     require_callable("ex6.4", find_cached_blocks, "find_cached_blocks(block_pool, token_ids, block_size)")
 
     def run_one(c):
-        ref_pool, stu_pool = _build_pool(c), _build_pool(c)
+        ref, stu_pool = _build_pool(c), _build_pool(c).block_pool
         bs = c["block_size"]
         for q in c["queries"]:
-            expected = [b.block_id for b in ref_find_cached_blocks(ref_pool, q, bs)]
+            expected = [b.block_id for b in ref.get_computed_blocks(Request("q", list(q)))[0]]
             before = _pool_state(stu_pool)
             got = find_cached_blocks(stu_pool, list(q), bs)
             expect_true("find_cached_blocks must return a list of KVCacheBlock",
@@ -327,4 +354,5 @@ def check_find_cached_blocks(find_cached_blocks) -> None:
               size=lambda c: (c["num_blocks"], sum(map(len, c["queries"]))), describe=describe)
 
 
-__all__ = ["CHECKS", "ref_append_slot", "ref_block_hashes", "ref_find_cached_blocks", "ref_fork"]
+__all__ = ["CHECKS", "pkg_append_slot", "pkg_block_hashes", "ref_append_slot", "ref_block_hashes",
+           "ref_find_cached_blocks", "ref_fork"]

@@ -132,8 +132,8 @@ nb.exercise(
         offs_d = tl.arange(0, HEAD_DIM)
         seq_len = tl.load(seq_lens_ptr + seq)
         q = tl.load(q_ptr + seq * stride_qs + head * stride_qh + offs_d).to(tl.float32)  # [HEAD_DIM]
-        m_i = float("-inf")  # running max of the scores
-        l_i = 0.0  # running sum of exp(score - m_i)
+        m_i = tl.full([], float("-inf"), dtype=tl.float32)  # running max of the scores
+        l_i = tl.full([], 0.0, dtype=tl.float32)  # running sum of exp(score - m_i)
         acc = tl.zeros([HEAD_DIM], dtype=tl.float32)  # running (unnormalized) output
         ### BEGIN SOLUTION
         for j in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):

@@ -22,7 +22,9 @@ nb = ExerciseNotebook(
     `get_num_free_blocks()`, `get_new_blocks(n)` (each with `ref_cnt == 1`),
     `touch(blocks)` (`ref_cnt += 1`, leaving the free queue if it was there),
     `free_blocks(blocks)` (`ref_cnt -= 1`, back to the free queue at 0), and for prefix
-    caching `get_cached_block(block_hash)` -> a block or `None`.
+    caching `get_cached_block(block_hash)` -> a block or `None`. The package's own
+    `KVCacheManager.fork` and `allocate_slots` (which does copy-on-write itself) are the
+    reference here, so they are switched off on the manager your code gets.
     """,
 )
 
