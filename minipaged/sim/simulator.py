@@ -322,13 +322,26 @@ class SimResult:
 
 
 # -- the simulation loop --------------------------------------------------------------------
+def default_max_num_batched_tokens(max_model_len: int, max_num_seqs: int) -> int:
+    """A token budget in which a whole prompt always fits beside a full batch of decodes.
+
+    NOTE: with chunked prefill off, a prompt larger than what the running decodes leave of
+    the budget waits, and (FCFS) everything behind it waits too, until the batch drains.
+    vLLM v0 avoided that by running prompts in separate prefill-only steps; a budget of
+    ``max_model_len + max_num_seqs`` does the same here for mixed steps.
+    """
+    return max_model_len + max_num_seqs
+
+
 def make_scheduler(policy: str, cost_model: CostModel, block_size: int = 16, max_num_seqs: int = 256,
-                   max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = False,
+                   max_num_batched_tokens: Optional[int] = None, enable_chunked_prefill: bool = False,
                    preemption_mode: str = "recompute", num_cpu_blocks: int = 0):
     """The scheduler of ``policy``, sized to the KV budget of ``cost_model``."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     max_model_len = cost_model.model.max_model_len
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = default_max_num_batched_tokens(max_model_len, max_num_seqs)
     if preemption_mode == "swap" and num_cpu_blocks == 0:
         # NOTE: vLLM's default swap space is 4 GiB of pinned host memory per GPU
         num_cpu_blocks = int(4 * 1024**3 // (block_size * cost_model.model.kv_bytes_per_token))
@@ -363,7 +376,7 @@ def simulate(
     *,
     block_size: int = 16,
     max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 2048,
+    max_num_batched_tokens: Optional[int] = None,
     enable_chunked_prefill: bool = False,
     preemption_mode: str = "recompute",
     num_cpu_blocks: int = 0,
@@ -376,6 +389,7 @@ def simulate(
     max_model_len = cost_model.model.max_model_len
     sched = make_scheduler(policy, cost_model, block_size, max_num_seqs, max_num_batched_tokens,
                            enable_chunked_prefill, preemption_mode, num_cpu_blocks)
+    max_num_batched_tokens = sched.max_num_batched_tokens
     contiguous = isinstance(sched, ContiguousScheduler)
     reqs = sorted(requests, key=lambda r: r.arrival_time)
     records = {r.request_id: RequestRecord(r.request_id, r.arrival_time, r.prompt_len, r.output_len)
