@@ -187,11 +187,19 @@ def grade_notebook(nb, authored, timeout: float = DEFAULT_TIMEOUT, submission: s
             result.error = str(e)
             result.exercises = {ex: ExerciseResult(False, str(e)) for ex in authored.exercises}
             return result
+    solution_trouble: dict[str, str] = {}  # exercise -> what went wrong in its solution cell
     for cell, run in runs:
         result.cells.append(CellReport(cell.index, cell.kind, cell.exercise, run.status, run.error))
+        if cell.kind == "student" and cell.exercise and run.status != "ok":
+            solution_trouble.setdefault(cell.exercise, f"its solution cell (cell {cell.index}): {_reason(run)}")
         if cell.kind == "check":
             ok = run.status == "ok" and pass_line(cell.exercise) in run.stdout.splitlines()
-            result.exercises[cell.exercise] = ExerciseResult(ok, "" if ok else _reason(run))
+            reason = ""
+            if not ok:
+                reason = _reason(run)
+                if cell.exercise in solution_trouble:
+                    reason = f"{solution_trouble[cell.exercise]}; then the check: {reason}"
+            result.exercises[cell.exercise] = ExerciseResult(ok, reason)
     # authored order, whatever order the cells ran in
     result.exercises = {ex: result.exercises[ex] for ex in authored.exercises}
     return result
