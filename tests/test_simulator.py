@@ -231,3 +231,26 @@ def test_cli_quick_json(tmp_path, capsys):
     assert report["block_size"]["alpaca"]["block_sizes"] == [16, 64, 256]
     for name in ("sim_latency_sharegpt.png", "sim_latency_alpaca.png", "sim_block_size.png"):
         assert (tmp_path / name).stat().st_size > 1000
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_parallel_sampling_by_hand(policy):
+    # n=2 samples of A (prompt 3, output 2): step 0 prefills (paged: once, then forks;
+    # the others: two independent prompts) and gives both samples their 1st token at t=1;
+    # step 1 decodes both: done at t=2.
+    res = simulate([TraceRequest("A", 0.0, 3, 2)], policy, UnitCost(), n=2, block_size=4,
+                   check=True, record_trace=True)
+    (a,) = res.records
+    assert (a.first_token_time, a.finish_time) == (1.0, 2.0)
+    first = res.trace.steps[0].scheduled
+    assert first == ({"A": 3} if policy == "paged" else {"A": 3, "A.1": 3})
+    assert res.trace.steps[1].scheduled == {"A": 1, "A.1": 1}
+
+
+@pytest.mark.parametrize("policy", ["paged", "orca-oracle", "static"])
+def test_parallel_sampling_under_memory_pressure(policy):
+    reqs = _random_requests(20, rate=2.0, seed=3, max_prompt=24, max_output=24)
+    res = simulate(reqs, policy, UnitCost(256), n=3, block_size=4, check=True)
+    assert res.metrics.num_requests == 20
+    with pytest.raises(ValueError, match="n must be"):
+        simulate(reqs, policy, UnitCost(256), n=0)

@@ -357,7 +357,7 @@ def make_scheduler(policy: str, cost_model: CostModel, block_size: int = 16, max
     )
 
 
-def _make_request(tr: TraceRequest, policy: str, max_model_len: int) -> Request:
+def _make_request(tr: TraceRequest, policy: str, max_model_len: int, request_id: str) -> Request:
     if policy == "static":
         # NOTE: a static server does not know the output length: it caps it at the
         # context and reserves for that cap; the output ends when the model samples EOS.
@@ -365,7 +365,7 @@ def _make_request(tr: TraceRequest, policy: str, max_model_len: int) -> Request:
     else:
         params = SamplingParams(max_tokens=tr.output_len, ignore_eos=True)
     # NOTE: token ids do not matter (no prefix caching); one id for the whole prompt.
-    return Request(tr.request_id, [OTHER_TOKEN_ID] * tr.prompt_len, params,
+    return Request(request_id, [OTHER_TOKEN_ID] * tr.prompt_len, params,
                    eos_token_id=EOS_TOKEN_ID, arrival_time=tr.arrival_time)
 
 
@@ -374,6 +374,7 @@ def simulate(
     policy: str = "paged",
     cost_model: Optional[CostModel] = None,
     *,
+    n: int = 1,
     block_size: int = 16,
     max_num_seqs: int = 256,
     max_num_batched_tokens: Optional[int] = None,
@@ -384,7 +385,17 @@ def simulate(
     check: bool = False,
     max_steps: int = 10_000_000,
 ) -> SimResult:
-    """Serve ``requests`` under ``policy`` on the simulated GPU (see the module docstring)."""
+    """Serve ``requests`` under ``policy`` on the simulated GPU (see the module docstring).
+
+    ``n > 1`` is parallel sampling: every request asks for ``n`` samples of its
+    ``output_len`` tokens. The paged policy queues them as one sequence group (prompt
+    prefilled once, blocks shared, copy-on-write); Orca-like and static policies serve them
+    as ``n`` independent sequences, each with its own reservation. A request's first
+    token is its group's first; it finishes when its last sample does. Samples are named
+    ``<request_id>``, ``<request_id>.1``, ... in the trace.
+    """
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
     cost_model = cost_model or CostModel()
     max_model_len = cost_model.model.max_model_len
     sched = make_scheduler(policy, cost_model, block_size, max_num_seqs, max_num_batched_tokens,
@@ -400,7 +411,8 @@ def simulate(
         if r.prompt_len + r.output_len > max_model_len:
             raise ValueError(f"request {r.request_id!r}: prompt_len {r.prompt_len} + output_len "
                              f"{r.output_len} exceeds max_model_len {max_model_len}")
-    target = {r.request_id: r.output_len for r in reqs}
+    owner: dict[str, RequestRecord] = {}  # sequence id -> its request's record
+    remaining: dict[str, int] = {}  # request id -> samples not finished yet
     trace = None
     if record_trace:
         trace = EngineTrace(
@@ -408,7 +420,7 @@ def simulate(
             block_size=1 if contiguous else block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             meta={"simulated": True, "policy": policy, "model": cost_model.model.name,
-                  "gpu": cost_model.gpu.name, "time_unit": "s"},
+                  "gpu": cost_model.gpu.name, "time_unit": "s", "n": n},
         )
     step_time = cost_model.step_time
     t = 0.0
@@ -418,14 +430,21 @@ def simulate(
     while i < len(reqs) or sched.has_unfinished_requests():
         while i < len(reqs) and reqs[i].arrival_time <= t:
             tr = reqs[i]
-            req = _make_request(tr, policy, max_model_len)
+            ids = [tr.request_id] + [f"{tr.request_id}.{k}" for k in range(1, n)]
+            seqs = [_make_request(tr, policy, max_model_len, sid) for sid in ids]
             if contiguous:
-                sched.add_request(req, tr.prompt_len + tr.output_len)
+                for seq in seqs:
+                    sched.add_request(seq, tr.prompt_len + tr.output_len)
+            elif n == 1:
+                sched.add_request(seqs[0])
             else:
-                sched.add_request(req)
-            if trace is not None:
-                trace.requests[tr.request_id] = {"prompt_len": tr.prompt_len, "output_len": tr.output_len,
-                                                 "arrival_time": tr.arrival_time, "arrival_step": step}
+                sched.add_request_group(seqs)
+            remaining[tr.request_id] = n
+            for sid in ids:
+                owner[sid] = records[tr.request_id]
+                if trace is not None:
+                    trace.requests[sid] = {"prompt_len": tr.prompt_len, "output_len": tr.output_len,
+                                           "arrival_time": tr.arrival_time, "arrival_step": step}
             i += 1
         if not sched.has_unfinished_requests():
             t = reqs[i].arrival_time  # idle: jump to the next arrival
@@ -433,12 +452,15 @@ def simulate(
         if step >= max_steps:
             raise RuntimeError(f"not finished after {max_steps} steps")
         out = sched.schedule()
-        batch = [(n, r.num_computed_tokens) for r, n in out.scheduled]
+        batch = [(k, r.num_computed_tokens) for r, k in out.scheduled]
         sampled = {}
-        for r, n in out.scheduled:
-            if r.num_computed_tokens + n == r.num_tokens:  # its prefill completes: it samples
-                last = r.num_output_tokens + 1 >= target[r.request_id]
+        for r, k in out.scheduled:
+            if r.num_computed_tokens + k == r.num_tokens:  # its prefill completes: it samples
+                last = r.num_output_tokens + 1 >= owner[r.request_id].output_len
                 sampled[r.request_id] = EOS_TOKEN_ID if last else OTHER_TOKEN_ID
+        for _, child in out.fork_samples:  # forked this step: sampled from the parent's row
+            last = child.num_output_tokens + 1 >= owner[child.request_id].output_len
+            sampled[child.request_id] = EOS_TOKEN_ID if last else OTHER_TOKEN_ID
         if batch:
             t += step_time(batch)
             if out.blocks_to_swap_out or out.blocks_to_swap_in:
@@ -451,20 +473,22 @@ def simulate(
             t = max(t, reqs[i].arrival_time)  # blocked until something changes
             continue
         finished = sched.update_from_output(out, sampled)
-        for r in out.scheduled:
-            rec = records[r[0].request_id]
-            if rec.first_token_time is None and r[0].num_output_tokens > 0:
+        for r in [r for r, _ in out.scheduled] + [c for _, c in out.fork_samples]:
+            rec = owner[r.request_id]
+            if rec.first_token_time is None and r.num_output_tokens > 0:
                 rec.first_token_time = t
         for r in finished:
-            rec = records[r.request_id]
+            rec = owner[r.request_id]
             if r.status == RequestStatus.FINISHED_IGNORED:
                 rec.refused = True
                 continue
             if r.num_output_tokens != rec.output_len:
                 raise RuntimeError(f"{r.request_id} finished with {r.num_output_tokens} tokens, "
                                    f"expected {rec.output_len}")
-            rec.finish_time = t
-            rec.num_preemptions = r.num_preemptions
+            rec.num_preemptions = max(rec.num_preemptions, r.num_preemptions)
+            remaining[rec.request_id] -= 1
+            if remaining[rec.request_id] == 0:
+                rec.finish_time = t
         batch_sum += len(batch)
         if check:
             sched.check_invariants()
@@ -478,10 +502,13 @@ def simulate(
                     num_preemptions=r.num_preemptions)
         step += 1
     recs = list(records.values())
+    for rec in recs:
+        if rec.refused:  # NOTE: a group is refused as a whole; Orca may refuse some samples only
+            rec.finish_time = rec.first_token_time = None
     metrics = compute_metrics(recs, num_steps=step,
                               num_preemptions=sum(r.num_preemptions for r in recs),
                               mean_batch_size=batch_sum / step if step else 0.0)
-    config = {"policy": policy, "block_size": block_size, "max_num_seqs": max_num_seqs,
+    config = {"policy": policy, "n": n, "block_size": block_size, "max_num_seqs": max_num_seqs,
               "max_num_batched_tokens": max_num_batched_tokens, "model": cost_model.model.name,
               "gpu": cost_model.gpu.name, "num_kv_tokens": cost_model.num_kv_tokens()}
     return SimResult(policy, metrics, recs, trace, config)
