@@ -176,5 +176,8 @@ class LLM:
         return [outputs[str(i)] for i in range(num_requests)]
 
     def beam_search(self, prompts, params: BeamSearchParams):
-        """Beam search over forked block tables: chapter 06 (issue 5), not in this engine yet."""
-        raise NotImplementedError("beam_search arrives with copy-on-write forks (chapter 06)")
+        """Beam search over forked block tables (``minipaged/engine/beam_search.py``): one
+        ``BeamSearchOutput`` per prompt, equal to transformers' ``generate(num_beams=...)``."""
+        from minipaged.engine.beam_search import beam_search
+
+        return beam_search(self.llm_engine, prompts, params)

@@ -1,0 +1,334 @@
+"""Beam search over forked block tables: ``LLM.beam_search(prompts, BeamSearchParams)``.
+
+Mirrors vLLM's ``LLM.beam_search`` (``vllm/entrypoints/llm.py``, ``vllm/beam_search.py``):
+a driver *outside* the scheduler that keeps the beams and calls the model once per step.
+The selection rule is transformers' (``GenerationMixin._beam_search``, 4.50+), reproduced
+exactly so that the outputs are token for token those of
+``generate(num_beams=beam_width, do_sample=False, length_penalty=..., early_stopping=False)``.
+
+The paging part (the paper's section 4.4, Fig. 9)
+    Every beam is a ``Request`` with its own block table. At each step the ``beam_width``
+    best continuations are chosen; each new beam is ``KVCacheManager.fork``-ed from its
+    parent (its table shares all of the parent's blocks, ``ref_cnt + 1``), then the old
+    beams are freed (a block no beam descends from any more returns to the pool). When
+    the new token is written, a parent with several children has its partly filled last
+    block copied for all but one of them (copy-on-write, ``blocks_to_copy``); full blocks,
+    and every block of the prompt, stay shared. So memory holds one copy of each common
+    prefix instead of ``beam_width`` copies.
+
+transformers' rule, per prompt (``cur_len`` = tokens so far, ``P`` = prompt length)
+    1. ``log_softmax`` of each running beam's logits (float32) + the beam's running score;
+       the first step has ``beam_width`` copies of the prompt, scores ``[0, -1e9, ...]``.
+    2. top ``K = max(2, 1 + #eos) * beam_width`` of all beams x vocabulary.
+    3. a candidate *hits* if its token is an EOS or ``cur_len + 1`` reaches
+       ``P + max_tokens``; the next running beams are the best ``beam_width`` that do not hit.
+    4. hits among the top ``beam_width`` candidates are finished hypotheses with score
+       ``cum_logprob / (cur_len + 1 - P) ** length_penalty``; the ``beam_width`` best
+       finished ones are kept (none is added once the early-stop test below passed, or,
+       with ``early_stopping=True``, once ``beam_width`` are finished).
+    5. stop when every candidate hits (max length), or ``beam_width`` hypotheses are
+       finished and the best running score divided by ``(cur_len - P) ** length_penalty``
+       (``(max_tokens) ** length_penalty`` for ``early_stopping="never"`` and a positive
+       penalty) cannot beat the worst of them, or (``early_stopping=True``) as soon as
+       ``beam_width`` are finished.
+
+Inputs / outputs
+    ``beam_search(engine, prompts, params, early_stopping=False)`` -> one
+    ``BeamSearchOutput`` per prompt, in order: ``sequences`` holds ``beam_width``
+    ``BeamSearchSequence`` (generated ``token_ids``, EOS included; ``text``;
+    ``cum_logprob``; ``score``; ``finish_reason``), best first. ``engine.trace`` records
+    every step: the beams' block tables with their shared blocks.
+
+Invariants
+    between steps every running beam holds exactly its computed tokens; each prompt's
+    beams never hold more than their reservation (full prompt blocks shared + a private
+    tail per beam); at the end every block is back in the pool.
+
+Failure mode
+    ``ValueError`` before anything runs for bad prompts, a ``beam_width`` above
+    ``max_num_seqs`` or ``max_num_batched_tokens``, or a prompt whose beams could outgrow
+    the whole pool; ``RuntimeError`` if the engine still holds requests.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+from minipaged.core.kv_cache_utils import cdiv
+from minipaged.core.request import Request, RequestStatus
+from minipaged.core.scheduler import SchedulerOutput
+from minipaged.sampling_params import BeamSearchParams, SamplingParams
+from minipaged.trace import StepRecord
+
+EARLY_STOPPING = (False, True, "never")
+_NEG = -1.0e9  # transformers' "minus infinity" for scores
+
+
+@dataclass
+class BeamSearchSequence:
+    token_ids: list[int]  # generated tokens (prompt excluded), the EOS included
+    text: str
+    cum_logprob: float
+    score: float  # cum_logprob / len(token_ids) ** length_penalty
+    finish_reason: str  # "stop" (EOS) or "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    sequences: list[BeamSearchSequence] = field(default_factory=list)  # best first
+
+
+class _PromptBeams:
+    """The beam state of one prompt (one row of transformers' batch)."""
+
+    def __init__(self, rid, text, ids, params: BeamSearchParams, eos, max_new, early_stopping):
+        k = params.beam_width
+        self.rid, self.text, self.prompt = rid, text, ids
+        self.k = k
+        self.P = len(ids)
+        self.max_length = self.P + max_new
+        self.eos = set() if params.ignore_eos else set(eos)
+        self.length_penalty = float(params.length_penalty)
+        self.early_stopping = early_stopping
+        self.num_candidates = max(2, 1 + len(self.eos)) * k
+        self.prompt_req = Request(rid, ids, SamplingParams(temperature=0.0, max_tokens=max_new))
+        self.running: list[Request] = [self.prompt_req] * k
+        self.running_scores = torch.zeros(k, dtype=torch.float32)  # [k]
+        self.running_scores[1:] = _NEG
+        self.fin_tokens: list[Optional[list[int]]] = [None] * k
+        self.fin_cum = torch.full((k,), _NEG, dtype=torch.float32)  # [k] unnormalized
+        self.fin_scores = torch.full((k,), _NEG, dtype=torch.float32)  # [k]
+        self.fin_done = torch.zeros(k, dtype=torch.bool)  # [k]
+        self.unsatisfied = True
+        self.cur_len = self.P
+        self.done = False
+        self._next_beam = 0
+
+    def reservation(self, block_size: int) -> int:
+        """The most blocks its beams ever hold: shared full prompt blocks + private tails."""
+        shared = self.P // block_size
+        tail = cdiv(self.max_length - 1, block_size) - shared
+        return shared + self.k * tail
+
+    def beams(self) -> list[Request]:
+        return list({id(r): r for r in self.running}.values())
+
+    def advance(self, logprobs: torch.Tensor, kv) -> None:
+        """One transformers step from the running beams' log-probs ``[k, V]``; fork/free."""
+        k, K = self.k, self.num_candidates
+        V = logprobs.shape[-1]
+        acc = (logprobs + self.running_scores[:, None]).reshape(-1)  # [k * V]
+        top_lp, top_idx = torch.topk(acc, K)  # [K], sorted
+        parents = (top_idx // V).tolist()
+        tokens = (top_idx % V).tolist()
+        at_max = self.cur_len + 1 >= self.max_length
+        hits = torch.tensor([at_max or t in self.eos for t in tokens])  # [K]
+        # e. the next running beams: the best k that do not hit
+        running_lp = top_lp + hits.to(torch.float32) * _NEG  # [K]
+        nxt = torch.topk(running_lp, k)[1]  # [k]
+        # f. finished hypotheses: hits within the top k, length-normalized
+        fin = top_lp / ((self.cur_len + 1 - self.P) ** self.length_penalty)  # [K]
+        full = bool(self.fin_done.all()) and self.early_stopping is True
+        fin = fin + float(full) * _NEG
+        fin = fin + float(not self.unsatisfied) * _NEG
+        just = hits & (torch.arange(K) < k)  # [K]
+        fin = fin + (~just) * _NEG
+        merged = torch.cat((self.fin_scores, fin))  # [k + K]
+        keep = torch.topk(merged, k)[1].tolist()
+        cand_tokens = [self.running[p].output_token_ids + [t] for p, t in zip(parents, tokens)]
+        old_tokens, old_cum, old_done = self.fin_tokens, self.fin_cum, self.fin_done
+        self.fin_tokens = [old_tokens[i] if i < k else cand_tokens[i - k] for i in keep]
+        self.fin_cum = torch.stack([old_cum[i] if i < k else top_lp[i - k] for i in keep])
+        self.fin_done = torch.stack([old_done[i] if i < k else just[i - k] for i in keep])
+        self.fin_scores = merged[keep]
+        # the new beams: fork each from its parent, then free the old beams
+        old = self.beams()
+        new = []
+        for i in nxt.tolist():
+            parent = self.running[parents[i]]
+            child = Request(
+                f"{self.rid}.{self._next_beam}", self.prompt, self.prompt_req.sampling_params,
+                output_token_ids=parent.output_token_ids + [tokens[i]],
+                num_computed_tokens=parent.num_tokens, status=RequestStatus.RUNNING,
+            )
+            self._next_beam += 1
+            kv.fork(parent, child)
+            new.append(child)
+        for r in old:
+            kv.free(r)
+        self.running = new
+        self.running_scores = running_lp[nxt]
+        # g. early-stop test and the stopping condition
+        self.cur_len += 1
+        if self.early_stopping == "never" and self.length_penalty > 0.0:
+            best_len = self.max_length - self.P
+        else:
+            best_len = self.cur_len - self.P
+        best_running = self.running_scores[0] / (best_len ** self.length_penalty)
+        if bool(self.fin_done.all()):
+            self.unsatisfied = self.unsatisfied and bool(best_running > self.fin_scores.min())
+        stop_full = bool(self.fin_done.all()) and self.early_stopping is True
+        self.done = not self.unsatisfied or stop_full or bool(hits.all())
+
+    def output(self, decode) -> BeamSearchOutput:
+        seqs = []
+        for toks, cum, score, done in zip(self.fin_tokens, self.fin_cum.tolist(),
+                                          self.fin_scores.tolist(), self.fin_done.tolist()):
+            if not done:
+                continue
+            reason = "stop" if toks and toks[-1] in self.eos else "length"
+            seqs.append(BeamSearchSequence(list(toks), decode(toks), cum, score, reason))
+        return BeamSearchOutput(self.rid, self.text, list(self.prompt), seqs)
+
+
+def beam_search(
+    engine, prompts, params: BeamSearchParams, early_stopping: Union[bool, str] = False
+) -> list[BeamSearchOutput]:
+    """Beam search for every prompt, batched across prompts; see the module docstring."""
+    from minipaged.engine.llm import normalize_prompts
+
+    if not isinstance(params, BeamSearchParams):
+        raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+    if early_stopping not in EARLY_STOPPING:
+        raise ValueError(f"early_stopping must be one of {EARLY_STOPPING}, got {early_stopping!r}")
+    cfg = engine.config
+    k = params.beam_width
+    if k > cfg.max_num_seqs or k > cfg.max_num_batched_tokens:
+        raise ValueError(
+            f"beam_width={k} exceeds max_num_seqs={cfg.max_num_seqs} or "
+            f"max_num_batched_tokens={cfg.max_num_batched_tokens}"
+        )
+    prompt_list = normalize_prompts(prompts)
+    tokenized = [engine.tokenize(p, name=f"prompts[{i}]") for i, p in enumerate(prompt_list)]
+    if engine.has_unfinished_requests():
+        raise RuntimeError("the engine still holds requests from an interrupted call")
+    kv = engine.kv_cache_manager
+    bs = kv.block_size
+    states = []
+    for i, (text, ids) in enumerate(tokenized):
+        max_new = min(params.max_tokens, engine.max_model_len - len(ids))
+        if max_new < 1:
+            raise ValueError(f"prompts[{i}] leaves no room to generate (max_model_len={engine.max_model_len})")
+        st = _PromptBeams(str(i), text, ids, params, engine.eos_token_ids, max_new, early_stopping)
+        if st.reservation(bs) > kv.num_blocks:
+            raise ValueError(
+                f"prompts[{i}]: {k} beams may need {st.reservation(bs)} KV blocks but the pool "
+                f"has {kv.num_blocks}; lower beam_width or max_tokens"
+            )
+        states.append(st)
+    engine.reset_trace({"beam_search": True, "beam_width": k, "early_stopping": early_stopping})
+    try:
+        _run(engine, states)
+    finally:  # leave the pool empty whatever happened
+        for st in states:
+            for r in st.beams():
+                if r.request_id in kv.req_to_blocks:
+                    kv.free(r)
+        kv.take_pending_copies()
+    return [st.output(engine.decode) for st in states]
+
+
+def _run(engine, states: list[_PromptBeams]) -> None:
+    kv, runner, model, cfg = engine.kv_cache_manager, engine.model_runner, engine.model, engine.config
+    waiting = deque(states)
+    active: list[_PromptBeams] = []
+    reserved = 0
+    trace = engine.trace
+    for st in states:
+        trace.requests[st.rid] = {"prompt_len": st.P, "output_len": 0, "arrival_step": 0, "finish_step": None}
+    step = 0
+    while waiting or active:
+        out = SchedulerOutput()
+        budget = cfg.max_num_batched_tokens
+        # decodes first: each running beam computes its newest token
+        for st in active:
+            if st.prompt_req.num_computed_tokens < st.P:
+                continue
+            for beam in st.running:
+                new = kv.allocate_slots(beam, 1)
+                if new is None:  # NOTE: the reservation makes this impossible
+                    raise RuntimeError("beam search ran out of KV blocks despite its reservation")
+                out.scheduled.append((beam, 1))
+                out.new_block_ids.extend(b.block_id for b in new)
+                budget -= 1
+        # then prompt chunks, admitting prompts in order while their reservation fits
+        while waiting and reserved + waiting[0].reservation(kv.block_size) <= kv.num_blocks and (
+            sum(s.k for s in active) + waiting[0].k <= min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        ):
+            st = waiting.popleft()
+            active.append(st)
+            reserved += st.reservation(kv.block_size)
+            out.arrived.append(st.prompt_req)
+        for st in active:
+            req = st.prompt_req
+            if req.num_computed_tokens >= st.P or budget <= 0:
+                continue
+            n = min(budget, st.P - req.num_computed_tokens)
+            new = kv.allocate_slots(req, n)
+            if new is None:
+                raise RuntimeError("beam search ran out of KV blocks despite its reservation")
+            out.scheduled.append((req, n))
+            out.new_block_ids.extend(b.block_id for b in new)
+            out.prefill_ids.append(req.request_id)
+            budget -= n
+        out.decode_ids = [r.request_id for r, n in out.scheduled if r.request_id not in out.prefill_ids]
+        out.total_num_scheduled_tokens = sum(n for _, n in out.scheduled)
+        out.blocks_to_copy = kv.take_pending_copies()
+        runner.apply_cache_ops(out)  # copy-on-write copies before the model writes
+        inp, _ = runner.prepare(out, kv)
+        with torch.inference_mode():
+            logits = model.forward(inp, runner.kv_caches).float()  # [B, V]
+        row = {}
+        for b, (req, n) in enumerate(out.scheduled):
+            req.num_computed_tokens += n
+            row[id(req)] = b
+        finished = []
+        for st in list(active):
+            if not all(id(r) in row for r in st.running) or st.prompt_req.num_computed_tokens < st.P:
+                continue  # still prefilling
+            rows = torch.tensor([row[id(r)] for r in st.running])
+            st.advance(torch.log_softmax(logits[rows], dim=-1), kv)  # [k, V]
+            if st.done:
+                for r in st.beams():
+                    kv.free(r)
+                st.running = []
+                active.remove(st)
+                reserved -= st.reservation(kv.block_size)
+                finished.append(st)
+        trace.record(_record(step, out, active, finished, kv))
+        for st in finished:
+            trace.requests[st.rid].update(finish_step=step, output_len=max(
+                (len(t) for t in st.fin_tokens if t is not None), default=0))
+        step += 1
+
+
+def _record(step, out, active, finished, kv) -> StepRecord:
+    tables, num_tokens = {}, {}
+    for st in active:
+        for r in st.beams():
+            tables[r.request_id] = kv.get_block_ids(r.request_id)
+            num_tokens[r.request_id] = r.num_computed_tokens
+    holders: dict[int, int] = {}
+    for t in tables.values():
+        for b in t:
+            holders[b] = holders.get(b, 0) + 1
+    return StepRecord(
+        step=step,
+        scheduled=dict(out.num_scheduled_tokens),
+        prefill_ids=list(out.prefill_ids),
+        decode_ids=list(out.decode_ids),
+        finished_ids=[st.rid for st in finished],
+        arrived_ids=[r.request_id for r in out.arrived],
+        block_tables=tables,
+        num_tokens=num_tokens,
+        new_block_ids=list(out.new_block_ids),
+        shared_blocks={b: n for b, n in holders.items() if n > 1},
+        num_free_blocks=kv.get_num_free_blocks(),
+    )
