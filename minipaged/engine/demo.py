@@ -7,14 +7,16 @@ What it does
     numbers of tokens) arrive over the first steps at a ``LLMEngine`` running the shipped
     course model with a deliberately small KV pool, so that requests join as others
     finish and at least one is preempted. For every step it prints the active sequences,
-    what each did (prefill chunk or decode), its block table, and the free blocks; then
-    the generated texts, the throughput, and two pictures written to ``--out-dir``:
+    what each did (prefill chunk or decode), its block table, and the free blocks; then the
+    whole run as a text timeline (``minipaged.viz.timeline_text``) and the busiest step as
+    text (``minipaged.viz.step_text``), the generated texts, the throughput, and two
+    pictures written to ``--out-dir``:
     ``timeline.png`` (a row per request, a column per step) and ``block_tables.png``
     (the block tables at the busiest step).
 
 Inputs
     ``--out-dir DIR`` (default ``demo_out``), ``--steps N`` (print only the first N steps;
-    default all), ``--seed S``, ``--no-pictures``.
+    default all), ``--seed S``, ``--no-pictures``, ``--threads N`` (default 1).
 Outputs
     text on stdout, two PNGs, exit code 0. Runs in a few seconds on a laptop CPU.
 
@@ -57,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=0, help="print only the first N steps (0 = all)")
     parser.add_argument("--seed", type=int, default=0, help="seed for lengths and sampling")
     parser.add_argument("--no-pictures", action="store_true", help="skip writing the PNGs")
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch CPU threads (default 1: the course model is too small to gain from more)",
+    )
 
 
 def demo_requests(seed: int = 0):
@@ -147,8 +153,14 @@ def write_pictures(trace, out_dir: Path) -> list[Path]:
 
 
 def run(args) -> int:
+    import torch
+
+    from minipaged import viz
     from minipaged.config import EngineConfig
     from minipaged.engine.llm_engine import LLMEngine
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
 
     out_dir = Path(args.out_dir)
     if not args.no_pictures:
@@ -174,6 +186,14 @@ def run(args) -> int:
     outputs = run_engine_with_arrivals(engine, requests, on_step)
     elapsed = time.perf_counter() - t0
     trace = engine.trace
+    if 0 < args.steps < len(trace):
+        print(f"... ({len(trace) - args.steps} more steps not printed; --steps 0 prints all)")
+    print("\nThe whole run (the picture in timeline.png):")
+    print(viz.timeline_text(trace))
+    shown = busiest_step(trace)
+    why = "a preemption" if (trace[shown].preempted_ids or trace[shown].swapped_out_ids) else "the fullest pool"
+    print(f"\nStep {shown}, {why}, as text (the picture in block_tables.png):")
+    print(viz.step_text(trace, shown))
     print("\nGenerated texts:")
     num_tokens = 0
     for rid, prompt, _, _ in requests:
