@@ -87,18 +87,17 @@ def hand_trace() -> EngineTrace:
 
 
 def manager_with_sharing():
-    """A live KVCacheManager: A (10 tokens), B (5), C (2, newest), A.1 sharing A's
-    first two blocks; D came and went, so its block is at the back of the free queue."""
+    """A live KVCacheManager: A (10 tokens), B (5), C (2); D came and went, so its block
+    is at the back of the free queue; A.1 forked from A and wrote one token, so A's
+    partly filled last block was copied (copy-on-write) and the full ones stay shared."""
     m = KVCacheManager(12, 4)
     m.allocate_slots("A", 10)
     m.allocate_slots("B", 5)
     m.allocate_slots("D", 3)
     m.free("D")
-    new = m.allocate_slots("C", 2)
-    shared = m.req_to_blocks["A"][:2]
-    m.block_pool.touch(shared)  # what fork does (issue 5): A.1 shares A's full blocks
-    m.req_to_blocks["A.1"] = list(shared)
-    m.num_tokens["A.1"] = 8
+    m.allocate_slots("C", 2)
+    m.fork("A", "A.1")
+    new = m.allocate_slots("A.1", 1)
     m.check_invariants()
     return m, [b.block_id for b in new]
 
@@ -177,11 +176,13 @@ def test_snapshot_from_manager():
     m, new = manager_with_sharing()
     snap = viz.snapshot(m, new_block_ids=new)
     snap.check_invariants()
-    assert snap.block_tables == {"A": [0, 1, 2], "B": [3, 4], "C": [6], "A.1": [0, 1]}
-    assert snap.ref_cnt[0] == snap.ref_cnt[1] == 2
+    # A.1's copy of A's last block is the next block of the free queue, 7
+    assert snap.block_tables == {"A": [0, 1, 2], "B": [3, 4], "C": [6], "A.1": [0, 1, 7]}
+    assert snap.ref_cnt[0] == snap.ref_cnt[1] == 2 and snap.ref_cnt[2] == 1
     # the free queue in hand-out order: never-used blocks first, D's freed block 5 last
-    assert snap.free_block_ids == [7, 8, 9, 10, 11, 5]
-    assert snap.new_block_ids == [6]
+    assert snap.free_block_ids == [8, 9, 10, 11, 5]
+    assert snap.new_block_ids == [7]
+    assert snap.tokens_in_block() == {0: 4, 1: 4, 2: 2, 3: 4, 4: 1, 6: 2, 7: 3}
 
 
 def test_memory_series_by_hand(trace):
@@ -395,7 +396,7 @@ def test_block_tables_from_manager_figure():
     fig = viz.block_tables(m, new_block_ids=new, managed=False, arrows=True)
     assert_readable(fig)
     texts = {t for t, _ in _drawn_texts(fig)[0]}
-    assert {"x2 A:0", "x2 A:1", "C:0"} <= texts
+    assert {"x2 A:0", "x2 A:1", "A:2", "A.1:2", "C:0"} <= texts
 
 
 def test_managed_figures_are_pyplot_figures(trace):
@@ -406,6 +407,12 @@ def test_managed_figures_are_pyplot_figures(trace):
     plt.close(fig)
     free = viz.timeline(trace, managed=False)
     assert free not in [plt.figure(n) for n in plt.get_fignums()]
+
+
+def test_short_names():
+    assert palette.short_name("A.1", 4) == "A.1"
+    assert palette.short_name("0", 0) == "r0"  # "r0:1", not "0:1"
+    assert palette.short_name("request-7", 3) == "r3"
 
 
 def test_owner_colours_are_distinct_and_stable():
@@ -452,18 +459,38 @@ def test_engine_trace_draws():
 
 
 def test_simulator_trace_draws():
+    """The simulator (issue 7) records the same EngineTrace at paper scale: hundreds of
+    blocks, many requests, simulated times. Every picture stays readable."""
     sim = pytest.importorskip("minipaged.sim.simulator",
                               reason="the simulator (issue 7) is not available yet")
-    if not hasattr(sim, "simulate"):
-        pytest.skip("minipaged.sim.simulator has no simulate() yet")
-    pytest.skip("simulator API not pinned yet; draw its EngineTrace once it lands")
+    from minipaged.sim.arrivals import TraceRequest
+
+    import random
+
+    rng = random.Random(0)
+    reqs = [TraceRequest(f"q{k}", k * 0.05, rng.randint(50, 400), rng.randint(20, 200))
+            for k in range(60)]
+    t = sim.simulate(reqs, "paged", record_trace=True).trace
+    t.check_invariants()
+    assert t.num_blocks > 100 and len(viz.request_order(t)) == 60
+    i = len(t) // 2
+    viz.snapshot(t, i).check_invariants()
+    assert viz.step_text(t, i).splitlines()[0].startswith(f"step {i} / {len(t) - 1} | t = ")
+    m = viz.memory_series(t)
+    assert all(a + b + c == t.num_blocks * t.block_size
+               for a, b, c in zip(m.tokens, m.reserved, m.free))
+    for fig in (viz.timeline(t, managed=False), viz.step(t, i, managed=False),
+                viz.memory(t, managed=False)):
+        assert_readable(fig)
 
 
 # -- minipaged figures ----------------------------------------------------------------------
 
 
 def test_figures_are_byte_identical_twice(tmp_path):
-    names = ["block_tables.png", "memory.png"]
+    """Two runs (each its own seeded scheduler run) give the same bytes. The engine's
+    figures are checked the same way by `minipaged figures --check`."""
+    names = ["step_20x200.png", "memory_20x200.png"]
     a = F.write_figures(tmp_path / "a", names, log=lambda _: None)
     b = F.write_figures(tmp_path / "b", names, log=lambda _: None)
     assert set(a) == set(names) and a == b

@@ -65,22 +65,30 @@ class TimelineCells:
         return len(self.running)
 
 
+def _step_states(s) -> dict[str, str]:
+    """request id -> its state in step ``s``, for every request the step mentions."""
+    out: dict[str, str] = {}
+    for rid in s.block_tables:
+        out[rid] = "running"  # holds blocks; overwritten below if it did more
+    for rid in s.waiting_ids:
+        out[rid] = "waiting"
+    for rid in (*s.swapped_ids, *s.swapped_out_ids):
+        out[rid] = "swapped"
+    prefill, decode = set(s.prefill_ids), set(s.decode_ids)
+    for rid, n in s.scheduled.items():
+        if rid in prefill:
+            out[rid] = "prefill"
+        elif rid in decode:
+            out[rid] = "decode"
+        else:
+            out[rid] = "prefill" if n > 1 else "decode"
+    for rid in s.preempted_ids:
+        out[rid] = "preempted"
+    return out
+
+
 def _state(s, rid: str) -> str:
-    if rid in s.preempted_ids:
-        return "preempted"
-    if rid in s.scheduled:
-        if rid in s.prefill_ids:
-            return "prefill"
-        if rid in s.decode_ids:
-            return "decode"
-        return "prefill" if s.scheduled[rid] > 1 else "decode"
-    if rid in s.swapped_out_ids or rid in s.swapped_ids:
-        return "swapped"
-    if rid in s.waiting_ids:
-        return "waiting"
-    if rid in s.block_tables:
-        return "running"
-    return "absent"
+    return _step_states(s).get(rid, "absent")
 
 
 def timeline_cells(trace: EngineTrace) -> TimelineCells:
@@ -88,21 +96,28 @@ def timeline_cells(trace: EngineTrace) -> TimelineCells:
     if not trace.steps:
         raise ValueError("trace has no steps to draw")
     order = request_order(trace)
-    states = [[_state(s, r) for s in trace.steps] for r in order]
+    per_step = [_step_states(s) for s in trace.steps]
+    states = [[st.get(r, "absent") for st in per_step] for r in order]
     tokens = [[s.scheduled.get(r, 0) for s in trace.steps] for r in order]
+    arrived_at: dict[str, int] = {}
+    finished_at: dict[str, int] = {}
+    for s in trace.steps:
+        for rid in s.arrived_ids:
+            arrived_at.setdefault(rid, s.step)
+        for rid in s.finished_ids:
+            finished_at.setdefault(rid, s.step)
     arrival: dict[str, int] = {}
     finish: dict[str, int] = {}
     for k, rid in enumerate(order):
         info = trace.requests.get(rid, {})
         a = info.get("arrival_step")
         if a is None:
+            a = arrived_at.get(rid)
+        if a is None:
             a = next((i for i, st in enumerate(states[k]) if st != "absent"), None)
-            a = next((s.step for s in trace.steps if rid in s.arrived_ids), a)
         if a is not None:
             arrival[rid] = int(a)
-        f = next((s.step for s in trace.steps if rid in s.finished_ids), None)
-        if f is None:
-            f = info.get("finish_step")
+        f = finished_at.get(rid, info.get("finish_step"))
         if f is not None:
             finish[rid] = int(f)
     prefill_tokens, decode_tokens = [], []
@@ -197,7 +212,21 @@ def timeline_text(trace: EngineTrace, *, width: int = 100, cursor: Optional[int]
 
 def figure_size(trace: EngineTrace) -> tuple[float, float]:
     n_req = len(request_order(trace))
-    return 12.0, min(11.0, 2.9 + 0.24 * max(n_req, 3))
+    return 12.0, min(11.0, 2.9 + 0.24 * min(max(n_req, 3), 34))
+
+
+def _bars(ax, heights, bottom, color) -> None:
+    """A bar per step; beyond 120 steps one filled staircase (thousands of bar patches
+    would take seconds to draw)."""
+    import numpy as np
+
+    n = len(heights)
+    if n <= 120:
+        ax.bar(np.arange(n), heights, width=0.9, bottom=bottom, color=color, linewidth=0)
+    else:
+        top = bottom + np.asarray(heights, dtype=float)
+        ax.stairs(top, np.arange(n + 1) - 0.5, baseline=bottom, fill=True, color=color,
+                  linewidth=0)
 
 
 def draw_timeline(fig, trace: EngineTrace, cursor: Optional[int] = None,
@@ -213,7 +242,9 @@ def draw_timeline(fig, trace: EngineTrace, cursor: Optional[int] = None,
 
     c = cells or timeline_cells(trace)
     n, R = c.num_steps, len(c.order)
-    gs = fig.add_gridspec(3, 1, height_ratios=[max(R, 3) * 0.24, 0.62, 0.75], hspace=0.12,
+    # NOTE: the strips keep their height however many rows the grid has
+    gs = fig.add_gridspec(3, 1, height_ratios=[min(max(R, 3), 34) * 0.24, 0.62, 0.75],
+                          hspace=0.12,
                           **_draw.margins(fig, left=0.9, right=0.15, top=0.75, bottom=0.5))
     ax = fig.add_subplot(gs[0])
     ax_s = fig.add_subplot(gs[1], sharex=ax)
@@ -236,18 +267,22 @@ def draw_timeline(fig, trace: EngineTrace, cursor: Optional[int] = None,
                     ax.text(j, k, str(c.tokens[k][j]), ha="center", va="center",
                             fontsize=fs, color="white")
     # arrival and finish marks
-    ms = max(3.0, min(7.0, ch * 0.55))
-    for k, rid in enumerate(c.order):
-        if rid in c.arrival:
-            ax.plot(c.arrival[rid] - 0.5, k, marker=">", color=palette.BLACK,
-                    markersize=ms, linestyle="none", clip_on=False)
-        if rid in c.finish:
-            ax.plot([c.finish[rid] + 0.5] * 2, [k - 0.42, k + 0.42], color=palette.BLACK,
-                    linewidth=2.0, solid_capstyle="butt")
-    ax.set_yticks(range(R))
-    ax.set_yticklabels(c.order)
+    ms = max(1.5, min(7.0, ch * 0.55))
+    arr = [(c.arrival[r] - 0.5, k) for k, r in enumerate(c.order) if r in c.arrival]
+    if arr:
+        ax.plot(*zip(*arr), marker=">", color=palette.BLACK, markersize=ms, linestyle="none",
+                clip_on=False)
+    fin = [(c.finish[r] + 0.5, k) for k, r in enumerate(c.order) if r in c.finish]
+    if fin:
+        x_f, y_f = zip(*fin)
+        ax.vlines(x_f, [y - 0.42 for y in y_f], [y + 0.42 for y in y_f], colors=palette.BLACK,
+                  linewidth=2.0 if ch >= 4 else 1.0)
+    # label every row while rows are tall enough, else every k-th
+    every = max(1, math.ceil(11.0 / max(ch, 0.1)))
+    ax.set_yticks(range(0, R, every))
+    ax.set_yticklabels(c.order[::every])
     # a swatch of the request's own colour (the same as in the block tables)
-    for k, lab in enumerate(ax.get_yticklabels()):
+    for k, lab in zip(range(0, R, every), ax.get_yticklabels()):
         col = palette.owner_color(k)
         lab.set_bbox(dict(facecolor=col, edgecolor="none", pad=1.2))
         lab.set_color(palette.text_color_on(col))
@@ -258,9 +293,7 @@ def draw_timeline(fig, trace: EngineTrace, cursor: Optional[int] = None,
     ax.set_ylabel("request")
 
     # strips: sequences in the batch, tokens of the budget
-    x = np.arange(n)
-    ax_s.bar(x, c.running, width=0.9 if n < 120 else 1.0, color=palette.BLUISH_GREEN,
-             linewidth=0)
+    _bars(ax_s, c.running, np.zeros(n), palette.BLUISH_GREEN)
     ax_s.axhline(c.max_num_seqs, color=palette.BLACK, linestyle="--", linewidth=1.0)
     ax_s.set_ylim(0, c.max_num_seqs * 1.25)
     ax_s.set_ylabel("seqs", rotation=0, ha="right", va="center")
@@ -269,10 +302,9 @@ def draw_timeline(fig, trace: EngineTrace, cursor: Optional[int] = None,
               ha="right", va="bottom", fontsize=7)
     ax_s.tick_params(axis="x", labelbottom=False)
 
-    w = 0.9 if n < 120 else 1.0
-    ax_t.bar(x, c.prefill_tokens, width=w, color=palette.STATE_COLORS["prefill"], linewidth=0)
-    ax_t.bar(x, c.decode_tokens, width=w, bottom=c.prefill_tokens,
-             color=palette.STATE_COLORS["decode"], linewidth=0)
+    _bars(ax_t, c.prefill_tokens, np.zeros(n), palette.STATE_COLORS["prefill"])
+    _bars(ax_t, c.decode_tokens, np.asarray(c.prefill_tokens, dtype=float),
+          palette.STATE_COLORS["decode"])
     ax_t.axhline(c.max_num_batched_tokens, color=palette.BLACK, linestyle="--", linewidth=1.0)
     ax_t.set_ylim(0, c.max_num_batched_tokens * 1.25)
     ax_t.set_ylabel("tokens", rotation=0, ha="right", va="center")

@@ -124,6 +124,14 @@ def _grid_shape(num_blocks: int, aspect: float = 2.0) -> tuple[int, int]:
     return ncols, math.ceil(num_blocks / ncols)
 
 
+def _separators(ax, nx: int, ny: int, cw: float, ch: float) -> None:
+    """White lines between cells, as thick as the cells allow."""
+    lw = 1.0 if min(cw, ch) >= 8 else 0.5 if min(cw, ch) >= 3 else 0.0
+    if lw:
+        ax.vlines(range(1, nx), 0, ny, colors="white", linewidth=lw, zorder=2.4)
+        ax.hlines(range(1, ny), 0, nx, colors="white", linewidth=lw, zorder=2.4)
+
+
 def figure_size(snap: BlockSnapshot) -> tuple[float, float]:
     ncols, nrows = _grid_shape(snap.num_blocks)
     rows = max(len(snap.block_tables), min(nrows, 12), 3)
@@ -132,6 +140,8 @@ def figure_size(snap: BlockSnapshot) -> tuple[float, float]:
 
 def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
     """Draw ``snap`` into ``fig`` (a Figure or SubFigure): logical left, physical right."""
+    import numpy as np
+    from matplotlib.colors import to_rgba
     from matplotlib.patches import Patch, Rectangle
 
     from minipaged.viz import _draw
@@ -159,23 +169,28 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
     id_chars = len(str(snap.num_blocks - 1))
     shared_chars = max((len(f"x{c}") for c in snap.ref_cnt.values() if c > 1), default=0)
     fs_l = _draw.fit_fontsize(cw, ch, id_chars + shared_chars)
+    # NOTE: cell fills are one image (fast at thousands of blocks); only partly filled
+    # last blocks and new blocks get patches of their own.
+    img = np.ones((nrow_l, lcols, 4))
     for y, rid in enumerate(rids):
         color = palette.owner_color(snap.owner_index(rid))
+        pale = palette.lighten(color, 0.7)
         n = snap.num_tokens.get(rid, len(snap.block_tables[rid]) * bs)
         for j, b in enumerate(snap.block_tables[rid]):
             held = max(0, min(bs, n - j * bs))
-            # the slots reserved but not holding a token yet: a pale tail
-            ax_l.add_patch(Rectangle((j, y), 1, 1, facecolor=palette.lighten(color, 0.7),
-                                     edgecolor="white", linewidth=1.0))
-            ax_l.add_patch(Rectangle((j, y), held / bs, 1, facecolor=color, linewidth=0))
-            ax_l.add_patch(Rectangle((j, y), 1, 1, fill=False,
-                                     edgecolor=palette.BLACK if b in new else "white",
-                                     linewidth=2.2 if b in new else 1.0))
+            img[y, j] = to_rgba(color if held == bs else pale)
+            if 0 < held < bs:  # the slots reserved but not holding a token yet: pale tail
+                ax_l.add_patch(Rectangle((j, y), held / bs, 1, facecolor=color, linewidth=0))
+            if b in new:
+                ax_l.add_patch(Rectangle((j + 0.03, y + 0.03), 0.94, 0.94, fill=False,
+                                         edgecolor=palette.BLACK, linewidth=2.2, zorder=2.6))
             if fs_l >= _draw.MIN_FONT:
                 label = str(b) + (f"x{snap.ref_cnt[b]}" if snap.ref_cnt.get(b, 1) > 1 else "")
                 ax_l.text(j + 0.5, y + 0.5, label, ha="center", va="center", fontsize=fs_l,
-                          color=palette.text_color_on(color if held * 2 >= bs else
-                                                      palette.lighten(color, 0.7)))
+                          color=palette.text_color_on(color if held * 2 >= bs else pale))
+    ax_l.imshow(img, extent=(0, lcols, nrow_l, 0), interpolation="nearest", aspect="auto",
+                zorder=0)
+    _separators(ax_l, lcols, nrow_l, cw, ch)
     ax_l.set_xlim(0, lcols)
     ax_l.set_ylim(nrow_l, 0)
     ax_l.set_yticks([y + 0.5 for y in range(len(rids))])
@@ -199,22 +214,24 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
     fs_id = min(fs_owner * 0.85, _draw.fit_fontsize(cw, ch * 0.38, id_chars))
     show_labels = fs_owner >= _draw.MIN_FONT
     tokens = snap.tokens_in_block()
+    img = np.ones((nrows, ncols, 4))
     for b in range(snap.num_blocks):
         x, y = b % ncols, b // ncols
         if b in owners:
             rid, j = owners[b][0]
             color = palette.owner_color(snap.owner_index(rid))
-            ax_p.add_patch(Rectangle((x, y), 1, 1, facecolor=palette.lighten(color, 0.7),
-                                     edgecolor="white", linewidth=1.0))
-            ax_p.add_patch(Rectangle((x, y), tokens.get(b, bs) / bs, 1, facecolor=color,
-                                     linewidth=0))
+            held = tokens.get(b, bs)
+            img[y, x] = to_rgba(color if held == bs else palette.lighten(color, 0.7))
+            if 0 < held < bs:
+                ax_p.add_patch(Rectangle((x, y), held / bs, 1, facecolor=color, linewidth=0))
         else:
-            ax_p.add_patch(Rectangle((x, y), 1, 1, facecolor=palette.FREE_GREY,
-                                     edgecolor="white", linewidth=1.0,
-                                     hatch="...." if b in snap.cached_free_ids else None))
+            img[y, x] = to_rgba(palette.FREE_GREY)
+            if b in snap.cached_free_ids:
+                ax_p.add_patch(Rectangle((x, y), 1, 1, fill=False, hatch="....",
+                                         edgecolor="#888888", linewidth=0))
         if b in new:
             ax_p.add_patch(Rectangle((x + 0.04, y + 0.04), 0.92, 0.92, fill=False,
-                                     edgecolor=palette.BLACK, linewidth=2.2))
+                                     edgecolor=palette.BLACK, linewidth=2.2, zorder=2.6))
         if show_labels:
             if b in owners:  # readable on the part of the cell under the label
                 under = color if 2 * tokens.get(b, bs) >= bs else palette.lighten(color, 0.7)
@@ -228,10 +245,13 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
                 ax_p.text(x + 0.5, y + 0.62, label, ha="center", va="center",
                           fontsize=fs_owner, color=fg,
                           fontweight="bold" if snap.ref_cnt.get(b, 1) > 1 else "normal")
-        elif snap.ref_cnt.get(b, 1) > 1:  # ref counts stay visible on a big grid
+        elif snap.ref_cnt.get(b, 1) > 1 and ch >= 5:  # ref counts stay visible on a big grid
             ax_p.text(x + 0.5, y + 0.5, str(snap.ref_cnt[b]), ha="center", va="center",
                       fontsize=max(4.0, min(7.0, ch * 0.6)), fontweight="bold",
                       color=palette.text_color_on(color))
+    ax_p.imshow(img, extent=(0, ncols, nrows, 0), interpolation="nearest", aspect="auto",
+                zorder=0)
+    _separators(ax_p, ncols, nrows, cw, ch)
     ax_p.set_xlim(0, ncols)
     ax_p.set_ylim(nrows, 0)
     ax_p.set_aspect("auto")

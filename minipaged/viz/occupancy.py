@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from minipaged.trace import EngineTrace
 from minipaged.viz import palette
-from minipaged.viz.snapshot import snapshot_from_trace
+from minipaged.viz.snapshot import block_tokens
 
 
 @dataclass
@@ -43,12 +43,12 @@ def memory_series(trace: EngineTrace) -> MemorySeries:
         raise ValueError("trace has no steps to draw")
     bs = trace.block_size
     tokens, reserved, free, pre, swp = [], [], [], [], []
-    for i, s in enumerate(trace.steps):
-        snap = snapshot_from_trace(trace, i)
-        held = sum(snap.tokens_in_block().values())
+    for s in trace.steps:
+        per_block = block_tokens(s.block_tables, s.num_tokens, bs)
+        held = sum(per_block.values())
         tokens.append(held)
-        reserved.append(snap.num_used_blocks * bs - held)
-        free.append((trace.num_blocks - snap.num_used_blocks) * bs)
+        reserved.append(len(per_block) * bs - held)
+        free.append((trace.num_blocks - len(per_block)) * bs)
         pre.append(len(s.preempted_ids))
         swp.append(len(s.swapped_out_ids))
     return MemorySeries(trace.num_blocks * bs, tokens, reserved, free, pre, swp)

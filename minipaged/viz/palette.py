@@ -86,5 +86,9 @@ def text_color_on(hex_color: str) -> str:
 
 
 def short_name(rid: str, k: int, width: int = 4) -> str:
-    """``rid`` itself if it is short, else ``r{k}`` (k = its index in arrival order)."""
+    """A label for cells: ``rid`` itself if it is short; ``r{rid}`` for a number (so that
+    ``r0:1``, request 0's logical block 1, does not read as a ratio); else ``r{k}`` (k =
+    its index in arrival order)."""
+    if rid.isdigit() and len(rid) < width:
+        return f"r{rid}"
     return rid if len(rid) <= width else f"r{k}"

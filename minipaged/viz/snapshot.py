@@ -65,6 +65,17 @@ def _ids_in_step(s) -> Iterable[str]:
     yield from s.finished_ids
 
 
+def block_tokens(tables: dict[str, list[int]], num_tokens: dict[str, int], bs: int):
+    """block id -> tokens it holds, over all ``tables`` (a shared block counts its fullest
+    holder, as ``KVCacheManager.usage`` does); a table without a token count is full."""
+    out: dict[int, int] = {}
+    for rid, table in tables.items():
+        n = num_tokens.get(rid, len(table) * bs)
+        for j, b in enumerate(table):
+            out[b] = max(out.get(b, 0), max(0, min(bs, n - j * bs)))
+    return out
+
+
 @dataclass
 class BlockSnapshot:
     """The KV blocks at one moment: who holds which block, and what is free."""
@@ -100,13 +111,7 @@ class BlockSnapshot:
 
     def tokens_in_block(self) -> dict[int, int]:
         """block id -> tokens it holds (a shared block counts its fullest holder)."""
-        bs = self.block_size
-        out: dict[int, int] = {}
-        for rid, table in self.block_tables.items():
-            n = self.num_tokens.get(rid, len(table) * bs)
-            for j, b in enumerate(table):
-                out[b] = max(out.get(b, 0), max(0, min(bs, n - j * bs)))
-        return out
+        return block_tokens(self.block_tables, self.num_tokens, self.block_size)
 
     @property
     def num_used_blocks(self) -> int:

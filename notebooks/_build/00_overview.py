@@ -249,9 +249,11 @@ print(trace.steps[i])
 md(r"""
 ## 8. Experiment: how big a pool?
 
-The same eight requests with pools of different sizes, scheduler only (no model, so it runs
-in milliseconds). A smaller pool means fewer requests fit at once: more steps, more
-preemptions. *Try*: change `max_num_seqs` or `max_num_batched_tokens` instead.
+Eight seeded requests (prompts of 4 to 22 tokens, 4 to 16 output tokens, arriving over the
+first 8 steps) through pools of different sizes. This runs the real scheduler with a
+stand-in for the model that always emits the same token, so it takes milliseconds:
+scheduling needs lengths, not words. A smaller pool means fewer requests fit at once:
+more steps, more preemptions. *Try*: change `max_num_seqs` or `max_num_batched_tokens`.
 """)
 
 code(r"""
