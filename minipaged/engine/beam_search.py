@@ -313,6 +313,8 @@ def _record(step, out, active, finished, kv) -> StepRecord:
     tables, num_tokens = {}, {}
     for st in active:
         for r in st.beams():
+            if r.request_id not in kv.req_to_blocks:
+                continue  # admitted, its prefill not started yet
             tables[r.request_id] = kv.get_block_ids(r.request_id)
             num_tokens[r.request_id] = r.num_computed_tokens
     holders: dict[int, int] = {}
