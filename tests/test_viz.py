@@ -247,7 +247,7 @@ def test_timeline_text_wraps_large_traces(large):
 def test_text_marks_what_the_hand_trace_says(trace):
     text = viz.step_text(trace, 6)
     assert "preempted: D" in text and "in CPU pool: B" in text
-    assert "5x2" in text  # the shared block and its ref count
+    assert "5(x2)" in text  # the shared block and its ref count
     tl = viz.timeline_text(trace).splitlines()
     row = next(line for line in tl if line.startswith("D "))
     assert row.split(None, 1)[1] == ".PX..P|"  # waiting, prefill, preempted, ..., finish

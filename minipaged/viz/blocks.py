@@ -53,7 +53,7 @@ def _cell_label(snap: BlockSnapshot, b: int, owners, names) -> str:
     rid, j = owners[b][0]
     label = f"{names[rid]}:{j}"
     if snap.ref_cnt.get(b, 1) > 1:
-        label += f"x{snap.ref_cnt[b]}"
+        label += f"(x{snap.ref_cnt[b]})"
     if b in snap.new_block_ids:
         label += "*"
     return label
@@ -81,7 +81,7 @@ def block_tables_text(source, step: Optional[int] = None, *, columns: int = 8, *
             for b in table:
                 c = str(b)
                 if snap.ref_cnt.get(b, 1) > 1:
-                    c += f"x{snap.ref_cnt[b]}"
+                    c += f"(x{snap.ref_cnt[b]})"
                 if b in new:
                     c += "*"
                 cells.append(c)
@@ -167,7 +167,7 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
     nrow_l = max(len(rids), 1)
     cw, ch = _draw.cell_points(ax_l, lcols, nrow_l)
     id_chars = len(str(snap.num_blocks - 1))
-    shared_chars = max((len(f"x{c}") for c in snap.ref_cnt.values() if c > 1), default=0)
+    shared_chars = max((len(f"(x{c})") for c in snap.ref_cnt.values() if c > 1), default=0)
     fs_l = _draw.fit_fontsize(cw, ch, id_chars + shared_chars)
     # NOTE: cell fills are one image (fast at thousands of blocks); only partly filled
     # last blocks and new blocks get patches of their own.
@@ -185,7 +185,7 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
                 ax_l.add_patch(Rectangle((j + 0.03, y + 0.03), 0.94, 0.94, fill=False,
                                          edgecolor=palette.BLACK, linewidth=2.2, zorder=2.6))
             if fs_l >= _draw.MIN_FONT:
-                label = str(b) + (f"x{snap.ref_cnt[b]}" if snap.ref_cnt.get(b, 1) > 1 else "")
+                label = str(b) + (f"(x{snap.ref_cnt[b]})" if snap.ref_cnt.get(b, 1) > 1 else "")
                 ax_l.text(j + 0.5, y + 0.5, label, ha="center", va="center", fontsize=fs_l,
                           color=palette.text_color_on(color if held * 2 >= bs else pale))
     ax_l.imshow(img, extent=(0, lcols, nrow_l, 0), interpolation="nearest", aspect="auto",
