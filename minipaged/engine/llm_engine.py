@@ -283,53 +283,60 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One schedule + forward + sample + update. Returns the requests finished now."""
         step = self.step_index
-        clock = time.perf_counter
-        times = self.step_times
-        t0 = clock()
-        out = self.scheduler.schedule()
-        t1 = clock()
-        runner = self.model_runner
-        runner.apply_cache_ops(out)  # swap out / swap in / copy, before the forward
+        lap = self._stopwatch()
+        out = self.scheduler.schedule()  # who runs this step, and how many tokens each
+        lap("schedule")
+        self.model_runner.apply_cache_ops(out)  # swap out / swap in / copy, before the forward
         sampled: dict[str, int] = {}
-        t2 = t3 = t4 = t1
         if out.scheduled:
-            inp, sample_rows = runner.prepare(out, self.kv_cache_manager)
-            t2 = clock()
+            inp, sample_rows = self.model_runner.prepare(out, self.kv_cache_manager)
+            lap("prepare")
             with torch.inference_mode():
-                logits = self.model.forward(inp, runner.kv_caches)  # [B, V]
-                if sample_rows:
-                    reqs = [out.scheduled[r][0] for r in sample_rows]
-                    for parent, child in out.fork_samples:  # n > 1: forked from parent's row
-                        sample_rows = sample_rows + [sample_rows[reqs.index(parent)]]
-                        reqs.append(child)
-                    params = [r.sampling_params for r in reqs]
-                    # NOTE: a greedy row needs no seed; a random one is seeded by its
-                    # request and output position alone (see sampler.py).
-                    seeds = [
-                        0 if p.temperature == 0.0 else sample_seed(self._base_seed(r), r.num_output_tokens)
-                        for r, p in zip(reqs, params)
-                    ]
-                    if sample_rows != list(range(logits.shape[0])):
-                        logits = logits[torch.tensor(sample_rows, device=logits.device)]  # [S, V]
-                    t3 = clock()
-                    tokens = self.sampler(logits, params, seeds).tolist()
-                    sampled = {r.request_id: t for r, t in zip(reqs, tokens)}
-                else:
-                    t3 = clock()
-            t4 = clock()
+                logits = self.model.forward(inp, self.model_runner.kv_caches)  # [B, V]
+            lap("forward")
+            sampled = self._sample(out, logits, sample_rows)  # request_id -> next token
+            lap("sample")
         # NOTE: the returned list starts with the requests refused this step.
-        finished = self.scheduler.update_from_output(out, sampled)
+        finished = self.scheduler.update_from_output(out, sampled)  # append, stop, free
         for req in finished:
             self._note_finished(req, step)
         self.trace.record(record_step(self.scheduler, out, step))
         outputs = self._collect_outputs(finished)
-        t5 = clock()
-        times["schedule"] += t1 - t0
-        times["prepare"] += t2 - t1
-        times["forward"] += t3 - t2
-        times["sample"] += t4 - t3
-        times["update"] += t5 - t4
+        lap("update")
         return outputs
+
+    def _sample(self, out, logits: torch.Tensor, sample_rows: list[int]) -> dict[str, int]:
+        """The next token of every request whose known tokens are all computed now."""
+        if not sample_rows:
+            return {}
+        reqs = [out.scheduled[r][0] for r in sample_rows]
+        for parent, child in getattr(out, "fork_samples", ()):  # n > 1: forked from parent's row
+            sample_rows = sample_rows + [sample_rows[reqs.index(parent)]]
+            reqs.append(child)
+        params = [r.sampling_params for r in reqs]
+        # NOTE: a greedy row needs no seed; a random one is seeded by its request and its
+        # output position alone (see sampler.py), never by its place in the batch.
+        seeds = [
+            0 if p.temperature == 0.0 else sample_seed(self._base_seed(r), r.num_output_tokens)
+            for r, p in zip(reqs, params)
+        ]
+        if sample_rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(sample_rows, device=logits.device)]  # [S, V]
+        with torch.inference_mode():
+            tokens = self.sampler(logits, params, seeds).tolist()
+        return {r.request_id: t for r, t in zip(reqs, tokens)}
+
+    def _stopwatch(self):
+        """``lap(phase)`` adds the seconds since the previous lap to ``step_times[phase]``."""
+        times, clock = self.step_times, time.perf_counter
+        last = [clock()]
+
+        def lap(phase: str) -> None:
+            now = clock()
+            times[phase] += now - last[0]
+            last[0] = now
+
+        return lap
 
     def _base_seed(self, req: Request) -> int:
         group = self.seq_to_group[req.request_id]
