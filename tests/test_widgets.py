@@ -40,6 +40,7 @@ def test_stepper_builds_and_shows_step_0(trace):
     assert (s.slider.min, s.slider.max, s.slider.value) == (0, last, 0)
     assert (s.play.min, s.play.max) == (0, last)
     assert s.image.value == expected_png(trace, 0)
+    s.check_invariants()
 
 
 def test_moving_the_slider_changes_label_and_picture(trace):
@@ -52,6 +53,7 @@ def test_moving_the_slider_changes_label_and_picture(trace):
     assert s.image.value == expected_png(trace, i)
     assert s.play.value == i  # the play head follows the slider
     assert s.value == i
+    s.check_invariants()
 
 
 def test_prev_next_buttons_clamp_at_the_ends(trace):
@@ -65,6 +67,7 @@ def test_prev_next_buttons_clamp_at_the_ends(trace):
     assert s.value == len(trace) - 1
     s.next_button.click()
     assert s.value == len(trace) - 1
+    s.check_invariants()
 
 
 def test_play_drives_the_picture_through_the_slider(trace):

@@ -8,6 +8,8 @@ notebook, close it with ``plt.close(fig)``) or a free-standing ``Figure`` that p
 sees (``managed=False``: for widgets and files; nothing to close, nothing shown twice).
 ``png_bytes(fig)`` / ``save_png(fig, path)``: PNG with no software/date metadata, so the
 same figure gives the same bytes on every run.
+
+Failure mode: none of its own; matplotlib errors propagate. vLLM has no counterpart.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Output: the PNGs, one line each with its sha256. Failure mode: an unknown ``--on
 is an error (exit 2); a figure whose module is missing is skipped (exit 0).
 
 This module must not import torch or matplotlib at import time (``minipaged.cli``
-imports every subcommand module to build its parser).
+imports every subcommand module to build its parser). vLLM has no counterpart.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ Inputs / outputs
 
 Invariants
     the same request gets the same colour in every picture of one trace.
+
+vLLM has no counterpart (it draws nothing).
 """
 
 from __future__ import annotations

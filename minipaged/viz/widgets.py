@@ -18,7 +18,12 @@ Fallbacks
     - where the front end cannot render widgets (a static notebook viewer, nbconvert to
       HTML), the ``Stepper`` also offers its current picture as ``image/png`` and a line
       of ``text/plain``, which such viewers show instead of the widget.
+Invariants (``Stepper.check_invariants``): the slider, the play head, the label and the
+picture all show the same step.
 Failure mode: an empty trace or ``start`` outside it raises ``ValueError``.
+
+vLLM has no counterpart (it has no pictures); the widget plays back what
+``minipaged.core.scheduler.record_step`` recorded.
 """
 
 from __future__ import annotations
@@ -115,6 +120,13 @@ def _make_stepper(trace: EngineTrace, *, start: int, interval_ms: int, cache: in
             self.label.value = _label(i, len(self.trace.steps))
             if self.play.value != i:  # keep the play head where the slider is
                 self.play.value = i
+
+        def check_invariants(self) -> None:
+            n, i = len(self.trace.steps), self.slider.value
+            assert 0 <= i < n, f"slider at {i}, outside 0 .. {n - 1}"
+            assert self.play.value == i, f"play head at {self.play.value}, slider at {i}"
+            assert self.label.value == _label(i, n), f"label {self.label.value!r} at step {i}"
+            assert self.image.value == self.render(i), f"the picture is not step {i}'s"
 
         def _repr_mimebundle_(self, **kwargs):
             data = super()._repr_mimebundle_(**kwargs) or {}
