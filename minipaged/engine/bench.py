@@ -120,7 +120,7 @@ def run_benchmark(
     from minipaged import SamplingParams
     from minipaged.config import EngineConfig
     from minipaged.core.kv_cache_utils import cdiv
-    from minipaged.engine.llm_engine import LLMEngine, load_model_checked
+    from minipaged.engine.llm_engine import load_model_checked
 
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
@@ -138,12 +138,36 @@ def run_benchmark(
     demand = [cdiv(p + o - 1, block_size) for p, o in lengths]  # blocks at full length
     if num_blocks is None:
         num_blocks = max(max(demand), sum(demand) // 4)
-    torch.set_grad_enabled(False)
     if threads < 0:
         raise ValueError(f"threads must be >= 0 (0 = torch's default), got {threads!r}")
+    prev_threads = torch.get_num_threads()
     if threads > 0:
         torch.set_num_threads(threads)
+    try:
+        return _measure(
+            model_obj, tokenizer, lengths, prompts, params,
+            model=model, workload=workload, seed=seed, block_size=block_size,
+            num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, device=device, dtype=dtype,
+            attention_backend=attention_backend, preemption_mode=preemption_mode,
+            repeats=repeats, warmup=warmup,
+        )
+    finally:
+        torch.set_num_threads(prev_threads)  # NOTE: leave the caller's process as it was
 
+
+def _measure(model_obj, tokenizer, lengths, prompts, params, *, model, workload, seed, block_size,
+             num_blocks, max_num_seqs, max_num_batched_tokens, device, dtype, attention_backend,
+             preemption_mode, repeats, warmup) -> dict:
+    """The runs themselves (see ``run_benchmark``)."""
+    import torch
+
+    from minipaged import SamplingParams
+    from minipaged.config import EngineConfig
+    from minipaged.engine.llm_engine import LLMEngine
+
+    num_requests = len(lengths)
+    max_len = int(model_obj.max_model_len)
     if warmup:  # first-call costs (allocator, kernels) out of the measurement
         eng = LLMEngine(EngineConfig(model=model, block_size=block_size, num_blocks=num_blocks,
                                      device=device, dtype=dtype, attention_backend=attention_backend),
