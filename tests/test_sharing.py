@@ -452,3 +452,68 @@ def test_engine_n_samples_equal_unshared_baseline(tiny_llama, variant):
     assert llm.llm_engine.kv_cache_manager.get_num_free_blocks() == llm.llm_engine.num_blocks
     again = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in again] == want  # deterministic
+
+
+# ----------------------------------------------------------------------------- minipaged sharing
+
+
+def test_parallel_sampling_block_steps_match_a_formula():
+    """Independent count: at step t every live sample holds the full prompt blocks (shared)
+    plus its private tail, ceil((p + t) / bs) - p // bs blocks."""
+    from minipaged.sim.sharing import MAX_MODEL_LEN, measure_parallel_sampling
+    from minipaged.sim.workloads import sample_requests
+
+    bs, n, num = 16, 3, 12
+    res = measure_parallel_sampling("sharegpt", n, num, seed=4, block_size=bs, check=True)
+    reqs = sample_requests("sharegpt", num, 4, MAX_MODEL_LEN)
+    extra = sample_requests("sharegpt", num * n, 5, MAX_MODEL_LEN)
+    without = with_ = copies = 0
+    for i, (p, _) in enumerate(reqs):
+        lens = [min(o, MAX_MODEL_LEN - p) for _, o in extra[i * n:(i + 1) * n]]
+        without += n * cdiv(p, bs)
+        with_ += cdiv(p, bs)
+        for t in range(1, max(lens)):
+            live = [L for L in lens if t < L]
+            without += sum(cdiv(p + t, bs) for _ in live)
+            with_ += (p // bs) * bool(live) + sum(cdiv(p + t, bs) - p // bs for _ in live)
+        # the partly filled prompt block is copied once per extra sample alive at step 1
+        if p % bs:
+            copies += max(0, sum(1 < L for L in lens) - 1)
+    assert (res.blocks_without, res.blocks_with, res.num_copies) == (without, with_, copies)
+
+
+def test_sharing_experiment_report():
+    from minipaged.sim.sharing import format_report, measure_beam_search, run_sharing_experiment
+
+    r = run_sharing_experiment(num_requests=6, seed=1, widths=(2, 4))
+    for kind in ("parallel_sampling", "beam_search"):
+        for w in ("alpaca", "sharegpt"):
+            rows = r[kind][w]
+            assert [x["width"] for x in rows] == [2, 4]
+            assert all(0 < x["blocks_with"] <= x["blocks_without"] for x in rows)
+            assert rows[0]["saved_pct"] <= rows[1]["saved_pct"]  # wider, more sharing
+    for w in ("alpaca", "sharegpt"):  # beams share far more than independent samples
+        assert r["beam_search"][w][1]["saved_pct"] > r["parallel_sampling"][w][1]["saved_pct"]
+    for p in r["prefix_caching"]:
+        assert p["with_caching"]["prefill_tokens"] < p["without_caching"]["prefill_tokens"]
+        assert p["without_caching"]["prefill_tokens"] == p["prompt_tokens"]
+    text = format_report(r)
+    assert "parallel sampling" in text and "beam search" in text and "prefix caching" in text
+    b = measure_beam_search("alpaca", 3, 5, seed=2, check=True)
+    assert b.to_dict()["saved_pct"] == round(b.saved_pct, 2)
+    with pytest.raises(ValueError, match="workload"):
+        measure_beam_search("nope", 2, 5)
+    with pytest.raises(ValueError, match="width"):
+        measure_beam_search("alpaca", 0, 5)
+
+
+def test_sharing_cli_json(capsys):
+    import json
+
+    from minipaged.cli import main
+
+    assert main(["sharing", "--json", "--num-requests", "3", "--block-size", "8"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["config"]["block_size"] == 8 and d["config"]["num_requests"] == 3
+    assert set(d["parallel_sampling"]) == {"alpaca", "sharegpt"}
+    assert [x["width"] for x in d["beam_search"]["alpaca"]] == [2, 3, 4, 5, 6]
