@@ -209,18 +209,20 @@ def format_report(report: dict) -> str:
     lines = [f"{s['model']} on {s['gpu']}: KV cache {s['kv_cache_gib']:.2f} GiB = "
              f"{s['num_kv_tokens']} tokens ({s['kv_bytes_per_token'] // 1024} KiB/token); "
              f"preemption {s['preemption_mode']}",
-             f"sustainable rate: where {level}"]
+             f"sustainable rate: where {level}; capacity: req/s with a full queue; "
+             f"batch: sequences per step while requests wait, at the highest rate (Fig. 13)"]
     for wl, d in report["workloads"].items():
         lines.append("")
         lines.append(f"== {wl} ({d['config']['num_requests']} requests, seed {d['config']['seed']}) ==")
-        lines.append(f"{'policy':28s} {'capacity':>9s} {'sustain.':>9s} {'vLLM x':>7s}  "
+        lines.append(f"{'policy':28s} {'capacity':>9s} {'sustain.':>9s} {'vLLM x':>7s} {'batch':>6s}  "
                      f"latency (s/token) at rates (req/s)")
         for p, sw in d["sweeps"].items():
             ratio = d["ratios"].get(f"paged/{p}")
             rs = "" if ratio is None else f"{ratio:6.2f}x"
             sus = f"{sw['sustainable_rate']:.3g}" + ("+" if sw["saturated"] else "")
             pts = " ".join(f"{r:.3g}:{lat:.3f}" for r, lat in zip(sw["rates"], sw["normalized_latency"]))
-            lines.append(f"{POLICY_NAMES[p]:28s} {sw['capacity']:9.3g} {sus:>9s} {rs:>7s}  {pts}")
+            batch = sw["metrics"][-1]["mean_loaded_batch_size"]
+            lines.append(f"{POLICY_NAMES[p]:28s} {sw['capacity']:9.3g} {sus:>9s} {rs:>7s} {batch:6.1f}  {pts}")
     for wl, b in report["block_size"].items():
         lines.append("")
         lines.append(f"== block size sweep, paged, {wl} (latency at {b['rate']:.3g} req/s) ==")

@@ -278,13 +278,17 @@ class SimMetrics:
     num_steps: int = 0
     num_preemptions: int = 0
     mean_batch_size: float = 0.0  # sequences per step, averaged over steps
+    # ... averaged over the steps that leave requests waiting, where memory (or the token
+    # budget), not demand, limits the batch: the paper's Fig. 13
+    mean_loaded_batch_size: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def compute_metrics(records: Sequence[RequestRecord], num_steps: int = 0,
-                    num_preemptions: int = 0, mean_batch_size: float = 0.0) -> SimMetrics:
+                    num_preemptions: int = 0, mean_batch_size: float = 0.0,
+                    mean_loaded_batch_size: float = 0.0) -> SimMetrics:
     """Aggregate per-request records (see ``RequestRecord`` for each quantity)."""
     done = [r for r in records if not r.refused]
     if not done:
@@ -309,6 +313,7 @@ def compute_metrics(records: Sequence[RequestRecord], num_steps: int = 0,
         num_steps=num_steps,
         num_preemptions=num_preemptions,
         mean_batch_size=mean_batch_size,
+        mean_loaded_batch_size=mean_loaded_batch_size,
     )
 
 
@@ -426,7 +431,7 @@ def simulate(
     t = 0.0
     i = 0
     step = 0
-    batch_sum = 0
+    batch_sum = loaded_steps = loaded_batch_sum = 0
     while i < len(reqs) or sched.has_unfinished_requests():
         while i < len(reqs) and reqs[i].arrival_time <= t:
             tr = reqs[i]
@@ -490,6 +495,9 @@ def simulate(
             if remaining[rec.request_id] == 0:
                 rec.finish_time = t
         batch_sum += len(batch)
+        if sched.waiting:
+            loaded_steps += 1
+            loaded_batch_sum += len(batch)
         if check:
             sched.check_invariants()
         if trace is not None:
@@ -507,7 +515,8 @@ def simulate(
             rec.finish_time = rec.first_token_time = None
     metrics = compute_metrics(recs, num_steps=step,
                               num_preemptions=sum(r.num_preemptions for r in recs),
-                              mean_batch_size=batch_sum / step if step else 0.0)
+                              mean_batch_size=batch_sum / step if step else 0.0,
+                              mean_loaded_batch_size=loaded_batch_sum / loaded_steps if loaded_steps else 0.0)
     config = {"policy": policy, "n": n, "block_size": block_size, "max_num_seqs": max_num_seqs,
               "max_num_batched_tokens": max_num_batched_tokens, "model": cost_model.model.name,
               "gpu": cost_model.gpu.name, "num_kv_tokens": cost_model.num_kv_tokens()}
