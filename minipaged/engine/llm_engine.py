@@ -401,6 +401,7 @@ class LLMEngine:
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
         self.kv_cache_manager.check_invariants()
+        self.model_runner.check_invariants()
         self.trace.check_invariants()
         for rid, group in self.groups.items():
             assert not group.finished, f"request {rid} finished but is still held by the engine"

@@ -76,6 +76,24 @@ class ModelRunner:
                     )
                 )
 
+    def check_invariants(self) -> None:
+        """Every layer has a K and a V cache of the pool's shape; the CPU pool mirrors it."""
+        assert len(self.kv_caches) == self.model.num_layers, (
+            f"{len(self.kv_caches)} cache pairs for {self.model.num_layers} layers"
+        )
+        for i, (k, v) in enumerate(self.kv_caches):
+            assert k.shape == v.shape and k.shape[:2] == (self.num_blocks, self.block_size), (
+                f"layer {i}: caches {tuple(k.shape)} / {tuple(v.shape)}, want "
+                f"[{self.num_blocks}, {self.block_size}, KVH, D]"
+            )
+        assert len(self.cpu_kv_caches) == (len(self.kv_caches) if self.num_cpu_blocks else 0), (
+            "the CPU pool must have one cache pair per layer when num_cpu_blocks > 0"
+        )
+        for (k, _), (ck, cv) in zip(self.kv_caches, self.cpu_kv_caches):
+            assert ck.shape == cv.shape == (self.num_cpu_blocks,) + tuple(k.shape[1:]), (
+                f"CPU cache {tuple(ck.shape)} does not mirror device cache {tuple(k.shape)}"
+            )
+
     # -- inputs --------------------------------------------------------------------
     def prepare(self, scheduler_output, kv_cache_manager) -> tuple[ModelInput, list[int]]:
         """The flat batch of this step's tokens, and the rows that get a new token."""
