@@ -58,6 +58,7 @@ about memory traffic inside one attention computation. Chapter 03 shows both.)
 md("## Setup")
 
 code(r"""
+%matplotlib inline
 import inspect
 
 import matplotlib.pyplot as plt
