@@ -496,7 +496,28 @@ class KVCacheManager:
                 f"block {b.block_id}: ref_cnt {b.ref_cnt} but held by "
                 f"{holders.get(b.block_id, 0)} block tables"
             )
-        # copy-on-write: each destination is a private block of its writer
+        # swap space
+        assert set(self.cpu_num_tokens) == set(self.req_to_cpu_blocks), "cpu tables disagree"
+        both = set(self.req_to_cpu_blocks) & set(self.req_to_blocks)
+        assert not both, f"requests {sorted(both)} hold device and CPU blocks at once"
+        if self.cpu_block_pool is None:
+            assert not self.req_to_cpu_blocks, "CPU block tables without a CPU pool"
+        else:
+            self.cpu_block_pool.check_invariants()
+            cpu_holders: dict[int, int] = {}
+            for rid, blocks in self.req_to_cpu_blocks.items():
+                n = self.cpu_num_tokens[rid]
+                assert len(blocks) == cdiv(n, self.block_size), (
+                    f"swapped request {rid!r}: {len(blocks)} CPU blocks for {n} tokens"
+                )
+                for b in blocks:
+                    cpu_holders[b.block_id] = cpu_holders.get(b.block_id, 0) + 1
+            for b in self.cpu_block_pool.blocks:
+                assert b.ref_cnt == cpu_holders.get(b.block_id, 0), (
+                    f"CPU block {b.block_id}: ref_cnt {b.ref_cnt} but held by "
+                    f"{cpu_holders.get(b.block_id, 0)} CPU block tables"
+                )
+        # copy-on-write: distinct destinations, each held by a table
         dsts = [d for _, d in self.pending_copies]
         assert len(set(dsts)) == len(dsts), f"a block is the destination of two copies: {dsts}"
         for s, d in self.pending_copies:
@@ -507,27 +528,6 @@ class KVCacheManager:
         assert set(self.num_cached_blocks) <= set(self.req_to_blocks), "cached counts of unknown requests"
         for rid, k in self.num_cached_blocks.items():
             assert k <= len(self.req_to_blocks[rid]), f"{rid!r}: {k} cached blocks > its table"
-        # swap space
-        assert set(self.cpu_num_tokens) == set(self.req_to_cpu_blocks), "cpu tables disagree"
-        both = set(self.req_to_cpu_blocks) & set(self.req_to_blocks)
-        assert not both, f"requests {sorted(both)} hold device and CPU blocks at once"
-        if self.cpu_block_pool is None:
-            assert not self.req_to_cpu_blocks, "CPU block tables without a CPU pool"
-            return
-        self.cpu_block_pool.check_invariants()
-        cpu_holders: dict[int, int] = {}
-        for rid, blocks in self.req_to_cpu_blocks.items():
-            n = self.cpu_num_tokens[rid]
-            assert len(blocks) == cdiv(n, self.block_size), (
-                f"swapped request {rid!r}: {len(blocks)} CPU blocks for {n} tokens"
-            )
-            for b in blocks:
-                cpu_holders[b.block_id] = cpu_holders.get(b.block_id, 0) + 1
-        for b in self.cpu_block_pool.blocks:
-            assert b.ref_cnt == cpu_holders.get(b.block_id, 0), (
-                f"CPU block {b.block_id}: ref_cnt {b.ref_cnt} but held by "
-                f"{cpu_holders.get(b.block_id, 0)} CPU block tables"
-            )
 
 
 def _num_blocks_needed(tables, lens, ks, refs: dict[int, int], block_size: int) -> int:
