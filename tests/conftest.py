@@ -2,11 +2,22 @@
 
 On a machine without CUDA the Triton kernels run in Triton's interpreter; the variable
 must be set before triton is first imported, so it is set here, at collection time.
+(Notebook kernels inherit it too, which is what we want.)
+
+NOTE: matplotlib's backend is chosen in-process with ``matplotlib.use`` rather than by
+exporting MPLBACKEND: an exported MPLBACKEND=Agg leaks into the nbval notebook kernels,
+where ``plt.show()`` would then display nothing and every figure cell would differ.
 """
 
 import os
 
-os.environ.setdefault("MPLBACKEND", "Agg")
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+except ImportError:
+    pass
+
 try:
     import torch
 
