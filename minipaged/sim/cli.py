@@ -187,13 +187,13 @@ def write_figures(report: dict, out_dir) -> list[str]:
     for wl, d in report["workloads"].items():
         fig = plot_latency(d)
         p = out / f"sim_latency_{wl}.png"
-        fig.savefig(p, dpi=120, bbox_inches="tight")
+        fig.savefig(p, dpi=120, bbox_inches="tight", metadata={"Software": None})
         plt.close(fig)
         paths.append(str(p))
     if report["block_size"]:
         fig = plot_block_size(report["block_size"])
         p = out / "sim_block_size.png"
-        fig.savefig(p, dpi=120, bbox_inches="tight")
+        fig.savefig(p, dpi=120, bbox_inches="tight", metadata={"Software": None})
         plt.close(fig)
         paths.append(str(p))
     return paths

@@ -16,7 +16,8 @@ Outputs
     ``step_time(batch)`` in seconds; ``breakdown(batch)`` with FLOPs, bytes, the compute and
     memory times and which one bounds the step; ``kv_cache_bytes()`` and
     ``num_gpu_blocks(block_size)``: the KV budget,
-    ``GPU memory * utilization - weights - activation reserve``.
+    ``GPU memory * utilization - weights - activation reserve``; ``swap_time(num_tokens)``:
+    copying that much KV over PCIe.
 
 The model of one step::
 

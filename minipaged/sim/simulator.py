@@ -25,7 +25,11 @@ How a step is simulated
     takes ``cost_model.step_time([(num_new, num_computed), ...])`` seconds; the "model"
     samples token 1 for every request whose prefill completes, or the EOS token once the
     request reaches its trace ``output_len``; ``update_from_output`` advances and finishes
-    requests. When nothing is unfinished the clock jumps to the next arrival.
+    requests. When nothing is unfinished the clock jumps to the next arrival. Swap
+    preemption adds ``cost_model.swap_time`` for the blocks copied. Chunked prefill is off
+    by default (as in the paper's systems) and the token budget is ``max_model_len +
+    max_num_seqs`` (``default_max_num_batched_tokens``). ``n > 1`` (parallel sampling):
+    see ``simulate``.
 
 Inputs
     ``TraceRequest`` list (``minipaged.sim.arrivals``), a policy name, a ``CostModel``.

@@ -261,7 +261,7 @@ The ratio to Orca (Oracle) depends on the run: short runs overstate it a little 
 queue has less time to build). `minipaged simulate` runs 500 requests per point and gets
 1.66× at seed 0 and 1.58–1.75× over seeds 0–3: at the bottom of the paper's 1.7–2.7×, or
 just under it. Our Oracle is the strongest possible Orca (exact lengths, an ideal
-first-fit allocator); the paper's own Orca batched fewer requests (13.6 against about 16
+first-fit allocator); the paper's own Orca batched fewer requests (13.6 against about 15
 here), which is most of the gap.
 
 Alpaca-like requests are short (19 / 58 tokens). The paged cache could hold more of them
