@@ -542,3 +542,154 @@ def test_kv_cache_manager_swap_is_all_or_nothing():
     kv0 = KVCacheManager(4, 2)
     kv0.allocate_slots("x", 1)
     assert kv0.swap_out("x") is None and kv0.get_num_free_cpu_blocks() == 0
+
+
+# -- groups re-prefilling more than the budget; livelock guard ---------------------------
+def _group(prefix, n, prompt_len, max_tokens):
+    params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True)
+    prompt = [(i * 7 + 3) % 50 for i in range(prompt_len)]
+    return [Request(f"{prefix}{i}", list(prompt), params) for i in range(n)]
+
+
+def _drive_checked(sched, arrivals, max_steps=2000):
+    """Like ``run_scheduler`` (items that are lists are groups), checking at every step
+    that a scheduler with unfinished requests makes progress: it schedules tokens,
+    preempts, swaps out or refuses. Returns the per-step outputs."""
+    outs, step, last = [], 0, max(arrivals, default=0)
+    while step <= last or sched.has_unfinished_requests():
+        assert step < max_steps, "not finished: livelock"
+        for item in arrivals.get(step, ()):
+            if isinstance(item, list):
+                sched.add_request_group(item)
+            else:
+                sched.add_request(item)
+        had_work = bool(sched.running or sched.waiting or sched.swapped)
+        out = sched.schedule()
+        sched.check_invariants()
+        if had_work:
+            assert out.scheduled or out.preempted or out.swapped_out or out.refused, (
+                f"step {step}: nothing scheduled, preempted or refused"
+            )
+        sampled = {r.request_id: 7 for r, n in out.scheduled
+                   if r.num_computed_tokens + n == r.num_tokens}
+        sampled.update({c.request_id: 7 for _, c in out.fork_samples})
+        sched.update_from_output(out, sampled)
+        sched.check_invariants()
+        outs.append(out)
+        step += 1
+    return outs
+
+
+def test_group_reprefill_over_budget_with_chunking_off_is_split():
+    # The simulator's repro. "old" and a group of 4 share 24 blocks of 4; at step 17 the
+    # group (17 outputs each) is preempted by recompute. When it comes back, the leader
+    # re-prefills the 8-token prompt, the others fork, and each must re-prefill its 17
+    # outputs: 68 tokens > max_num_batched_tokens 64. Chunking is off, yet the group must
+    # be split (17 + 17 + 17 + 13, then the last 4), or it would never run again.
+    s = Scheduler(num_blocks=24, block_size=4, max_num_seqs=16, max_num_batched_tokens=64,
+                  enable_chunked_prefill=False, max_model_len=256)
+    old = req("old", 8, 60, ignore_eos=True)
+    group = _group("g", 4, 8, 20)
+    outs = _drive_checked(s, {0: [old, group]})
+    assert [r.request_id for r in outs[17].preempted] == ["g0", "g1", "g2", "g3"]
+    sched = [o.num_scheduled_tokens for o in outs]
+    split = [i for i, d in enumerate(sched) if d == {"g0": 17, "g1": 17, "g2": 17, "g3": 13}]
+    assert len(split) == 1
+    assert sched[split[0] + 1] == {"g0": 1, "g1": 1, "g2": 1, "g3": 4}
+    for r in (old, *group):
+        assert r.status == RequestStatus.FINISHED_LENGTH
+        assert r.output_token_ids == [7] * r.max_tokens
+    assert s.kv_cache_manager.get_num_free_blocks() == 24
+
+
+def test_livelock_guard_raises_instead_of_an_empty_step(monkeypatch):
+    s = Scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=8)
+    s.add_request(req("A", 4, 3))
+    monkeypatch.setattr(s, "_admit", lambda *a: (None, None))  # a broken admission
+    with pytest.raises(RuntimeError, match="livelock"):
+        s.schedule()
+
+
+group_spec = st.tuples(st.integers(1, 4), st.integers(1, 12), st.integers(1, 12),
+                       st.integers(0, 6))
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    groups=st.lists(group_spec, min_size=1, max_size=5),
+    block_size=st.sampled_from([1, 2, 4]),
+    extra_blocks=st.integers(0, 8),
+    budget=st.integers(1, 16),
+    chunking=st.booleans(),
+    swap=st.booleans(),
+    watermark=st.sampled_from([0.0, 0.01, 0.2]),
+)
+def test_no_livelock_with_groups_small_budgets_and_tight_pools(
+    groups, block_size, extra_blocks, budget, chunking, swap, watermark
+):
+    # Every step with unfinished work schedules, preempts or refuses something, and every
+    # request the engine can serve finishes with all its tokens.
+    arrivals: dict[int, list] = {}
+    reqs = []
+    for k, (n, plen, mt, at) in enumerate(groups):
+        seqs = _group(f"q{k}.", n, plen, mt)
+        arrivals.setdefault(at, []).append(seqs if n > 1 else seqs[0])
+        reqs.extend(seqs)
+    need = max(-(-(plen + mt - 1) // block_size) * n for n, plen, mt, _ in groups)
+    s = Scheduler(num_blocks=need + extra_blocks, block_size=block_size, max_num_seqs=6,
+                  max_num_batched_tokens=budget, enable_chunked_prefill=chunking,
+                  preemption_mode="swap" if swap else "recompute",
+                  num_cpu_blocks=8 if swap else 0, watermark=watermark)
+    _drive_checked(s, arrivals)
+    for r in reqs:
+        assert r.is_finished
+        if r.status != RequestStatus.FINISHED_IGNORED:
+            assert r.output_token_ids == [7] * r.max_tokens
+    assert s.kv_cache_manager.get_num_free_blocks() == s.num_blocks
+
+
+# -- admission watermark (vLLM v0 can_allocate) ------------------------------------------
+@pytest.mark.parametrize("bad", [-0.1, 1.0, 2, "0.1", True, None])
+def test_bad_watermark(bad):
+    with pytest.raises(ValueError, match="watermark"):
+        Scheduler(8, 4, watermark=bad)
+
+
+def test_watermark_default_and_blocks():
+    assert Scheduler(8, 4).watermark == 0.01 and Scheduler(8, 4).watermark_blocks == 0
+    assert Scheduler(250, 4).watermark_blocks == 2  # int(0.01 * 250), as vLLM v0
+    assert Scheduler(10, 4, watermark=0.25).watermark_blocks == 2
+
+
+def test_new_request_waits_until_its_whole_prompt_fits():
+    # 8 blocks of 4, budget 8, chunked prefill on. A (prompt 8, 3 outputs) runs; at
+    # step 1 A decodes into its 3rd block (5 free). B's first chunk (7 tokens, 2 blocks)
+    # would fit, but its whole 24-token prompt needs 6 blocks > 5: B waits instead of
+    # starting a prefill that must preempt A. A finishes at step 2 (its 3rd output);
+    # B is admitted at step 3 and runs 8 + 8 + 8; nobody is ever preempted.
+    s = Scheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    a, b = req("A", 8, 3, ignore_eos=True), req("B", 24, 2, ignore_eos=True)
+    log = drive(s, {0: [a, b]})
+    assert [e["scheduled"] for e in log] == [
+        {"A": 8}, {"A": 1}, {"A": 1}, {"B": 8}, {"B": 8}, {"B": 8}, {"B": 1},
+    ]
+    assert [r.request_id for r in log[3]["out"].admitted] == ["B"]
+    assert a.num_preemptions == 0 and b.num_preemptions == 0
+
+
+def test_watermark_keeps_blocks_free_but_never_blocks_an_idle_engine():
+    # watermark 0.5 of 10 blocks = 5 blocks kept free when something runs. A (8 tokens,
+    # 2 blocks) is admitted alone; B (4 tokens, 1 block) would leave 10 - 2 - 1 = 7 >= 5
+    # free: admitted with A. C (12 tokens, 3 blocks) would leave 10 - 3 - 3 = 4 < 5: it
+    # waits for A and B to finish. D (36 tokens, 9 blocks > 10 - 5) is admitted when
+    # nothing runs, or it could never run.
+    s = Scheduler(num_blocks=10, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                  watermark=0.5)
+    a, b = req("A", 8, 2, ignore_eos=True), req("B", 4, 2, ignore_eos=True)
+    c, d = req("C", 12, 1, ignore_eos=True), req("D", 36, 2, ignore_eos=True)
+    log = drive(s, {0: [a, b, c, d]})
+    assert [[r.request_id for r in e["out"].admitted] for e in log] == [
+        ["A", "B"], [], ["C"], ["D"], [],
+    ]
+    assert all(not e["preempted"] for e in log)
+    assert all(r.is_finished and r.num_preemptions == 0 for r in (a, b, c, d))

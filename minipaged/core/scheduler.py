@@ -544,10 +544,16 @@ class Scheduler(_SchedulerBase):
     """Continuous batching with chunked prefill, preemption, sequence groups and prefix
     caching (vLLM v1 style, groups as in vLLM v0)."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, watermark: float = 0.01, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")
+        if (not isinstance(watermark, (int, float)) or isinstance(watermark, bool)
+                or not 0 <= watermark < 1):
+            raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
+        self.watermark = float(watermark)
+        # NOTE: as vLLM v0's BlockSpaceManager: int(watermark * num_gpu_blocks)
+        self.watermark_blocks = int(self.watermark * self.num_blocks)
         self.seq_groups: dict[str, SequenceGroup] = {}  # sequence id -> its group (n > 1)
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_cache_hits = 0  # of which found cached (their prefill was skipped)
@@ -657,34 +663,56 @@ class Scheduler(_SchedulerBase):
         return finished
 
     # -- one step -------------------------------------------------------------------
-    def _num_new_tokens(self, request: Request, token_budget: int) -> int:
+    def _num_to_compute(self, request: Request) -> int:
+        """Tokens ``request`` has left to compute before it samples (a group leader with
+        held sequences stops at its prompt's end, where they fork)."""
+        target = request.num_tokens
+        if self._fork_target(request) is not None:
+            target = request.num_prompt_tokens
+        return target - request.num_computed_tokens
+
+    def _num_new_tokens(self, request: Request, token_budget: int, split: bool = False) -> int:
         """Tokens to schedule for ``request`` under ``token_budget`` (0 = must wait).
 
         With chunked prefill off a fresh prompt runs whole or waits; a request resumed after
         recompute whose prompt + output exceeds the whole budget is still chunked, or it
-        could never run again. A group leader with held sequences stops at its prompt's
-        end, where they fork.
+        could never run again; so is (``split``) a sequence of a group whose re-prefills
+        together exceed the whole budget.
         """
-        target = request.num_tokens
-        if self._fork_target(request) is not None:
-            target = request.num_prompt_tokens
-        n = target - request.num_computed_tokens
+        n = self._num_to_compute(request)
         if n <= token_budget:
             return n
-        if self.enable_chunked_prefill or n > self.max_num_batched_tokens:
+        if self.enable_chunked_prefill or split or n > self.max_num_batched_tokens:
             return token_budget
         return 0
 
     def _plan(self, unit: list[Request], token_budget: int) -> Optional[list[tuple[Request, int]]]:
-        """Tokens for every sequence of ``unit``, or None if one of them must wait."""
-        plan = []
+        """Tokens for every sequence of ``unit`` (in order), or None if the unit must wait.
+
+        Normally every sequence gets >= 1 token or the unit waits. A unit whose sequences
+        together need more than the whole ``max_num_batched_tokens`` (a group re-prefilling
+        its outputs after recompute) could never run that way: it is split, each sequence
+        in order taking what the budget still has, and the sequences left with 0 tokens
+        wait for a later step (entries with n = 0 stay in the plan). Its first sequence
+        always gets >= 1 token, so it progresses.
+        """
+        plan, budget = [], token_budget
         for r in unit:
-            n = self._num_new_tokens(r, token_budget)
+            n = self._num_new_tokens(r, budget)
             if n <= 0:
-                return None
+                break
             plan.append((r, n))
-            token_budget -= n
-        return plan
+            budget -= n
+        else:
+            return plan
+        if sum(self._num_to_compute(r) for r in unit) <= self.max_num_batched_tokens:
+            return None  # NOTE: it fits whole in some later step
+        plan, budget = [], token_budget
+        for r in unit:
+            n = self._num_new_tokens(r, budget, split=True) if budget > 0 else 0
+            plan.append((r, n))
+            budget -= n
+        return plan if plan[0][1] > 0 else None
 
     def _preempt(self, out: SchedulerOutput) -> list[Request]:
         """Preempt the latest-arrived running request, with its whole group; return them."""
@@ -714,12 +742,21 @@ class Scheduler(_SchedulerBase):
         out.preempted.extend(victims)
         return victims
 
+    def _allocate_unit(self, plan) -> list[list]:
+        kv = self.kv_cache_manager
+        allocated = [kv.allocate_slots(r, n) if n > 0 else [] for r, n in plan]
+        assert all(a is not None for a in allocated), "the block count promised room"
+        return allocated
+
     def _schedule_unit(self, plan, out: SchedulerOutput, new_blocks_per_seq) -> None:
         for (req, n), new_blocks in zip(plan, new_blocks_per_seq):
+            if n == 0:
+                continue  # NOTE: a split unit's sequence that waits for a later step
             out.scheduled.append((req, n))
             out.new_block_ids.extend(b.block_id for b in new_blocks)
         for req, n in plan:
-            self._maybe_fork(req, n, out)
+            if n > 0:
+                self._maybe_fork(req, n, out)
 
     def schedule(self) -> SchedulerOutput:
         out = self._begin_step()
@@ -749,8 +786,7 @@ class Scheduler(_SchedulerBase):
                     break
             if lost:
                 break  # the asking unit preempted itself; those after it are gone too
-            allocated = [kv.allocate_slots(r, n) for r, n in plan]
-            assert all(a is not None for a in allocated), "get_num_blocks_needed_group promised room"
+            allocated = self._allocate_unit(plan)
             self._schedule_unit(plan, out, allocated)
             token_budget -= sum(n for _, n in plan)
             u += 1
@@ -779,8 +815,7 @@ class Scheduler(_SchedulerBase):
                 for r in unit:
                     self.swapped.remove(r)
                 out.swapped_in.extend(unit)
-                allocated = [kv.allocate_slots(r, n) for r, n in plan]
-                assert all(a is not None for a in allocated), "can_swap_in_group promised room"
+                allocated = self._allocate_unit(plan)
             else:
                 request = self.waiting[0]
                 group = self._fork_target(request)
@@ -798,6 +833,13 @@ class Scheduler(_SchedulerBase):
                 self._insert_by_arrival(self.running, r)
             self._schedule_unit(plan, out, allocated)
             token_budget -= sum(n for _, n in plan)
+        if not (out.scheduled or out.preempted or out.swapped_out or out.refused) and (
+                self.running or self.waiting or self.swapped):
+            # NOTE: cannot happen (see "No livelock" in the module docstring); fail loudly
+            # rather than let the engine step forever.
+            raise RuntimeError(
+                f"livelock: nothing scheduled with {len(self.running)} running, "
+                f"{len(self.waiting)} waiting, {len(self.swapped)} swapped requests")
         return self._end_step(out)
 
     def _admit(self, request: Request, token_budget: int, out: SchedulerOutput):
@@ -811,6 +853,9 @@ class Scheduler(_SchedulerBase):
                 limit = request.num_prompt_tokens - 1  # NOTE: the group forks at the prompt's end
             computed, num_computed = kv.get_computed_blocks(request, limit)
         request.num_computed_tokens = num_computed
+        if self.running and not self._can_admit(request, computed):
+            request.num_computed_tokens = 0
+            return None, None
         n = self._num_new_tokens(request, token_budget)
         new_blocks = kv.allocate_slots(request, n, computed) if n > 0 else None
         if new_blocks is None:
@@ -821,6 +866,46 @@ class Scheduler(_SchedulerBase):
             self.prefix_cache_hits += num_computed
             out.num_cached_tokens[request.request_id] = num_computed
         return [(request, n)], [new_blocks]
+
+    def _num_blocks_to_prefill(self, request: Request) -> int:
+        """Blocks (an upper bound) for ``request`` to compute all its tokens from scratch;
+        for a group leader with held sequences, the whole group's: the prompt once, plus
+        each sequence's own output, re-prefilled after recompute, from its prompt's last
+        full block on."""
+        bs = self.block_size
+        need = cdiv(request.num_tokens, bs)
+        g = self._fork_target(request)
+        if g is not None:
+            shared = request.num_prompt_tokens // bs
+            need += sum(cdiv(m.num_tokens, bs) - shared for m in g.unfinished[1:]
+                        if m.num_tokens > m.num_prompt_tokens)
+        return need
+
+    def _num_blocks_reserved(self) -> int:
+        """Blocks the running requests still need to compute the tokens they already have
+        (the rest of their prefill or re-prefill, and a decode step's new block)."""
+        kv = self.kv_cache_manager
+        reserved = 0
+        for r in self.running:
+            held = len(kv.req_to_blocks.get(r.request_id, ()))
+            reserved += max(0, self._num_blocks_to_prefill(r) - held)
+        return reserved
+
+    def _can_admit(self, request: Request, computed_blocks) -> bool:
+        """Whether ``request`` (from ``waiting``, prefix hits ``computed_blocks``) may start.
+
+        NOTE: vLLM v1 admits a request when its first chunk fits; a prefill that then
+        cannot finish preempts the latest arrival, often itself, and the work is lost
+        (recompute thrash). As vLLM v0 (``BlockSpaceManager.can_allocate``), a request is
+        admitted only if the blocks for its whole (re)prefill fit in the free pool while
+        leaving ``watermark_blocks`` free, after the blocks the running requests still
+        need for their own prefills. Hit blocks that someone else holds cost nothing;
+        free cached ones are taken from the free pool like any other.
+        """
+        need = self._num_blocks_to_prefill(request)
+        need -= sum(1 for b in computed_blocks if b.ref_cnt > 0)
+        free = self.kv_cache_manager.get_num_free_blocks() - self._num_blocks_reserved()
+        return free - need >= self.watermark_blocks
 
     def check_invariants(self) -> None:
         super().check_invariants()
