@@ -1,32 +1,51 @@
-"""``minipaged bench`` / ``benchmarks/serving.py``: real serving throughput on this machine.
+"""``minipaged bench`` / ``benchmarks/serving.py``: real serving on this machine, against transformers.
 
-Mirrors vLLM ``benchmarks/benchmark_throughput.py`` (offline: all requests at once,
-fixed output lengths with ``ignore_eos``).
+Mirrors vLLM ``benchmarks/benchmark_throughput.py`` (offline: every request at t = 0, fixed
+output lengths with ``ignore_eos``, the ``vllm`` and ``hf`` backends side by side).
 
 What it measures
     One seeded ShareGPT-like workload (``minipaged.sim.workloads.sample_requests``; its
     lengths scaled by ``max_model_len / 2048`` so the paper's 2048-token context maps onto
-    the course model's) is served twice, in one process, on the same model and the same
-    KV memory (the same number of blocks):
+    the model's), random prompt token ids, served in one process, one after the other, on
+    the same weights and the same number of KV token slots (``num_blocks * block_size``):
 
-    (a) ``continuous+paged``: the continuous-batching ``Scheduler``, blocks on demand;
-    (b) ``static+contiguous``: ``StaticBatchScheduler``, a batch formed only when the last
-        one is done, each member reserving prompt + max_tokens slots up front.
+    (a) ``continuous+paged``: minipaged's continuous-batching ``Scheduler``, blocks on demand;
+    (b) ``static+contiguous``: minipaged's ``StaticBatchScheduler``, a batch formed only when
+        the last one is done, each member reserving prompt + max_tokens slots up front;
+    (c) ``hf-generate-static``: transformers ``model.generate`` in left-padded static batches
+        that fit the same slots (``minipaged.engine.hf_baselines``);
+    (d) ``hf-continuous-batching``: transformers' ``ContinuousBatchingManager`` with a paged
+        cache of the same slots and the same token budget per step; if it cannot run here the
+        system is reported as ``unavailable: <reason>``.
 
-    Both decode greedily with ``ignore_eos`` and ``max_tokens`` = the sampled output
-    length, so both produce exactly the same tokens (checked: ``outputs_equal``). Reported:
-    output tokens/s (wall clock), steps, mean sequences per step, the time split of a step
-    (schedule / prepare / forward / sample / update), and the ratio (a)/(b).
+    All greedy, each request exactly its sampled output length, EOS ignored (minipaged
+    ``ignore_eos``; transformers with EOS switched off), so every system should produce the
+    same tokens: ``outputs_equal`` says which pairs do (and how many requests match).
+    Reported per system: output tokens/s (wall clock; also per CPU second of this process),
+    TTFT and TPOT (all requests arrive at t = 0, so TTFT includes queueing), latency,
+    forward steps; for minipaged also the per-step time split (schedule / prepare / forward
+    / sample / update) and the overhead (time outside forward and sampler). Ratios (a)/(b),
+    (a)/(c), (a)/(d) side by side.
+
+    ``--profile``: one decode step at ``max_num_seqs`` (64) running sequences, timed by the
+    engine's stopwatch laps over several steps (no profiler) and split further with cProfile:
+    scheduling, block management, input preparation, trace recording, forward, sampler.
+
+Models
+    ``course`` (the shipped course model, default), ``random-llama-20m`` (a seeded random
+    20M-parameter Llama written to a temporary directory), ``tiny-llama`` (for tests), or a
+    local checkpoint directory. ``--model`` may be given several times: one run per model.
 
 Inputs
-    ``run_benchmark(...)`` keyword arguments (see ``add_arguments``); ``--json`` prints
-    one JSON object instead of the table.
+    ``run_benchmark(...)`` keyword arguments (see ``add_arguments``); ``--json`` prints one
+    JSON object (``{"runs": [...]}`` for several models) instead of the table.
 Outputs
-    a dict ``{"workload": ..., "systems": {name: metrics}, "ratio": float}``.
+    a dict ``{"workload", "model", "kv_cache", "systems": {name: metrics}, "ratios",
+    "outputs_equal", "outputs_matching", "profile"?}``.
 
 Failure mode
-    bad arguments raise ``ValueError`` naming them. Wall-clock numbers vary from run to
-    run and machine to machine; the step counts and ``outputs_equal`` do not.
+    bad arguments raise ``ValueError`` naming them. Wall-clock numbers vary from run to run
+    and machine to machine (this machine is shared); step counts and outputs do not.
 """
 
 from __future__ import annotations
@@ -35,39 +54,65 @@ import argparse
 import json
 import random
 import sys
+import tempfile
 import time
+from dataclasses import dataclass, field
 from typing import Optional
 
+# name -> (letter, what it is)
 SYSTEMS = {
-    "continuous+paged": dict(scheduling="continuous"),
-    "static+contiguous": dict(scheduling="static"),
+    "continuous+paged": ("a", "minipaged continuous batching, paged KV"),
+    "static+contiguous": ("b", "minipaged static batches, contiguous reservation"),
+    "hf-generate-static": ("c", "transformers generate, padded static batches"),
+    "hf-continuous-batching": ("d", "transformers continuous batching, paged cache"),
 }
+MINIPAGED = {"continuous+paged": "continuous", "static+contiguous": "static"}
+NAMED_MODELS = ("course", "random-llama-20m", "tiny-llama")
+
+
+@dataclass
+class ServeResult:
+    """One system's run: per request its tokens and the times (s from the start) of its first and last token."""
+
+    token_ids: list[list[int]]
+    wall_s: float
+    cpu_s: float
+    first_token_s: list[float]
+    last_token_s: list[float]
+    steps: int
+    info: dict = field(default_factory=dict)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model dir or hub id (default: course model)")
+    parser.add_argument("--model", action="append", default=None,
+                        help=f"one of {', '.join(NAMED_MODELS)} or a checkpoint dir; repeat for "
+                             "several runs (default: course)")
     parser.add_argument("--workload", default="sharegpt", choices=["sharegpt", "alpaca"])
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
         "--num-blocks", type=int, default=None,
-        help="KV pool size shared by both systems (default: a quarter of the workload's tokens)",
+        help="KV pool size shared by all systems (default: a quarter of the workload's tokens)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
     parser.add_argument(
         "--threads", type=int, default=1,
-        help="torch CPU threads for both systems (default 1: steady numbers on a shared "
+        help="torch CPU threads for all systems (default 1: steady numbers on a shared "
              "machine; 0 = torch's default)",
     )
     parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                         help="preemption of the continuous system")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="runs per system, alternating; the fastest of each is reported")
+    parser.add_argument("--systems", default="a,b,c,d", help="which systems to run, e.g. a,b (default all)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per system, alternating order; the fastest of each is reported")
+    parser.add_argument("--quick", action="store_true",
+                        help="8 requests, lengths scaled to a 128-token context (for tests)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one step at --max-num-seqs running sequences")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -84,19 +129,108 @@ def scaled_workload(workload: str, num_requests: int, seed: int, max_model_len: 
     return out
 
 
-def _serve(engine, prompts, params_list) -> tuple[dict, float, float, list]:
-    """Serve all requests; (outputs, wall seconds, CPU seconds of this process, token ids)."""
+def workload_prompts(workload: str, num_requests: int, seed: int, max_model_len: int, vocab: int):
+    """(``scaled_workload(...)``, prompts): each prompt seeded random token ids of its length."""
+    lengths = scaled_workload(workload, num_requests, seed, max_model_len)
+    rng = random.Random(seed)
+    return lengths, [[rng.randrange(vocab) for _ in range(p)] for p, _ in lengths]
+
+
+def _parse_systems(systems) -> list[str]:
+    letters = {v[0]: k for k, v in SYSTEMS.items()}
+    items = systems.split(",") if isinstance(systems, str) else list(systems)
+    names = []
+    for s in items:
+        s = s.strip()
+        name = letters.get(s, s)
+        if name not in SYSTEMS:
+            raise ValueError(f"systems: unknown system {s!r}; use letters a-d or {sorted(SYSTEMS)}")
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise ValueError("systems must name at least one system")
+    return [n for n in SYSTEMS if n in names]
+
+
+# -- minipaged ------------------------------------------------------------------------
+def _serve(engine, prompts, params_list) -> tuple[ServeResult, dict]:
+    """Serve all requests on ``engine``; (``ServeResult``, request_id -> RequestOutput)."""
     outs = {}
     for i, (p, params) in enumerate(zip(prompts, params_list)):
         engine.add_request(str(i), p, params)
-    t0, c0 = time.perf_counter(), time.process_time()
+    pending = {str(i) for i in range(len(prompts))}  # no token yet
+    first, last = {}, {}
+    clock = time.perf_counter
+    t0, c0 = clock(), time.process_time()
     while engine.has_unfinished_requests():
-        for o in engine.step():
+        done = engine.step()
+        now = clock() - t0
+        for o in done:
             outs[o.request_id] = o
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return outs, wall, cpu, [outs[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+            last[o.request_id] = now
+        # NOTE: a token exists once the step that sampled it is over: TTFT at step granularity.
+        for rid in [r for r in pending if r not in engine.groups or engine.groups[r].seqs[0].num_output_tokens]:
+            first[rid] = now
+            pending.discard(rid)
+    wall, cpu = clock() - t0, time.process_time() - c0
+    ids = [str(i) for i in range(len(prompts))]
+    return ServeResult(
+        token_ids=[list(outs[r].outputs[0].token_ids) for r in ids], wall_s=wall, cpu_s=cpu,
+        first_token_s=[first[r] for r in ids], last_token_s=[last[r] for r in ids], steps=len(engine.trace),
+    ), outs
 
 
+def _minipaged_metrics(engine, outs) -> dict:
+    trace = engine.trace
+    running = [len(s.scheduled) for s in trace.steps]
+    times = dict(engine.step_times)
+    total_t = sum(times.values()) or 1.0
+    model_t = times.get("forward", 0) + times.get("sample", 0)
+    return {
+        "computed_tokens": sum(sum(s.scheduled.values()) for s in trace.steps),
+        "mean_running_seqs": round(sum(running) / len(running), 2),
+        "max_running_seqs": max(running),
+        "preemptions": sum(len(s.preempted_ids) + len(s.swapped_out_ids) for s in trace.steps),
+        "refused": sum(1 for o in outs.values() if o.outputs[0].finish_reason == "refused"),
+        "step_time_split": {k: round(v / total_t, 3) for k, v in times.items()},
+        "overhead_fraction": round(1 - model_t / total_t, 3),
+        "step_ms": round(1e3 * total_t / len(trace), 3),
+        "overhead_ms_per_step": round(1e3 * (total_t - model_t) / len(trace), 3),
+    }
+
+
+def _common_metrics(res: ServeResult, output_lens: list[int]) -> dict:
+    n_out = sum(len(t) for t in res.token_ids)
+    ttft = sorted(res.first_token_s)
+    tpot = [(b - a) / (o - 1) for a, b, o in zip(res.first_token_s, res.last_token_s, output_lens) if o > 1]
+    return {
+        "output_tokens": n_out,
+        "wall_s": round(res.wall_s, 3),
+        "tokens_per_s": round(n_out / res.wall_s, 1),
+        "cpu_s": round(res.cpu_s, 3),
+        "tokens_per_cpu_s": round(n_out / res.cpu_s, 1) if res.cpu_s > 0 else None,
+        "steps": res.steps,
+        "tokens_per_step": round(n_out / res.steps, 2) if res.steps else None,
+        "ttft_s_mean": round(sum(ttft) / len(ttft), 3),
+        "ttft_s_p50": round(ttft[len(ttft) // 2], 3),
+        "tpot_ms_mean": round(1e3 * sum(tpot) / len(tpot), 2) if tpot else None,
+        "latency_s_mean": round(sum(res.last_token_s) / len(res.last_token_s), 3),
+    }
+
+
+# -- models ---------------------------------------------------------------------------
+def _resolve_model(model: Optional[str], tmp: str, seed: int) -> tuple[str, Optional[str]]:
+    """(label, checkpoint dir or None for the course model)."""
+    from minipaged.engine.hf_baselines import RANDOM_LLAMAS, make_random_llama
+
+    if model in (None, "course"):
+        return "course", None
+    if model in RANDOM_LLAMAS:
+        return model, make_random_llama(model, f"{tmp}/{model}", seed)
+    return model, model
+
+
+# -- the benchmark --------------------------------------------------------------------
 def run_benchmark(
     model: Optional[str] = None,
     workload: str = "sharegpt",
@@ -111,189 +245,385 @@ def run_benchmark(
     attention_backend: str = "torch",
     threads: int = 1,
     preemption_mode: str = "recompute",
-    repeats: int = 3,
+    systems="a,b,c,d",
+    repeats: int = 1,
     warmup: bool = True,
+    workload_max_len: Optional[int] = None,
+    profile: bool = False,
+    profile_steps: int = 20,
 ) -> dict:
-    """Serve one workload with each system; return the metrics and the throughput ratio."""
+    """Serve one workload with each system on ``model``; return the metrics and the ratios."""
     import torch
-
-    from minipaged import SamplingParams
-    from minipaged.config import EngineConfig
-    from minipaged.core.kv_cache_utils import cdiv
-    from minipaged.engine.llm_engine import load_model_checked
 
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
     if not isinstance(num_requests, int) or num_requests < 1:
         raise ValueError(f"num_requests must be a positive int, got {num_requests!r}")
-    base = EngineConfig(model=model, block_size=block_size, device=device, dtype=dtype,
-                        attention_backend=attention_backend, seed=seed)
-    model_obj, tokenizer = load_model_checked(base)
-    max_len = int(model_obj.max_model_len)
-    lengths = scaled_workload(workload, num_requests, seed, max_len)
-    rng = random.Random(seed)
-    vocab = int(model_obj.vocab_size)
-    prompts = [[rng.randrange(vocab) for _ in range(p)] for p, _ in lengths]
-    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in lengths]
-    demand = [cdiv(p + o - 1, block_size) for p, o in lengths]  # blocks at full length
-    if num_blocks is None:
-        num_blocks = max(max(demand), sum(demand) // 4)
-    if threads < 0:
+    if not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads must be >= 0 (0 = torch's default), got {threads!r}")
+    if dtype != "float32":
+        raise ValueError(f"dtype must be 'float32' (greedy outputs are compared across systems), got {dtype!r}")
+    names = _parse_systems(systems)
     prev_threads = torch.get_num_threads()
     if threads > 0:
         torch.set_num_threads(threads)
     try:
-        return _measure(
-            model_obj, tokenizer, lengths, prompts, params,
-            model=model, workload=workload, seed=seed, block_size=block_size,
-            num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, device=device, dtype=dtype,
-            attention_backend=attention_backend, preemption_mode=preemption_mode,
-            repeats=repeats, warmup=warmup,
-        )
+        with tempfile.TemporaryDirectory(prefix="minipaged-bench-") as tmp:
+            label, path = _resolve_model(model, tmp, seed)
+            return _measure(
+                label, path, names, workload=workload, num_requests=num_requests, seed=seed,
+                block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, device=device,
+                attention_backend=attention_backend, preemption_mode=preemption_mode, repeats=repeats,
+                warmup=warmup, workload_max_len=workload_max_len, profile=profile,
+                profile_steps=profile_steps,
+            )
     finally:
         torch.set_num_threads(prev_threads)  # NOTE: leave the caller's process as it was
 
 
-def _measure(model_obj, tokenizer, lengths, prompts, params, *, model, workload, seed, block_size,
-             num_blocks, max_num_seqs, max_num_batched_tokens, device, dtype, attention_backend,
-             preemption_mode, repeats, warmup) -> dict:
+def _measure(label, path, names, *, workload, num_requests, seed, block_size, num_blocks, max_num_seqs,
+             max_num_batched_tokens, device, attention_backend, preemption_mode, repeats, warmup,
+             workload_max_len, profile, profile_steps) -> dict:
     """The runs themselves (see ``run_benchmark``)."""
     import torch
 
     from minipaged import SamplingParams
     from minipaged.config import EngineConfig
-    from minipaged.engine.llm_engine import LLMEngine
+    from minipaged.core.kv_cache_utils import cdiv
+    from minipaged.engine import hf_baselines
+    from minipaged.engine.llm_engine import LLMEngine, load_model_checked
+    from minipaged.model.loader import resolve_model_path
 
-    num_requests = len(lengths)
+    base = EngineConfig(model=path, block_size=block_size, device=device, attention_backend=attention_backend,
+                        seed=seed)
+    model_obj, tokenizer = load_model_checked(base)
     max_len = int(model_obj.max_model_len)
-    if warmup:  # first-call costs (allocator, kernels) out of the measurement
-        eng = LLMEngine(EngineConfig(model=model, block_size=block_size, num_blocks=num_blocks,
-                                     device=device, dtype=dtype, attention_backend=attention_backend),
-                        model=model_obj, tokenizer=tokenizer)
-        _serve(eng, prompts[:4], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 4)
+    wl_len = min(max_len, workload_max_len or max_len)
+    lengths, prompts = workload_prompts(workload, num_requests, seed, wl_len, int(model_obj.vocab_size))
+    output_lens = [o for _, o in lengths]
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in output_lens]
+    demand = [cdiv(p + o - 1, block_size) for p, o in lengths]  # blocks at full length
+    if num_blocks is None:
+        num_blocks = max(max(demand), sum(demand) // 4)
+    slots = num_blocks * block_size
+    hf_model = None
+    if any(n.startswith("hf-") for n in names):
+        if device != "cpu":
+            raise ValueError(f"device: the transformers baselines run on cpu here, got {device!r}")
+        hf_model = hf_baselines.load_hf_model(resolve_model_path(path))
 
-    systems, tokens = {}, {}
-    walls, cpus = {name: [] for name in SYSTEMS}, {name: [] for name in SYSTEMS}
-    names = list(SYSTEMS)
+    def engine_for(scheduling: str) -> LLMEngine:
+        kw = {"preemption_mode": preemption_mode} if scheduling == "continuous" else {}
+        cfg = EngineConfig(
+            model=path, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, device=device,
+            attention_backend=attention_backend, seed=seed, scheduling=scheduling, **kw,
+        )
+        return LLMEngine(cfg, model=model_obj, tokenizer=tokenizer)
+
+    def run_one(name: str, p, o) -> tuple[ServeResult, dict]:
+        if name in MINIPAGED:
+            engine = engine_for(MINIPAGED[name])
+            res, outs = _serve(engine, p, [SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True) for k in o])
+            return res, _minipaged_metrics(engine, outs)
+        if name == "hf-generate-static":
+            res = hf_baselines.hf_generate_static(hf_model, p, o, slots, max_num_seqs)
+        else:
+            res = hf_baselines.hf_continuous_batching(
+                hf_model, p, o, block_size=block_size, num_blocks=num_blocks,
+                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, seed=seed,
+            )
+        return res, dict(res.info)
+
+    results: dict[str, dict] = {}
+    tokens: dict[str, list] = {}
+    walls: dict[str, list] = {n: [] for n in names}
+    errors: dict[str, str] = {}
+    if warmup:  # first-call costs (allocator, kernels, imports) out of the measurement
+        wp = [p[:8] for p in prompts[:2]]
+        for name in names:
+            try:
+                run_one(name, wp, [2] * len(wp))
+            except Exception as e:  # noqa: BLE001 - reported as "unavailable" below
+                if name in MINIPAGED:
+                    raise
+                errors[name] = f"{type(e).__name__}: {e}"
     for rep in range(repeats):
-        # NOTE: alternate the order so that drifting machine load hits both systems alike;
+        # NOTE: alternate the order so that drifting machine load hits all systems alike;
         # each system keeps its fastest run (the least disturbed one).
         for name in names if rep % 2 == 0 else names[::-1]:
-            kw = dict(SYSTEMS[name])
-            if kw["scheduling"] == "continuous":
-                kw["preemption_mode"] = preemption_mode
-            cfg = EngineConfig(
-                model=model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens, device=device, dtype=dtype,
-                attention_backend=attention_backend, seed=seed, **kw,
-            )
-            engine = LLMEngine(cfg, model=model_obj, tokenizer=tokenizer)
-            outs, wall, cpu, toks = _serve(engine, prompts, params)
-            walls[name].append(round(wall, 3))
-            cpus[name].append(round(cpu, 3))
-            if name in systems and wall >= systems[name]["wall_s"]:
+            if name in errors:
                 continue
-            tokens[name] = toks
-            trace = engine.trace
-            n_out = sum(len(t) for t in toks)
-            running = [len(s.scheduled) for s in trace.steps]
-            times = dict(engine.step_times)
-            total_t = sum(times.values()) or 1.0
-            systems[name] = {
-                "output_tokens": n_out,
-                "wall_s": round(wall, 3),
-                "tokens_per_s": round(n_out / wall, 1),
-                "cpu_s": round(cpu, 3),
-                "tokens_per_cpu_s": round(n_out / cpu, 1),
-                "steps": len(trace),
-                "computed_tokens": sum(sum(s.scheduled.values()) for s in trace.steps),
-                "tokens_per_step": round(n_out / len(trace), 2),
-                "mean_running_seqs": round(sum(running) / len(running), 2),
-                "max_running_seqs": max(running),
-                "preemptions": sum(len(s.preempted_ids) + len(s.swapped_out_ids) for s in trace.steps),
-                "refused": sum(1 for o in outs.values() if o.outputs[0].finish_reason == "refused"),
-                "step_time_split": {k: round(v / total_t, 3) for k, v in times.items()},
-                "overhead_fraction": round(
-                    1 - (times.get("forward", 0) + times.get("sample", 0)) / total_t, 3
-                ),
-            }
-    for name, m in systems.items():
-        m["wall_s_all_runs"] = walls[name]
-        m["cpu_s"] = min(cpus[name])  # each measure's least disturbed run
-        m["tokens_per_cpu_s"] = round(m["output_tokens"] / m["cpu_s"], 1)
-    a, b = systems["continuous+paged"], systems["static+contiguous"]
-    return {
+            try:
+                res, extra = run_one(name, prompts, output_lens)
+            except Exception as e:  # noqa: BLE001 - e.g. transformers' CB cannot run here
+                if name in MINIPAGED:
+                    raise
+                errors[name] = f"{type(e).__name__}: {e}"
+                continue
+            walls[name].append(round(res.wall_s, 3))
+            if name in results and res.wall_s >= results[name]["wall_s"]:
+                continue
+            tokens[name] = res.token_ids
+            results[name] = {**_common_metrics(res, output_lens), **extra}
+    systems = {}
+    for name in names:
+        letter = SYSTEMS[name][0]
+        if name in results:
+            systems[name] = {"label": letter, **results[name], "wall_s_all_runs": walls[name]}
+        else:
+            systems[name] = {"label": letter, "unavailable": errors.get(name, "not run")}
+
+    ran = [n for n in names if n in results]
+    equal, matching, divergence = {}, {}, {}
+    for i, x in enumerate(ran):
+        for y in ran[i + 1:]:
+            key = f"{SYSTEMS[x][0]}={SYSTEMS[y][0]}"
+            same = [tx == ty for tx, ty in zip(tokens[x], tokens[y])]
+            equal[key] = all(same)
+            matching[key] = f"{sum(same)}/{len(same)}"
+            firsts = [_first_diff(tx, ty) for tx, ty, s in zip(tokens[x], tokens[y], same) if not s]
+            if firsts:
+                divergence[key] = {"requests": len(firsts), "first_divergent_token_min": min(firsts),
+                                   "first_divergent_token_mean": round(sum(firsts) / len(firsts), 1)}
+    ratios, cpu_ratios, step_ratios = {}, {}, {}
+    if "continuous+paged" in results:
+        a = results["continuous+paged"]
+        for name in ran[1:] if ran[0] == "continuous+paged" else []:
+            key = f"a/{SYSTEMS[name][0]}"
+            m = results[name]
+            ratios[key] = round(a["tokens_per_s"] / m["tokens_per_s"], 2)
+            if m["tokens_per_cpu_s"] and a["tokens_per_cpu_s"]:
+                cpu_ratios[key] = round(a["tokens_per_cpu_s"] / m["tokens_per_cpu_s"], 2)
+            if m["steps"]:
+                step_ratios[key] = round(m["steps"] / a["steps"], 2)
+    num_params = sum(p.numel() for p in model_obj.parameters())
+    report = {
         "workload": {
             "name": workload,
             "num_requests": num_requests,
             "seed": seed,
-            "max_model_len": max_len,
+            "max_model_len": wl_len,
             "mean_prompt_len": round(sum(p for p, _ in lengths) / num_requests, 1),
             "mean_output_len": round(sum(o for _, o in lengths) / num_requests, 1),
+            "max_prompt_plus_output": max(p + o for p, o in lengths),
         },
-        "model": model or "course_model",
+        "model": label,
+        "model_params_m": round(num_params / 1e6, 2),
         "device": device,
         "torch_threads": torch.get_num_threads(),
-        "kv_cache": {"num_blocks": num_blocks, "block_size": block_size,
-                     "bytes": num_blocks * engine.bytes_per_block},
+        "kv_cache": {"num_blocks": num_blocks, "block_size": block_size, "token_slots": slots,
+                     "bytes": num_blocks * model_obj.kv_cache_bytes_per_block(block_size)},
         "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
         "preemption_mode": preemption_mode,
         "repeats": repeats,
-        "max_num_batched_tokens": max_num_batched_tokens,
         "systems": systems,
-        "outputs_equal": tokens["continuous+paged"] == tokens["static+contiguous"],
-        "ratio": round(a["tokens_per_s"] / b["tokens_per_s"], 2),
-        "cpu_ratio": round(a["tokens_per_cpu_s"] / b["tokens_per_cpu_s"], 2),
-        "step_ratio": round(b["steps"] / a["steps"], 2),
+        "outputs_equal": equal,
+        "outputs_matching": matching,
+        "outputs_divergence": divergence,
+        "ratios": ratios,
+        "cpu_ratios": cpu_ratios,
+        "step_ratios": step_ratios,
+    }
+    if profile:
+        report["profile"] = profile_step(model_obj, tokenizer, prompts, path=path, block_size=block_size,
+                                         num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                         device=device, attention_backend=attention_backend, steps=profile_steps)
+    return report
+
+
+def _first_diff(x: list[int], y: list[int]) -> int:
+    for i, (a, b) in enumerate(zip(x, y)):
+        if a != b:
+            return i
+    return min(len(x), len(y))
+
+
+# -- profile of one step --------------------------------------------------------------
+_BLOCK_FILES = ("core/kv_cache_manager.py", "core/block_pool.py", "core/kv_cache_utils.py")
+
+
+def profile_step(model_obj, tokenizer, prompts, *, path=None, block_size=16, num_seqs=64,
+                 max_num_batched_tokens=512, device="cpu", attention_backend="torch", steps=20,
+                 warm_steps=32) -> dict:
+    """Time decode steps with ``num_seqs`` sequences running; split them by phase.
+
+    ``num_seqs`` requests (the workload's prompts, cycled) share a pool big enough for all
+    at full length; once every one is past its prefill and ``warm_steps`` more steps have
+    run (contexts in mid-generation), ``steps`` steps are timed by the engine's stopwatch laps (no profiler), then ``steps``
+    more run under cProfile, whose call graph splits the step into the engine's direct
+    calls (schedule, prepare, forward, ...) and the time spent in block management
+    (``KVCacheManager`` / ``BlockPool``, from wherever it is called).
+    """
+    import cProfile
+    import pstats
+
+    from minipaged import SamplingParams
+    from minipaged.config import EngineConfig
+    from minipaged.core.kv_cache_utils import cdiv
+    from minipaged.engine.llm_engine import LLMEngine
+
+    max_len = int(model_obj.max_model_len)
+    reqs = [prompts[i % len(prompts)][: max_len // 2] for i in range(num_seqs)]
+    new = min(warm_steps + 2 * steps + 4, max_len - max(len(p) for p in reqs))
+    pool = sum(cdiv(len(p) + new, block_size) for p in reqs)
+    engine = LLMEngine(EngineConfig(
+        model=path, block_size=block_size, num_blocks=pool, max_num_seqs=num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, device=device, attention_backend=attention_backend,
+    ), model=model_obj, tokenizer=tokenizer)
+    for i, p in enumerate(reqs):
+        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
+    while not engine.trace.steps or engine.trace.steps[-1].prefill_ids or len(engine.scheduler.running) < num_seqs:
+        engine.step()
+        if len(engine.trace) > 10 * num_seqs:
+            raise RuntimeError("profile: the sequences never all reached decode")
+    for _ in range(warm_steps):
+        engine.step()
+    for k in engine.step_times:
+        engine.step_times[k] = 0.0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step_s = (time.perf_counter() - t0) / steps
+    laps = {k: v / steps for k, v in engine.step_times.items()}
+    running = len(engine.scheduler.running)
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    st = pstats.Stats(prof).stats  # func -> (cc, nc, tt, ct, callers)
+    step_key = next(f for f in st if f[0].endswith("engine/llm_engine.py") and f[2] == "step")
+    total = st[step_key][3]
+    children = {}
+    for f, (_, _, _, _, callers) in st.items():
+        if step_key in callers:
+            name = f[2] if not f[0].startswith("~") else f[2].strip("<>")
+            children[name] = children.get(name, 0.0) + callers[step_key][3]
+    block = 0.0
+    for f, (_, _, _, _, callers) in st.items():
+        if f[0].replace("\\", "/").endswith(_BLOCK_FILES):
+            block += sum(v[3] for c, v in callers.items() if not c[0].replace("\\", "/").endswith(_BLOCK_FILES))
+
+    ms = {k: round(1e3 * v, 3) for k, v in laps.items()}
+    overhead = laps["schedule"] + laps["prepare"]
+    return {
+        "running_seqs": running,
+        "steps_timed": steps,
+        "step_ms": round(1e3 * step_s, 3),
+        "laps_ms": ms,
+        "laps_fraction": {k: round(v / step_s, 3) for k, v in laps.items()},
+        # scheduling + block management (inside schedule) + input preparation
+        "sched_block_prepare_fraction": round(overhead / step_s, 3),
+        # all of it outside the model: + update_from_output, trace record, outputs
+        "non_model_fraction": round((overhead + laps["update"]) / step_s, 3),
+        "cprofile_fraction": {k: round(v / total, 3) for k, v in sorted(children.items(), key=lambda kv: -kv[1])
+                              if v / total >= 0.001},
+        "cprofile_block_management_fraction": round(block / total, 3),
     }
 
 
+# -- text report ----------------------------------------------------------------------
 def format_report(r: dict) -> str:
-    w = r["workload"]
+    if "runs" in r:
+        return "\n\n".join(format_report(x) for x in r["runs"])
+    w, kv = r["workload"], r["kv_cache"]
     lines = [
         f"workload {w['name']}: {w['num_requests']} requests, mean prompt {w['mean_prompt_len']} "
-        f"and output {w['mean_output_len']} tokens (scaled to max_model_len {w['max_model_len']}), "
-        f"seed {w['seed']}",
-        f"model {r['model']} on {r['device']} ({r['torch_threads']} torch threads); KV pool "
-        f"{r['kv_cache']['num_blocks']} blocks x {r['kv_cache']['block_size']} tokens "
-        f"({r['kv_cache']['bytes'] / 2**20:.1f} MiB) for both; fastest of {r['repeats']} run(s)",
+        f"and output {w['mean_output_len']} tokens (scaled to a {w['max_model_len']}-token context, "
+        f"longest {w['max_prompt_plus_output']}), seed {w['seed']}, all at t=0, greedy, EOS ignored",
+        f"model {r['model']} ({r['model_params_m']}M params) on {r['device']}, {r['torch_threads']} torch "
+        f"thread(s); KV {kv['num_blocks']} blocks x {kv['block_size']} = {kv['token_slots']} token slots "
+        f"({kv['bytes'] / 2**20:.1f} MiB) for every system; max_num_seqs {r['max_num_seqs']}, "
+        f"max_num_batched_tokens {r['max_num_batched_tokens']}; fastest of {r['repeats']} run(s)",
         "",
-        f"{'system':<20s}{'tokens/s':>10s}{'wall s':>8s}{'cpu s':>8s}{'steps':>7s}{'out/step':>10s}"
-        f"{'seqs/step':>10s}{'computed':>10s}{'preempt':>9s}{'overhead':>10s}",
+        f"{'':3s}{'system':<24s}{'tok/s':>8s}{'wall s':>8s}{'cpu s':>8s}{'steps':>7s}{'TTFT s':>8s}"
+        f"{'TPOT ms':>9s}{'lat s':>7s}{'seqs/st':>8s}{'preempt':>8s}{'ovh %':>7s}{'ovh ms':>7s}",
     ]
+
     for name, m in r["systems"].items():
+        if "unavailable" in m:
+            lines.append(f"({m['label']}){name:<24s} unavailable: {m['unavailable']}")
+            continue
+        ovh = m.get("overhead_fraction")
         lines.append(
-            f"{name:<20s}{m['tokens_per_s']:>10.1f}{m['wall_s']:>8.2f}{m['cpu_s']:>8.2f}{m['steps']:>7d}"
-            f"{m['tokens_per_step']:>10.2f}{m['mean_running_seqs']:>10.2f}{m['computed_tokens']:>10d}"
-            f"{m['preemptions']:>9d}{m['overhead_fraction']:>10.1%}"
+            f"({m['label']}){name:<24s}{m['tokens_per_s']:>8.1f}{m['wall_s']:>8.2f}{m['cpu_s']:>8.2f}"
+            f"{m['steps']:>7d}{m['ttft_s_mean']:>8.2f}{_s(m['tpot_ms_mean'], '.1f'):>9s}{m['latency_s_mean']:>7.2f}"
+            f"{_s(m.get('mean_running_seqs'), '.1f'):>8s}{_s(m.get('preemptions'), 'd'):>8s}"
+            f"{_s(None if ovh is None else 100 * ovh, '.1f'):>7s}{_s(m.get('overhead_ms_per_step'), '.2f'):>7s}"
         )
+    lines.append("")
+    c = r["systems"].get("hf-generate-static", {})
+    if "batches" in c:
+        lines.append(f"(c) {c['batches']} padded batches, sizes {min(c['batch_sizes'])}..{max(c['batch_sizes'])}, "
+                     f"peak {c['kv_token_slots_peak']} of {kv['token_slots']} slots")
+    d = r["systems"].get("hf-continuous-batching", {})
+    if "kv_token_slots" in d:
+        lines.append(f"(d) paged cache {d['kv_token_slots']} token slots (transformers rounds up to whole "
+                     f"sectors), max_batch_tokens {d['max_batch_tokens']}, attention {d['attn_implementation']}; "
+                     f"step split {d['step_time_split']}")
     lines += [
-        "",
-        "computed = tokens run through the model (prompts, outputs, and recomputation after "
-        "preemption); overhead = share of step time outside the forward and the sampler",
-        f"throughput ratio continuous+paged / static+contiguous: {r['ratio']:.2f}x "
-        f"(by CPU time of this process {r['cpu_ratio']:.2f}x; steps ratio {r['step_ratio']:.2f}x); "
-        f"outputs equal: {r['outputs_equal']}",
+        "TTFT/latency include queueing (every request arrives at t=0); TPOT = (last - first token) / "
+        "(tokens - 1); ovh = share of step time outside the forward and the sampler (minipaged: "
+        "schedule + prepare + update laps; (d): prepare_next_batch + update_batch)",
+        "ratios (tokens/s): " + ", ".join(f"{k} {v:.2f}x" for k, v in r["ratios"].items())
+        + ("; by CPU time: " + ", ".join(f"{k} {v:.2f}x" for k, v in r["cpu_ratios"].items()) if r["cpu_ratios"] else "")
+        + ("; by steps: " + ", ".join(f"{k} {v:.2f}x" for k, v in r["step_ratios"].items()) if r["step_ratios"] else ""),
+        "outputs equal (greedy, token for token): "
+        + ", ".join(f"{k} {'yes' if r['outputs_equal'][k] else 'no'} ({r['outputs_matching'][k]})"
+                    for k in r["outputs_equal"]),
     ]
+    for k, d in r.get("outputs_divergence", {}).items():
+        lines.append(f"  {k}: {d['requests']} request(s) diverge, first divergent token at index "
+                     f">= {d['first_divergent_token_min']} (mean {d['first_divergent_token_mean']})")
+    if "profile" in r:
+        lines += ["", format_profile(r["profile"])]
     return "\n".join(lines)
 
 
+def _s(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def format_profile(p: dict) -> str:
+    laps = ", ".join(f"{k} {v:.2f} ms ({p['laps_fraction'][k]:.1%})" for k, v in p["laps_ms"].items())
+    prof = ", ".join(f"{k} {v:.1%}" for k, v in p["cprofile_fraction"].items())
+    return "\n".join([
+        f"profile: one decode step at {p['running_seqs']} running sequences, mean of {p['steps_timed']} steps: "
+        f"{p['step_ms']:.2f} ms",
+        f"  stopwatch laps: {laps}",
+        f"  scheduling + block management + input preparation (schedule + prepare): "
+        f"{p['sched_block_prepare_fraction']:.1%} of the step (target < 20%); with update/trace/outputs: "
+        f"{p['non_model_fraction']:.1%}",
+        f"  cProfile (inflates Python-heavy parts) of the engine's direct calls: {prof}; "
+        f"block management (KVCacheManager/BlockPool, all callers): {p['cprofile_block_management_fraction']:.1%}",
+    ])
+
+
 def run(args) -> int:
-    r = run_benchmark(
-        model=args.model, workload=args.workload, num_requests=args.num_requests, seed=args.seed,
-        block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, device=args.device, dtype=args.dtype,
-        attention_backend=args.attention_backend, threads=args.threads,
-        preemption_mode=args.preemption_mode, repeats=args.repeats,
+    models = args.model or ["course"]
+    kw = dict(
+        workload=args.workload, num_requests=args.num_requests, seed=args.seed, block_size=args.block_size,
+        num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
+        attention_backend=args.attention_backend, threads=args.threads, preemption_mode=args.preemption_mode,
+        systems=args.systems, repeats=args.repeats, profile=args.profile,
     )
+    if args.quick:
+        kw.update(num_requests=min(args.num_requests, 8), workload_max_len=128, profile_steps=3)
+    runs = [run_benchmark(model=m, **kw) for m in models]
+    r = runs[0] if len(runs) == 1 else {"runs": runs}
     print(json.dumps(r, indent=2) if args.json else format_report(r))
     return 0
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="continuous+paged vs static+contiguous serving")
+    parser = argparse.ArgumentParser(
+        description="serving on this machine: minipaged continuous+paged vs static+contiguous vs transformers"
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
