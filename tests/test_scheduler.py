@@ -649,32 +649,53 @@ def test_no_livelock_with_groups_small_budgets_and_tight_pools(
 
 
 # -- admission watermark (vLLM v0 can_allocate) ------------------------------------------
-@pytest.mark.parametrize("bad", [-0.1, 1.0, 2, "0.1", True, None])
+@pytest.mark.parametrize("bad", [-0.1, 1.0, 2, "0.1", True])
 def test_bad_watermark(bad):
     with pytest.raises(ValueError, match="watermark"):
         Scheduler(8, 4, watermark=bad)
 
 
 def test_watermark_default_and_blocks():
-    assert Scheduler(8, 4).watermark == 0.01 and Scheduler(8, 4).watermark_blocks == 0
-    assert Scheduler(250, 4).watermark_blocks == 2  # int(0.01 * 250), as vLLM v0
+    assert Scheduler(8, 4).watermark == 0.05 and Scheduler(8, 4).watermark_blocks == 0
+    assert Scheduler(250, 4).watermark_blocks == 12  # int(0.05 * 250), as vLLM v0
+    assert Scheduler(250, 4, watermark=0.01).watermark_blocks == 2
     assert Scheduler(10, 4, watermark=0.25).watermark_blocks == 2
+    assert Scheduler(10, 4, watermark=None).watermark_blocks == 0
 
 
 def test_new_request_waits_until_its_whole_prompt_fits():
-    # 8 blocks of 4, budget 8, chunked prefill on. A (prompt 8, 3 outputs) runs; at
-    # step 1 A decodes into its 3rd block (5 free). B's first chunk (7 tokens, 2 blocks)
-    # would fit, but its whole 24-token prompt needs 6 blocks > 5: B waits instead of
-    # starting a prefill that must preempt A. A finishes at step 2 (its 3rd output);
-    # B is admitted at step 3 and runs 8 + 8 + 8; nobody is ever preempted.
+    # 8 blocks of 4, budget 8, chunked prefill on. A (prompt 8, 10 outputs, at most 17
+    # tokens = 5 blocks) runs; from step 1 A holds 3 blocks (5 free). B's first chunk
+    # (7 tokens, 2 blocks) would fit, but its whole 24-token prompt needs 6 blocks > 5:
+    # B waits instead of starting a prefill that must be preempted. A finishes at step 9
+    # (its 10th output); B is admitted at step 10 and runs 8 + 8 + 8, then decodes once.
     s = Scheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
-    a, b = req("A", 8, 3, ignore_eos=True), req("B", 24, 2, ignore_eos=True)
+    a, b = req("A", 8, 10, ignore_eos=True), req("B", 24, 2, ignore_eos=True)
     log = drive(s, {0: [a, b]})
-    assert [e["scheduled"] for e in log] == [
-        {"A": 8}, {"A": 1}, {"A": 1}, {"B": 8}, {"B": 8}, {"B": 8}, {"B": 1},
-    ]
-    assert [r.request_id for r in log[3]["out"].admitted] == ["B"]
+    assert [e["scheduled"] for e in log] == (
+        [{"A": 8}] + [{"A": 1}] * 9 + [{"B": 8}, {"B": 8}, {"B": 8}, {"B": 1}]
+    )
+    assert [r.request_id for r in log[10]["out"].admitted] == ["B"]
     assert a.num_preemptions == 0 and b.num_preemptions == 0
+
+
+def test_watermark_none_is_vllm_v1_first_chunk_admission():
+    # The same workload with vLLM v1's rule (watermark=None): B's first chunk is admitted
+    # at step 1 (7 tokens, 2 of the 5 free blocks) and again 7 at step 2 (14 tokens, 4
+    # blocks, 1 free). At step 3 A's decode fits its 3rd block but B's next 7 tokens need
+    # 2 more blocks: B, the latest arrival, is preempted and its 14 tokens are lost.
+    # The cycle repeats as A grows (preempted again at steps 6 and 9): 42 tokens wasted,
+    # and B still starts for good only at step 10.
+    s = Scheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+                  watermark=None)
+    a, b = req("A", 8, 10, ignore_eos=True), req("B", 24, 2, ignore_eos=True)
+    log = drive(s, {0: [a, b]})
+    cycle = [{"A": 1, "B": 7}, {"A": 1, "B": 7}, {"A": 1}]
+    assert [e["scheduled"] for e in log] == (
+        [{"A": 8}] + cycle * 3 + [{"B": 8}, {"B": 8}, {"B": 8}, {"B": 1}]
+    )
+    assert [i for i, e in enumerate(log) if e["preempted"]] == [3, 6, 9]
+    assert b.num_preemptions == 3 and b.output_token_ids == [7, 7]
 
 
 def test_watermark_keeps_blocks_free_but_never_blocks_an_idle_engine():

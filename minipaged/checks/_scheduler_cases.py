@@ -82,7 +82,8 @@ def _tokens(rid: str, n: int, start: int = 10) -> list[int]:
 def build(recipe: Recipe, cls=Scheduler) -> Scheduler:
     s = cls(recipe.num_blocks, recipe.block_size, max_num_seqs=recipe.max_num_seqs,
             max_num_batched_tokens=recipe.max_num_batched_tokens,
-            enable_chunked_prefill=recipe.enable_chunked_prefill, max_model_len=recipe.max_model_len)
+            enable_chunked_prefill=recipe.enable_chunked_prefill, max_model_len=recipe.max_model_len,
+            watermark=None)  # NOTE: the exercises teach vLLM v1's first-chunk admission
     reqs = []
     for i, spec in enumerate(recipe.requests):
         params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos,
