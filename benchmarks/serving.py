@@ -1,11 +1,20 @@
-"""Serving benchmark on this machine: continuous+paged vs static+contiguous, same KV memory.
+"""Serving benchmark on this machine: minipaged against transformers, same workload, same KV memory.
 
-    python benchmarks/serving.py [--json] [--num-requests 64] [--seed 0] [--threads 1] ...
+    python benchmarks/serving.py [--json] [--model course|random-llama-20m|tiny-llama|DIR ...]
+                                 [--systems a,b,c,d] [--num-requests 64] [--seed 0] [--threads 1]
+                                 [--quick] [--profile] ...
 
 A thin script over ``minipaged.engine.bench`` (also ``minipaged bench``): one process, one
-seeded ShareGPT-like workload scaled to the course model, both systems on the same model and
-the same number of KV blocks; prints tokens/s (wall and CPU time), steps, sequences per step,
-preemptions, the per-step overhead and the throughput ratio. See that module's docstring.
+seeded ShareGPT-like workload scaled to the model's context, the same number of KV token
+slots for every system:
+
+    (a) minipaged continuous batching + paged KV      (b) minipaged static batches + contiguous KV
+    (c) transformers ``generate``, padded static batches (d) transformers continuous batching
+
+Prints tokens/s (wall and CPU time), TTFT, TPOT, steps, sequences per step, preemptions, the
+per-step overhead, whether the greedy outputs agree pair by pair, and the ratios (a)/(b),
+(a)/(c), (a)/(d). ``--profile`` adds the split of one step at 64 running sequences. See that
+module's docstring.
 """
 
 import sys

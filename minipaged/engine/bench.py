@@ -194,6 +194,10 @@ def _minipaged_metrics(engine, outs) -> dict:
         "refused": sum(1 for o in outs.values() if o.outputs[0].finish_reason == "refused"),
         "step_time_split": {k: round(v / total_t, 3) for k, v in times.items()},
         "overhead_fraction": round(1 - model_t / total_t, 3),
+        # keys each query is scored against, mean over steps (the torch backend pads to the longest context)
+        "mean_keys_per_query": round(sum(
+            -(-max(s.num_tokens.get(r, 0) for r in s.scheduled) // trace.block_size) * trace.block_size
+            for s in trace.steps if s.scheduled) / len(trace), 1),
         "step_ms": round(1e3 * total_t / len(trace), 3),
         "overhead_ms_per_step": round(1e3 * (total_t - model_t) / len(trace), 3),
     }
@@ -541,7 +545,7 @@ def format_report(r: dict) -> str:
         f"max_num_batched_tokens {r['max_num_batched_tokens']}; fastest of {r['repeats']} run(s)",
         "",
         f"{'':3s}{'system':<24s}{'tok/s':>8s}{'wall s':>8s}{'cpu s':>8s}{'steps':>7s}{'TTFT s':>8s}"
-        f"{'TPOT ms':>9s}{'lat s':>7s}{'seqs/st':>8s}{'preempt':>8s}{'ovh %':>7s}{'ovh ms':>7s}",
+        f"{'TPOT ms':>9s}{'lat s':>7s}{'seqs/st':>8s}{'computed':>9s}{'preempt':>8s}{'ovh %':>7s}{'ovh ms':>7s}",
     ]
 
     for name, m in r["systems"].items():
@@ -552,30 +556,44 @@ def format_report(r: dict) -> str:
         lines.append(
             f"({m['label']}){name:<24s}{m['tokens_per_s']:>8.1f}{m['wall_s']:>8.2f}{m['cpu_s']:>8.2f}"
             f"{m['steps']:>7d}{m['ttft_s_mean']:>8.2f}{_s(m['tpot_ms_mean'], '.1f'):>9s}{m['latency_s_mean']:>7.2f}"
-            f"{_s(m.get('mean_running_seqs'), '.1f'):>8s}{_s(m.get('preemptions'), 'd'):>8s}"
+            f"{_s(m.get('mean_running_seqs'), '.1f'):>8s}{_s(m.get('computed_tokens'), 'd'):>9s}"
+            f"{_s(m.get('preemptions'), 'd'):>8s}"
             f"{_s(None if ovh is None else 100 * ovh, '.1f'):>7s}{_s(m.get('overhead_ms_per_step'), '.2f'):>7s}"
         )
     lines.append("")
     c = r["systems"].get("hf-generate-static", {})
     if "batches" in c:
         lines.append(f"(c) {c['batches']} padded batches, sizes {min(c['batch_sizes'])}..{max(c['batch_sizes'])}, "
-                     f"peak {c['kv_token_slots_peak']} of {kv['token_slots']} slots")
+                     f"peak {c['kv_token_slots_peak']} of {kv['token_slots']} slots; {c['generated_tokens']} tokens "
+                     f"generated for {c['output_tokens']} kept")
     d = r["systems"].get("hf-continuous-batching", {})
     if "kv_token_slots" in d:
         lines.append(f"(d) paged cache {d['kv_token_slots']} token slots (transformers rounds up to whole "
                      f"sectors), max_batch_tokens {d['max_batch_tokens']}, attention {d['attn_implementation']}; "
-                     f"step split {d['step_time_split']}")
+                     f"step split {d['step_time_split']}; keys per query {d['mean_keys_per_query']} "
+                     f"(the batch packed into one masked sequence)")
+    a = r["systems"].get("continuous+paged", {})
+    if "mean_keys_per_query" in a:
+        lines.append(f"(a) keys per query {a['mean_keys_per_query']} (every sequence padded to the step's longest "
+                     f"context, torch backend)")
     lines += [
         "TTFT/latency include queueing (every request arrives at t=0); TPOT = (last - first token) / "
-        "(tokens - 1); ovh = share of step time outside the forward and the sampler (minipaged: "
+        "(tokens - 1); computed = tokens through the model (prompts, outputs, recomputation after "
+        "preemption); ovh = share of step time outside the forward and the sampler (minipaged: "
         "schedule + prepare + update laps; (d): prepare_next_batch + update_batch)",
-        "ratios (tokens/s): " + ", ".join(f"{k} {v:.2f}x" for k, v in r["ratios"].items())
-        + ("; by CPU time: " + ", ".join(f"{k} {v:.2f}x" for k, v in r["cpu_ratios"].items()) if r["cpu_ratios"] else "")
-        + ("; by steps: " + ", ".join(f"{k} {v:.2f}x" for k, v in r["step_ratios"].items()) if r["step_ratios"] else ""),
-        "outputs equal (greedy, token for token): "
-        + ", ".join(f"{k} {'yes' if r['outputs_equal'][k] else 'no'} ({r['outputs_matching'][k]})"
-                    for k in r["outputs_equal"]),
     ]
+    if r["ratios"]:
+        lines.append(
+            "ratios (tokens/s): " + ", ".join(f"{k} {v:.2f}x" for k, v in r["ratios"].items())
+            + ("; by CPU time: " + ", ".join(f"{k} {v:.2f}x" for k, v in r["cpu_ratios"].items())
+               if r["cpu_ratios"] else "")
+            + ("; by steps: " + ", ".join(f"{k} {v:.2f}x" for k, v in r["step_ratios"].items())
+               if r["step_ratios"] else "")
+        )
+    if r["outputs_equal"]:
+        lines.append("outputs equal (greedy, token for token): " + ", ".join(
+            f"{k} {'yes' if r['outputs_equal'][k] else 'no'} ({r['outputs_matching'][k]})" for k in r["outputs_equal"]
+        ))
     for k, d in r.get("outputs_divergence", {}).items():
         lines.append(f"  {k}: {d['requests']} request(s) diverge, first divergent token at index "
                      f">= {d['first_divergent_token_min']} (mean {d['first_divergent_token_mean']})")

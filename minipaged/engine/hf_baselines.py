@@ -206,6 +206,17 @@ def hf_continuous_batching(
         cache = bp.cache
         _time_methods(bp, phases, {"prepare_next_batch": "prepare_next_batch",
                                    "_generation_step": "generation_step", "update_batch": "update_batch"})
+        counts = {"q": 0, "k": 0}
+        step_fn = bp._generation_step
+
+        def counted_step(*args, **kwargs):
+            io = bp.inputs_and_outputs
+            q = int(getattr(io, "num_q_tokens", 0))
+            counts["q"] += q  # tokens through the model this step
+            counts["k"] += int(getattr(io, "max_kv_read", 0)) + q  # keys every query of the step is masked against
+            return step_fn(*args, **kwargs)
+
+        bp._generation_step = counted_step
         manager.start()
         n = len(prompts)
         results = {}
@@ -236,7 +247,10 @@ def hf_continuous_batching(
     total = sum(phases.values()) or 1.0
     return ServeResult(
         token_ids=tokens, wall_s=wall, cpu_s=cpu, first_token_s=first, last_token_s=last, steps=steps,
-        info={"kv_token_slots": slots, "max_batch_tokens": max_batch_tokens,
+        info={"kv_token_slots": slots, "max_batch_tokens": max_batch_tokens, "computed_tokens": counts["q"],
+              # NOTE: the sdpa path packs the batch into one sequence with a block-diagonal mask,
+              # so each query is scored against every key of the batch
+              "mean_keys_per_query": round(counts["k"] / steps, 1) if steps else None,
               "attn_implementation": str(hf_model.config._attn_implementation),
               # NOTE: prepare_next_batch = scheduling + block allocation + input tensors;
               # generation_step = forward + logits processing + sampling; update_batch = bookkeeping
