@@ -294,15 +294,16 @@ md(r"""
 ### 5a. Thrash
 
 Admit too much for the memory and the scheduler spends its time preempting and redoing
-work. Same six requests, shrinking pool (recompute): as the pool shrinks toward the size of
-one request (8 blocks), up to half of the computed tokens are *recomputed*, and the same
-request is preempted again and again.
+work. To see it, switch admission control off: `watermark=None` admits a waiting request as
+soon as its *first chunk* fits (vLLM v1's rule). Same six requests, shrinking pool
+(recompute): as the pool shrinks toward the size of one request (8 blocks), up to half of
+the computed tokens are *recomputed*, and the same request is preempted again and again.
 """)
 
 code(r"""
 print(f"{'blocks':>6}  steps  computed  recomputed  preemptions  max per request")
 for num_blocks in (48, 32, 24, 16, 12, 8):
-    s = Scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64)
+    s = Scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64, watermark=None)
     t = run_scheduler(s, pressure(), fake_model)
     computed, wasted, _ = costs(t)
     worst = max(r["num_preemptions"] for r in t.requests.values())
@@ -311,7 +312,27 @@ for num_blocks in (48, 32, 24, 16, 12, 8):
 """)
 
 md(r"""
-The cure is admission control: admit less. `max_num_seqs` caps the batch; with 8 blocks,
+minipaged's default admission (as vLLM v0) admits a request only when the blocks for its
+*whole* remaining prefill fit, keeping a `watermark` fraction of the pool spare. Same sweep
+with the default:
+""")
+
+code(r"""
+print(f"{'blocks':>6}  steps  computed  recomputed  preemptions")
+for num_blocks in (48, 32, 24, 16, 12, 8):
+    s = Scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64)
+    t = run_scheduler(s, pressure(), fake_model)
+    computed, wasted, _ = costs(t)
+    print(f"{num_blocks:6d}  {len(t):5d}  {computed:8d}  {wasted:5d} ({wasted / computed:4.0%})  "
+          f"{sum(len(st.preempted_ids) for st in t.steps):11d}")
+""")
+
+md(r"""
+The same numbers: here every prompt fits when it is admitted, and the preemptions come
+later, from *decodes* outgrowing the pool. No rule that looks at prompts can foresee how
+long outputs will be (that is the whole problem of chapter 01). The watermark only stops
+prefills that could not complete; section 7 shows one. What helps here is admitting fewer
+sequences: `max_num_seqs` caps the batch; with 8 blocks and v1 admission,
 fewer sequences at once means fewer preemptions and less recomputed work, at the price of
 less batching (one at a time takes the most steps).
 """)
@@ -319,7 +340,8 @@ less batching (one at a time takes the most steps).
 code(r"""
 print(f"{'max_num_seqs':>12}  steps  recomputed  preemptions")
 for max_num_seqs in (6, 3, 2, 1):
-    s = Scheduler(num_blocks=8, block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=64)
+    s = Scheduler(num_blocks=8, block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+                  watermark=None)
     t = run_scheduler(s, pressure(), fake_model)
     computed, wasted, _ = costs(t)
     print(f"{max_num_seqs:12d}  {len(t):5d}  {wasted:10d}  {sum(len(st.preempted_ids) for st in t.steps):11d}")
@@ -433,9 +455,10 @@ CPU pool is full).
 
 code(r"""
 num_blocks, budget, chunked, mode, cpu_blocks = 12, 16, True, "swap", 6
+watermark = None  # None = vLLM v1's first-chunk admission; try 0.05, the default
 
 s = Scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
-              enable_chunked_prefill=chunked, preemption_mode=mode,
+              enable_chunked_prefill=chunked, preemption_mode=mode, watermark=watermark,
               num_cpu_blocks=cpu_blocks if mode == "swap" else 0)
 t = run_scheduler(s, {0: pressure()[:3], 4: pressure()[3:]}, fake_model)
 computed, wasted, moved = costs(t)
@@ -446,13 +469,14 @@ print(viz.timeline_text(t))
 """)
 
 md(r"""
-With these defaults, look at r1: `XPXPXP`. Each time it is readmitted it gets a first
+With these settings (first-chunk admission), look at r1: `XPXPXP`. Each time it is readmitted it gets a first
 chunk of its re-prefill (15 of its 25 tokens: the budget minus r0's decode). At the next step
 its second chunk needs 3 more blocks while 1 is free, and r1 is the latest arrival running,
 so it preempts *itself* and loses the chunk. Admitting chunk by
 chunk (as vLLM v1 does) lets a request start before all its blocks are free, which can
 thrash like this; vLLM v0 admitted a prompt only when all of its blocks fit, plus a
-watermark of spare blocks. Progress is still guaranteed: r0, the earliest arrival, decodes at
+watermark of spare blocks, and so does minipaged by default (set `watermark = 0.05` above
+and rerun: r1 waits instead of thrashing). Progress is still guaranteed: r0, the earliest arrival, decodes at
 every step and finishes, and then r1 fits.
 
 ## Recap
