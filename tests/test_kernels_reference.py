@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minipaged.kernels import reference
 from minipaged.kernels.reference import (
     contiguous_attention,
     paged_attention_prefill_ref,
@@ -113,11 +114,11 @@ def test_prefill_ref_decode_rows_equal_decode_ref():
 
 
 def test_empty_sequence_gives_zeros():
-    k, v, bt, sl = make_paged([0, 5], 4, 1, 8)
-    q = torch.randn(2, 2, 8)
+    k, v, bt, sl = make_paged([0, 5, 0, 300], 4, 1, 8)
+    q = torch.randn(4, 2, 8)
     out = paged_attention_ref(q, k, v, bt, sl)
-    assert torch.equal(out[0], torch.zeros(2, 8))
-    fast = paged_attention_torch(q, k, v, bt, cu_from([1, 1]), sl, 1, 5)
+    assert torch.equal(out[0], torch.zeros(2, 8)) and torch.equal(out[2], torch.zeros(2, 8))
+    fast = paged_attention_torch(q, k, v, bt, cu_from([1, 1, 1, 1]), sl, 1, 300)
     torch.testing.assert_close(fast, out, **TOL[torch.float32])
 
 
@@ -212,6 +213,59 @@ def test_torch_vectorized_matches_loop_reference(block_size, kv_heads_and_group,
     out = paged_attention_torch(q, k, v, bt, cu, sl, max(q_lens), max(seq_lens))
     want = paged_attention_prefill_ref(q, k, v, bt, cu, sl)
     torch.testing.assert_close(out, want, **TOL[torch.float32])
+
+
+# --------------------------------------------------------------------------- length buckets
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (4, 4)])
+def test_torch_bucketed_decode_with_very_different_lengths_matches_ref(num_heads, num_kv_heads):
+    """Contexts 1..450 in shuffled order: several buckets, rows scattered back in place."""
+    g = torch.Generator().manual_seed(20)
+    seq_lens = torch.randint(1, 451, (40,), generator=g).tolist() + [1, 450, 16, 17]
+    k, v, bt, sl = make_paged(seq_lens, 16, num_kv_heads, 16, seed=21, extra_cols=1)
+    cu = cu_from([1] * len(seq_lens))
+    assert len(reference._length_buckets(cu.tolist(), seq_lens, 16)) > 3
+    q = torch.randn(len(seq_lens), num_heads, 16, generator=g)
+    out = paged_attention_torch(q, k, v, bt, cu, sl, 1, max(seq_lens))
+    want = paged_attention_ref(q, k, v, bt, sl)
+    torch.testing.assert_close(out, want, **TOL[torch.float32])
+
+
+def test_torch_bucketed_mixed_prefill_decode_with_very_different_lengths_matches_ref():
+    g = torch.Generator().manual_seed(22)
+    seqs = [  # (seq_len, q_len): decodes short and long, prompts, chunks over a cached prefix
+        (300, 1), (5, 1), (120, 1), (1, 1), (451, 1), (33, 1), (64, 64), (200, 1),
+        (7, 7), (260, 20), (90, 90), (2, 1), (400, 1), (48, 0), (130, 2), (17, 1),
+    ]
+    seq_lens = [s for s, _ in seqs]
+    q_lens = [ql for _, ql in seqs]
+    k, v, bt, sl = make_paged(seq_lens, 8, 2, 16, seed=23)
+    cu = cu_from(q_lens)
+    q = torch.randn(sum(q_lens), 4, 16, generator=g)
+    out = paged_attention_torch(q, k, v, bt, cu, sl, max(q_lens), max(seq_lens), scale=0.25)
+    want = paged_attention_prefill_ref(q, k, v, bt, cu, sl, scale=0.25)
+    torch.testing.assert_close(out, want, **TOL[torch.float32])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seqs=st.lists(st.tuples(st.integers(0, 500), st.integers(0, 3)), min_size=1, max_size=30),
+    block_size=st.sampled_from([1, 8, 16]),
+)
+def test_length_buckets_cover_each_sequence_once_and_bound_padding(seqs, block_size):
+    seq_lens = [s for s, _ in seqs]
+    q_lens = [min(s, ql) if s else min(1, ql) for s, ql in seqs]
+    cu = cu_from(q_lens).tolist()
+    buckets = reference._length_buckets(cu, seq_lens, block_size)
+    flat = sorted(b for bucket in buckets for b in bucket)
+    assert flat == [b for b, n in enumerate(q_lens) if n > 0], "each sequence with queries, exactly once"
+    for bucket in buckets:
+        assert len({q_lens[b] == 1 for b in bucket}) == 1, f"decodes and prefills mixed in {bucket}"
+        blocks = [max(1, -(-seq_lens[b] // block_size)) for b in bucket]
+        shape = max(q_lens[b] for b in bucket) * max(blocks)
+        for b, nb in zip(bucket, blocks):
+            assert shape <= reference.MAX_PADDING * q_lens[b] * nb, f"sequence {b} padded past MAX_PADDING"
 
 
 # --------------------------------------------------------------------------- errors
