@@ -218,15 +218,15 @@ def test_torch_vectorized_matches_loop_reference(block_size, kv_heads_and_group,
 # --------------------------------------------------------------------------- length buckets
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (8, 8)])
 def test_torch_bucketed_decode_with_very_different_lengths_matches_ref(num_heads, num_kv_heads):
     """Contexts 1..450 in shuffled order: several buckets, rows scattered back in place."""
     g = torch.Generator().manual_seed(20)
-    seq_lens = torch.randint(1, 451, (40,), generator=g).tolist() + [1, 450, 16, 17]
-    k, v, bt, sl = make_paged(seq_lens, 16, num_kv_heads, 16, seed=21, extra_cols=1)
+    seq_lens = torch.randint(1, 451, (60,), generator=g).tolist() + [1, 450, 16, 17]
+    k, v, bt, sl = make_paged(seq_lens, 16, num_kv_heads, 32, seed=21, extra_cols=1)
     cu = cu_from([1] * len(seq_lens))
-    assert len(reference._length_buckets(cu.tolist(), seq_lens, 16)) > 3
-    q = torch.randn(len(seq_lens), num_heads, 16, generator=g)
+    assert len(reference._length_buckets(cu.tolist(), seq_lens, 16, num_heads * 32)) > 1
+    q = torch.randn(len(seq_lens), num_heads, 32, generator=g)
     out = paged_attention_torch(q, k, v, bt, cu, sl, 1, max(seq_lens))
     want = paged_attention_ref(q, k, v, bt, sl)
     torch.testing.assert_close(out, want, **TOL[torch.float32])
@@ -242,30 +242,51 @@ def test_torch_bucketed_mixed_prefill_decode_with_very_different_lengths_matches
     q_lens = [ql for _, ql in seqs]
     k, v, bt, sl = make_paged(seq_lens, 8, 2, 16, seed=23)
     cu = cu_from(q_lens)
+    assert len(reference._length_buckets(cu.tolist(), seq_lens, 8, 4 * 16)) >= 3  # decodes + 2 prefill buckets
     q = torch.randn(sum(q_lens), 4, 16, generator=g)
     out = paged_attention_torch(q, k, v, bt, cu, sl, max(q_lens), max(seq_lens), scale=0.25)
     want = paged_attention_prefill_ref(q, k, v, bt, cu, sl, scale=0.25)
     torch.testing.assert_close(out, want, **TOL[torch.float32])
 
 
+def padded_work(bucket, q_lens, seq_lens, block_size):
+    """Query rows x key slots of one padded call over ``bucket``."""
+    blocks = max(max(1, -(-seq_lens[b] // block_size)) for b in bucket)
+    return len(bucket) * max(q_lens[b] for b in bucket) * blocks * block_size
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     seqs=st.lists(st.tuples(st.integers(0, 500), st.integers(0, 3)), min_size=1, max_size=30),
     block_size=st.sampled_from([1, 8, 16]),
+    row_cost=st.sampled_from([64, 256, 2**19]),
 )
-def test_length_buckets_cover_each_sequence_once_and_bound_padding(seqs, block_size):
+def test_length_buckets_cover_each_sequence_once_and_only_cut_when_it_pays(seqs, block_size, row_cost):
     seq_lens = [s for s, _ in seqs]
     q_lens = [min(s, ql) if s else min(1, ql) for s, ql in seqs]
     cu = cu_from(q_lens).tolist()
-    buckets = reference._length_buckets(cu, seq_lens, block_size)
+    buckets = reference._length_buckets(cu, seq_lens, block_size, row_cost)
     flat = sorted(b for bucket in buckets for b in bucket)
     assert flat == [b for b, n in enumerate(q_lens) if n > 0], "each sequence with queries, exactly once"
+    cost = reference.BUCKET_COST // row_cost
     for bucket in buckets:
         assert len({q_lens[b] == 1 for b in bucket}) == 1, f"decodes and prefills mixed in {bucket}"
-        blocks = [max(1, -(-seq_lens[b] // block_size)) for b in bucket]
-        shape = max(q_lens[b] for b in bucket) * max(blocks)
-        for b, nb in zip(bucket, blocks):
-            assert shape <= reference.MAX_PADDING * q_lens[b] * nb, f"sequence {b} padded past MAX_PADDING"
+        whole = padded_work(bucket, q_lens, seq_lens, block_size)
+        for cut in range(1, len(bucket)):  # no cut left that would pay for another call
+            parts = padded_work(bucket[:cut], q_lens, seq_lens, block_size) + padded_work(
+                bucket[cut:], q_lens, seq_lens, block_size)
+            assert parts >= whole - cost, f"cutting {bucket} at {cut} saves more than a bucket costs"
+
+
+def test_length_buckets_cut_a_wide_spread_of_decodes():
+    """Batch 64, contexts 20..450 (the serving benchmark's spread), course model shapes."""
+    g = torch.Generator().manual_seed(0)
+    seq_lens = torch.randint(20, 451, (64,), generator=g).tolist()
+    q_lens = [1] * 64
+    buckets = reference._length_buckets(cu_from(q_lens).tolist(), seq_lens, 16, 8 * 32)
+    assert 1 < len(buckets) <= 8
+    total = sum(padded_work(b, q_lens, seq_lens, 16) for b in buckets)
+    assert total < padded_work(list(range(64)), q_lens, seq_lens, 16)
 
 
 # --------------------------------------------------------------------------- errors

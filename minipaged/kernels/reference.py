@@ -48,6 +48,7 @@ Functions
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 from typing import Optional
 
 import torch
@@ -252,10 +253,12 @@ def paged_attention_torch(
 
     NOTE: why buckets. One padded call pads every sequence to the step's longest context:
     with contexts spread from 20 to 450 tokens that gathers and attends ~2x the real keys.
-    Sorting by length and cutting a new bucket when padding would pass ``MAX_PADDING``
-    keeps the waste small for a handful of extra calls. Decode rows and prefill rows never
-    share a bucket (60 decodes must not be padded to one prompt's query length). Bucketing
-    reads the lengths on the host: free on CPU, one device sync on a GPU.
+    But each extra call has a fixed cost (``BUCKET_COST``): with the small course model a
+    rule like "padding below 1.25x" made up to 15 buckets a step and ran slower than one
+    call. So the sorted sequences are cut only where a cut saves more padded work than a
+    call costs (a few buckets at most). Decode rows and prefill rows never share a bucket
+    (60 decodes must not be padded to one prompt's query length). Bucketing reads the
+    lengths on the host: free on CPU, one device sync on a GPU.
     """
     _check_cache(q, k_cache, v_cache)
     num_seqs = seq_lens.shape[0]
@@ -272,7 +275,8 @@ def paged_attention_torch(
     block_size = k_cache.shape[1]
 
     out = torch.empty_like(q)  # [T, H, D]
-    for bucket in _length_buckets(cu_host, seq_lens_host, block_size):
+    row_cost = q.shape[1] * q.shape[2]  # heads x head_dim: the work of one query row x key slot
+    for bucket in _length_buckets(cu_host, seq_lens_host, block_size, row_cost):
         # Rows of q that belong to the bucket's sequences, in packed order.
         rows = [r for b in bucket for r in range(cu_host[b], cu_host[b + 1])]
         bucket_q_lens = [cu_host[b + 1] - cu_host[b] for b in bucket]
@@ -286,39 +290,51 @@ def paged_attention_torch(
     return out
 
 
-MAX_PADDING = 1.25
-"""A sequence joins a bucket only if the bucket's padded work (query rows x key slots)
-is at most this many times its own (its keys rounded up to whole blocks)."""
+BUCKET_COST = 2**19
+"""What one more bucket costs, in units of padded work (query rows x key slots x heads x
+head_dim): about 60 small torch ops, ~160 us on one CPU thread, as much as attending ~2000
+more key slots with the course model's 8 heads of 32 (measured, ``benchmarks/serving.py``)."""
 
 
-def _length_buckets(cu_host: list[int], seq_lens_host: list[int], block_size: int) -> list[list[int]]:
-    """Group sequence indices so that padding inside a group stays small.
+def _length_buckets(cu_host: list[int], seq_lens_host: list[int], block_size: int,
+                    row_cost: int = 1) -> list[list[int]]:
+    """Group sequence indices so that little work is spent on padding, in few groups.
 
     Decodes (q_len 1) and prefills (q_len > 1) are bucketed apart; sequences without
     query rows are dropped (they produce no output). Each group is sorted longest first
-    and cut greedily: the first sequence of a bucket fixes its shape (query rows x key
-    blocks), and a later one joins while that shape is at most ``MAX_PADDING`` times
-    its own.
+    and cut by ``_split_bucket``. ``row_cost`` is what one query row x key slot costs
+    (``num_heads * head_dim``), the unit of ``BUCKET_COST``.
     """
     q_lens = [cu_host[b + 1] - cu_host[b] for b in range(len(seq_lens_host))]
+    keys = [max(1, -(-n // block_size)) * block_size for n in seq_lens_host]  # whole blocks
     decodes = [b for b, n in enumerate(q_lens) if n == 1]
     prefills = [b for b, n in enumerate(q_lens) if n > 1]
     buckets: list[list[int]] = []
     for group in (decodes, prefills):
-        group.sort(key=lambda b: (seq_lens_host[b], q_lens[b]), reverse=True)
-        bucket: list[int] = []
-        bucket_q = bucket_blocks = 0
-        for b in group:
-            blocks = max(1, -(-seq_lens_host[b] // block_size))  # its keys in whole blocks
-            fits = q_lens[b] <= bucket_q and bucket_q * bucket_blocks <= MAX_PADDING * q_lens[b] * blocks
-            if not fits:
-                if bucket:
-                    buckets.append(bucket)
-                bucket, bucket_q, bucket_blocks = [], q_lens[b], blocks
-            bucket.append(b)
-        if bucket:
-            buckets.append(bucket)
+        if group:
+            group.sort(key=lambda b: (keys[b], q_lens[b]), reverse=True)
+            buckets += _split_bucket(group, q_lens, keys, BUCKET_COST // max(1, row_cost))
     return buckets
+
+
+def _split_bucket(bucket: list[int], q_lens: list[int], keys: list[int], cost: int) -> list[list[int]]:
+    """Cut a bucket (sorted longest first) in two where that saves the most padded work,
+    and recurse, as long as the cut saves more than ``cost`` (query rows x key slots).
+
+    A padded call on ``bucket[i:j]`` spends ``(j - i) * max q_len * keys[bucket[i]]``.
+    """
+    n = len(bucket)
+    q_head = list(accumulate((q_lens[b] for b in bucket), max))  # q_head[i]: max q_len of bucket[:i + 1]
+    q_tail = list(accumulate((q_lens[b] for b in reversed(bucket)), max))[::-1]  # max q_len of bucket[i:]
+    best_cut, best_work = 0, n * q_head[-1] * keys[bucket[0]] - cost
+    for cut in range(1, n):
+        work = cut * q_head[cut - 1] * keys[bucket[0]] + (n - cut) * q_tail[cut] * keys[bucket[cut]]
+        if work < best_work:
+            best_cut, best_work = cut, work
+    if best_cut == 0:
+        return [bucket]
+    return (_split_bucket(bucket[:best_cut], q_lens, keys, cost)
+            + _split_bucket(bucket[best_cut:], q_lens, keys, cost))
 
 
 def _paged_attention_padded(q, k_cache, v_cache, block_tables, cu, seq_lens, max_query_len, max_seq_len, scale):
