@@ -194,10 +194,6 @@ def _minipaged_metrics(engine, outs) -> dict:
         "refused": sum(1 for o in outs.values() if o.outputs[0].finish_reason == "refused"),
         "step_time_split": {k: round(v / total_t, 3) for k, v in times.items()},
         "overhead_fraction": round(1 - model_t / total_t, 3),
-        # keys each query is scored against, mean over steps (the torch backend pads to the longest context)
-        "mean_keys_per_query": round(sum(
-            -(-max(s.num_tokens.get(r, 0) for r in s.scheduled) // trace.block_size) * trace.block_size
-            for s in trace.steps if s.scheduled) / len(trace), 1),
         "step_ms": round(1e3 * total_t / len(trace), 3),
         "overhead_ms_per_step": round(1e3 * (total_t - model_t) / len(trace), 3),
     }
@@ -572,10 +568,6 @@ def format_report(r: dict) -> str:
                      f"sectors), max_batch_tokens {d['max_batch_tokens']}, attention {d['attn_implementation']}; "
                      f"step split {d['step_time_split']}; keys per query {d['mean_keys_per_query']} "
                      f"(the batch packed into one masked sequence)")
-    a = r["systems"].get("continuous+paged", {})
-    if "mean_keys_per_query" in a:
-        lines.append(f"(a) keys per query {a['mean_keys_per_query']} (every sequence padded to the step's longest "
-                     f"context, torch backend)")
     lines += [
         "TTFT/latency include queueing (every request arrives at t=0); TPOT = (last - first token) / "
         "(tokens - 1); computed = tokens through the model (prompts, outputs, recomputation after "
