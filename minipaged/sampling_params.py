@@ -47,8 +47,14 @@ class BeamSearchParams:
     max_tokens: int = 16
     length_penalty: float = 1.0
     ignore_eos: bool = False
+    # as transformers' generate: False (heuristic), True (stop at beam_width finished), "never"
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
+        if self.early_stopping not in (False, True, "never"):
+            raise ValueError(
+                f"early_stopping must be False, True or 'never', got {self.early_stopping!r}"
+            )
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
             raise ValueError(f"beam_width must be an int >= 1, got {self.beam_width!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

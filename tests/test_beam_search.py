@@ -98,6 +98,17 @@ def test_early_stopping_variants_equal_transformers(tiny, es):
     _check(outs, PROMPTS[:4], hf, 3, 14, params.length_penalty, es)
 
 
+def test_early_stopping_from_params_through_llm(tiny):
+    """``BeamSearchParams.early_stopping`` reaches the search through the public API."""
+    path, hf = tiny
+    llm = LLM(model=path, block_size=4, num_blocks=160)
+    params = BeamSearchParams(beam_width=3, max_tokens=14, length_penalty=2.0, early_stopping="never")
+    outs = llm.beam_search(PROMPTS[:2], params)
+    _check(outs, PROMPTS[:2], hf, 3, 14, 2.0, "never")
+    with pytest.raises(ValueError, match="early_stopping"):
+        BeamSearchParams(early_stopping="sometimes")
+
+
 def test_paging_small_pool_chunks_and_copies(tiny):
     """A small pool and budget: prompts wait for their reservation, prefill in chunks; the
     result is unchanged and copy-on-write copies happened."""

@@ -189,13 +189,17 @@ class _PromptBeams:
 
 
 def beam_search(
-    engine, prompts, params: BeamSearchParams, early_stopping: Union[bool, str] = False
+    engine, prompts, params: BeamSearchParams, early_stopping: Union[bool, str, None] = None
 ) -> list[BeamSearchOutput]:
-    """Beam search for every prompt, batched across prompts; see the module docstring."""
+    """Beam search for every prompt, batched across prompts; see the module docstring.
+
+    ``early_stopping`` overrides ``params.early_stopping`` when given."""
     from minipaged.engine.llm import normalize_prompts
 
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+    if early_stopping is None:
+        early_stopping = params.early_stopping
     if early_stopping not in EARLY_STOPPING:
         raise ValueError(f"early_stopping must be one of {EARLY_STOPPING}, got {early_stopping!r}")
     cfg = engine.config
