@@ -417,10 +417,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_figure:
         import matplotlib.pyplot as plt
 
+        from minipaged.viz._draw import save_png
+
         path = figure_path(args.out_dir, args.workload)
         path.parent.mkdir(parents=True, exist_ok=True)
         fig = plot_memory_waste(result)
-        fig.savefig(path)
+        save_png(fig, path)  # the same bytes as `minipaged figures` writes
         plt.close(fig)
         # NOTE: stderr, so that --json output stays valid JSON on stdout
         print(f"wrote {path}", file=sys.stderr)
