@@ -1,4 +1,4 @@
-"""Tests for minipaged.core.scheduler.StaticBatchScheduler (the static-batching baseline).
+"""Tests for minipaged.core.static_scheduler.StaticBatchScheduler (the static baseline).
 
 References: a schedule worked out by hand; the generic property run of test_scheduler
 (fake paged model vs a plain loop, invariants every step, no leaks, FCFS); and the

@@ -32,7 +32,8 @@ from minipaged.checks._harness import (
 from minipaged.checks._scheduler_cases import Recipe, build, random_recipe
 from minipaged.checks.ch04 import _pairs, compare_snapshots
 from minipaged.core import Request
-from minipaged.core.scheduler import Scheduler, SchedulerOutput
+from minipaged.core.sched_output import SchedulerOutput
+from minipaged.core.scheduler import Scheduler
 
 CHECKS: dict = {}
 

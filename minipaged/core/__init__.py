@@ -14,14 +14,12 @@ from minipaged.core.kv_cache_utils import (
     hash_block_tokens,
 )
 from minipaged.core.request import Request, RequestStatus
-from minipaged.core.scheduler import (
-    Scheduler,
-    SchedulerOutput,
-    StaticBatchScheduler,
-    get_max_num_kv_tokens,
-    record_step,
-    run_scheduler,
-)
+from minipaged.core.sched_output import SchedulerOutput
+from minipaged.core.sched_utils import get_max_num_kv_tokens, record_step, run_scheduler
+
+# NOTE: scheduler before static_scheduler (static_scheduler subclasses its base)
+from minipaged.core.scheduler import Scheduler
+from minipaged.core.static_scheduler import StaticBatchScheduler
 
 __all__ = [
     "BlockPool",

@@ -1,7 +1,11 @@
-"""Schedulers: which requests run at each engine step, and how many tokens each.
+"""The continuous-batching scheduler: which requests run at each step, and how many tokens.
 
 Mirrors vLLM ``vllm/v1/core/sched/scheduler.py`` (and nano-vllm's ``scheduler.py``);
 swapping follows vLLM v0 ``vllm/core/scheduler.py`` and the paper's section 4.5.
+Here: ``_SchedulerBase`` (queues, validation, refusal, stop checks; shared with the
+static baseline in ``static_scheduler.py``), ``SequenceGroup`` and ``Scheduler``.
+``SchedulerOutput`` is in ``sched_output.py``; ``get_max_num_kv_tokens``,
+``record_step`` and ``run_scheduler`` are in ``sched_utils.py``.
 
 Concept (continuous batching)
     The batch is rebuilt at every step. ``schedule()`` first keeps the RUNNING requests
@@ -80,8 +84,7 @@ Sharing (chapter 06; the paper's section 4.4, vLLM v0's ``SequenceGroup``)
     ``max_num_batched_tokens`` (large re-prefills) is split across steps even with
     chunked prefill off: in a step, its sequences take the budget in order and those
     left with 0 tokens wait (it could never run whole). It is refused if ``n > max_num_seqs`` or if its worst case (shared
-    full prompt blocks + n private tails) exceeds the pool. ``StaticBatchScheduler`` (the
-    baseline) serves the n sequences independently, without sharing.
+    full prompt blocks + n private tails) exceeds the pool.
 
     With ``enable_prefix_caching`` a request admitted from ``waiting`` first looks up its
     longest cached prefix (``KVCacheManager.get_computed_blocks``, full blocks, at most
@@ -117,72 +120,19 @@ Failure modes
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 from minipaged.core.kv_cache_manager import KVCacheManager
 from minipaged.core.kv_cache_utils import cdiv
 from minipaged.core.request import Request, RequestStatus
+from minipaged.core.sched_output import SchedulerOutput
+from minipaged.core.sched_utils import get_max_num_kv_tokens
 
 PREEMPTION_MODES = ("recompute", "swap")
 # NOTE: vLLM v0 uses 0.01 of thousands of GPU blocks; on the course's pools (~100 blocks)
 # and in the simulator, 0.05 measured best (see the module docstring, "Admission").
 DEFAULT_WATERMARK = 0.05
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step runs. The engine reads it; ``update_from_output`` consumes it."""
-
-    # (request, num_new_tokens) in batch order: running requests (decodes and continuing
-    # prefill chunks) first, then swapped-in and newly admitted ones.
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    total_num_scheduled_tokens: int = 0
-    preempted: list[Request] = field(default_factory=list)  # recompute, this step
-    # NOTE: a step has swap-outs or swap-ins, never both (nothing is brought back in a
-    # step that preempted), so the engine may do the copies in either order, before the
-    # model runs.
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) CoW
-    swapped_out: list[Request] = field(default_factory=list)
-    swapped_in: list[Request] = field(default_factory=list)
-    refused: list[Request] = field(default_factory=list)  # FINISHED_IGNORED this step
-    # Extras (for traces and pictures)
-    admitted: list[Request] = field(default_factory=list)  # from waiting, this step
-    arrived: list[Request] = field(default_factory=list)  # added since the previous step
-    prefill_ids: list[str] = field(default_factory=list)  # scheduled, still prefilling
-    decode_ids: list[str] = field(default_factory=list)  # scheduled for one decode token
-    new_block_ids: list[int] = field(default_factory=list)  # device blocks given this step
-    finished: list[Request] = field(default_factory=list)  # filled by update_from_output
-    # Sharing: (parent, child) forks made this step (the child shares the parent's blocks),
-    # and those of them whose child has no token yet: the child's first token is sampled
-    # from the parent's logits row (the prompt was prefilled once, for the parent).
-    forks: list[tuple[Request, Request]] = field(default_factory=list)
-    fork_samples: list[tuple[Request, Request]] = field(default_factory=list)
-    # Prefix caching: request_id -> prompt tokens found in the cache at admission
-    num_cached_tokens: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def num_scheduled_tokens(self) -> dict[str, int]:
-        return {req.request_id: n for req, n in self.scheduled}
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-def get_max_num_kv_tokens(request: Request, max_model_len: Optional[int] = None) -> int:
-    """The most tokens whose K/V ``request`` can ever hold at once.
-
-    ``prompt + max_tokens - 1``: the last sampled token is never fed back. Generation
-    stops when ``num_tokens`` reaches ``max_model_len``, so at most ``max_model_len - 1``
-    tokens are fed, but the prompt itself always is.
-    """
-    n = request.num_prompt_tokens + request.max_tokens - 1
-    if max_model_len is not None:
-        n = min(n, max_model_len - 1)
-    return max(n, request.num_prompt_tokens)
 
 
 def _check_positive_int(name: str, value) -> None:
@@ -548,6 +498,7 @@ class _SchedulerBase:
             )
             if not in_flight:
                 assert r.num_computed_tokens < r.num_tokens, f"running {r.request_id} is idle"
+
 
 
 @dataclass(eq=False)
@@ -954,153 +905,9 @@ class Scheduler(_SchedulerBase):
                 )
 
 
-class StaticBatchScheduler(_SchedulerBase):
-    """The baseline: static batches with a max-length reservation per request.
-
-    A batch of up to ``max_num_seqs`` requests is formed only when the previous batch has
-    completely finished; each member reserves ``ceil(get_max_num_kv_tokens / block_size)``
-    blocks up front (memory for its maximum length, as a contiguous allocator must).
-    Prompts run whole (no chunking; ``enable_chunked_prefill`` is ignored) and a prompt
-    waits for a step with enough token budget left. Nothing is ever preempted
-    (``preemption_mode`` and ``num_cpu_blocks`` are accepted and unused).
-    """
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.enable_chunked_prefill = False  # NOTE: static batching never chunks
-
-    def _reservation(self, request: Request) -> int:
-        return get_max_num_kv_tokens(request, self.max_model_len)
-
-    def schedule(self) -> SchedulerOutput:
-        out = self._begin_step()
-        kv = self.kv_cache_manager
-        if not self.running:  # the previous batch is done: form a new one (FCFS)
-            while self.waiting and len(self.running) < self.max_num_seqs:
-                request = self.waiting[0]
-                new_blocks = kv.allocate_slots(request, self._reservation(request))
-                if new_blocks is None:
-                    break
-                self.waiting.popleft()
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                out.admitted.append(request)
-                out.new_block_ids.extend(b.block_id for b in new_blocks)
-        token_budget = self.max_num_batched_tokens
-        for request in self.running:
-            n = request.num_tokens - request.num_computed_tokens
-            if n > token_budget:
-                continue  # a whole prompt that does not fit this step waits for the next
-            out.scheduled.append((request, n))
-            token_budget -= n
-        return self._end_step(out)
-
-    def _check_allocation(self, in_flight: dict[str, int]) -> None:
-        kv = self.kv_cache_manager
-        for r in self.running:
-            assert kv.num_tokens[r.request_id] == self._reservation(r), (
-                f"batch member {r.request_id}: slots for {kv.num_tokens[r.request_id]} "
-                f"tokens, reservation {self._reservation(r)}"
-            )
-            assert r.num_computed_tokens + in_flight.get(r.request_id, 0) <= self._reservation(r)
-        if self.running:
-            assert not self.swapped, "static batching never swaps"
-
-
-# -- traces ---------------------------------------------------------------------------
-def record_step(scheduler: _SchedulerBase, output: SchedulerOutput, step: int):
-    """A ``StepRecord`` of ``output``, taken after ``update_from_output``.
-
-    Shared by the engine, the simulator and the notebooks, so that every trace means the
-    same thing. ``num_tokens`` is the tokens each running request's blocks hold (its
-    ``num_computed_tokens``; a static reservation holds more slots than tokens).
-    """
-    from minipaged.trace import StepRecord
-
-    kv = scheduler.kv_cache_manager
-    tables = {r.request_id: kv.get_block_ids(r.request_id) for r in scheduler.running}
-    holders: dict[int, int] = {}
-    for table in tables.values():
-        for b in table:
-            holders[b] = holders.get(b, 0) + 1
-    return StepRecord(
-        step=step,
-        scheduled=dict(output.num_scheduled_tokens),
-        prefill_ids=list(output.prefill_ids),
-        decode_ids=list(output.decode_ids),
-        waiting_ids=[r.request_id for r in scheduler.waiting],
-        preempted_ids=[r.request_id for r in output.preempted],
-        swapped_out_ids=[r.request_id for r in output.swapped_out],
-        swapped_in_ids=[r.request_id for r in output.swapped_in],
-        swapped_ids=[r.request_id for r in scheduler.swapped],
-        finished_ids=[r.request_id for r in output.finished],
-        arrived_ids=[r.request_id for r in output.arrived],
-        block_tables=tables,
-        num_tokens={r.request_id: r.num_computed_tokens for r in scheduler.running},
-        new_block_ids=list(output.new_block_ids),
-        shared_blocks={b: n for b, n in holders.items() if n > 1},
-        num_free_blocks=kv.get_num_free_blocks(),
-    )
-
-
-def run_scheduler(
-    scheduler: _SchedulerBase,
-    arrivals: dict[int, Iterable[Request]] | Iterable[Request],
-    next_token: Callable[[Request], int],
-    max_steps: int = 100_000,
-):
-    """Drive ``scheduler`` with a fake model; return the ``EngineTrace``.
-
-    ``arrivals`` maps a step to the requests added before it (or is one list, all added
-    before step 0); an entry that is itself a list of requests is a sequence group
-    (``add_request_group``). ``next_token(request)`` plays the model: it is called for each
-    request whose prefill completes at a step (and for each sequence forked with no token
-    yet), and returns the token to append. Used by the
-    notebooks and tests to watch the scheduler without a model.
-    """
-    from minipaged.trace import EngineTrace
-
-    if not isinstance(arrivals, dict):
-        arrivals = {0: list(arrivals)}
-    trace = EngineTrace(
-        num_blocks=scheduler.num_blocks,
-        block_size=scheduler.block_size,
-        max_num_seqs=scheduler.max_num_seqs,
-        max_num_batched_tokens=scheduler.max_num_batched_tokens,
-        meta={"scheduler": type(scheduler).__name__,
-              "preemption_mode": scheduler.preemption_mode,
-              "enable_chunked_prefill": scheduler.enable_chunked_prefill},
-    )
-    last_arrival = max(arrivals, default=0)
-    step = 0
-    while step <= last_arrival or scheduler.has_unfinished_requests():
-        if step >= max_steps:
-            raise RuntimeError(f"not finished after {max_steps} steps")
-        for item in arrivals.get(step, ()):
-            group = list(item) if isinstance(item, (list, tuple)) else [item]
-            if isinstance(item, (list, tuple)):
-                scheduler.add_request_group(group)
-            else:
-                scheduler.add_request(item)
-            for req in group:
-                trace.requests[req.request_id] = {
-                    "prompt_len": req.num_prompt_tokens, "arrival_step": step,
-                }
-        out = scheduler.schedule()
-        sampled = {
-            r.request_id: next_token(r)
-            for r, n in out.scheduled
-            if r.num_computed_tokens + n == r.num_tokens
-        }
-        for _, child in out.fork_samples:
-            sampled[child.request_id] = next_token(child)
-        scheduler.update_from_output(out, sampled)
-        trace.record(record_step(scheduler, out, step))
-        for r in out.finished:
-            trace.requests[r.request_id].update(
-                output_len=r.num_output_tokens, finish_step=step,
-                status=r.status.value, stop_reason=r.stop_reason,
-                num_preemptions=r.num_preemptions,
-            )
-        step += 1
-    return trace
+# NOTE: re-exports, so that ``from minipaged.core.scheduler import X`` keeps working for
+# the names that moved out. At the bottom: static_scheduler.py imports _SchedulerBase
+# from this module, which is complete by now (minipaged/core/__init__.py imports this
+# module first, so the import order is always this one).
+from minipaged.core.sched_utils import record_step, run_scheduler  # noqa: E402
+from minipaged.core.static_scheduler import StaticBatchScheduler  # noqa: E402

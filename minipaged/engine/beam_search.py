@@ -60,7 +60,7 @@ import torch
 
 from minipaged.core.kv_cache_utils import cdiv
 from minipaged.core.request import Request, RequestStatus
-from minipaged.core.scheduler import SchedulerOutput
+from minipaged.core.sched_output import SchedulerOutput
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
 from minipaged.trace import StepRecord
 

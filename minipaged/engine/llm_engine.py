@@ -45,7 +45,9 @@ import torch
 
 from minipaged.config import EngineConfig, kv_cache_bytes_per_block
 from minipaged.core.request import Request, RequestStatus
-from minipaged.core.scheduler import StaticBatchScheduler, Scheduler, record_step
+from minipaged.core.sched_utils import record_step
+from minipaged.core.scheduler import Scheduler
+from minipaged.core.static_scheduler import StaticBatchScheduler
 from minipaged.engine.model_runner import ModelRunner
 from minipaged.engine.outputs import CompletionOutput, RequestOutput
 from minipaged.engine.sampler import Sampler, request_base_seed, sample_seed

@@ -80,7 +80,8 @@ from dataclasses import asdict, dataclass
 from minipaged.core.kv_cache_manager import KVCacheManager
 from minipaged.core.kv_cache_utils import cdiv
 from minipaged.core.request import Request
-from minipaged.core.scheduler import Scheduler, run_scheduler
+from minipaged.core.sched_utils import run_scheduler
+from minipaged.core.scheduler import Scheduler
 from minipaged.sampling_params import SamplingParams
 from minipaged.sim.workloads import WORKLOADS, sample_requests
 

@@ -80,12 +80,10 @@ from typing import Optional, Sequence
 
 from minipaged.core.contiguous import ContiguousAllocator
 from minipaged.core.request import Request, RequestStatus
-from minipaged.core.scheduler import (
-    Scheduler,
-    SchedulerOutput,
-    StaticBatchScheduler,
-    record_step,
-)
+from minipaged.core.sched_output import SchedulerOutput
+from minipaged.core.sched_utils import record_step
+from minipaged.core.scheduler import Scheduler
+from minipaged.core.static_scheduler import StaticBatchScheduler
 from minipaged.sampling_params import SamplingParams
 from minipaged.sim.arrivals import TraceRequest
 from minipaged.sim.cost_model import CostModel

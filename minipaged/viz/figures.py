@@ -8,7 +8,7 @@ Sources of the runs
     - the engine on the course model (``minipaged.LLM()``), where the course model is
       present: the run of chapter 00 (``engine_demo_trace``);
     - otherwise, and for the large picture, the real ``Scheduler`` driven by a fake model
-      (``minipaged.core.scheduler.run_scheduler``; ``scheduler_demo_trace``,
+      (``minipaged.core.sched_utils.run_scheduler``; ``scheduler_demo_trace``,
       ``scheduler_large_trace``: 20 requests x about 200 steps);
     - figures owned by other modules (``minipaged.sim.memory_waste``: the paper's Fig. 2)
       are drawn by their own functions; a module that is missing is skipped with a note.
