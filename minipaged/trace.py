@@ -19,6 +19,16 @@ from pathlib import Path
 from typing import Optional
 
 
+def count_holders(block_tables: dict[str, list[int]]) -> dict[int, int]:
+    """Block id -> how many of these block tables hold it (its ref_cnt, when the tables
+    are all of them); blocks held by more than one are the shared ones."""
+    holders: dict[int, int] = {}
+    for table in block_tables.values():
+        for b in table:
+            holders[b] = holders.get(b, 0) + 1
+    return holders
+
+
 @dataclass(slots=True)
 class StepRecord:
     step: int
@@ -113,11 +123,10 @@ class EngineTrace:
             assert len(s.scheduled) <= self.max_num_seqs, (
                 f"step {i}: {len(s.scheduled)} sequences > max_num_seqs {self.max_num_seqs}"
             )
-            holders: dict[int, int] = {}
             for rid, table in s.block_tables.items():
                 for b in table:
                     assert 0 <= b < self.num_blocks, f"step {i}: {rid} holds block {b}"
-                    holders[b] = holders.get(b, 0) + 1
+            holders = count_holders(s.block_tables)
             for b, n in holders.items():
                 if n > 1:
                     assert s.shared_blocks.get(b) == n, (

@@ -49,14 +49,11 @@ def record_step(scheduler: _SchedulerBase, output: SchedulerOutput, step: int):
     same thing. ``num_tokens`` is the tokens each running request's blocks hold (its
     ``num_computed_tokens``; a static reservation holds more slots than tokens).
     """
-    from minipaged.trace import StepRecord
+    from minipaged.trace import StepRecord, count_holders
 
     kv = scheduler.kv_cache_manager
     tables = {r.request_id: kv.get_block_ids(r.request_id) for r in scheduler.running}
-    holders: dict[int, int] = {}
-    for table in tables.values():
-        for b in table:
-            holders[b] = holders.get(b, 0) + 1
+    holders = count_holders(tables)
     return StepRecord(
         step=step,
         scheduled=dict(output.num_scheduled_tokens),

@@ -62,7 +62,7 @@ from minipaged.core.kv_cache_utils import cdiv
 from minipaged.core.request import Request, RequestStatus
 from minipaged.core.sched_output import SchedulerOutput
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
-from minipaged.trace import StepRecord
+from minipaged.trace import StepRecord, count_holders
 
 EARLY_STOPPING = (False, True, "never")
 _NEG = -1.0e9  # transformers' "minus infinity" for scores
@@ -321,10 +321,7 @@ def _record(step, out, active, finished, kv) -> StepRecord:
                 continue  # admitted, its prefill not started yet
             tables[r.request_id] = kv.get_block_ids(r.request_id)
             num_tokens[r.request_id] = r.num_computed_tokens
-    holders: dict[int, int] = {}
-    for t in tables.values():
-        for b in t:
-            holders[b] = holders.get(b, 0) + 1
+    holders = count_holders(tables)
     return StepRecord(
         step=step,
         scheduled=dict(out.num_scheduled_tokens),
