@@ -8,24 +8,12 @@ course model is present when this script runs; otherwise the real scheduler driv
 fake model (same pictures, no text). Re-run this script once the course model lands.
 """
 
-from pathlib import Path
-
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+from _nb import code, md, write
 
 from minipaged.viz.figures import DEMO_ENGINE_KWARGS, DEMO_MAX_TOKENS, DEMO_PROMPTS
 from minipaged.viz.figures import course_model_available
 
 ENGINE = course_model_available()
-cells = []
-
-
-def md(text: str) -> None:
-    cells.append(new_markdown_cell(text.strip("\n")))
-
-
-def code(text: str) -> None:
-    cells.append(new_code_cell(text.strip("\n")))
 
 
 md(r"""
@@ -298,9 +286,4 @@ md(r"""
 **Next**: chapter 01 measures the KV cache.
 """)
 
-nb = new_notebook(cells=cells)
-nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
-nb.metadata["language_info"] = {"name": "python"}
-out = Path(__file__).resolve().parents[1] / "00_overview.ipynb"
-nbformat.write(nb, out)
-print(f"wrote {out} ({'engine' if ENGINE else 'scheduler + fake model'} run)")
+write("00_overview", "engine run" if ENGINE else "scheduler + fake model run")

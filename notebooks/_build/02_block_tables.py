@@ -4,21 +4,7 @@
     jupyter nbconvert --to notebook --execute --inplace notebooks/02_block_tables.ipynb
 """
 
-from pathlib import Path
-
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
-
-cells = []
-
-
-def md(text: str) -> None:
-    cells.append(new_markdown_cell(text.strip("\n")))
-
-
-def code(text: str) -> None:
-    cells.append(new_code_cell(text.strip("\n")))
-
+from _nb import code, md, write
 
 md(r"""
 # 02 · Block tables: paging the KV cache
@@ -350,9 +336,4 @@ md(r"""
 **Next**: chapter 03 reads the cache *through* the block table: the PagedAttention kernel.
 """)
 
-nb = new_notebook(cells=cells)
-nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
-nb.metadata["language_info"] = {"name": "python"}
-out = Path(__file__).resolve().parents[1] / "02_block_tables.ipynb"
-nbformat.write(nb, out)
-print(f"wrote {out}")
+write("02_block_tables")

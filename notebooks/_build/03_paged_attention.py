@@ -4,21 +4,7 @@
     jupyter nbconvert --to notebook --execute --inplace notebooks/03_paged_attention.ipynb
 """
 
-from pathlib import Path
-
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
-
-cells = []
-
-
-def md(text: str) -> None:
-    cells.append(new_markdown_cell(text.strip("\n")))
-
-
-def code(text: str) -> None:
-    cells.append(new_code_cell(text.strip("\n")))
-
+from _nb import code, md, write
 
 md(r"""
 # 03 · PagedAttention: attention through a block table
@@ -431,8 +417,4 @@ The paper found 16-128 work well and picked 16 as vLLM's default.
 Next, chapter 04: continuous batching, the scheduler that rebuilds the batch every step.
 """)
 
-nb = new_notebook(cells=cells)
-nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
-out = Path(__file__).resolve().parents[1] / "03_paged_attention.ipynb"
-nbformat.write(nb, out)
-print("wrote", out)
+write("03_paged_attention")

@@ -4,21 +4,7 @@
     jupyter nbconvert --to notebook --execute --inplace notebooks/04_continuous_batching.ipynb
 """
 
-from pathlib import Path
-
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
-
-cells = []
-
-
-def md(text: str) -> None:
-    cells.append(new_markdown_cell(text.strip("\n")))
-
-
-def code(text: str) -> None:
-    cells.append(new_code_cell(text.strip("\n")))
-
+from _nb import code, md, write
 
 md(r"""
 # 04 · Continuous batching
@@ -372,8 +358,4 @@ md(r"""
   happens when memory runs out (preemption by recompute or swap).
 """)
 
-nb = new_notebook(cells=cells)
-nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-out = Path(__file__).resolve().parent.parent / "04_continuous_batching.ipynb"
-nbformat.write(nb, out)
-print(f"wrote {out}")
+write("04_continuous_batching")

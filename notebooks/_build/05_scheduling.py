@@ -4,21 +4,7 @@
     jupyter nbconvert --to notebook --execute --inplace notebooks/05_scheduling.ipynb
 """
 
-from pathlib import Path
-
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
-
-cells = []
-
-
-def md(text: str) -> None:
-    cells.append(new_markdown_cell(text.strip("\n")))
-
-
-def code(text: str) -> None:
-    cells.append(new_code_cell(text.strip("\n")))
-
+from _nb import code, md, write
 
 md(r"""
 # 05 · Scheduling: token budgets, chunked prefill, memory pressure
@@ -497,9 +483,4 @@ Next: chapter 06 shares blocks between sequences (parallel sampling, beam search
 with copy-on-write.
 """)
 
-nb = new_notebook(cells=cells)
-nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
-nb.metadata["language_info"] = {"name": "python"}
-out = Path(__file__).resolve().parents[1] / "05_scheduling.ipynb"
-nbformat.write(nb, out)
-print(f"wrote {out}")
+write("05_scheduling")

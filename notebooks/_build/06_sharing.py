@@ -4,21 +4,7 @@
     jupyter nbconvert --to notebook --execute --inplace notebooks/06_sharing.ipynb
 """
 
-from pathlib import Path
-
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
-
-cells = []
-
-
-def md(text: str) -> None:
-    cells.append(new_markdown_cell(text.strip("\n")))
-
-
-def code(text: str) -> None:
-    cells.append(new_code_cell(text.strip("\n")))
-
+from _nb import code, md, write
 
 md(r"""
 # 06 · Sharing blocks: fork, copy-on-write, prefix caching
@@ -475,9 +461,4 @@ md(r"""
   and most of the prefill for few-shot prompts (`minipaged sharing`).
 """)
 
-nb = new_notebook(cells=cells)
-nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
-nb.metadata["language_info"] = {"name": "python"}
-out = Path(__file__).resolve().parents[1] / "06_sharing.ipynb"
-nbformat.write(nb, out)
-print("wrote", out)
+write("06_sharing")

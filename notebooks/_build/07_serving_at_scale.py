@@ -7,21 +7,7 @@ Sizes are kept small (about a hundred requests per run) so the notebook runs in 
 minute; ``minipaged simulate`` runs the same experiments at full size.
 """
 
-from pathlib import Path
-
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
-
-cells = []
-
-
-def md(text: str) -> None:
-    cells.append(new_markdown_cell(text.strip("\n")))
-
-
-def code(text: str) -> None:
-    cells.append(new_code_cell(text.strip("\n")))
-
+from _nb import code, md, write
 
 md(r"""
 # 07 · Serving at scale: the paper's experiments on a laptop
@@ -491,9 +477,4 @@ number, and each is honest only together with its setting.
   latency target all move it.
 """)
 
-nb = new_notebook(cells=cells)
-nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
-nb.metadata["language_info"] = {"name": "python"}
-out = Path(__file__).resolve().parents[1] / "07_serving_at_scale.ipynb"
-nbformat.write(nb, out)
-print(f"wrote {out}")
+write("07_serving_at_scale")
