@@ -121,16 +121,22 @@ def _describe_queue_case(case) -> str:
     return f"a free queue holding blocks {order} (front first), then: {steps}"
 
 
+def _twin_queues(n: int, order: list[int]):
+    """The same free queue twice: the package's, and one the student's function works on."""
+    ref_blocks = [KVCacheBlock(i) for i in range(n)]
+    stu_blocks = [KVCacheBlock(i) for i in range(n)]
+    ref = FreeKVCacheBlockQueue([ref_blocks[i] for i in order])
+    stu = _StudentQueue([stu_blocks[i] for i in order])
+    return ref_blocks, ref, stu_blocks, stu
+
+
 @exercise(CHECKS, "ex2.1", "remove a block from the middle of the free queue")
 def check_remove(remove) -> None:
     require_callable("ex2.1", remove, "remove(queue, block)")
 
     def run_one(case):
         n, order, ops = case
-        ref_blocks = [KVCacheBlock(i) for i in range(n)]
-        stu_blocks = [KVCacheBlock(i) for i in range(n)]
-        ref = FreeKVCacheBlockQueue([ref_blocks[i] for i in order])
-        stu = _StudentQueue([stu_blocks[i] for i in order])
+        ref_blocks, ref, stu_blocks, stu = _twin_queues(n, order)
         for k, (op, b) in enumerate(ops):
             step = f"step {k + 1} ({op} block {b})"
             if op == "append":
@@ -155,10 +161,7 @@ def check_popleft(popleft) -> None:
 
     def run_one(case):
         n, order, ops = case
-        ref_blocks = [KVCacheBlock(i) for i in range(n)]
-        stu_blocks = [KVCacheBlock(i) for i in range(n)]
-        ref = FreeKVCacheBlockQueue([ref_blocks[i] for i in order])
-        stu = _StudentQueue([stu_blocks[i] for i in order])
+        ref_blocks, ref, stu_blocks, stu = _twin_queues(n, order)
         for k, (op, b) in enumerate(ops):
             step = f"step {k + 1} ({op}{'' if b is None else f' block {b}'})"
             if op == "append":
