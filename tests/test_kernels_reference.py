@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _paged_cases import TOL, cu_from, make_paged
 from minipaged.kernels import reference
 from minipaged.kernels.reference import (
     contiguous_attention,
@@ -23,35 +24,6 @@ from minipaged.kernels.reference import (
     paged_attention_ref,
     paged_attention_torch,
 )
-
-TOL = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.float16: dict(atol=3e-3, rtol=3e-3),
-    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
-}
-
-
-def make_paged(seq_lens, block_size, num_kv_heads, head_dim, *, dtype=torch.float32, seed=0,
-               extra_cols=0, pad_value=0, spare_blocks=3):
-    """Random caches and shuffled block tables holding ``seq_lens`` tokens per sequence."""
-    g = torch.Generator().manual_seed(seed)
-    need = [math.ceil(n / block_size) for n in seq_lens]
-    num_blocks = sum(need) + spare_blocks
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    ids = torch.randperm(num_blocks, generator=g).tolist()
-    width = max(need + [1]) + extra_cols
-    block_tables = torch.full((len(seq_lens), width), pad_value, dtype=torch.int32)
-    for b, n in enumerate(need):
-        block_tables[b, :n] = torch.tensor(ids[:n], dtype=torch.int32)
-        ids = ids[n:]
-    return k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32)
-
-
-def cu_from(q_lens):
-    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
-    return cu
 
 
 def loop_attention_f64(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale=None):

@@ -10,7 +10,6 @@ fp32 atol = rtol = 1e-5; fp16 3e-3; bf16 2e-2.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -22,6 +21,8 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from _paged_cases import TOL, cu_from  # noqa: E402
+from _paged_cases import make_paged as _make_paged  # noqa: E402
 import minipaged.kernels.paged_attention as pa  # noqa: E402
 from minipaged.kernels import (  # noqa: E402
     HAS_TRITON,
@@ -34,36 +35,13 @@ from minipaged.kernels import (  # noqa: E402
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.float16: dict(atol=3e-3, rtol=3e-3),
-    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
-}
 SMALL = dict(block_n=16)  # several K/V tiles even for short sequences
 
 
-def make_paged(seq_lens, block_size, num_kv_heads, head_dim, *, dtype=torch.float32, seed=0,
-               extra_cols=0, pad_value=0, spare_blocks=2):
-    """Random caches and shuffled block tables holding ``seq_lens`` tokens per sequence."""
-    g = torch.Generator().manual_seed(seed)
-    need = [math.ceil(n / block_size) for n in seq_lens]
-    num_blocks = sum(need) + spare_blocks
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    ids = torch.randperm(num_blocks, generator=g).tolist()
-    width = max(need + [1]) + extra_cols
-    block_tables = torch.full((len(seq_lens), width), pad_value, dtype=torch.int32)
-    for b, n in enumerate(need):
-        block_tables[b, :n] = torch.tensor(ids[:n], dtype=torch.int32)
-        ids = ids[n:]
-    sl = torch.tensor(seq_lens, dtype=torch.int32)
-    return [t.to(DEVICE) for t in (k_cache, v_cache, block_tables, sl)]
+def make_paged(*args, **kw):
+    kw.setdefault("spare_blocks", 2)
+    return _make_paged(*args, device=DEVICE, **kw)
 
-
-def cu_from(q_lens):
-    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
-    return cu.to(DEVICE)
 
 
 def rand_q(rows, num_heads, head_dim, dtype=torch.float32, seed=1):
