@@ -123,6 +123,11 @@ def test_student_stub_fails_as_not_implemented(chapter, exercise_id):
 
 # (exercise, text in the authored solution, its wrong replacement)
 MUTANTS = [
+    ("ex0.1", '"s7": "scheduling"', '"s7": "addressing"'),
+    ("ex0.2", '"D": [2, 1]', '"D": [1, 2]'),
+    ("ex0.3", "* batch_size * (context_len + 1)", "* batch_size * context_len"),
+    ("ex0.4", "return None  # each sequence", "return 0  # each sequence"),
+    ("ex0.5", '"q2": 12', '"q2": 9'),
     ("ex1.1", 'config.get("num_key_value_heads") or num_heads', "num_heads"),
     ("ex1.2", "return min(max_seq_len, pow2)", "return pow2"),
     ("ex1.3", "cdiv(n, block_size) * block_size", "n"),
@@ -146,6 +151,10 @@ MUTANTS = [
     ("ex6.2", "elif table[-1].ref_cnt > 1:", "elif False:"),
     ("ex6.3", "parent = hash_block_tokens(parent,", "parent = hash_block_tokens(None,"),
     ("ex6.4", "[:max_blocks]", ""),
+    ("ex7.1", '{"r0": 1, "r1": 1, "r2": 4}', '{"r0": 1, "r1": 1}'),
+    ("ex7.2", "return float(rates[-1])", "return 0.0"),
+    ("ex7.3", '"max_num_seqs=32": "same"', '"max_num_seqs=32": "down"'),
+    ("ex7.4", '"q3": 14526 // 2048', '"q3": 14526 / 2048'),
 ]
 
 

@@ -18,7 +18,7 @@ Inputs / outputs
 Invariants
     Checks are deterministic: the cases of an exercise come from a RNG seeded with its id,
     so a failure is reproducible and the same for every student. One chapter module per
-    chapter (``ch01`` .. ``ch06``), imported lazily: ``check("ex2.1", ...)`` never imports
+    chapter (``ch00`` .. ``ch07``), imported lazily: ``check("ex2.1", ...)`` never imports
     torch; ``ex3.*`` do.
 
 Failure mode
@@ -37,7 +37,7 @@ import re
 
 from minipaged.checks._harness import PASS_TEMPLATE, ExerciseFailure, pass_line
 
-CHAPTER_MODULES = ("ch01", "ch02", "ch03", "ch04", "ch05", "ch06")
+CHAPTER_MODULES = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07")
 _EXERCISE_RE = re.compile(r"^ex(\d+)\.(\d+)$")
 
 
