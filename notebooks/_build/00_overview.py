@@ -73,6 +73,17 @@ The cache is cut into **blocks** of `block_size` token slots. A request's tokens
 *logical* blocks 0, 1, 2, ...; its **block table** lists the *physical* block behind each.
 Token `i` lives in slot `block_table[i // block_size] * block_size + i % block_size`.
 
+**Contract card · block table and slot mapping** (`minipaged.core.KVCacheManager`:
+`allocate_slots`, `get_slot_mapping`, `free`; vLLM v1 `vllm/v1/core/kv_cache_manager.py`)
+
+| | |
+|---|---|
+| **inputs** | a request id and the number of new tokens to make room for; a pool of `num_blocks` blocks of `block_size` slots |
+| **outputs** | `allocate_slots` -> the newly allocated blocks (maybe none), or `None` if the pool cannot hold them; `get_slot_mapping(rid, start, end)` -> the slot of each token `start .. end-1` |
+| **invariants** | `len(block_table) == ceil(num_tokens / block_size)`; slot of token `i` = `block_table[i // block_size] * block_size + i % block_size`; no two requests hold the same block (without sharing); at most `block_size - 1` slots per request hold no token; free blocks + held blocks = `num_blocks` |
+| **failure modes** | pool exhausted -> `None` and nothing half-allocated (the scheduler decides whom to preempt); an unknown request, a non-positive token count or a span outside the allocated tokens -> `ValueError`; the silent one: a wrong slot makes attention read another token's K/V, with no error |
+| **hand-check** | the next cell: two requests in a pool of 8 blocks of 4, their tables and two slots worked out on paper first |
+
 A hand check first. With `block_size = 4`, request A gets 10 tokens and B 5, from an
 empty pool of 8 blocks. The pool hands out blocks 0, 1, 2 to A (⌈10/4⌉ = 3) and 3, 4 to B
 (⌈5/4⌉ = 2). So A's token 9 is in logical block 2, offset 1: slot 2·4 + 1 = **9**; B's
@@ -269,7 +280,11 @@ md(r"""
 | **05 scheduling** | scheduling | token budget and chunked prefill; memory pressure; recompute vs swap; thrash and head-of-line blocking |
 | **06 sharing** | addressing | copy-on-write forks for parallel sampling and beam search; prefix caching |
 | **07 serving at scale** | all three | a simulator running the real scheduler on a GPU cost model: the paper's experiments |
-| **exercises/** | | one notebook per chapter 01–06: write the real thing, graded automatically |
+| **exercises/** | | one notebook per chapter 00–07: predict, build and measure, graded automatically |
+
+`docs/course_path.md` lays the chapters and exercises out week by week, with concept
+questions for the end of each chapter; `docs/glossary.md` defines every term the course
+uses.
 
 ## Recap
 

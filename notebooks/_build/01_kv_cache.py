@@ -188,6 +188,17 @@ linear address space with first-fit placement:
 | Orca (Pow2) | the next power of two ≥ F | F within 2x |
 | Orca (Oracle) | exactly F | F exactly (impossible in practice) |
 
+**Contract card · contiguous reservation** (`minipaged.core.contiguous.ContiguousAllocator`;
+the paper's Orca baselines, §6.1; no vLLM counterpart)
+
+| | |
+|---|---|
+| **inputs** | a pool of `num_slots` token slots in one address space, `max_model_len`, a policy (`max`, `pow2`, `oracle`); per request: its tokens now and its final length |
+| **outputs** | `allocate` -> one region `[start, start + size)` with `size = reservation_size(final_len)` (first-fit), or `None` if no hole is large enough; `free` returns the region to the holes |
+| **invariants** | regions and holes never overlap and together cover the pool; adjacent holes are merged; a region's tokens never exceed its `final_len`, nor its `final_len` its size; nothing moves once placed |
+| **failure modes** | no hole large enough -> `None`, nothing changed (the request waits: head-of-line blocking); a request longer than `max_model_len` or larger than the pool -> `ValueError`; the silent one: free slots the next request cannot use (external fragmentation) |
+| **hand-check** | the next two cells: a pool of 32 slots drawn one character per slot |
+
 Every reserved slot not holding a token is waste of one of three kinds:
 **reserved** for tokens the request will write later, **internal fragmentation** (reserved,
 never used), and **external fragmentation** (free slots in holes too small for the next
