@@ -12,8 +12,26 @@ from _nb import code, md, write
 md(r"""
 # 07 · Serving at scale: the paper's experiments on a laptop
 
-The vLLM paper's headline is a number: on ShareGPT-like traffic, OPT-13B on one A100
-sustains **1.7–2.7× the request rate of Orca** and up to 22× that of FasterTransformer.
+The vLLM paper's headline is a number, and it is worth reading exactly what was measured.
+
+- **What the paper measured** (§6.2, Fig. 12, top row): normalized latency (seconds per
+  output token) against request rate, on ShareGPT-like traffic, for three settings:
+  OPT-13B on one A100-40GB, OPT-66B on four A100-40GB, OPT-175B on eight A100-80GB.
+  Against the paper's **own re-implementations of Orca** (Orca is not public), vLLM
+  sustains **1.7–2.7× the request rate of Orca (Oracle)** and 2.7–8× that of Orca (Max) at
+  similar latency, and up to 22× that of FasterTransformer. The 1.7–2.7× is a range *over
+  the three models*, not a figure for OPT-13B alone.
+- **What the 2–4× of the abstract is**: the throughput gain "at the same level of latency"
+  over the state of the art. Orca already batches at the iteration level, as vLLM does, so
+  the gain over Orca is not continuous batching; §6.2 credits it to memory management:
+  PagedAttention fits more requests in a batch (Fig. 13: 2.2× more than Orca (Oracle) for
+  OPT-13B).
+- **What this chapter measures**: only the first setting, OPT-13B on one A100-40GB,
+  *simulated*: the real scheduler and allocators of this course, a cost model for the GPU,
+  and our own Orca-like baselines over the same memory. We report two ratios to
+  Orca (Oracle): the sustainable request rate (the paper's measure) and the capacity
+  (throughput with a full queue).
+
 We cannot rent an A100 for an hour per experiment, but we do not need one to see *where
 the number comes from*: the scheduler decides who runs, the KV allocator decides how many
 fit, and a GPU only decides how long each step takes. So we run the **real** scheduler of
@@ -215,7 +233,7 @@ the latency per token reaches twice its light-load value (the knee, marked ×; s
 """)
 
 code(r"""
-FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75)
+FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
 sharegpt = compare_policies("sharegpt", num_requests=200, seed=SEED, cost_model=cm, rate_fractions=FRACTIONS)
 fig = plot_latency(sharegpt.to_dict())
 plt.show()
@@ -243,12 +261,12 @@ last. The **batch** column is the paper's Fig. 13, which reports 7.00 / 9.81 / 1
 hold more than `14526 // 2048 = 7` requests, whatever they need, and paging fits about
 twice as many as even the Oracle.
 
-The ratio to Orca (Oracle) depends on the run: short runs overstate it a little (the
-queue has less time to build). `minipaged simulate` runs 500 requests per point and gets
-1.66× at seed 0 and 1.58–1.75× over seeds 0–3: at the bottom of the paper's 1.7–2.7×, or
-just under it. Our Oracle is the strongest possible Orca (exact lengths, an ideal
-first-fit allocator); the paper's own Orca batched fewer requests (13.6 against about 15
-here), which is most of the gap.
+Compare the vLLM-like / Orca (Oracle) ratio with the paper's **OPT-13B panel** (Fig. 12a),
+not with the 1.7–2.7× range, which spans three models and three GPU setups. The ratio also
+depends on the run: short runs like this one (200 requests) overstate it a little, because
+the queue has less time to build; `minipaged simulate` runs 500 requests per point. Our
+Oracle is the strongest possible Orca (exact lengths, an ideal first-fit allocator); the
+paper's own Orca (Oracle) batched fewer requests (13.6 in Fig. 13a against about 15 here).
 
 Alpaca-like requests are short (19 / 58 tokens). The paged cache could hold more of them
 than `max_num_seqs = 256` allows, so for vLLM-like serving the cap, not memory, is the
@@ -306,6 +324,20 @@ ALPACA = sample_requests("alpaca", 300, SEED)
 BASE = capacity_ratio(SHAREGPT)  # OPT-13B, A100-40GB, ShareGPT-like, max_num_seqs 256, n = 1
 BASE_ALPACA = capacity_ratio(ALPACA)
 print(f"base setting: vLLM-like {BASE[0]:.2f} req/s, Orca (Oracle) {BASE[1]:.2f} req/s, ratio {BASE[2]:.2f}x")
+cap6 = sharegpt.sweeps["paged"].capacity / sharegpt.sweeps["orca-oracle"].capacity
+print(f"vLLM-like / Orca (Oracle), ShareGPT-like: sustainable rate {sharegpt.ratio():.2f}x and "
+      f"capacity {cap6:.2f}x (section 6, 200 requests); capacity {BASE[2]:.2f}x (here, 300 requests)")
+assert sharegpt.ratio() > cap6 > BASE[2] > 1
+""")
+
+md(r"""
+**Two ratios, one comparison.** The line above splits the gap between the two ratios to
+Orca (Oracle): on the same 200 requests the sustainable rate (the arrival rate that keeps
+latency under twice its light-load value) gives a larger ratio than the capacity
+(throughput with every request queued at once), because in a finite run the vLLM-like
+server stays fast a little past its full-queue throughput and the Orca-like one barely
+does (compare the capacity and sustainable columns of section 6's table), and the
+rest is run length (200 vs 300 requests).
 """)
 
 md(r"""
@@ -335,15 +367,14 @@ More memory holds more sequences for *both* systems, and faster memory shortens 
 step, so the absolute rates grow a lot. The *ratio* does not follow the memory size in any
 simple way: with a big cache a step is dominated by reading the KV of a big batch rather
 than the weights, the batch may hit `max_num_seqs`, and a big paged batch preempts and
-recomputes more. (400 requests here, so that the bigger GPUs still have a queue; with this
-few the last digit is noise.)
+recomputes more. (300 requests: the biggest GPU's cache holds most of them at once, so
+its row has the least queue; read the trend, the last digit is noise.)
 """)
 
 code(r"""
-SHAREGPT_400 = sample_requests("sharegpt", 400, SEED)
 for name, gpu in GPUS.items():
     c = CostModel(OPT_13B, gpu)
-    p, o, r = capacity_ratio(SHAREGPT_400, c)
+    p, o, r = BASE if gpu is A100_40GB else capacity_ratio(SHAREGPT, c)
     print(f"{name:10s} KV {c.num_kv_tokens():6d} tokens: vLLM-like {p:6.2f} req/s, "
           f"Orca (Oracle) {o:6.2f} req/s, ratio {r:.2f}x")
 """)
@@ -470,8 +501,11 @@ number, and each is honest only together with its setting.
   whatever the batch, so more sequences in the same memory means more throughput.
 - Reproduced shapes: flat-then-exploding latency curves (Fig. 12), Orca (Max) capped at
   7 requests and vLLM-like batching about twice Orca (Oracle) (Fig. 13), big blocks
-  hurting short requests (Fig. 18b). Sustainable-rate ratio vs Orca (Oracle) on
-  ShareGPT: about 1.6–1.75× here, the paper 1.7–2.7×.
+  hurting short requests (Fig. 18b).
+- The paper's 1.7–2.7× over Orca (Oracle) spans OPT-13B, 66B and 175B on their GPUs;
+  here, for OPT-13B on one simulated A100-40GB, the sustainable-rate ratio and the
+  capacity ratio are printed in sections 6 and 7. The gain over Orca is memory management,
+  not continuous batching: both batch at the iteration level.
 - A speedup is a ratio in one setting: the model, the GPU's memory and bandwidth, the
   lengths, the allowed concurrency, what the baseline knows about sampling, and the
   latency target all move it.
