@@ -20,12 +20,18 @@ PagedAttention.
 
 1. decode attention on a contiguous cache, checked by hand on a tiny example;
 2. the same attention when the tokens sit in scattered blocks: the slot formula, by hand;
-3. the Triton decode kernel (one program per sequence and KV head, an *online softmax* over
-   tiles of tokens), checked against both;
-4. how the split-KV kernel ("PagedAttention V2") spreads one long context over many programs
-   and merges them;
+3. what vLLM's original CUDA kernel does (the logits row in shared memory, a softmax in
+   several passes), and the course's Triton decode kernel (one program per sequence and KV
+   head, an *online softmax* over tiles of tokens), checked against both;
+4. how the split-KV kernel (the **PagedAttention V2 kernel**) spreads one long context over
+   many programs and merges them;
 5. prefill over a cached prefix: what chunked prefill and prefix caching need;
 6. what PagedAttention addresses and what FlashAttention addresses: two different things.
+
+*Names.* "V1" and "V2" in this chapter are **kernels**: vLLM's `paged_attention_v1.cu` (the
+paper's kernel) and `paged_attention_v2.cu` (split-KV). They are unrelated to **vLLM V1**,
+the engine rewrite of 2025 that later chapters call "vLLM v1" (and the paper's engine,
+"v0"). This chapter always says "V1 kernel" / "V2 kernel".
 """)
 
 md("## Setup")
@@ -62,6 +68,14 @@ REPO = Path(minipaged.__file__).resolve().parents[1]  # benchmarks/ lives next t
 
 def show_source(fn):
     print(textwrap.dedent(inspect.getsource(getattr(fn, "fn", fn))))
+
+
+def show_kernel(fn):
+    # A kernel tour: the docstring's pseudocode, then the body (no signature, no docstring).
+    src = textwrap.dedent(inspect.getsource(getattr(fn, "fn", fn)))
+    doc, body = src.split('"' * 3, 2)[1:]
+    pseudo = doc.split("Pseudocode::", 1)[-1]
+    print("pseudocode:\n" + textwrap.dedent(pseudo).strip("\n") + "\n\nbody:" + textwrap.dedent(body).rstrip())
 """)
 
 md(r"""
@@ -159,15 +173,70 @@ sequence, gather its tokens through the block table, then plain softmax attentio
 """)
 
 code(r"""
+# a code tour (inspect.getsource(fn)): nbval runs it but does not compare the code it prints
 show_source(paged_attention_ref)
 """)
 
 md(r"""
-## 3. The Triton decode kernel
+## 3. The decode kernel
 
 A GPU cannot afford the gather: it would copy every sequence's K/V into a new tensor at every
-step of every layer. The kernel instead computes attention **while** it walks the block
-table, tile by tile:
+step of every layer. A paged kernel instead computes attention **while** it walks the block
+table.
+
+**Contract card · paged decode attention** (`minipaged.kernels.paged_attention_decode`;
+vLLM `csrc/attention/paged_attention_v1.cu`, `paged_attention_v2.cu`)
+
+| | |
+|---|---|
+| **inputs** | `q [num_seqs, num_heads, head_dim]` (one new token per sequence); `k_cache`, `v_cache [num_blocks, block_size, num_kv_heads, head_dim]`; `block_tables [num_seqs, max_blocks]` int32; `seq_lens [num_seqs]` int32 (the new token's K/V already written) |
+| **outputs** | `[num_seqs, num_heads, head_dim]`: for each sequence and head, softmax attention over its `seq_lens[b]` tokens |
+| **invariants** | token `n` of sequence `b` is read from `cache[block_tables[b, n // block_size], n % block_size]`; entries of `block_tables` past `ceil(seq_len / block_size)` are never read; query head `h` reads KV head `h // (num_heads // num_kv_heads)`; the result does not depend on which physical blocks hold the tokens; scores and sums in fp32 |
+| **failure modes** | wrong shapes, dtypes or devices, block ids outside the cache (checked on CPU) -> `ValueError` naming the argument; a block table that points at the wrong blocks gives *wrong numbers, no error*: that is what the hand-checks and tests guard |
+| **hand-check** | the cells below run the kernel on the 6 tokens of section 2 and compare it with the contiguous and by-hand results; then a batch in a shuffled pool for every block size |
+
+### What vLLM's original kernel does
+
+The paper's CUDA kernel (the **PagedAttention V1 kernel**) runs one thread block per
+(head, sequence). It does *not* use an online softmax. It makes several passes over the
+sequence:
+
+1. walk the block table block by block, compute every score $q \cdot k_i$ and write it to a
+   **logits row in shared memory**, one fp32 number per token of the context;
+2. reduce that row to its max $m$ (a block-wide reduction);
+3. replace each logit by $e^{s_i - m}$ and reduce the row to its sum $\ell$;
+4. walk the blocks again, reading V, and accumulate $\sum_i (e^{s_i - m} / \ell)\, v_i$.
+
+That is exact and simple, but the row grows with the context: 4 bytes per token, so a
+32k-token context needs 128 KiB of shared memory for one thread block, more than the 48 KiB
+a block gets by default. The **PagedAttention V2 kernel** (section 4) partitions the
+sequence into 512-token pieces: each thread block's logits row is then bounded by the
+partition size (2 KiB), and the partitions of one long sequence run in parallel, which
+also fills the GPU when there are few sequences. A reduce kernel merges the pieces.
+
+The same four passes in torch, on the scores of section 1 (`logits` plays the shared-memory
+row):
+""")
+
+code(r"""
+logits = scores.clone()  # pass 1: the whole row of scores, one per token
+m_row = logits.max()  # pass 2: the row's max
+e = torch.exp(logits - m_row)  # pass 3: exponentiate and sum
+l_row = e.sum()
+out_multipass = (e / l_row) @ v[:, 0]  # pass 4: weighted sum of V
+print("multi-pass (V1 kernel style):", out_multipass)
+print("one-shot softmax            :", p @ v[:, 0])
+for L_ctx in (2048, 8192, 32768):
+    print(f"logits row for a {L_ctx:>5}-token context: {4 * L_ctx // 1024:>3} KiB of shared memory "
+          f"(V2 kernel, 512-token partitions: 2 KiB)")
+""")
+
+md(r"""
+### The course's Triton kernel: one pass, online softmax
+
+The Triton kernel of this course follows the later, FlashAttention-style formulation
+(as vLLM's Triton attention backend does): it walks the block table tile by tile and never
+stores the score row:
 
 - one *program* per (sequence, KV head); the query heads of the GQA group are the rows of one
   tile, so each K/V tile is loaded once per group;
@@ -197,11 +266,13 @@ print("one-shot softmax       :", p @ v[:, 0])
 md(r"""
 The kernel's inner loop does exactly this, with `exp2` (scores are pre-multiplied by
 $\log_2 e$) and on tiles of query rows. Read it: the two lines after "The paging" are the
-only difference from a FlashAttention loop.
+only difference from a FlashAttention loop. (Its twenty arguments, each commented, are in
+`minipaged/kernels/paged_attention.py`.)
 """)
 
 code(r"""
-show_source(pa._attend_kv_range)
+# a code tour (inspect.getsource(fn)): nbval runs it but does not compare the code it prints
+show_kernel(pa._attend_kv_range)
 """)
 
 code(r"""
@@ -243,11 +314,11 @@ for bs in [1, 4, 16, 64, 256]:
 """)
 
 md(r"""
-## 4. Split-KV: "PagedAttention V2"
+## 4. Split-KV: the PagedAttention V2 kernel
 
-One program per (sequence, KV head) walks the *whole* context. With a batch of 1 and a 32k
+In the V1 kernel, one program per (sequence, KV head) walks the *whole* context. With a batch of 1 and a 32k
 context on a GPU with 132 SMs, that is 8 programs (8 KV heads) for 132 SMs: most of the chip
-idles while 8 programs each stream 32k tokens. V2 cuts each context into **partitions**
+idles while 8 programs each stream 32k tokens. The V2 kernel cuts each context into **partitions**
 (512 tokens by default) and runs one program per (sequence, KV head, partition). Each writes
 its partition's normalized output $o_p$, its max $m_p$ and its exp-sum $\ell_p$; a **reduce**
 kernel merges them with the same rescaling the online softmax uses:
@@ -261,7 +332,7 @@ def programs(batch, kv_heads, context, partition=512):
 
 for batch, context in [(1, 32768), (8, 4096), (64, 4096)]:
     v1, v2 = programs(batch, 8, context)
-    print(f"batch {batch:>2} x context {context:>5}: V1 {v1:>4} programs, V2 {v2:>5} programs (132 SMs)")
+    print(f"batch {batch:>2} x context {context:>5}: V1 kernel {v1:>4} programs, V2 kernel {v2:>5} programs (132 SMs)")
 """)
 
 md(r"""
@@ -290,13 +361,14 @@ print("V2 kernel == reference:", torch.allclose(v2.cpu()[0, 0], want, atol=1e-5)
 """)
 
 md(r"""
-`paged_attention_decode` picks V2 by itself when contexts are long (over 8192 tokens) or
-when V1's grid would leave the GPU's SMs idle; `use_v2=True/False` forces a path (the tests
-run both). The reduce kernel:
+`paged_attention_decode` picks the V2 kernel by itself when contexts are long (over 8192
+tokens, vLLM's own threshold) or when the V1 kernel's grid would leave the GPU's SMs idle;
+`use_v2=True/False` forces a path (the tests run both). The reduce kernel:
 """)
 
 code(r"""
-show_source(pa._paged_attention_reduce_kernel)
+# a code tour (inspect.getsource(fn)): nbval runs it but does not compare the code it prints
+show_kernel(pa._paged_attention_reduce_kernel)
 """)
 
 md(r"""
@@ -332,7 +404,8 @@ print("paged_attention_torch (the engine's default backend) agrees:",
 md(r"""
 ## 6. PagedAttention is not FlashAttention
 
-Both kernels above use an online softmax over tiles, which is FlashAttention's idea. It is
+Both Triton kernels above use an online softmax over tiles, which is FlashAttention's idea
+(the paper's V1 kernel did not). It is
 easy to conflate the two; they answer different questions.
 
 | | PagedAttention (vLLM, 2023) | FlashAttention (Dao et al., 2022) |
@@ -341,7 +414,7 @@ easy to conflate the two; they answer different questions.
 | idea | store K/V in fixed-size blocks anywhere; a block table maps logical to physical blocks | tile Q, K, V into on-chip SRAM; online softmax so scores never reach HBM |
 | what it changes | **where** K/V live and how they are **addressed** | **how** the attention arithmetic is scheduled |
 | wins | batch size (less waste, sharing, copy-on-write) -> throughput | speed and memory of one attention call |
-| without the other | the paper's kernel: paged reads, no tiling of a long sequence (V1) | contiguous K/V only (later versions added a paged KV cache) |
+| without the other | the paper's V1 kernel: paged reads, the whole logits row in shared memory, a multi-pass softmax | contiguous K/V only (later versions added a paged KV cache) |
 
 A kernel can do both, as modern ones (and this chapter's) do: the tile loop is FlashAttention,
 the `block_table[n // block_size]` lookup inside it is PagedAttention. The price of paging is
@@ -406,10 +479,14 @@ The paper found 16-128 work well and picked 16 as vLLM's default.
 - PagedAttention's attention half is ordinary attention with one indirection: token $i$'s
   K/V are at `cache[block_table[i // block_size], i % block_size]`.
 - `paged_attention_ref` gathers through the table and does plain softmax: the grader.
-- The Triton decode kernel walks the table tile by tile with an online softmax, one program
+- vLLM's original V1 kernel keeps the whole logits row in shared memory and makes several
+  passes (scores, max, exp-sum, weighted V); the V2 kernel partitions the sequence, which
+  bounds that row and adds parallelism for long contexts.
+- The course's Triton decode kernel walks the table tile by tile with an online softmax, one program
   per (sequence, KV head) with the GQA group as tile rows; any block size 1..256, odd head
   sizes by masking, fp32 accumulation.
-- Split-KV (V2) adds a partition axis to the grid and a reduce kernel, for few long sequences.
+- Split-KV (the V2 kernel) adds a partition axis to the grid and a reduce kernel, for few long sequences.
+- "V1/V2 kernel" names kernels; "vLLM v1" names the 2025 engine. They are unrelated.
 - The prefill kernel handles causal query spans over a cached prefix, so chunked prefill and
   prefix caching are the same code path.
 - PagedAttention decides *where KV lives*; FlashAttention decides *how attention is computed*.
