@@ -270,5 +270,13 @@ def check_concept_answers(concept_answers) -> None:
     run_cases("ex0.5", list(CONCEPT_KEY), run_one, describe=lambda q: f"{q}: {CONCEPT_KEY[q][0]}")
 
 
-__all__ = ["CHECKS", "CONCEPT_KEY", "EVENTS", "ExerciseFailure", "STATEMENTS", "ref_decode_step_time",
-           "ref_ridge_batch", "reference_tables"]
+__all__ = [
+    "CHECKS",
+    "CONCEPT_KEY",
+    "EVENTS",
+    "STATEMENTS",
+    "ExerciseFailure",
+    "ref_decode_step_time",
+    "ref_ridge_batch",
+    "reference_tables",
+]

@@ -30,7 +30,15 @@ from minipaged.checks._harness import (
     require_callable,
     run_cases,
 )
-from minipaged.sim import A100_40GB, OPT_13B, CostModel, make_requests, offline_capacity, sample_requests, simulate
+from minipaged.sim import (
+    A100_40GB,
+    OPT_13B,
+    CostModel,
+    make_requests,
+    offline_capacity,
+    sample_requests,
+    simulate,
+)
 from minipaged.sim.simulator import sustainable_rate as _sim_sustainable_rate
 
 CHECKS: dict = {}
@@ -39,7 +47,7 @@ CHECKS: dict = {}
 
 # (prompt_len, output_len, arrival time in s) of r0, r1, r2; and the engine's knobs
 PREDICT_REQUESTS = [(6, 3, 0.0), (5, 2, 0.0), (4, 2, 0.030)]
-PREDICT_KNOBS = dict(max_num_batched_tokens=8, enable_chunked_prefill=True)
+PREDICT_KNOBS = {"max_num_batched_tokens": 8, "enable_chunked_prefill": True}
 
 
 def reference_run():
@@ -186,12 +194,12 @@ def check_predict_directions(predict_directions) -> None:
 # -- ex7.4: concept questions with a number or a choice ----------------------------------------
 
 CONCEPT_KEY = {
-    "q1": ("the paper's 1.7-2.7x over Orca (Oracle) is a range over: 'a' request rates of one model, "
-           "'b' three models (OPT-13B, 66B, 175B), 'c' two datasets", "b", "choice"),
+    "q1": (("the paper's 1.7-2.7x over Orca (Oracle) is a range over: 'a' request rates of one model, "
+           "'b' three models (OPT-13B, 66B, 175B), 'c' two datasets"), "b", "choice"),
     "q2": ("what the paper credits for vLLM's gain over Orca: 'continuous batching' or 'memory management'",
            "memory management", "choice"),
-    "q3": ("Orca (Max) on OPT-13B / A100-40GB (14,526 KV slots, 2048 reserved per request): at most how many "
-           "requests at once", 7, 0.0),
+    "q3": (("Orca (Max) on OPT-13B / A100-40GB (14,526 KV slots, 2048 reserved per request): at most how many "
+           "requests at once"), 7, 0.0),
     "q4": ("vLLM-like / Orca (Oracle) capacity ratio with max_num_seqs = 8", 1.0, 0.02),
 }
 
@@ -220,5 +228,14 @@ def check_concept_answers(concept_answers) -> None:
     run_cases("ex7.4", list(CONCEPT_KEY), run_one, describe=lambda q: f"{q}: {CONCEPT_KEY[q][0]}")
 
 
-__all__ = ["CHANGES", "CHECKS", "CONCEPT_KEY", "ExerciseFailure", "PREDICT_REQUESTS", "capacity_ratio",
-           "measured_directions", "ref_sustainable_rate", "reference_run"]
+__all__ = [
+    "CHANGES",
+    "CHECKS",
+    "CONCEPT_KEY",
+    "PREDICT_REQUESTS",
+    "ExerciseFailure",
+    "capacity_ratio",
+    "measured_directions",
+    "ref_sustainable_rate",
+    "reference_run",
+]
