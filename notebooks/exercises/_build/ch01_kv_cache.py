@@ -31,8 +31,8 @@ nb.exercise(
     - `head_dim`, which may be missing or `None`: then it is `hidden_size // num_attention_heads`;
     - `dtype_bytes` bytes per number (2 for fp16/bf16).
 
-    Hand check: Llama-2-13B (40 layers, 40 heads, hidden 5120, fp16) costs 819,200 bytes,
-    the paper's "800 KB per token".
+    Hand check: Llama-2-13B (40 layers, 40 heads, hidden 5120, fp16) costs 819,200 bytes.
+    (The paper's "800 KB per token" is OPT-13B's, which has the same shape.)
     """,
     """
     def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
@@ -111,7 +111,7 @@ nb.exercise(
 nb.outro("""
 ## Recap
 
-One token of a 13B model costs about 800 KB of KV cache, so the cache, not the weights,
+One token of OPT-13B or Llama-2-13B costs about 800 KB of KV cache, so the cache, not the weights,
 decides how many requests fit. Reserving contiguous space by the maximum length wastes most
 of it; paging wastes less than one block per sequence.
 """)
