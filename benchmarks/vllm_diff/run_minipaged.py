@@ -4,13 +4,15 @@ Runs in the course's environment. ``MinipagedSide`` is the only code that knows 
 build and drive minipaged's scheduler (re-point it here when the core moves); the step
 loop and the record format are ``workloads.run_workload``'s, shared with ``run_vllm.py``.
 
-Options turned off to compare with vLLM v1 (minipaged differs on purpose):
-    ``watermark=None``: vLLM v1's admission rule (the first chunk must fit), not the
-    whole-prefill watermark rule minipaged uses by default. Chunked prefill on, recompute
-    preemption, no swap, no sequence groups (vLLM v1 has neither).
+Settings (what vLLM v1 has): the workload's chunked prefill, recompute preemption, no swap and no
+sequence groups (vLLM v1 has neither). The admission rule follows ``--admission``
+(``workloads.ADMISSIONS``): ``first-chunk`` -> ``watermark=None``; ``full-sequence`` ->
+``watermark=0.0`` (whole-prefill rule, nothing kept free); ``watermark`` -> minipaged's
+default ``watermark=WATERMARK``.
 
-usage: python benchmarks/vllm_diff/run_minipaged.py --seeds 0:100 --out DIR
-    writes DIR/minipaged_<seed>.json (the workload and its step records).
+usage: python benchmarks/vllm_diff/run_minipaged.py --ids 0:100,cases --out DIR
+        [--admission first-chunk]
+    writes DIR/minipaged_<admission>_<id>.json (the workload and its step records).
 """
 
 from __future__ import annotations
@@ -21,13 +23,17 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import EOS_TOKEN_ID, fake_token, make_workload, run_workload  # noqa: E402
+from workloads import (  # noqa: E402
+    ADMISSIONS, EOS_TOKEN_ID, WATERMARK, fake_token, make_workload, parse_ids, run_workload,
+)
+
+_WATERMARK = {"first-chunk": None, "full-sequence": 0.0, "watermark": WATERMARK}
 
 
 class MinipagedSide:
     """Adapter: builds minipaged's v1 scheduler for a workload config and steps it."""
 
-    def __init__(self, config: dict) -> None:
+    def __init__(self, config: dict, admission: str = "first-chunk") -> None:
         from minipaged.core import Scheduler
 
         self.scheduler = Scheduler(
@@ -35,11 +41,11 @@ class MinipagedSide:
             config["block_size"],
             max_num_seqs=config["max_num_seqs"],
             max_num_batched_tokens=config["max_num_batched_tokens"],
-            enable_chunked_prefill=True,
+            enable_chunked_prefill=config["enable_chunked_prefill"],
             preemption_mode="recompute",
             max_model_len=config["max_model_len"],
             enable_prefix_caching=config["enable_prefix_caching"],
-            watermark=None,  # vLLM v1's first-chunk admission
+            watermark=_WATERMARK[admission],
         )
 
     def add_request(self, r: dict) -> None:
@@ -76,28 +82,22 @@ class MinipagedSide:
         }
 
 
-def run_one(seed: int) -> dict:
-    workload = make_workload(seed)
-    return {"workload": workload, "steps": run_workload(MinipagedSide(workload["config"]), workload)}
-
-
-def parse_seeds(text: str) -> list[int]:
-    """``"0:100"`` -> 0..99; ``"3,7"`` -> [3, 7]."""
-    if ":" in text:
-        a, b = text.split(":")
-        return list(range(int(a), int(b)))
-    return [int(s) for s in text.split(",") if s]
+def run_one(wid, admission: str = "first-chunk") -> dict:
+    workload = make_workload(wid)
+    side = MinipagedSide(workload["config"], admission)
+    return {"workload": workload, "admission": admission, "steps": run_workload(side, workload)}
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", default="0:100")
+    ap.add_argument("--ids", default="0:100,cases", help="workload ids (workloads.parse_ids)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--admission", choices=ADMISSIONS, default="first-chunk")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    for seed in parse_seeds(args.seeds):
-        with open(os.path.join(args.out, f"minipaged_{seed}.json"), "w") as f:
-            json.dump(run_one(seed), f)
+    for wid in parse_ids(args.ids):
+        with open(os.path.join(args.out, f"minipaged_{args.admission}_{wid}.json"), "w") as f:
+            json.dump(run_one(wid, args.admission), f)
 
 
 if __name__ == "__main__":

@@ -8,15 +8,20 @@ each step, every request whose prefill completes gets ``workloads.fake_token``; 
 others (prefill chunks) get no token, as vLLM's model runner discards theirs.
 
 Config (to compare with minipaged's v1 scheduler, see ``run_minipaged.py``)
-    Sync ``Scheduler`` (no async scheduling), FCFS policy, chunked prefill on, no spec
-    decode, no KV connector, ``long_prefill_token_threshold=0``, ``watermark=0``.
-    ``scheduler_reserve_full_isl``: vLLM's default (True) admits a waiting request only
-    if blocks for all its tokens fit; ``--admission first-chunk`` turns it off (the rule
-    minipaged's ``watermark=None`` implements). The pool has ``num_blocks + 1`` blocks:
-    vLLM keeps block 0 as its null block, so both sides have ``num_blocks`` usable.
+    Sync ``Scheduler`` (no async scheduling), FCFS policy, the workload's chunked prefill
+    and ``max_model_len``, no spec
+    decode, no KV connector, ``long_prefill_token_threshold=0``. The admission rule
+    follows ``--admission`` (``workloads.ADMISSIONS``): ``first-chunk`` ->
+    ``scheduler_reserve_full_isl=False``; ``full-sequence`` -> vLLM's default
+    (``scheduler_reserve_full_isl=True``, ``watermark=0``); ``watermark`` -> full sequence
+    plus vLLM's ``watermark``, set so that it keeps exactly minipaged's
+    ``int(WATERMARK * num_blocks)`` blocks free (vLLM counts its null block in the pool).
+    The pool has ``num_blocks + 1`` blocks: vLLM keeps one as its null block, so both
+    sides have ``num_blocks`` usable.
 
-usage: .venv-vllm/bin/python benchmarks/vllm_diff/run_vllm.py --seeds 0:100 --out DIR
-    writes DIR/vllm_<seed>.json (the workload and its step records).
+usage: .venv-vllm/bin/python benchmarks/vllm_diff/run_vllm.py --ids 0:100,cases --out DIR
+        [--admission first-chunk [full-sequence ...]]
+    writes DIR/vllm_<admission>_<id>.json (the workload and its step records).
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import EOS_TOKEN_ID, fake_token, make_workload, run_workload  # noqa: E402
+from workloads import (  # noqa: E402
+    ADMISSIONS, EOS_TOKEN_ID, WATERMARK, fake_token, make_workload, parse_ids, run_workload,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COURSE_MODEL = os.path.join(REPO, "minipaged", "data", "course_model")
@@ -37,7 +44,7 @@ COURSE_MODEL = os.path.join(REPO, "minipaged", "data", "course_model")
 class VllmSide:
     """Adapter: builds vLLM v1's Scheduler for a workload config and steps it."""
 
-    _model_config = None  # one ModelConfig for all workloads (it reads the HF dir)
+    _model_configs: dict = {}  # max_model_len -> ModelConfig (it reads the HF dir)
 
     def __init__(self, config: dict, admission: str) -> None:
         import torch
@@ -49,28 +56,33 @@ class VllmSide:
         from vllm.utils.hashing import sha256
 
         bs = config["block_size"]
-        if VllmSide._model_config is None:
-            VllmSide._model_config = ModelConfig(
-                model=COURSE_MODEL, dtype="float32", seed=0,
-                max_model_len=config["max_model_len"], skip_tokenizer_init=True)
+        num_blocks = config["num_blocks"] + 1  # + vLLM's null block
+        watermark = 0.0
+        if admission == "watermark":
+            # vLLM keeps int(watermark * num_blocks) free: make that minipaged's count
+            watermark = (int(WATERMARK * config["num_blocks"]) + 0.5) / num_blocks
+        mml = config["max_model_len"]
+        if mml not in VllmSide._model_configs:
+            VllmSide._model_configs[mml] = ModelConfig(
+                model=COURSE_MODEL, dtype="float32", seed=0, max_model_len=mml,
+                skip_tokenizer_init=True)
         scheduler_config = SchedulerConfig(
             max_num_seqs=config["max_num_seqs"],
             max_num_batched_tokens=config["max_num_batched_tokens"],
-            max_model_len=config["max_model_len"],
+            max_model_len=mml,
             is_encoder_decoder=False,
-            enable_chunked_prefill=True,
+            enable_chunked_prefill=config["enable_chunked_prefill"],
             long_prefill_token_threshold=0,
             async_scheduling=False,
             policy="fcfs",
-            scheduler_reserve_full_isl=(admission == "full-sequence"),
-            watermark=0.0,
+            scheduler_reserve_full_isl=(admission != "first-chunk"),
+            watermark=watermark,
         )
-        num_blocks = config["num_blocks"] + 1  # + vLLM's null block
         cache_config = CacheConfig(
             block_size=bs, cache_dtype="auto",
             enable_prefix_caching=config["enable_prefix_caching"])
         vllm_config = VllmConfig(
-            scheduler_config=scheduler_config, model_config=VllmSide._model_config,
+            scheduler_config=scheduler_config, model_config=VllmSide._model_configs[mml],
             cache_config=cache_config)
         # VllmConfig's platform hook may rewrite the block size; the scheduler must use ours.
         vllm_config.cache_config.block_size = bs
@@ -137,27 +149,25 @@ class VllmSide:
                 "finished": finished}
 
 
-def run_one(seed: int, admission: str) -> dict:
-    workload = make_workload(seed)
+def run_one(wid, admission: str) -> dict:
+    workload = make_workload(wid)
     side = VllmSide(workload["config"], admission)
     return {"workload": workload, "admission": admission,
             "steps": run_workload(side, workload)}
 
 
 def main(argv=None) -> None:
-    from run_minipaged import parse_seeds
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", default="0:100")
+    ap.add_argument("--ids", default="0:100,cases", help="workload ids (workloads.parse_ids)")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--admission", choices=["first-chunk", "full-sequence"],
-                    default="first-chunk")
+    ap.add_argument("--admission", choices=ADMISSIONS, nargs="+", default=["first-chunk"])
     args = ap.parse_args(argv)
     logging.getLogger("vllm").setLevel(logging.ERROR)
     os.makedirs(args.out, exist_ok=True)
-    for seed in parse_seeds(args.seeds):
-        with open(os.path.join(args.out, f"vllm_{seed}.json"), "w") as f:
-            json.dump(run_one(seed, args.admission), f)
+    for admission in args.admission:
+        for wid in parse_ids(args.ids):
+            with open(os.path.join(args.out, f"vllm_{admission}_{wid}.json"), "w") as f:
+                json.dump(run_one(wid, admission), f)
 
 
 if __name__ == "__main__":
