@@ -21,7 +21,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks", "vllm_diff"))
 
 import compare  # noqa: E402
-from workloads import ADMISSIONS, CASES, make_workload, parse_ids, run_workload  # noqa: E402
+from workloads import ADMISSIONS, CASES, make_workload, parse_ids  # noqa: E402
 
 from minipaged.core import cdiv  # noqa: E402
 
@@ -93,10 +93,12 @@ def runs():
 def test_same_steps_as_vllm(runs, admission):
     vllm, mp = runs
     s = compare.compare(vllm[admission], mp[admission])
-    msg = "\n".join(compare.describe(w, vllm[admission][w], s["diffs"][w]) for w in s["unexpected"])
+    msg = "\n".join(compare.describe(w, vllm[admission][w], s["diffs"][w])
+                    for w in s["unexpected"])
     assert not s["unexpected"], f"{compare.summary_line(admission, s)}\n{msg}"
     assert s["n"] >= 100
-    assert s["with_preemption"] >= 20 and s["with_prefix_hit"] >= 20, compare.summary_line(admission, s)
+    line = compare.summary_line(admission, s)
+    assert s["with_preemption"] >= 20 and s["with_prefix_hit"] >= 20, line
     for wid in s["diffs"]:  # every known difference is a prefix-caching detail
         assert vllm[admission][wid]["workload"]["config"]["enable_prefix_caching"], wid
 
@@ -118,7 +120,8 @@ def test_comparison_tells_admission_rules_apart(runs):
     vllm, mp = runs
     for a, b in [("first-chunk", "full-sequence"), ("full-sequence", "watermark")]:
         s = compare.compare(vllm[a], mp[b])
-        plain = [w for w in s["diffs"] if not vllm[a][w]["workload"]["config"]["enable_prefix_caching"]]
+        plain = [w for w in s["diffs"]
+                 if not vllm[a][w]["workload"]["config"]["enable_prefix_caching"]]
         assert plain, (a, b)
 
 

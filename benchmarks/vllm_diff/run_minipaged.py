@@ -24,7 +24,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import (  # noqa: E402
-    ADMISSIONS, EOS_TOKEN_ID, WATERMARK, fake_token, make_workload, parse_ids, run_workload,
+    ADMISSIONS,
+    EOS_TOKEN_ID,
+    WATERMARK,
+    fake_token,
+    make_workload,
+    parse_ids,
+    run_workload,
 )
 
 _WATERMARK = {"first-chunk": None, "full-sequence": 0.0, "watermark": WATERMARK}

@@ -34,26 +34,31 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import (  # noqa: E402
-    ADMISSIONS, EOS_TOKEN_ID, WATERMARK, fake_token, make_workload, parse_ids, run_workload,
+    ADMISSIONS,
+    EOS_TOKEN_ID,
+    WATERMARK,
+    fake_token,
+    make_workload,
+    parse_ids,
+    run_workload,
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COURSE_MODEL = os.path.join(REPO, "minipaged", "data", "course_model")
+_MODEL_CONFIGS: dict = {}  # max_model_len -> vLLM ModelConfig (it reads the HF dir once)
 
 
 class VllmSide:
     """Adapter: builds vLLM v1's Scheduler for a workload config and steps it."""
 
-    _model_configs: dict = {}  # max_model_len -> ModelConfig (it reads the HF dir)
-
     def __init__(self, config: dict, admission: str) -> None:
         import torch
         from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
-        from vllm.utils.hashing import sha256
 
         bs = config["block_size"]
         num_blocks = config["num_blocks"] + 1  # + vLLM's null block
@@ -62,8 +67,8 @@ class VllmSide:
             # vLLM keeps int(watermark * num_blocks) free: make that minipaged's count
             watermark = (int(WATERMARK * config["num_blocks"]) + 0.5) / num_blocks
         mml = config["max_model_len"]
-        if mml not in VllmSide._model_configs:
-            VllmSide._model_configs[mml] = ModelConfig(
+        if mml not in _MODEL_CONFIGS:
+            _MODEL_CONFIGS[mml] = ModelConfig(
                 model=COURSE_MODEL, dtype="float32", seed=0, max_model_len=mml,
                 skip_tokenizer_init=True)
         scheduler_config = SchedulerConfig(
@@ -82,7 +87,7 @@ class VllmSide:
             block_size=bs, cache_dtype="auto",
             enable_prefix_caching=config["enable_prefix_caching"])
         vllm_config = VllmConfig(
-            scheduler_config=scheduler_config, model_config=VllmSide._model_configs[mml],
+            scheduler_config=scheduler_config, model_config=_MODEL_CONFIGS[mml],
             cache_config=cache_config)
         # VllmConfig's platform hook may rewrite the block size; the scheduler must use ours.
         vllm_config.cache_config.block_size = bs
@@ -98,6 +103,15 @@ class VllmSide:
             vllm_config=vllm_config, kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=bs, log_stats=False)
+        # NOTE: VllmConfig's platform hooks may rewrite settings; fail if they did
+        got = (self.scheduler.kv_cache_manager.enable_caching, self.scheduler.block_size,
+               vllm_config.scheduler_config.enable_chunked_prefill,
+               vllm_config.scheduler_config.max_num_batched_tokens,
+               vllm_config.scheduler_config.max_num_seqs, self.scheduler.max_model_len)
+        want = (config["enable_prefix_caching"], bs, config["enable_chunked_prefill"],
+                config["max_num_batched_tokens"], config["max_num_seqs"], mml)
+        if got != want:
+            raise RuntimeError(f"vLLM changed the config: got {got}, asked for {want}")
         init_none_hash(sha256)
         self.block_hasher = get_request_block_hasher(bs, sha256)
         self.requests = {}
