@@ -201,6 +201,8 @@ class LLMEngine:
             ids = list(self.tokenizer(prompt)["input_ids"]) if prompt else []
             text: Optional[str] = prompt
         else:
+            if any(isinstance(t, bool) for t in prompt):  # NOTE: True / False are not token ids
+                raise ValueError(f"{name} must be a string or a list of int token ids, got {prompt!r}")
             try:
                 ids = [operator.index(t) for t in prompt]
             except TypeError:
