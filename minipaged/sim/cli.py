@@ -113,7 +113,7 @@ def build_report(args) -> dict:
     if "sharegpt" in report["headline"]:
         r = report["headline"]["sharegpt"]["paged/orca-oracle"]
         report["target"] = {"paged/orca-oracle on sharegpt": r, "required": TARGET_RATIO,
-                            "met": r >= TARGET_RATIO}
+                            "met": math.isfinite(r) and r >= TARGET_RATIO}
     return report
 
 
@@ -240,7 +240,9 @@ def format_report(report: dict) -> str:
         verdict = "met" if t["met"] else "NOT met"
         if s["quick"]:
             verdict = "--quick runs are too short to measure it"
-        lines.append(f"paged / Orca (Oracle) on sharegpt: {t['paged/orca-oracle on sharegpt']:.2f}x "
+        r = t["paged/orca-oracle on sharegpt"]
+        rs = f"{r:.2f}x" if math.isfinite(r) else "n/a (no policy sustains any rate)"
+        lines.append(f"paged / Orca (Oracle) on sharegpt: {rs} "
                      f"(target >= {t['required']}: {verdict})")
     for p in report.get("figures", []):
         lines.append(f"wrote {p}")
