@@ -195,7 +195,7 @@ def test_streaming_never_shows_half_a_stop_string(course):
         assert "kind" not in seen or hit is not None
         if hit:
             break
-    assert hit == "kind little" and seen == d.output_text == " a time, there was a "  # ids[:3]: BOS Once upon
+    assert hit == "kind little" and seen == d.output_text == " a time, there was a "
 
 
 # ------------------------------------------------------------ engine, every variant

@@ -18,8 +18,10 @@ How the text grows
     UTF-8 character; SentencePiece drops a word's leading space at a window's start), so
     each step decodes a small window: ``decode(ids[prefix_offset:])`` minus
     ``decode(ids[prefix_offset:read_offset])``; a delta that ends in U+FFFD (an unfinished
-    character) is held back until the next token completes it. The window starts on the
-    last 5 prompt tokens (vLLM's ``INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET``).
+    character) is held back until the next token completes it. The window starts at the
+    first output token, so the text is ``tokenizer.decode(output_token_ids)``, the text
+    minipaged returns for every request. (vLLM starts it on the last 5 prompt tokens; with
+    a tokenizer that joins tokens by spaces that adds a leading space.)
 
 Stop strings (vLLM's rules)
     After each token (once more than ``min_tokens`` tokens were generated), the stop
@@ -40,8 +42,6 @@ from __future__ import annotations
 from typing import Optional
 
 from minipaged.sampling_params import SamplingParams
-
-INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5
 
 
 def find_stop_string(
@@ -71,10 +71,12 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.skip_special_tokens = params.skip_special_tokens
         self.min_tokens = params.min_tokens
-        # the window: the last prompt tokens, so the first output token decodes in context
-        self.token_ids = list(prompt_token_ids[-INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET:])
+        # NOTE: the window starts at the first output token (see the module docstring);
+        # prompt_token_ids are kept for a tokenizer-specific start later.
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids: list[int] = []
         self.prefix_offset = 0
-        self.read_offset = len(self.token_ids)
+        self.read_offset = 0
         self.num_output_tokens = 0
         self.output_text = ""
         self.stop_string: Optional[str] = None
