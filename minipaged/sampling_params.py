@@ -157,8 +157,9 @@ def verify_sampling_params(
 ) -> None:
     """The checks that need the engine; ``ValueError`` naming the argument.
 
-    ``n > max_num_seqs``: the n sequences of a request run as one group, all or nothing,
-    so such a request could never be scheduled (refused up front, before any is queued).
+    ``n > max_num_seqs``: with continuous batching the n sequences of a request run as
+    one group, all or nothing, so such a request could never be scheduled; static
+    batching is held to the same limit, so both policies accept the same requests.
     """
     if not isinstance(params, SamplingParams):
         raise ValueError(f"{name} must be a SamplingParams, got {type(params).__name__}")

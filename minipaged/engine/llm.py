@@ -38,7 +38,11 @@ from typing import Optional, Sequence, Union
 from minipaged.config import EngineConfig
 from minipaged.engine.llm_engine import LLMEngine
 from minipaged.engine.outputs import RequestOutput
-from minipaged.sampling_params import BeamSearchParams, SamplingParams, verify_sampling_params
+from minipaged.sampling_params import (
+    BeamSearchParams,
+    SamplingParams,
+    verify_sampling_params,
+)
 from minipaged.trace import EngineTrace
 
 PromptsType = Union[str, Sequence[str], Sequence[int], Sequence[Sequence[int]]]

@@ -50,7 +50,7 @@ from minipaged.core.scheduler import Scheduler
 from minipaged.core.static_scheduler import StaticBatchScheduler
 from minipaged.engine.model_runner import ModelRunner
 from minipaged.engine.output_processor import OutputProcessor
-from minipaged.engine.outputs import CompletionOutput, RequestOutput
+from minipaged.engine.outputs import RequestOutput
 from minipaged.engine.sampler import Sampler, request_base_seed, sample_seed
 from minipaged.sampling_params import SamplingParams, verify_sampling_params
 from minipaged.trace import EngineTrace

@@ -76,9 +76,12 @@ class OutputProcessor:
 
     # -- called by the engine after sampling -------------------------------------------
     def add_logprobs(self, reqs: Sequence[Request], entries: Sequence[Optional[Logprobs]]) -> None:
+        """Called before the sampled tokens are appended: ``entries[i]`` belongs to output
+        position ``reqs[i].num_output_tokens`` (a re-sampled position replaces its entry)."""
         for req, e in zip(reqs, entries):
             st = self.seqs.get(req.request_id)
             if e is not None and st is not None and st.logprobs is not None:
+                del st.logprobs[req.num_output_tokens :]
                 st.logprobs.append(e)
 
     # -- the output -------------------------------------------------------------------
