@@ -153,7 +153,11 @@ class SamplingParams:
 
 
 def verify_sampling_params(
-    params: SamplingParams, vocab_size: int, max_num_seqs: int, name: str = "sampling_params"
+    params: SamplingParams,
+    vocab_size: int,
+    max_num_seqs: int,
+    name: str = "sampling_params",
+    has_tokenizer: bool = True,
 ) -> None:
     """The checks that need the engine; ``ValueError`` naming the argument.
 
@@ -168,6 +172,8 @@ def verify_sampling_params(
             f"{name}.n={params.n} exceeds max_num_seqs={max_num_seqs}: the engine can never "
             f"schedule that many sequences of one request together"
         )
+    if params.stop and not has_tokenizer:
+        raise ValueError(f"{name}.stop: stop strings need a tokenizer, and this engine has none")
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise ValueError(

@@ -150,6 +150,15 @@ def test_generate_rejects_params_the_engine_cannot_serve(llm, params, name):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_stop_strings_need_a_tokenizer():
+    from minipaged.sampling_params import verify_sampling_params
+
+    p = SamplingParams(stop=["x"])
+    verify_sampling_params(p, 10, 4)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        verify_sampling_params(p, 10, 4, has_tokenizer=False)
+
+
 @pytest.mark.parametrize("prompts", [[True, False], [[True, 5]], [[5, False]]])
 def test_bools_are_not_token_ids(llm, prompts):
     with pytest.raises(ValueError, match="prompts"):

@@ -144,7 +144,8 @@ class LLM:
         for i, p in enumerate(params_list):
             if id(p) not in checked:
                 name = "sampling_params" if isinstance(sampling_params, SamplingParams) else f"sampling_params[{i}]"
-                verify_sampling_params(p, int(engine.model.vocab_size), self.config.max_num_seqs, name)
+                verify_sampling_params(p, int(engine.model.vocab_size), self.config.max_num_seqs, name,
+                                       has_tokenizer=engine.tokenizer is not None)
                 checked.add(id(p))
         if engine.has_unfinished_requests():
             raise RuntimeError("the engine still holds requests from an interrupted call")

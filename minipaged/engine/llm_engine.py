@@ -236,7 +236,8 @@ class LLMEngine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        verify_sampling_params(params, int(self.model.vocab_size), self.config.max_num_seqs)
+        verify_sampling_params(params, int(self.model.vocab_size), self.config.max_num_seqs,
+                               has_tokenizer=self.tokenizer is not None)
         text, ids = _tokenized if _tokenized is not None else self.tokenize(prompt)
         group = _RequestGroup(request_id, text, ids, params)
         seq_params = dataclasses.replace(params, n=1) if params.n > 1 else params
