@@ -18,12 +18,20 @@ Invariants
     re-runs the same checks.
 
 Failure mode
-    a bad value raises ``ValueError`` naming the argument. Pure Python: no torch import, so
-    the CLI and the simulator can build a config cheaply.
+    a bad value raises ``ValueError`` naming the argument: also, at construction,
+    ``attention_backend="triton"`` with a ``block_size`` the Triton kernel cannot address (a
+    power of two in 1..256, ``minipaged/kernels/paged_attention.py``) or without Triton
+    installed; and in ``num_blocks_for``, before anything is allocated, a KV cache (device
+    pool + CPU swap pool) larger than the memory available (``available_memory``: the
+    host's MemAvailable and cgroup limit, or ``torch.cuda.mem_get_info``). Pure Python: torch
+    is imported only to ask a CUDA device's free memory, so the CLI and the simulator can
+    build a config cheaply.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -33,6 +41,65 @@ ATTENTION_BACKENDS = ("torch", "triton")
 DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 DEFAULT_KV_CACHE_MEMORY = 64 * 1024 * 1024  # 64 MiB: ample for the course model on a CPU
+# What the Triton kernel addresses (minipaged/kernels/paged_attention.py, _check_common).
+TRITON_MAX_BLOCK_SIZE = 256
+
+
+def _read_int(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_host_memory() -> Optional[int]:
+    """Bytes of host memory free for new allocations, or None if unknown: MemAvailable
+    (``/proc/meminfo``; else free pages from ``os.sysconf``), capped by a cgroup v2 limit."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    limit = _read_int("/sys/fs/cgroup/memory.max")
+    used = _read_int("/sys/fs/cgroup/memory.current")
+    if limit is not None and used is not None:
+        avail = min(avail, max(0, limit - used))
+    return avail
+
+
+def available_memory(device: str) -> Optional[int]:
+    """Bytes free on ``device`` ("cpu" -> the host; "cuda[:i]" -> that GPU), None if unknown."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return None  # NOTE: the model loader says so in one sentence
+        index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            return None
+        return int(torch.cuda.mem_get_info(index)[0])
+    if device == "cpu":
+        return available_host_memory()
+    return None
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
 
 
 def _is_int(x) -> bool:
@@ -92,19 +159,60 @@ class EngineConfig:
             raise ValueError(f"device must be a string such as 'cpu' or 'cuda', got {self.device!r}")
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.attention_backend == "triton":
+            bs = self.block_size
+            if bs > TRITON_MAX_BLOCK_SIZE or bs & (bs - 1):
+                raise ValueError(
+                    f"block_size must be a power of two in 1..{TRITON_MAX_BLOCK_SIZE} with "
+                    f"attention_backend='triton' (the kernel's requirement), got {bs}"
+                )
+            if importlib.util.find_spec("triton") is None:
+                raise ValueError("attention_backend='triton' needs Triton installed (pip install triton)")
 
     # -- derived -------------------------------------------------------------------
     def num_blocks_for(self, bytes_per_block: int) -> int:
         """The device pool size: ``num_blocks`` if given, else the memory budget's worth."""
         if self.num_blocks is not None:
-            return self.num_blocks
-        n = self.kv_cache_memory // bytes_per_block
-        if n < 1:
-            raise ValueError(
-                f"kv_cache_memory={self.kv_cache_memory} bytes is less than one block "
-                f"({bytes_per_block} bytes)"
-            )
+            n = self.num_blocks
+        else:
+            n = self.kv_cache_memory // bytes_per_block
+            if n < 1:
+                raise ValueError(
+                    f"kv_cache_memory={self.kv_cache_memory} bytes is less than one block "
+                    f"({bytes_per_block} bytes)"
+                )
+        self.check_cache_fits(n, bytes_per_block)
         return n
+
+    def check_cache_fits(
+        self, num_blocks: int, bytes_per_block: int, device_free: Optional[int] = None,
+        host_free: Optional[int] = None,
+    ) -> None:
+        """``ValueError`` if the device pool, or the host's share (the CPU swap pool, and the
+        device pool too when the device is the CPU), is larger than the memory available
+        (``device_free`` / ``host_free``: None -> measured now). Unknown memory: no check."""
+        on_host = self.device == "cpu"
+        cpu_blocks = self.cpu_blocks_for(num_blocks)
+        name = "num_blocks" if self.num_blocks is not None else "kv_cache_memory"
+        value = self.num_blocks if self.num_blocks is not None else self.kv_cache_memory
+        if not on_host:
+            free = available_memory(self.device) if device_free is None else device_free
+            need = num_blocks * bytes_per_block
+            if free is not None and need > free:
+                raise ValueError(
+                    f"{name}={value}: the KV cache needs {_fmt_bytes(need)} ({num_blocks} blocks x "
+                    f"{bytes_per_block} bytes) but {self.device} has {_fmt_bytes(free)} free"
+                )
+        host_need = (cpu_blocks + (num_blocks if on_host else 0)) * bytes_per_block
+        free = available_host_memory() if host_free is None else host_free
+        if free is not None and host_need > free:
+            if not on_host or (self.num_cpu_blocks is not None and cpu_blocks > num_blocks):
+                name, value = "num_cpu_blocks", cpu_blocks
+            raise ValueError(
+                f"{name}={value}: the KV cache needs {_fmt_bytes(host_need)} of host memory "
+                f"({num_blocks if on_host else 0} device + {cpu_blocks} CPU swap blocks x "
+                f"{bytes_per_block} bytes) but {_fmt_bytes(free)} is available"
+            )
 
     def cpu_blocks_for(self, num_blocks: int) -> int:
         """The CPU swap pool size (0 unless ``preemption_mode='swap'`` or set explicitly)."""

@@ -193,6 +193,8 @@ class _SchedulerBase:
         self._last_output: Optional[SchedulerOutput] = None
         self._in_flight: Optional[SchedulerOutput] = None  # scheduled, not yet updated
         self.num_steps = 0
+        # (request, stopped) -> stopped: the engine's stop-string check (OutputProcessor)
+        self.stop_checker = None
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -391,7 +393,10 @@ class _SchedulerBase:
 
     def _append_and_check(self, req: Request, token_id: int, finished: list[Request]) -> None:
         req.append_output_token_id(token_id)
-        if self._check_stop(req):
+        stopped = self._check_stop(req)
+        if self.stop_checker is not None:  # stop strings, on the engine's detokenized text
+            stopped = self.stop_checker(req, stopped)
+        if stopped:
             self.running.remove(req)
             self.kv_cache_manager.free(req)
             self.finished[req.request_id] = req
@@ -405,6 +410,8 @@ class _SchedulerBase:
             req.status, req.stop_reason = RequestStatus.FINISHED_LENGTH, f"max_tokens={params.max_tokens} reached"
         elif self.max_model_len is not None and req.num_tokens >= self.max_model_len:
             req.status, req.stop_reason = RequestStatus.FINISHED_LENGTH, f"max_model_len={self.max_model_len} reached"
+        elif req.num_output_tokens < params.min_tokens:
+            return False  # NOTE: as vLLM, EOS and stop tokens do not count before min_tokens
         elif not params.ignore_eos and req.eos_token_id is not None and tok == req.eos_token_id:
             req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, f"eos token {tok}"
         elif tok in params.stop_token_ids:

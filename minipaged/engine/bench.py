@@ -51,13 +51,14 @@ Failure mode
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Optional
+
+from minipaged.cli import dumps_json
 
 # name -> (letter, what it is)
 SYSTEMS = {
@@ -84,30 +85,32 @@ class ServeResult:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from minipaged.cli import non_negative_int, positive_int
+
     parser.add_argument("--model", action="append", default=None,
                         help=f"one of {', '.join(NAMED_MODELS)} or a checkpoint dir; repeat for "
                              "several runs (default: course)")
     parser.add_argument("--workload", default="sharegpt", choices=["sharegpt", "alpaca"])
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-requests", type=positive_int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument(
-        "--num-blocks", type=int, default=None,
+        "--num-blocks", type=positive_int, default=None,
         help="KV pool size shared by all systems (default: a quarter of the workload's tokens)",
     )
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=positive_int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
     parser.add_argument(
-        "--threads", type=int, default=1,
+        "--threads", type=non_negative_int, default=1,
         help="torch CPU threads for all systems (default 1: steady numbers on a shared "
              "machine; 0 = torch's default)",
     )
     parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                         help="preemption of the continuous system")
     parser.add_argument("--systems", default="a,b,c,d", help="which systems to run, e.g. a,b (default all)")
-    parser.add_argument("--repeats", type=int, default=1,
+    parser.add_argument("--repeats", type=positive_int, default=1,
                         help="runs per system, alternating order; the fastest of each is reported")
     parser.add_argument("--quick", action="store_true",
                         help="8 requests, lengths scaled to a 128-token context (for tests)")
@@ -626,7 +629,7 @@ def run(args) -> int:
         kw.update(num_requests=min(args.num_requests, 8), workload_max_len=128, profile_steps=3)
     runs = [run_benchmark(model=m, **kw) for m in models]
     r = runs[0] if len(runs) == 1 else {"runs": runs}
-    print(json.dumps(r, indent=2) if args.json else format_report(r))
+    print(dumps_json(r, indent=2) if args.json else format_report(r))
     return 0
 
 

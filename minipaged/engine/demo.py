@@ -55,12 +55,14 @@ DEMO_ENGINE = dict(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from minipaged.cli import non_negative_int
+
     parser.add_argument("--out-dir", default="demo_out", help="folder for the two pictures")
-    parser.add_argument("--steps", type=int, default=0, help="print only the first N steps (0 = all)")
+    parser.add_argument("--steps", type=non_negative_int, default=0, help="print only the first N steps (0 = all)")
     parser.add_argument("--seed", type=int, default=0, help="seed for lengths and sampling")
     parser.add_argument("--no-pictures", action="store_true", help="skip writing the PNGs")
     parser.add_argument(
-        "--threads", type=int, default=1,
+        "--threads", type=non_negative_int, default=1,
         help="torch CPU threads (default 1: the course model is too small to gain from more)",
     )
 

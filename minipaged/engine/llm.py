@@ -20,9 +20,12 @@ Determinism
     text does not depend on the other prompts (see ``minipaged/engine/sampler.py``).
 
 Failure mode
-    every prompt is validated before any is queued: an empty prompt, one longer than the
-    model's context, a mismatched number of ``sampling_params`` -> ``ValueError``, and
-    nothing runs. A request that can never fit in the KV pool is not an error of the
+    every prompt and every ``SamplingParams`` is validated before any is queued: an empty
+    prompt, one longer than the model's context, a mismatched number of
+    ``sampling_params``, a stop token id outside the vocabulary, ``n > max_num_seqs``
+    (never schedulable), ``logprobs`` above ``MAX_LOGPROBS`` -> ``ValueError``, and nothing
+    runs. ``LLM(...)`` raises ``ValueError`` for a bad configuration before it allocates
+    anything (``minipaged/config.py``), including a KV cache larger than the free memory. A request that can never fit in the KV pool is not an error of the
     call: its ``CompletionOutput`` has ``finish_reason == "refused"`` and the reason in
     ``stop_reason`` (a warning is printed too); the other requests are unaffected.
 """
@@ -35,7 +38,11 @@ from typing import Optional, Sequence, Union
 from minipaged.config import EngineConfig
 from minipaged.engine.llm_engine import LLMEngine
 from minipaged.engine.outputs import RequestOutput
-from minipaged.sampling_params import BeamSearchParams, SamplingParams
+from minipaged.sampling_params import (
+    BeamSearchParams,
+    SamplingParams,
+    verify_sampling_params,
+)
 from minipaged.trace import EngineTrace
 
 PromptsType = Union[str, Sequence[str], Sequence[int], Sequence[Sequence[int]]]
@@ -133,6 +140,13 @@ class LLM:
                     raise ValueError(f"sampling_params[{i}] must be a SamplingParams")
         # Validate everything before queueing anything.
         tokenized = [engine.tokenize(p, name=f"prompts[{i}]") for i, p in enumerate(prompt_list)]
+        checked: set[int] = set()
+        for i, p in enumerate(params_list):
+            if id(p) not in checked:
+                name = "sampling_params" if isinstance(sampling_params, SamplingParams) else f"sampling_params[{i}]"
+                verify_sampling_params(p, int(engine.model.vocab_size), self.config.max_num_seqs, name,
+                                       has_tokenizer=engine.tokenizer is not None)
+                checked.add(id(p))
         if engine.has_unfinished_requests():
             raise RuntimeError("the engine still holds requests from an interrupted call")
         engine.reset_trace()

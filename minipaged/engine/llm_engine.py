@@ -49,9 +49,10 @@ from minipaged.core.sched_utils import record_step
 from minipaged.core.scheduler import Scheduler
 from minipaged.core.static_scheduler import StaticBatchScheduler
 from minipaged.engine.model_runner import ModelRunner
-from minipaged.engine.outputs import CompletionOutput, RequestOutput
+from minipaged.engine.output_processor import OutputProcessor
+from minipaged.engine.outputs import RequestOutput
 from minipaged.engine.sampler import Sampler, request_base_seed, sample_seed
-from minipaged.sampling_params import SamplingParams
+from minipaged.sampling_params import SamplingParams, verify_sampling_params
 from minipaged.trace import EngineTrace
 
 PromptType = Union[str, Sequence[int]]
@@ -123,6 +124,8 @@ class LLMEngine:
             model, self.num_blocks, config.block_size, self.num_cpu_blocks, config.device
         )
         self.sampler = Sampler()
+        self.output_processor = OutputProcessor(tokenizer)  # text, stop strings, logprobs
+        self.scheduler.stop_checker = self.output_processor.check_stop_strings
         self.groups: dict[str, _RequestGroup] = {}  # unfinished caller requests
         self.seq_to_group: dict[str, _RequestGroup] = {}  # scheduler request id -> group
         self.trace = self._new_trace()
@@ -198,6 +201,8 @@ class LLMEngine:
             ids = list(self.tokenizer(prompt)["input_ids"]) if prompt else []
             text: Optional[str] = prompt
         else:
+            if any(isinstance(t, bool) for t in prompt):  # NOTE: True / False are not token ids
+                raise ValueError(f"{name} must be a string or a list of int token ids, got {prompt!r}")
             try:
                 ids = [operator.index(t) for t in prompt]
             except TypeError:
@@ -231,6 +236,8 @@ class LLMEngine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        verify_sampling_params(params, int(self.model.vocab_size), self.config.max_num_seqs,
+                               has_tokenizer=self.tokenizer is not None)
         text, ids = _tokenized if _tokenized is not None else self.tokenize(prompt)
         group = _RequestGroup(request_id, text, ids, params)
         seq_params = dataclasses.replace(params, n=1) if params.n > 1 else params
@@ -253,6 +260,7 @@ class LLMEngine:
             group.seqs.append(req)
             group.base_seeds.append(request_base_seed(params, self.config.seed, request_id, j))
         self.groups[request_id] = group
+        self.output_processor.add_request(group.seqs, ids, params)
         for req in group.seqs:
             self.seq_to_group[req.request_id] = group
             self.trace.requests[req.request_id] = {
@@ -325,7 +333,8 @@ class LLMEngine:
         if sample_rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(sample_rows, device=logits.device)]  # [S, V]
         with torch.inference_mode():
-            tokens = self.sampler(logits, params, seeds).tolist()
+            tokens, logprobs = self.sampler.sample(logits, reqs, seeds)
+        self.output_processor.add_logprobs(reqs, logprobs)
         return {r.request_id: t for r, t in zip(reqs, tokens)}
 
     def _stopwatch(self):
@@ -364,6 +373,7 @@ class LLMEngine:
 
     def _pop_group(self, group: _RequestGroup) -> None:
         self.groups.pop(group.request_id, None)
+        self.output_processor.remove(group.seqs)
         for req in group.seqs:
             self.seq_to_group.pop(req.request_id, None)
 
@@ -371,22 +381,7 @@ class LLMEngine:
         completions = []
         for j, req in enumerate(group.seqs):
             reason = FINISH_REASONS.get(req.status) if req.is_finished else None
-            stop_reason = None
-            if reason == "refused":
-                stop_reason = req.stop_reason or "refused: the request can never fit"
-            elif reason == "stop" and req.output_token_ids:
-                last = req.output_token_ids[-1]
-                if last in req.sampling_params.stop_token_ids and last != req.eos_token_id:
-                    stop_reason = last
-            completions.append(
-                CompletionOutput(
-                    index=j,
-                    text=self.decode(req.output_token_ids),
-                    token_ids=list(req.output_token_ids),
-                    finish_reason=reason,
-                    stop_reason=stop_reason,
-                )
-            )
+            completions.append(self.output_processor.make_completion(j, req, reason))
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,

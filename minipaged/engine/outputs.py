@@ -11,7 +11,14 @@ Outputs
     (``max_tokens`` or the model's context), ``"abort"``, or ``"refused"``: the request
     could never fit (for example it needs more KV blocks than the whole pool). A refused
     completion has no tokens and ``stop_reason`` holds the scheduler's explanation; the
-    other requests of the batch are served as if it had not been there.
+    other requests of the batch are served as if it had not been there. ``stop_reason``
+    is the stop token id or the stop string that ended a "stop" completion (None for EOS).
+
+    ``CompletionOutput.logprobs`` (when ``SamplingParams.logprobs=k``): one dict per
+    generated token, token id -> ``Logprob`` (log-probability from the raw logits, rank,
+    decoded text), holding the k most likely tokens and the sampled one (k or k + 1
+    entries); ``cumulative_logprob`` is the sum of the sampled tokens' log-probabilities.
+    None when logprobs were not asked for.
 
 Invariants
     ``finished`` is True iff every completion has a ``finish_reason``.
@@ -24,13 +31,24 @@ from typing import Optional, Union
 
 
 @dataclass
+class Logprob:
+    """As vLLM's ``vllm.sequence.Logprob``."""
+
+    logprob: float
+    rank: Optional[int] = None  # 1 = the most likely token
+    decoded_token: Optional[str] = None
+
+
+@dataclass
 class CompletionOutput:
     index: int  # which of the request's n samples
     text: str
     token_ids: list[int]
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "refused" | None
-    # The stop token id that ended it, or (for "refused") the reason in words.
+    # The stop token id or stop string that ended it, or (for "refused") the reason in words.
     stop_reason: Union[int, str, None] = None
+    cumulative_logprob: Optional[float] = None
+    logprobs: Optional[list[dict[int, Logprob]]] = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -1,17 +1,32 @@
 """Sampler: next-token ids from the last-position logits of each sequence.
 
-Mirrors vLLM ``vllm/v1/sample/sampler.py`` and ``ops/topk_topp_sampler.py``.
+Mirrors vLLM v1 ``vllm/v1/sample/sampler.py``, ``ops/penalties.py``,
+``ops/topk_topp_sampler.py`` and the min-tokens / min-p logits processors.
 
 Inputs
     ``logits`` ``[B, V]`` (one row per sequence that needs a token this step), and per row
-    its ``SamplingParams`` and a 63-bit seed for *this* token (``sample_seed``).
+    its ``SamplingParams``, a 63-bit seed for *this* token (``sample_seed``) and, when a
+    row uses penalties or ``min_tokens``, its request (``prompt_token_ids``,
+    ``output_token_ids``, ``eos_token_id``).
 Outputs
-    ``[B]`` int64 token ids.
+    ``[B]`` int64 token ids; ``sample()`` also returns, per row that asked for
+    ``logprobs=k``, the top-k log-probabilities and the sampled token's (``Logprobs``).
 
-Rules, row by row
-    temperature 0 -> argmax (greedy); otherwise logits / temperature, then top-k (keep the
-    k largest; 0 = off), then top-p (keep the smallest prefix of the sorted distribution
-    whose mass reaches p; at least one token), then one draw.
+Rules, row by row, in vLLM v1's order
+    1. log-probabilities for ``logprobs`` come from the *raw* logits (vLLM v1's default
+       ``logprobs_mode="raw_logprobs"``): before penalties, temperature and truncation.
+    2. ``min_tokens``: while the request has fewer output tokens, EOS (unless
+       ``ignore_eos``) and ``stop_token_ids`` get logit -inf (transformers'
+       ``MinNewTokensLengthLogitsProcessor``).
+    3. penalties: ``repetition_penalty`` r on every token of prompt + output (logit / r if
+       positive, * r otherwise; transformers' ``RepetitionPenaltyLogitsProcessor``); then
+       ``logit -= frequency_penalty * count + presence_penalty * (count > 0)`` over the
+       output tokens only (OpenAI's formula, as vLLM).
+    4. temperature 0 -> argmax (greedy); otherwise logits / temperature, then ``min_p``
+       (drop tokens with probability < min_p * the top probability; transformers'
+       ``MinPLogitsWarper``), then top-k (keep the k largest; 0 = off), then top-p (keep
+       the smallest prefix of the sorted distribution whose mass reaches p; at least one
+       token), then one draw.
 
     The draw uses the exponential race (``argmax(p_i / E_i)`` with ``E_i ~ Exp(1)``,
     which picks ``i`` with probability ``p_i``), with the noise ``E`` drawn from a
@@ -19,15 +34,17 @@ Rules, row by row
     (the request's seed, or the engine seed and the request id; the sample index; the
     output position) -- never Python's ``hash()`` -- so a request's text is the same
     whatever its batch-mates, its place in the batch, and however often it was preempted
-    and recomputed.
+    and recomputed (penalties depend on the request's own tokens only).
 
 Failure mode
-    ``ValueError`` if the numbers of rows, params and seeds disagree.
+    ``ValueError`` if the numbers of rows, params, seeds and requests disagree, or a row
+    needs its request (penalties, ``min_tokens``) and none was given.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -83,29 +100,128 @@ def apply_top_k_top_p(
     return out
 
 
+def apply_min_tokens(logits: torch.Tensor, rows: list[int], reqs: Sequence) -> torch.Tensor:
+    """EOS (unless ``ignore_eos``) and ``stop_token_ids`` -> -inf in each row whose request
+    has fewer than ``min_tokens`` output tokens (in place)."""
+    V = logits.shape[1]
+    for i in rows:
+        r = reqs[i]
+        p = r.sampling_params
+        if len(r.output_token_ids) >= p.min_tokens:
+            continue
+        ids = list(p.stop_token_ids)
+        if not p.ignore_eos and r.eos_token_id is not None:
+            ids.append(r.eos_token_id)
+        ids = [t for t in ids if 0 <= t < V]
+        if ids:
+            logits[i, torch.tensor(ids, device=logits.device)] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[int], reqs: Sequence) -> torch.Tensor:
+    """Repetition (prompt + output), then frequency and presence (output) penalties, in
+    place, on the given rows (vLLM v1 ``apply_penalties``)."""
+    V = logits.shape[1]
+    dev = logits.device
+    for i in rows:
+        r = reqs[i]
+        p = r.sampling_params
+        out_ids = torch.tensor(r.output_token_ids, dtype=torch.long, device=dev)  # [O]
+        counts = torch.bincount(out_ids, minlength=V)[:V].to(logits.dtype)  # [V]
+        row = logits[i]  # [V] a view: edits land in logits
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0  # [V]
+            seen[torch.tensor(r.prompt_token_ids, dtype=torch.long, device=dev)] = True
+            rp = p.repetition_penalty
+            penalized = torch.where(row > 0, row / rp, row * rp)
+            row.copy_(torch.where(seen, penalized, row))
+        if p.frequency_penalty != 0.0:
+            row.sub_(p.frequency_penalty * counts)
+        if p.presence_penalty != 0.0:
+            row.sub_(p.presence_penalty * (counts > 0).to(logits.dtype))
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens whose probability is below ``min_p`` times the row's top
+    probability. ``logits`` [R, V] already divided by the temperature; ``min_p`` [R]."""
+    probs = logits.softmax(dim=-1)  # [R, V]
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [R, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+@dataclass
+class Logprobs:
+    """One generated token's log-probabilities (raw logits): the top ``k`` and the sampled one."""
+
+    token_ids: list[int]  # the top k, best first
+    logprobs: list[float]
+    sampled_token_id: int
+    sampled_logprob: float
+    sampled_rank: int  # 1 = the most likely token
+
+
 class Sampler:
-    """Greedy / temperature / top-k / top-p sampling with a seed per row."""
+    """Penalties, min-tokens, greedy / temperature / min-p / top-k / top-p, a seed per row."""
 
     def __call__(
         self,
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         seeds: Sequence[int],
+        reqs: Optional[Sequence] = None,
     ) -> torch.Tensor:
-        return self.forward(logits, params, seeds)
+        return self.forward(logits, params, seeds, reqs)
+
+    def sample(
+        self, logits: torch.Tensor, reqs: Sequence, seeds: Sequence[int]
+    ) -> tuple[list[int], list[Optional[Logprobs]]]:
+        """Tokens for the requests ``reqs`` (one per row) and, for each row whose params ask
+        for ``logprobs``, its ``Logprobs`` (None for the others)."""
+        params = [r.sampling_params for r in reqs]
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = None
+        if want:  # NOTE: from the raw logits, before anything below changes them
+            rows = torch.tensor(want, device=logits.device)
+            raw_logprobs = logits.index_select(0, rows).float().log_softmax(dim=-1)  # [W, V]
+        tokens = self.forward(logits, params, seeds, reqs).tolist()
+        out: list[Optional[Logprobs]] = [None] * len(reqs)
+        for w, i in enumerate(want):
+            lp = raw_logprobs[w]  # [V]
+            k = params[i].logprobs
+            top = lp.topk(k) if k > 0 else None
+            chosen = float(lp[tokens[i]])
+            out[i] = Logprobs(
+                token_ids=[] if top is None else top.indices.tolist(),
+                logprobs=[] if top is None else top.values.tolist(),
+                sampled_token_id=tokens[i],
+                sampled_logprob=chosen,
+                sampled_rank=int((lp > chosen).sum()) + 1,
+            )
+        return tokens, out
 
     def forward(
         self,
         logits: torch.Tensor,  # [B, V]
         params: Sequence[SamplingParams],
         seeds: Sequence[int],
+        reqs: Optional[Sequence] = None,
     ) -> torch.Tensor:
         B = logits.shape[0]
-        if len(params) != B or len(seeds) != B:
+        if len(params) != B or len(seeds) != B or (reqs is not None and len(reqs) != B):
             raise ValueError(
-                f"logits has {B} rows but got {len(params)} params and {len(seeds)} seeds"
+                f"logits has {B} rows but got {len(params)} params, {len(seeds)} seeds"
+                + ("" if reqs is None else f" and {len(reqs)} requests")
             )
         logits = logits.float()
+        min_tok_rows = [i for i, p in enumerate(params) if p.min_tokens > 0]
+        penalty_rows = [i for i, p in enumerate(params) if p.uses_penalties]
+        if (min_tok_rows or penalty_rows) and reqs is None:
+            raise ValueError("reqs is required: some rows use penalties or min_tokens")
+        if min_tok_rows or penalty_rows:
+            logits = logits.clone()  # NOTE: never edit the caller's tensor
+            apply_min_tokens(logits, min_tok_rows, reqs)
+            apply_penalties(logits, penalty_rows, reqs)
         out = logits.argmax(dim=-1)  # [B] greedy for every row first
         random_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
         if not random_rows:
@@ -116,6 +232,9 @@ class Sampler:
             [float(params[i].temperature) for i in random_rows], device=dev
         )  # [R]
         x = logits.index_select(0, rows) / temps[:, None]  # [R, V]
+        if any(params[i].min_p > 0.0 for i in random_rows):
+            min_p = torch.tensor([float(params[i].min_p) for i in random_rows], device=dev)  # [R]
+            x = apply_min_p(x, min_p)
         top_k = top_p = None
         if any(params[i].top_k > 0 for i in random_rows):
             top_k = torch.tensor([params[i].top_k for i in random_rows], device=dev)  # [R]

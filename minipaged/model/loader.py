@@ -28,7 +28,9 @@ Invariants
 Failure mode
     ``ValueError`` naming the argument for: a path that is neither a local directory nor a
     plausible hub id, a checkpoint whose config cannot be loaded, an architecture outside
-    Llama / Mistral / Qwen2 / GPT-2, a bad dtype or backend.
+    Llama / Mistral / Qwen2 / GPT-2, a bad dtype or backend, a device this machine does not
+    have (``"cuda"`` without CUDA), a weights file that cannot be read (truncated, corrupt):
+    one sentence naming the device or the file.
 """
 
 from __future__ import annotations
@@ -78,6 +80,50 @@ def resolve_model_path(model: str | os.PathLike | None) -> str:
     if looks_like_path or not _HUB_ID.fullmatch(path) or "--" in path or ".." in path:
         raise ValueError(f"model {path!r}: no such local directory, and not a Hugging Face hub id")
     return path  # a hub id: transformers downloads it (or finds it in the local HF cache)
+
+
+def check_device_available(device: torch.device) -> None:
+    """``ValueError`` in one sentence if ``device`` is not on this machine."""
+    if device.type == "cpu":
+        return
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device={str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+        return
+    if device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"device={str(device)!r}: MPS is not available on this machine")
+        return
+    raise ValueError(f"device={str(device)!r}: only 'cpu', 'cuda' and 'mps' devices are supported")
+
+
+def _weight_errors() -> tuple:
+    import pickle
+
+    errors = [OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError]
+    try:  # a truncated or corrupt .safetensors file
+        from safetensors import SafetensorError
+
+        errors.append(SafetensorError)
+    except ImportError:  # pragma: no cover - safetensors comes with transformers
+        pass
+    return tuple(errors)
+
+
+_WEIGHT_ERRORS = _weight_errors()
+
+
+def _weights_files(src: str) -> str:
+    """The weight files of a local checkpoint, for an error message."""
+    if os.path.isdir(src):
+        names = sorted(f for f in os.listdir(src) if f.endswith((".safetensors", ".bin", ".pt")))
+        if names:
+            return "the weights file " + ", ".join(os.path.join(src, f) for f in names)
+    return "the weights"
 
 
 def supported_model_types() -> list[str]:
@@ -137,6 +183,7 @@ def load_model(
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device {device!r} is not a torch device: {e}") from e
+    check_device_available(device)
     src = resolve_model_path(model)
 
     try:
@@ -153,9 +200,12 @@ def load_model(
     cls = _MODEL_REGISTRY[model_type]
 
     # 1. The weights, as transformers reads them (any format, any source).
-    hf_model = _quietly(
-        AutoModelForCausalLM.from_pretrained, src, **_from_pretrained_dtype_kwargs(torch_dtype)
-    )
+    try:
+        hf_model = _quietly(
+            AutoModelForCausalLM.from_pretrained, src, **_from_pretrained_dtype_kwargs(torch_dtype)
+        )
+    except _WEIGHT_ERRORS as e:
+        raise ValueError(f"model {src!r}: {_weights_files(src)} could not be read ({e})") from e
     state_dict = hf_model.state_dict()
 
     # 2. The minipaged model: built without random init, then filled.

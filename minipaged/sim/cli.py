@@ -23,10 +23,18 @@ NOTE: no torch or matplotlib at import time (the CLI router imports every subcom
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import time
 from pathlib import Path
+
+from minipaged.cli import (
+    dumps_json,
+    float_above_one,
+    positive_float,
+    positive_int,
+    positive_int_list,
+)
 
 WORKLOADS = ("sharegpt", "alpaca")
 DEFAULT_NUM_REQUESTS = {"sharegpt": 500, "alpaca": 1000}
@@ -43,19 +51,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--workload", choices=(*WORKLOADS, "both"), default="both")
     parser.add_argument("--quick", action="store_true", help="tiny runs (seconds), for tests")
-    parser.add_argument("--num-requests", type=int, default=None,
+    parser.add_argument("--num-requests", type=positive_int, default=None,
                         help="requests per run (default: 500 ShareGPT, 1000 Alpaca)")
     parser.add_argument("--gpu", choices=sorted(GPUS), default="A100-40GB")
     parser.add_argument("--model", choices=sorted(MODELS), default="OPT-13B")
-    parser.add_argument("--factor", type=float, default=None,
+    parser.add_argument("--factor", type=float_above_one, default=None,
                         help="sustainable = latency reaches FACTOR x its light-load value (default 2)")
-    parser.add_argument("--threshold", type=float, default=None,
+    parser.add_argument("--threshold", type=positive_float, default=None,
                         help="instead of --factor: one absolute normalized latency (s/token)")
     parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
-    parser.add_argument("--block-sizes", default=None,
+    parser.add_argument("--block-sizes", type=positive_int_list, default=None,
                         help="comma-separated block sizes for the sweep (default 8..256); 'none' to skip")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--jobs", type=int, default=None,
+    parser.add_argument("--jobs", type=positive_int, default=None,
                         help="processes for the runs (default: min(4, CPUs)); results do not depend on it")
     parser.add_argument("--out-dir", default="figures", help="where the PNGs go")
     parser.add_argument("--no-figures", action="store_true")
@@ -79,10 +87,8 @@ def build_report(args) -> dict:
     factor = args.factor if args.factor is not None else DEFAULT_LATENCY_FACTOR
     if args.block_sizes is None:
         block_sizes = QUICK_BLOCK_SIZES if args.quick else DEFAULT_BLOCK_SIZES
-    elif args.block_sizes.strip().lower() == "none":
-        block_sizes = ()
     else:
-        block_sizes = tuple(int(b) for b in args.block_sizes.split(","))
+        block_sizes = tuple(args.block_sizes)  # NOTE: parsed by positive_int_list (none -> ())
     report = {
         "setting": {
             "model": cost.model.name, "gpu": cost.gpu.name, "cost_model": repr(cost),
@@ -107,7 +113,7 @@ def build_report(args) -> dict:
     if "sharegpt" in report["headline"]:
         r = report["headline"]["sharegpt"]["paged/orca-oracle"]
         report["target"] = {"paged/orca-oracle on sharegpt": r, "required": TARGET_RATIO,
-                            "met": r >= TARGET_RATIO}
+                            "met": math.isfinite(r) and r >= TARGET_RATIO}
     return report
 
 
@@ -218,7 +224,7 @@ def format_report(report: dict) -> str:
                      f"latency (s/token) at rates (req/s)")
         for p, sw in d["sweeps"].items():
             ratio = d["ratios"].get(f"paged/{p}")
-            rs = "" if ratio is None else f"{ratio:6.2f}x"
+            rs = "" if ratio is None else f"{ratio:6.2f}x" if math.isfinite(ratio) else "n/a"
             sus = f"{sw['sustainable_rate']:.3g}" + ("+" if sw["saturated"] else "")
             pts = " ".join(f"{r:.3g}:{lat:.3f}" for r, lat in zip(sw["rates"], sw["normalized_latency"]))
             batch = sw["metrics"][-1]["mean_loaded_batch_size"]
@@ -234,7 +240,9 @@ def format_report(report: dict) -> str:
         verdict = "met" if t["met"] else "NOT met"
         if s["quick"]:
             verdict = "--quick runs are too short to measure it"
-        lines.append(f"paged / Orca (Oracle) on sharegpt: {t['paged/orca-oracle on sharegpt']:.2f}x "
+        r = t["paged/orca-oracle on sharegpt"]
+        rs = f"{r:.2f}x" if math.isfinite(r) else "n/a (no policy sustains any rate)"
+        lines.append(f"paged / Orca (Oracle) on sharegpt: {rs} "
                      f"(target >= {t['required']}: {verdict})")
     for p in report.get("figures", []):
         lines.append(f"wrote {p}")
@@ -247,7 +255,7 @@ def run(args) -> int:
     if not args.no_figures:
         report["figures"] = write_figures(report, args.out_dir)
     if args.json:
-        print(json.dumps(report, indent=1, sort_keys=True))
+        print(dumps_json(report, indent=1, sort_keys=True))
     else:
         print(format_report(report))
         print(f"({time.perf_counter() - t0:.0f} s elapsed)")

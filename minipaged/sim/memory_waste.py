@@ -61,12 +61,12 @@ Failure mode
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from minipaged.cli import dumps_json
 from minipaged.core.contiguous import POLICIES, POLICY_NAMES, ContiguousAllocator
 from minipaged.core.kv_cache_manager import KVCacheManager
 from minipaged.sim.workloads import WORKLOADS, sample_requests
@@ -389,16 +389,18 @@ def figure_path(out_dir: str | Path, workload: str) -> Path:
 
 # -- CLI ----------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from minipaged.cli import positive_int
+
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="sharegpt")
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
     parser.add_argument("--out-dir", default="figures", help="where to write the PNG")
     parser.add_argument("--no-figure", action="store_true", help="do not write the PNG")
-    parser.add_argument("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS)
+    parser.add_argument("--num-requests", type=positive_int, default=DEFAULT_NUM_REQUESTS)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-slots", type=int, default=DEFAULT_NUM_SLOTS,
+    parser.add_argument("--num-slots", type=positive_int, default=DEFAULT_NUM_SLOTS,
                         help="KV budget in token slots (default: OPT-13B on an A100-40GB)")
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    parser.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
+    parser.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--max-model-len", type=positive_int, default=DEFAULT_MAX_MODEL_LEN)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -411,7 +413,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
     )
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(dumps_json(result.to_dict(), indent=2))
     else:
         print(format_table(result))
     if not args.no_figure:

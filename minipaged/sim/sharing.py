@@ -72,11 +72,11 @@ Failure mode
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 from dataclasses import asdict, dataclass
 
+from minipaged.cli import dumps_json
 from minipaged.core.kv_cache_manager import KVCacheManager
 from minipaged.core.kv_cache_utils import cdiv
 from minipaged.core.request import Request
@@ -325,11 +325,13 @@ def format_report(result: dict) -> str:
 
 # -- CLI ----------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from minipaged.cli import positive_float, positive_int
+
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
-    parser.add_argument("--num-requests", type=int, default=100, help="requests per row (default 100)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    parser.add_argument("--num-requests", type=positive_int, default=100, help="requests per row (default 100)")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    parser.add_argument("--concentration", type=float, default=1.0,
+    parser.add_argument("--concentration", type=positive_float, default=1.0,
                         help="beam search's synthetic model: GEM concentration (default 1.0)")
 
 
@@ -338,5 +340,5 @@ def run(args: argparse.Namespace) -> int:
         num_requests=args.num_requests, seed=args.seed, block_size=args.block_size,
         concentration=args.concentration,
     )
-    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    print(dumps_json(result, indent=2) if args.json else format_report(result))
     return 0

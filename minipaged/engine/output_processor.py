@@ -1,0 +1,141 @@
+"""OutputProcessor: per-sequence text, stop strings and logprobs, beside the scheduler.
+
+Mirrors vLLM v1 ``vllm/v1/engine/output_processor.py`` (+ ``logprobs.py``). In vLLM the
+output processor runs in the front-end process and aborts a request whose text hit a stop
+string one step later; here it is called *inside* the step, from the scheduler's stop
+check (``Scheduler.stop_checker``), so the token that completes a stop string is the last
+one kept and the request's KV blocks are freed in that very step, like EOS.
+
+Inputs
+    ``add_request(seqs, prompt_token_ids, params)`` when the engine queues them;
+    ``check_stop_strings(req, stopped)`` after every token the scheduler appends;
+    ``add_logprobs(reqs, entries)`` after every sampling; ``make_completion(...)`` at the
+    end; ``remove(seqs)`` when the engine forgets a request.
+Outputs
+    ``CompletionOutput`` with vLLM's text rules (``minipaged/engine/detokenizer.py``):
+    a stop string, or the EOS / stop token that ended a request, is cut from the text
+    unless ``include_stop_str_in_output``; ``token_ids`` keep every generated token.
+
+Invariants
+    a tracked sequence has one ``Logprobs`` entry per generated token when it asked for
+    logprobs; its detokenizer (only when it has stop strings) has seen every token.
+
+Failure mode
+    none of its own: unknown sequences (beam search's, tests' own schedulers) are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from minipaged.core.request import Request, RequestStatus
+from minipaged.engine.detokenizer import IncrementalDetokenizer
+from minipaged.engine.outputs import CompletionOutput, Logprob
+from minipaged.engine.sampler import Logprobs
+from minipaged.sampling_params import SamplingParams
+
+
+@dataclass
+class _SeqState:
+    detokenizer: Optional[IncrementalDetokenizer]  # only for sequences with stop strings
+    logprobs: Optional[list[Logprobs]] = None
+    stop_string: Optional[str] = None
+
+
+@dataclass
+class OutputProcessor:
+    tokenizer: object = None
+    seqs: dict[str, _SeqState] = field(default_factory=dict)
+
+    def add_request(self, seqs: Sequence[Request], prompt_token_ids: list[int], params: SamplingParams) -> None:
+        for req in seqs:
+            detok = None
+            if params.stop and self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+            self.seqs[req.request_id] = _SeqState(detok, [] if params.logprobs is not None else None)
+
+    def remove(self, seqs: Sequence[Request]) -> None:
+        for req in seqs:
+            self.seqs.pop(req.request_id, None)
+
+    # -- called by the scheduler, after it appended a token and checked EOS / lengths ----
+    def check_stop_strings(self, req: Request, stopped: bool) -> bool:
+        """Feed ``req``'s newest token to its detokenizer; finish ``req`` (FINISHED_STOPPED)
+        if it completed a stop string. Returns whether ``req`` is finished now."""
+        st = self.seqs.get(req.request_id)
+        if st is None or st.detokenizer is None:
+            return stopped
+        by_token = stopped and req.status == RequestStatus.FINISHED_STOPPED  # EOS / stop id
+        s = st.detokenizer.update(req.output_token_ids[-1], by_token)
+        if s is None:
+            return stopped
+        st.stop_string = s
+        req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, f"stop string {s!r}"
+        return True
+
+    # -- called by the engine after sampling -------------------------------------------
+    def add_logprobs(self, reqs: Sequence[Request], entries: Sequence[Optional[Logprobs]]) -> None:
+        """Called before the sampled tokens are appended: ``entries[i]`` belongs to output
+        position ``reqs[i].num_output_tokens`` (a re-sampled position replaces its entry)."""
+        for req, e in zip(reqs, entries):
+            st = self.seqs.get(req.request_id)
+            if e is not None and st is not None and st.logprobs is not None:
+                del st.logprobs[req.num_output_tokens :]
+                st.logprobs.append(e)
+
+    # -- the output -------------------------------------------------------------------
+    def _decoded(self, token_id: int) -> Optional[str]:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _logprob_dicts(self, entries: list[Logprobs]) -> list[dict[int, Logprob]]:
+        out = []
+        for e in entries:
+            d = {e.sampled_token_id: Logprob(e.sampled_logprob, e.sampled_rank, self._decoded(e.sampled_token_id))}
+            for rank, (tid, lp) in enumerate(zip(e.token_ids, e.logprobs), start=1):
+                if tid not in d:
+                    d[tid] = Logprob(lp, rank, self._decoded(tid))
+            out.append(d)
+        return out
+
+    def _text(self, req: Request, st: Optional[_SeqState], reason: Optional[str]) -> str:
+        if st is not None and st.detokenizer is not None:
+            return st.detokenizer.output_text
+        if self.tokenizer is None or not req.output_token_ids:
+            return ""
+        params = req.sampling_params
+        ids = req.output_token_ids
+        if reason == "stop" and not params.include_stop_str_in_output:
+            ids = ids[:-1]  # NOTE: as vLLM, the EOS / stop token's text is not output
+        if not ids:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+
+    def make_completion(self, index: int, req: Request, reason: Optional[str]) -> CompletionOutput:
+        """The ``CompletionOutput`` of sequence ``req`` (``reason``: its finish reason)."""
+        st = self.seqs.get(req.request_id)
+        stop_reason = None
+        if reason == "refused":
+            stop_reason = req.stop_reason or "refused: the request can never fit"
+        elif reason == "stop" and st is not None and st.stop_string is not None:
+            stop_reason = st.stop_string
+        elif reason == "stop" and req.output_token_ids:
+            last = req.output_token_ids[-1]
+            if last in req.sampling_params.stop_token_ids and last != req.eos_token_id:
+                stop_reason = last
+        logprobs = cumulative = None
+        if st is not None and st.logprobs is not None:
+            entries = st.logprobs[: req.num_output_tokens]
+            logprobs = self._logprob_dicts(entries)
+            cumulative = float(sum(e.sampled_logprob for e in entries))
+        return CompletionOutput(
+            index=index,
+            text=self._text(req, st, reason),
+            token_ids=list(req.output_token_ids),
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            cumulative_logprob=cumulative,
+            logprobs=logprobs,
+        )
