@@ -10,10 +10,10 @@ on a machine that has only torch, triton and transformers.
 
 Cases (each one line of the JSON, run in this order, cheapest and most important first)
     decode V1, split-KV decode V2, varlen prefill over a cached prefix, in fp32/fp16/bf16;
-    block sizes 1..256 (and 3, 512, which the kernels must reject with ``ValueError``);
-    head dims 64/80/96/128; GQA groups 1..32; empty sequences; ``reshape_and_cache`` (torch
-    and Triton), ``copy_blocks``, ``swap_blocks`` (GPU <-> pinned CPU); last, a cache of more
-    than 2**31 elements (int64 offsets), when the GPU has the memory.
+    a cache of more than 2**31 elements (int64 offsets; skipped without the memory);
+    ``reshape_and_cache`` (torch and Triton), ``copy_blocks``, ``swap_blocks`` (GPU <->
+    pinned CPU); empty sequences; block sizes 1..256 (and 3, 512, which the kernels must
+    reject with ``ValueError``); head dims 64/80/96/128; GQA groups 1..32.
 Each case: kernel vs the reference in fp32 (``paged_attention_ref`` / ``_prefill_ref``, or a
 loop over slots / block pairs for the cache ops) at ``tests/_paged_cases.TOL``.
 
@@ -92,6 +92,16 @@ def build_cases(dry_run: bool) -> list[dict]:
     for dtype in dtypes:
         for op in attention_ops:
             add(op, dtype=dtype)
+    for op in ("decode_v1", "prefill"):
+        add(op, large_pool=True, suffix=",pool > 2**31 elements" if not dry_run else ",large-pool path (tiny)")
+    for dtype in dtypes:
+        for bs in ((1, 16, 256) if dry_run else (1, 16, 64, 256)):
+            add("reshape_and_cache", dtype=dtype, block_size=bs)
+            add("reshape_and_cache_triton", dtype=dtype, block_size=bs)
+        add("copy_blocks", dtype=dtype)
+        add("swap_blocks", dtype=dtype)
+    for op in ("decode_v1", "decode_v2"):
+        add(op, seq_lens=[0] + seq_lens[1:], suffix=",empty seq")
     for bs in block_sizes:
         if bs != 16:
             for op in sweep_ops:
@@ -107,16 +117,6 @@ def build_cases(dry_run: bool) -> list[dict]:
         if (h, kvh) != (heads, kv_heads):
             for op in sweep_ops:
                 add(op, num_heads=h, num_kv_heads=kvh)
-    for op in ("decode_v1", "decode_v2"):
-        add(op, seq_lens=[0] + seq_lens[1:], suffix=",empty seq")
-    for dtype in dtypes:
-        for bs in ((1, 16, 256) if dry_run else (1, 16, 64, 256)):
-            add("reshape_and_cache", dtype=dtype, block_size=bs)
-            add("reshape_and_cache_triton", dtype=dtype, block_size=bs)
-        add("copy_blocks", dtype=dtype)
-        add("swap_blocks", dtype=dtype)
-    for op in ("decode_v1", "prefill"):
-        add(op, large_pool=True, suffix=",pool > 2**31 elements" if not dry_run else ",large-pool path (tiny)")
     return cases
 
 

@@ -97,17 +97,25 @@ def import_harness():
 
 
 def build_model(config_kw: dict, dtype: torch.dtype, device: torch.device, out_dir: str, seed: int):
-    """A seeded random ``LlamaForCausalLM`` on ``device``, also saved to ``out_dir`` for minipaged."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A seeded random Llama checkpoint in ``dtype`` written to ``out_dir``; returns the
+    transformers model loaded back from it (``from_pretrained``, as a user would) on ``device``.
+
+    NOTE: loading back instead of keeping the built model: ``model.to(bf16)`` would also round
+    the rotary ``inv_freq`` buffer to bf16, which ``from_pretrained`` (and minipaged) keep in fp32.
+    """
+    import transformers
+    from packaging.version import Version
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**config_kw, rms_norm_eps=1e-5, tie_word_embeddings=False,
                          bos_token_id=0, eos_token_id=1, pad_token_id=2)
     torch.manual_seed(seed)
-    with torch.device(device):
+    with torch.device(device):  # random init on the GPU: seconds, not a minute on the CPU
         model = LlamaForCausalLM(config)
-    model = model.to(dtype).eval()
-    model.save_pretrained(out_dir)
-    return model
+    model.to(dtype).save_pretrained(out_dir)
+    del model
+    key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    return AutoModelForCausalLM.from_pretrained(out_dir, **{key: dtype}).to(device).eval()
 
 
 class OnDevice:
