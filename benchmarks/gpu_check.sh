@@ -11,8 +11,8 @@
 #   kernel_bench        benchmarks/kernels.py --quick --tune: paged vs contiguous, % of peak, block sizes, figure
 #   serving             benchmarks/gpu_serving.py: random 1.1B Llama, bf16, 256 requests, (a)-(d)
 #   report              benchmarks/gpu_report.py: OUTDIR/<device-slug>.json + OUTDIR/summary.txt
-# A real run then copies the report, summary and figure to benchmarks/results/ (for the lead
-# to commit); a dry run writes to OUTDIR only. Total time is kept under GPU_CHECK_TOTAL_S
+# A real run then copies the report, summary and figure to OUTDIR/results/ and to
+# benchmarks/results/ (for the lead to commit); a dry run writes to OUTDIR only. Total time is kept under GPU_CHECK_TOTAL_S
 # (default 480 s): each step gets min(its budget, what is left). Installs nothing.
 set -u
 
@@ -31,6 +31,8 @@ mkdir -p "$OUT" || exit 2
 OUT=$(cd "$OUT" && pwd)
 cd "$REPO" || exit 2
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # no network: never wait on the hub
+export TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}  # Triton 3.9 warns when unset
 PY=${PYTHON:-$(command -v python || command -v python3)}
 START=$(date +%s)
 TOTAL=${GPU_CHECK_TOTAL_S:-480}
@@ -111,8 +113,9 @@ else
 fi
 
 # The report: always, even when every step above failed.
+# OUTDIR/results/ holds the files to commit (the device machine may hand back only OUTDIR).
 COPY=""
-if [ "$DRY" = 0 ]; then COPY="--copy-to $REPO/benchmarks/results"; fi
+if [ "$DRY" = 0 ]; then COPY="--copy-to $OUT/results --copy-to $REPO/benchmarks/results"; fi
 s=$(now)
 timeout -k 5 30 "$PY" benchmarks/gpu_report.py combine "$OUT" $COPY > "$OUT/report.log" 2>&1
 rc=$?
@@ -124,7 +127,7 @@ else
   cat "$STEPS"
 fi
 echo
-echo "[gpu_check] finished in $(( $(now) - START )) s; results in $OUT${COPY:+ and benchmarks/results/}"
+echo "[gpu_check] finished in $(( $(now) - START )) s; results in $OUT${COPY:+ (files to commit: $OUT/results/, also copied to benchmarks/results/)}"
 # Exit status: 0 when every step ran ok (skipped for a missing package counts as ok).
 if grep -qE $'\t(failed|timeout)\t' "$STEPS" || [ "$rc" != 0 ]; then exit 1; fi
 exit 0

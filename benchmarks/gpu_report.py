@@ -10,7 +10,7 @@ broken file is recorded, not fatal) and writes
     OUTDIR/<device-slug>.json   device, versions, every step's status and every figure
     OUTDIR/summary.txt          the headline numbers in a few lines (also printed)
 
-and, with ``--copy-to DIR``, copies both (and the kernel figure) there as
+and, with ``--copy-to DIR`` (repeatable), copies both (and the kernel figure) there as
 ``<slug>.json``, ``<slug>_summary.txt``, ``<slug>_kernels.png``. The slug is the device name
 in lower case with dashes (``nvidia-h200``); a dry run is ``cpu-dry-run``.
 """
@@ -195,13 +195,18 @@ def combine(out_dir: str, copy_to: str | None = None) -> dict:
     with open(os.path.join(out_dir, "summary.txt"), "w") as f:
         f.write(summary + "\n")
     if copy_to:
-        os.makedirs(copy_to, exist_ok=True)
-        shutil.copy(os.path.join(out_dir, f"{name}.json"), os.path.join(copy_to, f"{name}.json"))
-        shutil.copy(os.path.join(out_dir, "summary.txt"), os.path.join(copy_to, f"{name}_summary.txt"))
-        fig = os.path.join(out_dir, f"{name}_kernels.png")
-        if os.path.exists(fig):
-            shutil.copy(fig, os.path.join(copy_to, f"{name}_kernels.png"))
+        copy_report(out_dir, name, copy_to)
     return report
+
+
+def copy_report(out_dir: str, name: str, copy_to: str) -> None:
+    """``<name>.json``, ``summary.txt`` and the kernel figure -> ``copy_to`` (``<name>_*``)."""
+    os.makedirs(copy_to, exist_ok=True)
+    shutil.copy(os.path.join(out_dir, f"{name}.json"), os.path.join(copy_to, f"{name}.json"))
+    shutil.copy(os.path.join(out_dir, "summary.txt"), os.path.join(copy_to, f"{name}_summary.txt"))
+    fig = os.path.join(out_dir, f"{name}_kernels.png")
+    if os.path.exists(fig):
+        shutil.copy(fig, os.path.join(copy_to, f"{name}_kernels.png"))
 
 
 def main(argv=None) -> int:
@@ -209,7 +214,8 @@ def main(argv=None) -> int:
     p.add_argument("command", choices=["env", "combine"])
     p.add_argument("out_dir")
     p.add_argument("--dry-run", action="store_true")
-    p.add_argument("--copy-to", default=None, help="also copy the report there (the real run: benchmarks/results)")
+    p.add_argument("--copy-to", action="append", default=[],
+                   help="also copy the report there (repeatable; the real run: OUTDIR/results, benchmarks/results)")
     args = p.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     if args.command == "env":
@@ -218,7 +224,9 @@ def main(argv=None) -> int:
             json.dump(info, f, indent=1)
         print(f"{info['device']} -> {info['slug']}; packages {info['packages']}")
         return 0
-    report = combine(args.out_dir, args.copy_to)
+    report = combine(args.out_dir, None)
+    for target in args.copy_to:
+        copy_report(args.out_dir, report["slug"], target)
     print(report["summary"])
     return 0
 

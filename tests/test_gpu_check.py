@@ -169,3 +169,15 @@ def test_targets_from_a_sweep():
     t = kernel_bench.evaluate_targets(sweep, 64, 4096)
     assert t["ratio_met"] is False and t["pct_peak_met"] is None
     assert kernel_bench.evaluate_targets(sweep, 2, 48)["ratio_met"] is None
+
+
+def test_decode_kernel_compiles_for_a_hopper_gpu_without_one(tmp_path):
+    """Triton's own compiler (not the interpreter) builds the engine's decode kernel for sm_90."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), TRITON_DEFAULT_FP_FUSION="1")
+    out = tmp_path / "aot.json"
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_aot_check.py"), "--arch", "90",
+                          "--only", "decode_v1:bf16", "--json", str(out)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["status"] == "ok" and 0 < row["shared"] <= 227 * 1024 and row["num_stages"] == 3

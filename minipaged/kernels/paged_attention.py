@@ -80,7 +80,7 @@ V2_MIN_SEQ_LEN = 8192  # always split contexts longer than this
 # 4 warps and 3 pipeline stages; each stage keeps one K and one V tile in shared memory.
 NUM_WARPS = 4
 MAX_NUM_STAGES = 3
-KV_SMEM_BUDGET = 96 * 1024  # bytes of K/V tile buffers (A100 has 163 KiB per program, H100 227 KiB)
+KV_SMEM_BUDGET = 96 * 1024  # bytes of K/V tiles over all stages (shared memory per program: L4 99 KiB)
 
 
 # =========================================================================== kernels
@@ -462,8 +462,10 @@ def _scale_and_precision(q: torch.Tensor, scale: Optional[float]):
 
 def _num_stages(block_n: int, block_d: int, dtype: torch.dtype) -> int:
     """Pipeline depth for the K/V loop: Triton's default (3) unless the K and V tiles of all
-    stages would outgrow ``KV_SMEM_BUDGET``; e.g. fp32 at head_dim 128 with 64-token tiles
-    (64 KiB a stage) gets 1, where 3 stages could exceed an A100's shared memory."""
+    stages would outgrow ``KV_SMEM_BUDGET``. E.g. fp32 at head_dim 128 with 64-token tiles
+    (64 KiB a stage) gets 1: with 3, the compiled prefill kernel asks for more shared memory
+    than an sm_86/sm_89 GPU (L4, RTX 4090: 99 KiB) gives a program; ``benchmarks/gpu_aot_check.py``
+    prints what each launch asks for."""
     per_stage = 2 * block_n * block_d * dtype.itemsize  # one K tile + one V tile, bytes
     return max(1, min(MAX_NUM_STAGES, KV_SMEM_BUDGET // per_stage))
 
