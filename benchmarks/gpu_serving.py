@@ -170,7 +170,7 @@ def serve_minipaged(bench, engine, prompts, output_lens, deadline):
     metrics = bench._common_metrics(res, [output_lens[int(r)] for r in ids]) if ids else {}
     metrics.update(bench._minipaged_metrics(engine, outs) if len(engine.trace) else {})
     generated = sum(len(t) for t in tokens.values()) + in_flight
-    metrics.update(output_tokens=generated, wall_s=round(wall, 3), tokens_per_s=round(generated / wall, 1),
+    metrics.update(output_tokens=generated, wall_s=round(wall, 3), tokens_per_s=round(generated / wall, 1) if generated else None,
                    requests_finished=len(ids))
     return metrics, tokens, partial
 
@@ -206,7 +206,8 @@ def serve_hf_cb(hf, model, prompts, output_lens, *, block_size, num_blocks, max_
         timeout_s=max(1.0, deadline - time.perf_counter()),
     )
     n_out = sum(len(t) for t in res.token_ids)
-    metrics = {"output_tokens": n_out, "wall_s": round(res.wall_s, 3), "tokens_per_s": round(n_out / res.wall_s, 1),
+    metrics = {"output_tokens": n_out, "wall_s": round(res.wall_s, 3),
+               "tokens_per_s": round(n_out / res.wall_s, 1) if n_out else None,
                "steps": res.steps, "requests_finished": len(res.token_ids), **res.info}
     return metrics, dict(enumerate(res.token_ids)), False
 
@@ -233,7 +234,8 @@ def run(args) -> dict:
     start = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     if args.dry_run:
-        cfg_kw, dtype_name, n_req, ctx = LLAMA_TINY, "float32", min(args.num_requests, 4), 64
+        # bf16 as on the GPU (the interpreter computes bf16 tiles in fp32, see _compute_dtype)
+        cfg_kw, dtype_name, n_req, ctx = LLAMA_TINY, "bfloat16", min(args.num_requests, 4), 64
         max_num_seqs, max_batched, kv_fraction = 8, 128, 1.0  # all fits: few interpreted steps
     else:
         cfg_kw, dtype_name, n_req, ctx = LLAMA_1B, "bfloat16", args.num_requests, args.context

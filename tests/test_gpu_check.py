@@ -181,3 +181,18 @@ def test_decode_kernel_compiles_for_a_hopper_gpu_without_one(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     (row,) = json.loads(out.read_text())
     assert row["status"] == "ok" and 0 < row["shared"] <= 227 * 1024 and row["num_stages"] == 3
+
+
+def test_serving_stops_each_system_when_its_time_share_is_spent(tmp_path):
+    """A zero budget: every system stops at once and says so; the step still succeeds."""
+    out = tmp_path / "serving.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_serving.py"), "--dry-run",
+                          "--budget-s", "0", "--json", str(out)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    sv = json.loads(out.read_text())
+    for name in ("continuous+paged", "static+contiguous", "hf-generate-static"):
+        m = sv["systems"][name]
+        assert m["partial"] and m["requests_finished"] == 0 and m["tokens_per_s"] is None
+    assert sv["ratios"] == {} and sv["agreement"]["a=b"]["compared"] == 0
