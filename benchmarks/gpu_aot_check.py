@@ -36,15 +36,26 @@ DTYPES = {"bf16": (tl.bfloat16, "tf32"), "fp16": (tl.float16, "tf32"), "fp32": (
 TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 INT_PTRS = ("block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr", "slot_mapping_ptr")
 FP32_PTRS = ("exp_sums_ptr", "max_logits_ptr", "tmp_out_ptr")
+# How the JIT specializes a real launch: an int equal to 1 becomes a constant, and ints that are
+# multiples of 16 are marked so. Without this the head_dim stride is unknown, the K/V loads are
+# not vectorized and not pipelined, and the shared memory printed would be too small.
+UNIT_STRIDES = ("stride_qd", "stride_od", "stride_kd", "stride_vd")
+
+
+def _multiple_of_16(name: str) -> bool:
+    """Strides of q, out and the caches are multiples of head_dim (64..256); head_dim too."""
+    return name == "head_dim" or (name.startswith("stride_") and name not in UNIT_STRIDES
+                                  and not name.startswith(("stride_p", "stride_t", "stride_bt")))
 
 
 def compile_kernel(fn, dtype: str, constexprs: dict, arch: int, num_warps: int, num_stages: int):
-    """``triton.compile`` of JIT function ``fn`` for sm_``arch``; pointers 16-byte aligned."""
+    """``triton.compile`` of JIT function ``fn`` for sm_``arch``, specialized like a launch on
+    contiguous tensors: pointers 16-byte aligned, unit head_dim strides, other strides x 16."""
     sig, const = {}, {}
     for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
+        if name in constexprs or name in UNIT_STRIDES:
             sig[name] = "constexpr"
-            const[(i,)] = constexprs[name]
+            const[(i,)] = constexprs.get(name, 1)
         elif name in INT_PTRS:
             sig[name] = "*i64" if name == "slot_mapping_ptr" else "*i32"
         elif name in FP32_PTRS:
@@ -55,7 +66,8 @@ def compile_kernel(fn, dtype: str, constexprs: dict, arch: int, num_warps: int, 
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n.endswith("_ptr")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n.endswith("_ptr") or (_multiple_of_16(n) and n not in constexprs)}
     return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
@@ -83,6 +95,8 @@ def main(argv=None) -> int:
     p.add_argument("--arch", default="80,89,90", help="comma-separated compute capabilities (80 = sm_80)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--only", default="", help="comma-separated kernel names/dtypes to keep, e.g. decode_v1:bf16")
+    p.add_argument("--num-stages", type=int, default=None,
+                   help="compile with this many stages instead of the wrappers' _num_stages rule")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     only = {s for s in args.only.split(",") if s}
@@ -91,6 +105,7 @@ def main(argv=None) -> int:
     for name, fn, dtype, constexprs, stages in launches(args.head_dim):
         if only and f"{name}:{dtype}" not in only:
             continue
+        stages = stages if args.num_stages is None else args.num_stages
         for arch in (int(a) for a in args.arch.split(",")):
             row = {"kernel": name, "dtype": dtype, "arch": arch, "num_warps": pa.NUM_WARPS, "num_stages": stages,
                    "head_dim": args.head_dim}
