@@ -12,12 +12,13 @@ On a CUDA GPU, for every (batch, context) it times
              over a cache whose blocks are shuffled, block_size 16;
     inorder  the same kernel over the same blocks laid out in order (what paging costs
              beyond the kernel itself: the scattered reads);
-    sdpa     ``torch.nn.functional.scaled_dot_product_attention`` on contiguous K/V;
+    sdpa     ``torch.nn.functional.scaled_dot_product_attention`` on contiguous K/V, as torch
+             picks its backend, and each fused backend (flash, efficient, cudnn) forced;
     flash    ``flash_attn_with_kvcache`` on contiguous K/V, where flash-attn is installed;
 then a block-size sweep 8..256 at one (batch, context). Achieved bandwidth counts the bytes
 a decode step must read at least once (K, V, q) and write (out); the share of peak uses the
 data-sheet HBM bandwidth of the device (``PEAK_BANDWIDTH``, matched on its name; unknown
--> null). It prints a table with the ratios, writes a figure (default
+-> null). It prints a table with the ratios (paged over the fastest contiguous), writes a figure (default
 ``figures/kernel_bench.png``) and, with ``--json``, the numbers, including ``targets``:
 paged/contiguous <= 1.2 at block_size 16, and >= 70% of peak HBM bandwidth at batch 64 x
 4k context (the paper's kernel was 20-26% slower than FasterTransformer's, section 7.1).
@@ -215,15 +216,20 @@ def gpu_benchmark(args, device: str = "cuda") -> dict:
             row["inorder_ms"] = bench(lambda: paged_attention_decode(q, kc_in, vc_in, bt_in, sl, max_seq_len=context))
         qs = q[:, :, None, :]  # [B, H, 1, D]
         ks, vs = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()  # [B, KVH, L, D]
-        row["sdpa_ms"] = bench(lambda: sdpa_gqa(qs, ks, vs))
+        row["sdpa_ms"] = bench(lambda: sdpa_gqa(qs, ks, vs))  # torch's own choice of backend
+        fused = {name: bench(fn) for name, fn in sdpa_backends(qs, ks, vs).items()}
+        if fused:
+            row["sdpa_backends_ms"] = fused  # each fused backend forced, where it takes these inputs
         if flash_attn_with_kvcache is not None and dtype != torch.float32 and device.type == "cuda":
             qf = q[:, None]  # [B, 1, H, D]
             row["flash_ms"] = bench(lambda: flash_attn_with_kvcache(qf, k, v, cache_seqlens=sl))
         nbytes = decode_bytes(q, kc, batch, context)
         row["paged_GBps"] = nbytes / row["paged_ms"] / 1e6
         row["paged_pct_peak"] = 100.0 * nbytes / (row["paged_ms"] * 1e-3) / peak if peak else None
-        best = min(row[k] for k in ("sdpa_ms", "flash_ms") if k in row)
-        row["contiguous_best"] = "flash" if row.get("flash_ms") == best else "sdpa"
+        contiguous = {"sdpa": row["sdpa_ms"], **row.get("sdpa_backends_ms", {})}
+        if "flash_ms" in row:
+            contiguous["flash_attn"] = row["flash_ms"]
+        row["contiguous_best"], best = min(contiguous.items(), key=lambda kv: kv[1])
         row["paged_over_contiguous"] = row["paged_ms"] / best
         if "inorder_ms" in row:
             row["paged_over_inorder"] = row["paged_ms"] / row["inorder_ms"]
@@ -309,6 +315,34 @@ def sdpa_gqa(q, k, v):
             _SDPA_GQA = False
     group = q.shape[1] // k.shape[1]
     return sdpa(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+
+
+def sdpa_backends(q, k, v) -> dict:
+    """{"sdpa_<backend>": fn} for each fused SDPA backend (flash, efficient, cudnn) that runs
+    these inputs when forced with ``torch.nn.attention.sdpa_kernel``; empty off CUDA."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # torch < 2.3
+        return {}
+    if q.device.type != "cuda":
+        return {}
+    fns = {}
+    for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
+        backend = getattr(SDPBackend, name, None)
+        if backend is None:
+            continue
+
+        def fn(backend=backend):
+            with sdpa_kernel(backend):
+                return sdpa_gqa(q, k, v)
+
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - this backend does not take these inputs
+            continue
+        fns[f"sdpa_{name.split('_')[0].lower()}"] = fn
+    return fns
 
 
 def evaluate_targets(sweep, batch=64, context=4096) -> dict:
