@@ -32,6 +32,10 @@ Output (JSON, rewritten after each system)
     Agreement instead of equality: bf16 greedy decoding of a random model meets near-ties,
     and batch shapes change the rounding, so outputs may part; the share is what is reported.
 
+Dry run
+    the same code on the CPU: a 2-layer random Llama in bf16, 4 requests (context 64), a KV
+    budget that holds them all, no warm-up, the Triton interpreter.
+
 Failure mode
     a system that raises is reported ``{"unavailable": reason}``; the others still run.
 """
