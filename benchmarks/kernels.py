@@ -4,19 +4,27 @@ Reproduces the kernel half of the vLLM paper: §7.1 (the paged kernel was 20-26%
 than FasterTransformer's contiguous one) and Fig. 18a (block-size sweep).
 
     python benchmarks/kernels.py                 # CUDA: full sweep; CPU: interpreter sanity pass
-    python benchmarks/kernels.py --quick --json benchmarks/results/kernels_<gpu>.json
+    python benchmarks/kernels.py --quick --json OUT.json [--tune] [--budget-s 150]
     python benchmarks/kernels.py --dry-run       # the GPU code path on tiny shapes, anywhere
 
 On a CUDA GPU, for every (batch, context) it times
     paged    minipaged's Triton ``paged_attention_decode`` (V1 or split-KV V2, chosen by it),
              over a cache whose blocks are shuffled, block_size 16;
-    sdpa     ``torch.nn.functional.scaled_dot_product_attention`` on contiguous K/V;
+    inorder  the same kernel over the same blocks laid out in order (what paging costs
+             beyond the kernel itself: the scattered reads);
+    sdpa     ``torch.nn.functional.scaled_dot_product_attention`` on contiguous K/V, as torch
+             picks its backend, and each fused backend (flash, efficient, cudnn) forced;
     flash    ``flash_attn_with_kvcache`` on contiguous K/V, where flash-attn is installed;
 then a block-size sweep 8..256 at one (batch, context). Achieved bandwidth counts the bytes
-a decode step must read at least once (K, V, q) and write (out). It prints a table with
-the ratios, writes a figure (default ``figures/kernel_bench.png``) and, with ``--json``, the
-numbers. Targets on a Hopper GPU: paged/contiguous <= 1.2 at block_size 16, and >= 70% of
-peak HBM bandwidth at batch 64 x 4k context.
+a decode step must read at least once (K, V, q) and write (out); the share of peak uses the
+data-sheet HBM bandwidth of the device (``PEAK_BANDWIDTH``, matched on its name; unknown
+-> null). It prints a table with the ratios (paged over the fastest contiguous), writes a figure (default
+``figures/kernel_bench.png``) and, with ``--json``, the numbers, including ``targets``:
+paged/contiguous <= 1.2 at block_size 16, and >= 70% of peak HBM bandwidth at batch 64 x
+4k context (the paper's kernel was 20-26% slower than FasterTransformer's, section 7.1).
+``--tune`` then times the decode kernel's launch options (``block_n``, ``num_warps``,
+``num_stages``; split-KV ``partition_size``) at the target shapes; ``--budget-s`` stops
+the tuning sweep when the time is spent (the JSON is written before it starts).
 
 On a machine without CUDA the kernels only run in Triton's interpreter, where timings mean
 nothing: it checks the kernels against the torch reference on tiny shapes and says so.
@@ -29,11 +37,13 @@ import json
 import os
 import platform
 import sys
+import time
 
 import torch
 
 # Peak HBM bandwidth (bytes/s) from the vendors' data sheets, matched on the device name.
 PEAK_BANDWIDTH = {
+    "B200": 8.0e12,
     "GH200": 4.0e12,
     "H200": 4.8e12,
     "H100 SXM": 3.35e12,
@@ -44,15 +54,21 @@ PEAK_BANDWIDTH = {
     "A100 80GB PCIe": 1.935e12,
     "A100": 1.555e12,
     "L40S": 0.864e12,
+    "L40": 0.864e12,
     "L4": 0.3e12,
     "A10G": 0.6e12,
+    "A10": 0.6e12,
+    "V100": 0.9e12,
     "RTX 4090": 1.008e12,
     "RTX 3090": 0.936e12,
     "T4": 0.32e12,
 }
+TARGET_RATIO = 1.2  # paged / best contiguous latency at block_size 16
+TARGET_PCT_PEAK = 70.0  # % of peak HBM bandwidth at batch 64 x 4k context
 
 
 def peak_bandwidth(name: str):
+    """Data-sheet peak HBM bandwidth (bytes/s) of the device called ``name``, or None."""
     for key, value in PEAK_BANDWIDTH.items():  # most specific keys first
         if key.lower() in name.lower():
             return value
@@ -76,6 +92,10 @@ def parse_args(argv=None):
     p.add_argument("--json", default="", help="write the results as JSON to this path")
     p.add_argument("--dry-run", action="store_true",
                    help="run the GPU code path on the CPU with tiny shapes (checks the script; timings meaningless)")
+    p.add_argument("--tune", action="store_true",
+                   help="also time the decode kernel's launch options at the target shapes")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="seconds after which the tuning sweep stops (default: no limit)")
     return p.parse_args(argv)
 
 
@@ -163,11 +183,12 @@ def gpu_benchmark(args, device: str = "cuda") -> dict:
     except ImportError:
         flash_attn_with_kvcache = None
 
+    start_s = time.perf_counter()
     device = torch.device(device)
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU dry run (not a measurement)"
-    peak = peak_bandwidth(name)
+    peak = peak_bandwidth(name) if device.type == "cuda" else None
     H, KVH, D = args.num_heads, args.num_kv_heads, args.head_dim
     batches = [8, 64] if args.quick else [int(x) for x in args.batches.split(",")]
     contexts = [1024, 4096] if args.quick else [int(x) for x in args.contexts.split(",")]
@@ -187,21 +208,31 @@ def gpu_benchmark(args, device: str = "cuda") -> dict:
         row = {"batch": batch, "context": context, "block_size": block_size}
         row["paged_ms"] = bench(lambda: paged_attention_decode(q, kc, vc, bt, sl, max_seq_len=context))
         k, v = contiguous_kv(kc, vc, bt, context)  # [B, L, KVH, D]
+        # The same kernel over the same blocks in order: sequence b owns blocks b*n .. b*n+n-1.
+        kc_in = k.reshape(-1, block_size, KVH, D) if context % block_size == 0 else None
+        if kc_in is not None:
+            vc_in = v.reshape(-1, block_size, KVH, D)
+            bt_in = torch.arange(bt.numel(), dtype=torch.int32, device=device).reshape(bt.shape)
+            row["inorder_ms"] = bench(lambda: paged_attention_decode(q, kc_in, vc_in, bt_in, sl, max_seq_len=context))
         qs = q[:, :, None, :]  # [B, H, 1, D]
         ks, vs = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()  # [B, KVH, L, D]
-        row["sdpa_ms"] = bench(
-            lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
-        )
+        row["sdpa_ms"] = bench(lambda: sdpa_gqa(qs, ks, vs))  # torch's own choice of backend
+        fused = {name: bench(fn) for name, fn in sdpa_backends(qs, ks, vs).items()}
+        if fused:
+            row["sdpa_backends_ms"] = fused  # each fused backend forced, where it takes these inputs
         if flash_attn_with_kvcache is not None and dtype != torch.float32 and device.type == "cuda":
             qf = q[:, None]  # [B, 1, H, D]
             row["flash_ms"] = bench(lambda: flash_attn_with_kvcache(qf, k, v, cache_seqlens=sl))
         nbytes = decode_bytes(q, kc, batch, context)
         row["paged_GBps"] = nbytes / row["paged_ms"] / 1e6
-        if peak:
-            row["paged_pct_peak"] = 100.0 * nbytes / (row["paged_ms"] * 1e-3) / peak
-        best = min(row[k] for k in ("sdpa_ms", "flash_ms") if k in row)
+        row["paged_pct_peak"] = 100.0 * nbytes / (row["paged_ms"] * 1e-3) / peak if peak else None
+        contiguous = {"sdpa": row["sdpa_ms"], **row.get("sdpa_backends_ms", {})}
+        if "flash_ms" in row:
+            contiguous["flash_attn"] = row["flash_ms"]
+        row["contiguous_best"], best = min(contiguous.items(), key=lambda kv: kv[1])
         row["paged_over_contiguous"] = row["paged_ms"] / best
-        del q, kc, vc, bt, sl, k, v, ks, vs
+        if "inorder_ms" in row:
+            row["paged_over_inorder"] = row["paged_ms"] / row["inorder_ms"]
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return row
@@ -210,32 +241,43 @@ def gpu_benchmark(args, device: str = "cuda") -> dict:
     buf = torch.empty(1 << (28 if device.type == "cuda" else 20), dtype=torch.uint8, device=device)
     copy_ms = bench(lambda: buf.clone())
     measured_peak = 2 * buf.numel() / (copy_ms * 1e-3)
-    del buf
+    buf = None  # free it before the sweep
 
     sweep = [time_all(b, c, 16) for b in batches for c in contexts]
     blocks = [time_all(args.sweep_batch, args.sweep_context, bs) for bs in block_sizes]
+    targets = evaluate_targets(sweep, args.sweep_batch, args.sweep_context)
+    if device.type != "cuda":
+        targets["note"] = "dry run: CPU timings of the interpreter, not a measurement"
 
     print(f"\nGPU: {name}   dtype {args.dtype}   heads {H}/{KVH} kv   head_dim {D}")
     print(f"peak HBM (data sheet): {peak / 1e9:.0f} GB/s" if peak else "peak HBM: unknown for this GPU")
     print(f"measured copy bandwidth: {measured_peak / 1e9:.0f} GB/s\n")
-    head = f"{'batch':>5} {'ctx':>6} {'paged ms':>9} {'sdpa ms':>8} {'flash ms':>9} {'paged/contig':>12} {'GB/s':>7} {'% peak':>7}"
+    head = (f"{'batch':>5} {'ctx':>6} {'paged ms':>9} {'inorder':>8} {'sdpa ms':>8} {'flash ms':>9} "
+            f"{'paged/contig':>12} {'GB/s':>7} {'% peak':>7}")
     print(head)
     print("-" * len(head))
+    nan = float("nan")
     for r in sweep:
+        pct = r["paged_pct_peak"]
         print(
-            f"{r['batch']:>5} {r['context']:>6} {r['paged_ms']:>9.3f} {r['sdpa_ms']:>8.3f} "
-            f"{r.get('flash_ms', float('nan')):>9.3f} {r['paged_over_contiguous']:>12.2f} "
-            f"{r['paged_GBps']:>7.0f} {r.get('paged_pct_peak', float('nan')):>7.1f}"
+            f"{r['batch']:>5} {r['context']:>6} {r['paged_ms']:>9.3f} {r.get('inorder_ms', nan):>8.3f} "
+            f"{r['sdpa_ms']:>8.3f} {r.get('flash_ms', nan):>9.3f} {r['paged_over_contiguous']:>12.2f} "
+            f"{r['paged_GBps']:>7.0f} {nan if pct is None else pct:>7.1f}"
         )
     base = next((r["paged_ms"] for r in blocks if r["block_size"] == 16), blocks[0]["paged_ms"])
     print(f"\nblock-size sweep at batch {args.sweep_batch} x context {args.sweep_context} (paper Fig. 18a)")
     print(f"{'block':>5} {'paged ms':>9} {'vs bs16':>8} {'GB/s':>7}")
     for r in blocks:
         print(f"{r['block_size']:>5} {r['paged_ms']:>9.3f} {r['paged_ms'] / base:>8.2f} {r['paged_GBps']:>7.0f}")
+    print("\n" + format_targets(targets))
 
     if args.figure:
-        write_figure(args.figure, sweep, blocks, name)
-        print(f"\nfigure: {args.figure}")
+        try:
+            write_figure(args.figure, sweep, blocks, name)
+            print(f"\nfigure: {args.figure}")
+        except ImportError as e:  # matplotlib missing: the numbers still count
+            print(f"\nno figure: {e}")
+            args.figure = ""
     return {
         "mode": "gpu" if device.type == "cuda" else "dry-run",
         "gpu": name,
@@ -248,8 +290,152 @@ def gpu_benchmark(args, device: str = "cuda") -> dict:
         "flash_attn": flash_attn_with_kvcache is not None,
         "sweep": sweep,
         "block_size_sweep": blocks,
+        "targets": targets,
+        "sdpa_enable_gqa": _SDPA_GQA,
+        "figure": args.figure or None,
+        "seconds": round(time.perf_counter() - start_s, 1),
         "torch": torch.__version__,
     }
+
+
+_SDPA_GQA = None  # whether this torch's SDPA takes enable_gqa (torch >= 2.5)
+
+
+def sdpa_gqa(q, k, v):
+    """SDPA of q [B, H, Tq, D] over k, v [B, KVH, L, D]: ``enable_gqa`` where torch has it,
+    else K/V repeated to H heads (which reads more memory: the ratio then flatters paging)."""
+    global _SDPA_GQA
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if _SDPA_GQA is not False:
+        try:
+            out = sdpa(q, k, v, enable_gqa=True)
+            _SDPA_GQA = True
+            return out
+        except TypeError:
+            _SDPA_GQA = False
+    group = q.shape[1] // k.shape[1]
+    return sdpa(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+
+
+def sdpa_backends(q, k, v) -> dict:
+    """{"sdpa_<backend>": fn} for each fused SDPA backend (flash, efficient, cudnn) that runs
+    these inputs when forced with ``torch.nn.attention.sdpa_kernel``; empty off CUDA."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # torch < 2.3
+        return {}
+    if q.device.type != "cuda":
+        return {}
+    fns = {}
+    for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
+        backend = getattr(SDPBackend, name, None)
+        if backend is None:
+            continue
+
+        def fn(backend=backend):
+            with sdpa_kernel(backend):
+                return sdpa_gqa(q, k, v)
+
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - this backend does not take these inputs
+            continue
+        fns[f"sdpa_{name.split('_')[0].lower()}"] = fn
+    return fns
+
+
+def evaluate_targets(sweep, batch=64, context=4096) -> dict:
+    """The two targets, from the block_size-16 sweep: None where the row was not measured."""
+    row = next((r for r in sweep if r["batch"] == batch and r["context"] == context), None)
+    worst = max((r["paged_over_contiguous"] for r in sweep), default=None)
+    pct = None if row is None else row.get("paged_pct_peak")
+    return {
+        "shape": f"batch {batch} x context {context}",
+        "paged_over_contiguous": None if row is None else round(row["paged_over_contiguous"], 3),
+        "paged_over_contiguous_worst": None if worst is None else round(worst, 3),
+        "ratio_target": TARGET_RATIO,
+        "ratio_met": None if row is None else bool(row["paged_over_contiguous"] <= TARGET_RATIO),
+        "pct_peak": None if pct is None else round(pct, 1),
+        "pct_peak_target": TARGET_PCT_PEAK,
+        "pct_peak_met": None if pct is None else bool(pct >= TARGET_PCT_PEAK),
+    }
+
+
+def format_targets(t: dict) -> str:
+    def met(x):
+        return "n/a" if x is None else ("met" if x else "MISSED")
+
+    ratio = "-" if t["paged_over_contiguous"] is None else f"{t['paged_over_contiguous']:.2f}x"
+    pct = "unknown peak" if t["pct_peak"] is None else f"{t['pct_peak']:.0f}% of peak"
+    note = f" ({t['note']})" if t.get("note") else ""
+    return (f"targets at {t['shape']}, block_size 16: paged/contiguous {ratio} (target <= {t['ratio_target']}x: "
+            f"{met(t['ratio_met'])}); bandwidth {pct} (target >= {t['pct_peak_target']:.0f}%: "
+            f"{met(t['pct_peak_met'])}); worst ratio over the sweep {t['paged_over_contiguous_worst']}{note}")
+
+
+def tune_decode(args, device: str = "cuda", budget_s=None) -> dict:
+    """Time the decode kernel's launch options at the target shapes; the fastest of each.
+
+    V1 at (sweep batch x context): block_n x num_warps x num_stages. Split-KV V2 at batch 8:
+    partition_size x block_n. Each config is timed after one warm-up call (its compile);
+    ``budget_s`` stops the sweep early (the rows done so far are kept).
+    """
+    import time
+
+    import triton.testing
+
+    from minipaged.kernels import paged_attention_decode
+
+    start = time.perf_counter()
+    device = torch.device(device)
+    dtype = getattr(torch, args.dtype)
+    H, KVH, D = args.num_heads, args.num_kv_heads, args.head_dim
+    if args.dry_run:
+        v1_grid = [dict(block_n=16, num_warps=2, num_stages=1), dict(block_n=32, num_warps=4, num_stages=2)]
+        v2_grid = [dict(partition_size=16, block_n=16), dict(partition_size=32, block_n=16)]
+        v2_batch = 1
+    else:
+        v1_grid = [dict(block_n=n, num_warps=w, num_stages=st)
+                   for n in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2, 3)]
+        v2_grid = [dict(partition_size=p, block_n=n) for p in (256, 512, 1024) for n in (32, 64)]
+        v2_batch = 8
+    rows, stopped = [], None
+
+    def timed(fn):
+        if device.type != "cuda":
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+        return triton.testing.do_bench(fn, warmup=10, rep=50)
+
+    for kind, batch, grid in (("v1", args.sweep_batch, v1_grid), ("v2", v2_batch, v2_grid)):
+        q, kc, vc, bt, sl = make_decode_inputs(batch, args.sweep_context, 16, H, KVH, D, dtype, device)
+        nbytes = decode_bytes(q, kc, batch, args.sweep_context)
+        for cfg in grid:
+            if budget_s is not None and time.perf_counter() - start > budget_s:
+                stopped = f"budget of {budget_s:.0f} s spent"
+                break
+            kw = dict(cfg, use_v2=(kind == "v2"), max_seq_len=args.sweep_context)
+            row = {"kernel": kind, "batch": batch, "context": args.sweep_context, **cfg}
+            try:
+                paged_attention_decode(q, kc, vc, bt, sl, **kw)  # compile
+                row["ms"] = timed(lambda: paged_attention_decode(q, kc, vc, bt, sl, **kw))
+                row["GBps"] = nbytes / row["ms"] / 1e6
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: recorded
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+    best = {}
+    for kind in ("v1", "v2"):
+        ok = [r for r in rows if r["kernel"] == kind and "ms" in r]
+        if ok:
+            best[kind] = min(ok, key=lambda r: r["ms"])
+    print(f"\ntuning sweep ({len(rows)} configs{'; ' + stopped if stopped else ''}):")
+    for kind, r in best.items():
+        cfg = {k: v for k, v in r.items() if k not in ("kernel", "ms", "GBps", "batch", "context")}
+        print(f"  fastest {kind} at batch {r['batch']} x {r['context']}: {r['ms']:.3f} ms, "
+              f"{r['GBps']:.0f} GB/s with {cfg}")
+    return {"rows": rows, "best": best, "stopped": stopped, "seconds": round(time.perf_counter() - start, 1)}
 
 
 def write_figure(path, sweep, blocks, gpu_name):
@@ -290,18 +476,29 @@ def main(argv=None) -> int:
         args.batches, args.contexts, args.block_sizes = "1,2", "16,48", "8,16,32"
         args.num_heads, args.num_kv_heads, args.head_dim = 4, 2, 16
         args.sweep_batch, args.sweep_context, args.quick = 2, 48, False
-        results = gpu_benchmark(args, device="cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     elif torch.cuda.is_available():
-        results = gpu_benchmark(args)
+        device = "cuda"
     else:
-        results = cpu_sanity()
+        device = None
+    start = time.perf_counter()
+    results = gpu_benchmark(args, device=device) if device else cpu_sanity()
     results["python"] = platform.python_version()
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"json: {args.json}")
+    write_json(args.json, results)
+    if args.tune and device:
+        left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - start)
+        results["tuning"] = tune_decode(args, device=device, budget_s=left)
+        write_json(args.json, results)
     return 0 if results.get("ok", True) else 1
+
+
+def write_json(path: str, results: dict) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"json: {path}")
 
 
 if __name__ == "__main__":

@@ -284,3 +284,34 @@ def test_wrappers_raise_value_error_naming_the_problem():
     for name, call in cases:
         with pytest.raises(ValueError, match=name):
             call()
+
+
+# --------------------------------------------------------------------------- launch options
+
+
+def test_num_stages_keeps_kv_tiles_in_the_shared_memory_budget():
+    """Triton's default 3 stages where K+V tiles fit; fewer where 3 would not (fp32 x 128)."""
+    assert pa._num_stages(64, 128, torch.bfloat16) == 3  # 32 KiB a stage
+    assert pa._num_stages(64, 64, torch.float32) == 3
+    assert pa._num_stages(64, 128, torch.float32) == 1  # 64 KiB a stage
+    assert pa._num_stages(64, 256, torch.float16) == 1
+    assert pa._num_stages(16, 256, torch.float32) == 3
+    for block_n in (16, 32, 64, 128):
+        for block_d in (16, 64, 128, 256):
+            for dtype in (torch.float32, torch.bfloat16):
+                stages = pa._num_stages(block_n, block_d, dtype)
+                per_stage = 2 * block_n * block_d * dtype.itemsize
+                assert 1 <= stages <= 3 and (stages == 1 or stages * per_stage <= pa.KV_SMEM_BUDGET)
+
+
+def test_launch_options_are_accepted_and_checked():
+    k, v, bt, sl = make_paged([9, 30], 8, 2, 16, seed=51)
+    q = rand_q(2, 4, 16, seed=51)
+    for use_v2 in (False, True):
+        check_decode(q, k, v, bt, sl, use_v2=use_v2, partition_size=16, block_n=16, num_warps=2, num_stages=1)
+    check_prefill(rand_q(11, 4, 16, seed=52), k, v, bt, cu_from([5, 6]), sl, block_m=16, block_n=16,
+                  num_warps=8, num_stages=2)
+    with pytest.raises(ValueError, match="num_warps"):
+        paged_attention_decode(q, k, v, bt, sl, num_warps=3)
+    with pytest.raises(ValueError, match="num_stages"):
+        paged_attention_prefill(q, k, v, bt, cu_from([1, 1]), sl, num_stages=0)

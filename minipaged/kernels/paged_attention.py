@@ -76,6 +76,11 @@ PREFILL_BLOCK_M = 64  # query rows per program in prefill
 PREFILL_BLOCK_N = 64  # tokens per K/V tile in prefill
 PARTITION_SIZE = 512  # tokens per split-KV partition (vLLM's V2 uses 512 too)
 V2_MIN_SEQ_LEN = 8192  # always split contexts longer than this
+# Launch options on a GPU (the interpreter ignores them). Triton's defaults on NVIDIA are
+# 4 warps and 3 pipeline stages; each stage keeps one K and one V tile in shared memory.
+NUM_WARPS = 4
+MAX_NUM_STAGES = 3
+KV_SMEM_BUDGET = 96 * 1024  # bytes of K/V tiles over all stages (shared memory per program: L4 99 KiB)
 
 
 # =========================================================================== kernels
@@ -455,6 +460,23 @@ def _scale_and_precision(q: torch.Tensor, scale: Optional[float]):
     return scale * _LOG2E, compute_dtype, ("ieee" if compute_dtype == tl.float32 else "tf32")
 
 
+def _num_stages(block_n: int, block_d: int, dtype: torch.dtype) -> int:
+    """Pipeline depth for the K/V loop: Triton's default (3) unless the K and V tiles of all
+    stages would outgrow ``KV_SMEM_BUDGET``. E.g. fp32 at head_dim 128 with 64-token tiles
+    (64 KiB a stage) gets 1: with 3, the compiled prefill kernel asks for more shared memory
+    than an sm_86/sm_89 GPU (L4, RTX 4090: 99 KiB) gives a program; ``benchmarks/gpu_aot_check.py``
+    prints what each launch asks for."""
+    per_stage = 2 * block_n * block_d * dtype.itemsize  # one K tile + one V tile, bytes
+    return max(1, min(MAX_NUM_STAGES, KV_SMEM_BUDGET // per_stage))
+
+
+def _check_launch(name: str, num_warps, num_stages) -> None:
+    if num_warps is not None and (not isinstance(num_warps, int) or num_warps not in (1, 2, 4, 8, 16)):
+        raise ValueError(f"{name}: num_warps must be None or one of 1, 2, 4, 8, 16, got {num_warps!r}")
+    if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
+        raise ValueError(f"{name}: num_stages must be None or an int >= 1, got {num_stages!r}")
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -473,6 +495,8 @@ def paged_attention_decode(
     use_v2: Optional[bool] = None,
     partition_size: int = PARTITION_SIZE,
     block_n: int = DECODE_BLOCK_N,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
 ) -> torch.Tensor:
     """Decode attention through block tables: q [num_seqs, H, D] -> [num_seqs, H, D].
 
@@ -480,6 +504,8 @@ def paged_attention_decode(
     ``use_v2``: None picks V1 or split-KV V2 from the sequence lengths and the GPU's size;
     True/False forces one. ``partition_size`` (V2) and ``block_n`` (K/V tile) are powers of
     two >= 16 with ``block_n <= partition_size``; tests shrink them to exercise several tiles.
+    ``num_warps`` / ``num_stages``: GPU launch options (None: ``NUM_WARPS`` and
+    ``_num_stages``); ``benchmarks/kernels.py --tune`` sweeps them.
     """
     _require_triton("paged_attention_decode")
     num_seqs = q.shape[0] if q.dim() == 3 else -1
@@ -489,6 +515,7 @@ def paged_attention_decode(
             raise ValueError(f"paged_attention_decode: {arg} must be a power of two >= 16, got {val}")
     if block_n > partition_size:
         raise ValueError(f"paged_attention_decode: block_n ({block_n}) must be <= partition_size ({partition_size})")
+    _check_launch("paged_attention_decode", num_warps, num_stages)
 
     out = torch.empty_like(q)  # [B, H, D]
     if num_seqs == 0:
@@ -513,6 +540,8 @@ def paged_attention_decode(
         BLOCK_D=_next_pow2(head_dim),
         COMPUTE_DTYPE=compute_dtype,
         DOT_PRECISION=precision,
+        num_warps=NUM_WARPS if num_warps is None else num_warps,
+        num_stages=_num_stages(block_n, _next_pow2(head_dim), q.dtype) if num_stages is None else num_stages,
     )
     cache_strides = (*k_cache.stride(), *v_cache.stride())
     if not use_v2:
@@ -570,13 +599,16 @@ def paged_attention_prefill(
     max_query_len: Optional[int] = None,
     block_m: int = PREFILL_BLOCK_M,
     block_n: int = PREFILL_BLOCK_N,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
 ) -> torch.Tensor:
     """Varlen causal attention over paged K/V: q [total_q, H, D] -> [total_q, H, D].
 
     Sequence ``b``'s queries are rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and are the last
     ``q_len`` positions of its ``seq_lens[b]`` tokens; earlier tokens are read from the cache
     (chunked prefill, prefix caching). Decode rows (``q_len == 1``) may be mixed in.
-    ``max_query_len`` (a host int) avoids a device sync. ``block_m`` / ``block_n``: tile sizes.
+    ``max_query_len`` (a host int) avoids a device sync. ``block_m`` / ``block_n``: tile sizes;
+    ``num_warps`` / ``num_stages``: GPU launch options, as in ``paged_attention_decode``.
     """
     _require_triton("paged_attention_prefill")
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
@@ -591,6 +623,7 @@ def paged_attention_prefill(
     for arg, val in (("block_m", block_m), ("block_n", block_n)):
         if val < 16 or val & (val - 1):
             raise ValueError(f"paged_attention_prefill: {arg} must be a power of two >= 16, got {val}")
+    _check_launch("paged_attention_prefill", num_warps, num_stages)
     if cu_seqlens_q.device.type == "cpu" and num_seqs > 0:
         q_lens = cu_seqlens_q[1:].long() - cu_seqlens_q[:-1].long()
         if int(cu_seqlens_q[0]) != 0 or int(cu_seqlens_q[-1]) != q.shape[0] or int(q_lens.min()) < 0:
@@ -621,5 +654,7 @@ def paged_attention_prefill(
         BLOCK_D=_next_pow2(head_dim),
         COMPUTE_DTYPE=compute_dtype,
         DOT_PRECISION=precision,
+        num_warps=NUM_WARPS if num_warps is None else num_warps,
+        num_stages=_num_stages(block_n, _next_pow2(head_dim), q.dtype) if num_stages is None else num_stages,
     )
     return out
