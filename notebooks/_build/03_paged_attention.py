@@ -441,19 +441,11 @@ else:
 md("Recorded GPU results, where a run was committed to `benchmarks/results/`:")
 
 code(r"""
-recorded = sorted((REPO / "benchmarks" / "results").glob("kernels*.json"))
-if not recorded:
-    print("no recorded GPU results in benchmarks/results/ yet: run benchmarks/kernels.py on a GPU")
-for path in recorded:
-    with open(path) as f:
-        res = json.load(f)
-    if res.get("mode") != "gpu":
-        continue
-    print(f"{res['gpu']}  {res['dtype']}  heads {res['num_heads']}/{res['num_kv_heads']}  head_dim {res['head_dim']}")
-    print(f"{'batch':>5} {'context':>7} {'paged/contiguous':>17} {'GB/s':>7}")
-    for r in res["sweep"]:
-        print(f"{r['batch']:>5} {r['context']:>7} {r['paged_over_contiguous']:>17.2f} {r['paged_GBps']:>7.0f}")
+from minipaged.viz.gpu_results import price_of_paging_text
+
+print(price_of_paging_text(REPO / "benchmarks" / "results"))
 """)
+
 
 md(r"""
 On the CPU the interpreter can still show the *work* a block size implies: how many
