@@ -33,12 +33,6 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable, Optional
 
 from minipaged.entrypoints.openai.async_engine import AsyncEngine, EngineError, QueueFull
-from minipaged.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    error_body,
-    render_chat,
-)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -349,11 +343,17 @@ def _usage(prompt_len: int, completion_tokens: int) -> dict:
 
 def build_app(engine, **serving_kwargs):
     """The FastAPI app over ``engine`` (an ``LLMEngine``); see ``OpenAIServing`` for options."""
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI, Request  # NOTE: imported here so `minipaged --help` stays light
     from fastapi.responses import HTMLResponse, JSONResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from minipaged.entrypoints.openai.live import LIVE_PAGE
+    from minipaged.entrypoints.openai.protocol import (
+        ChatCompletionRequest,
+        CompletionRequest,
+        error_body,
+        render_chat,
+    )
 
     serving = OpenAIServing(engine, **serving_kwargs)
     tokenizer = engine.tokenizer
@@ -490,7 +490,7 @@ def build_app(engine, **serving_kwargs):
                     yield sse({**head, "choices": [], "usage": _usage(len(ids), ntok)})
             except (ApiError, EngineError, ValueError) as e:
                 status = e.status if isinstance(e, ApiError) else 500
-                yield sse(error_body(str(e), status))
+                yield sse(error_body(getattr(e, "message", str(e)), status))
             yield sse("[DONE]")
 
         return SSEResponse(events(), lambda: serving.async_engine.abort(stream.request_id))
@@ -557,7 +557,7 @@ def build_app(engine, **serving_kwargs):
                     yield sse({**head, "choices": [], "usage": _usage(len(ids), ntok)})
             except (ApiError, EngineError, ValueError) as e:
                 status = e.status if isinstance(e, ApiError) else 500
-                yield sse(error_body(str(e), status))
+                yield sse(error_body(getattr(e, "message", str(e)), status))
             yield sse("[DONE]")
 
         return SSEResponse(events(), lambda: serving.async_engine.abort(stream.request_id))

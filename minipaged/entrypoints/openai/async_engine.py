@@ -205,6 +205,10 @@ class AsyncEngine:
         while True:
             self._apply_pending()
             if not self.engine.has_unfinished_requests():
+                self._running_rids = set()
+                if self.metrics is not None:  # no step will run: say so now
+                    kv = self.engine.kv_cache_manager
+                    self.metrics.on_idle(kv.get_num_free_blocks(), self.engine.num_blocks)
                 if self.engine.step_index > 0:  # idle: start a fresh trace (bounded memory)
                     self._reset_trace()
                 self._wake.clear()

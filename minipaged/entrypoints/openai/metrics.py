@@ -103,6 +103,13 @@ class ServerMetrics:
         for rid in event["finished_ids"]:
             self._prompt_len.pop(rid, None)
 
+    def on_idle(self, num_free_blocks: int, num_blocks: int) -> None:
+        """The engine holds no request (after aborts no step reports it)."""
+        self.running.set(0)
+        self.waiting.set(0)
+        self.kv_usage.set(1.0 - num_free_blocks / num_blocks if num_blocks else 0.0)
+        self._held = set()
+
     def on_first_token(self, seconds: float, prompt_len: int, num_tokens: int) -> None:
         self.ttft.observe(seconds)
         self.prompt_tokens.inc(prompt_len)
