@@ -128,10 +128,11 @@ class TraceFollower:
         self._stop.set()
 
 
-def attach_stepper(url: str, timeout: float = 60.0, **stepper_kwargs):
+def attach_stepper(url: str, history: int = 64, timeout: float = 60.0, **stepper_kwargs):
     """The ``minipaged.viz.stepper`` widget over the live trace of the server at ``url``.
 
-    Waits for the server's next step; the slider's end then moves as steps arrive.
+    Starts from the server's last ``history`` steps (or waits for its next step); the
+    slider's end then moves as steps arrive.
     ``widget.follower.stop()`` stops following (the widget keeps what it has).
     """
     from minipaged.viz import stepper
@@ -145,7 +146,7 @@ def attach_stepper(url: str, timeout: float = 60.0, **stepper_kwargs):
             w.play.max = last
             w.slider.max = last
 
-    follower = TraceFollower(url, on_step=grow).start(timeout)
+    follower = TraceFollower(url, on_step=grow, history=history).start(timeout)
     follower.wait_for_steps(1, timeout)
     w = stepper(follower.trace, **stepper_kwargs)
     widget_box["w"] = w
