@@ -35,28 +35,31 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 def build_app(engine, **serving_kwargs):
     """The FastAPI app over ``engine`` (an ``LLMEngine``); see ``OpenAIServing`` for options."""
-    from fastapi import FastAPI, Request  # NOTE: imported here so `minipaged --help` stays light
+    from fastapi import (  # NOTE: imported here so `minipaged --help` stays light
+        FastAPI,
+        Request,
+    )
     from fastapi.responses import HTMLResponse, JSONResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from minipaged.entrypoints.openai.async_engine import EngineError
     from minipaged.entrypoints.openai.live import LIVE_PAGE
-    from minipaged.entrypoints.openai.serving import (
-        ApiError,
-        OpenAIServing,
-        SSEResponse,
-        _Deltas,
-        _finish_reason,
-        _usage,
-        chat_logprobs,
-        completion_logprobs,
-        sse,
-    )
     from minipaged.entrypoints.openai.protocol import (
         ChatCompletionRequest,
         CompletionRequest,
         error_body,
         render_chat,
+    )
+    from minipaged.entrypoints.openai.serving import (
+        ApiError,
+        OpenAIServing,
+        SSEResponse,
+        TextDeltas,
+        chat_logprobs,
+        completion_logprobs,
+        finish_reason_of,
+        sse,
+        usage_of,
     )
 
     serving = OpenAIServing(engine, **serving_kwargs)
@@ -160,16 +163,16 @@ def build_app(engine, **serving_kwargs):
                 return Response(status_code=499)
             choices = []
             for c in out.outputs:
-                reason = _finish_reason(c)
+                reason = finish_reason_of(c)
                 choices.append({"index": c.index, "text": c.text, "finish_reason": reason,
                                 "stop_reason": c.stop_reason,
                                 "logprobs": completion_logprobs(tokenizer, c.token_ids,
                                                                 getattr(c, "logprobs", None))})
             ntok = sum(len(c.token_ids) for c in out.outputs)
-            return {**head, "choices": choices, "usage": _usage(len(ids), ntok)}
+            return {**head, "choices": choices, "usage": usage_of(len(ids), ntok)}
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        deltas = _Deltas(params.n, getattr(params, "stop", None))
+        deltas = TextDeltas(params.n, getattr(params, "stop", None))
 
         async def events():
             ntok = 0
@@ -178,7 +181,7 @@ def build_app(engine, **serving_kwargs):
                     choices = []
                     for c in out.outputs:
                         done = c.finish_reason is not None
-                        reason = _finish_reason(c) if done else None
+                        reason = finish_reason_of(c) if done else None
                         offset = len(deltas.text[c.index])
                         text, new_ids, new_lps = deltas.delta(c, done)
                         if not text and not done and not new_lps:
@@ -191,7 +194,7 @@ def build_app(engine, **serving_kwargs):
                     if choices:
                         yield sse({**head, "choices": choices})
                 if include_usage:
-                    yield sse({**head, "choices": [], "usage": _usage(len(ids), ntok)})
+                    yield sse({**head, "choices": [], "usage": usage_of(len(ids), ntok)})
             except (ApiError, EngineError, ValueError) as e:
                 status = e.status if isinstance(e, ApiError) else 500
                 yield sse(error_body(getattr(e, "message", str(e)), status))
@@ -220,7 +223,7 @@ def build_app(engine, **serving_kwargs):
                 return Response(status_code=499)
             choices = []
             for c in out.outputs:
-                reason = _finish_reason(c)
+                reason = finish_reason_of(c)
                 choices.append({
                     "index": c.index, "message": {"role": "assistant", "content": c.text},
                     "finish_reason": reason, "stop_reason": c.stop_reason,
@@ -229,10 +232,10 @@ def build_app(engine, **serving_kwargs):
                 })
             ntok = sum(len(c.token_ids) for c in out.outputs)
             return {**head, "object": "chat.completion", "choices": choices,
-                    "usage": _usage(len(ids), ntok)}
+                    "usage": usage_of(len(ids), ntok)}
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        deltas = _Deltas(params.n, getattr(params, "stop", None))
+        deltas = TextDeltas(params.n, getattr(params, "stop", None))
         head = {**head, "object": "chat.completion.chunk"}
 
         async def events():
@@ -245,7 +248,7 @@ def build_app(engine, **serving_kwargs):
                     choices = []
                     for c in out.outputs:
                         done = c.finish_reason is not None
-                        reason = _finish_reason(c) if done else None
+                        reason = finish_reason_of(c) if done else None
                         text, new_ids, new_lps = deltas.delta(c, done)
                         if not text and not done and not new_lps:
                             continue
@@ -258,7 +261,7 @@ def build_app(engine, **serving_kwargs):
                     if choices:
                         yield sse({**head, "choices": choices})
                 if include_usage:
-                    yield sse({**head, "choices": [], "usage": _usage(len(ids), ntok)})
+                    yield sse({**head, "choices": [], "usage": usage_of(len(ids), ntok)})
             except (ApiError, EngineError, ValueError) as e:
                 status = e.status if isinstance(e, ApiError) else 500
                 yield sse(error_body(getattr(e, "message", str(e)), status))

@@ -7,9 +7,9 @@ Inputs
     a raw HTTP request (``read_json`` -> dict, ``validate`` -> a ``protocol`` model), then a
     prompt's token ids and ``SamplingParams`` (``make_params``) -> a ``RequestStream``
     (``submit``). Outputs: the final ``RequestOutput`` (``final_output``), or its text
-    deltas (``_Deltas``) for Server-Sent Events (``SSEResponse``).
+    deltas (``TextDeltas``) for Server-Sent Events (``SSEResponse``).
 Invariants
-    text sent so far is always a prefix of the final text (``_Deltas`` holds back what may
+    text sent so far is always a prefix of the final text (``TextDeltas`` holds back what may
     still change); a request whose client is gone is aborted (``final_output``,
     ``SSEResponse.on_close``).
 Failure mode
@@ -24,9 +24,8 @@ from typing import AsyncIterator, Callable, Optional
 
 from starlette.responses import Response
 
+from minipaged.entrypoints.openai.api_server import DEFAULT_MAX_BODY_BYTES
 from minipaged.entrypoints.openai.async_engine import AsyncEngine, QueueFull
-
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 class ApiError(Exception):
@@ -232,13 +231,13 @@ class OpenAIServing:
                 return
 
 
-def _finish_reason(c) -> Optional[str]:
+def finish_reason_of(c) -> Optional[str]:
     if c.finish_reason == "refused":
         raise ApiError(400, f"the request can never fit in this server's KV cache: {c.stop_reason}")
     return c.finish_reason
 
 
-class _Deltas:
+class TextDeltas:
     """The text each choice has not sent yet, safe to send now.
 
     Held back while unfinished: a trailing U+FFFD (a character whose bytes are split
@@ -305,6 +304,6 @@ def chat_logprobs(tokenizer, token_ids: list[int], lps: list, top_n: int) -> Opt
     return {"content": content}
 
 
-def _usage(prompt_len: int, completion_tokens: int) -> dict:
+def usage_of(prompt_len: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens,
             "total_tokens": prompt_len + completion_tokens}
