@@ -149,8 +149,9 @@ def attach_stepper(url: str, history: int = 64, timeout: float = 60.0, **stepper
     follower = TraceFollower(url, on_step=grow, history=history).start(timeout)
     follower.wait_for_steps(1, timeout)
     w = stepper(follower.trace, **stepper_kwargs)
-    widget_box["w"] = w
     w.follower = follower
+    widget_box["w"] = w
+    grow(follower.trace)  # NOTE: steps that arrived while the widget was being built
     return w
 
 
