@@ -469,3 +469,34 @@ def test_vllm_fields_pass_through_or_are_refused_by_name(server, name):
         assert r.status_code == 200, r.text
     else:
         assert r.status_code == 400 and name in r.json()["error"]["message"], r.text
+
+
+def test_an_engine_fault_is_a_json_500_and_serving_goes_on(llm):
+    """A step that raises (an engine bug) fails the requests in flight with an OpenAI-shaped
+    500 and no traceback, is counted, and the next request is served normally."""
+    from minipaged.engine.llm_engine import LLMEngine
+
+    e = llm.llm_engine
+    engine = LLMEngine(e.config, model=e.model, tokenizer=e.tokenizer)
+    real_step, calls = engine.step, []
+
+    def faulty_step():
+        calls.append(1)
+        if len(calls) == 2:  # the second step of the first request
+            raise RuntimeError("injected fault")
+        return real_step()
+
+    engine.step = faulty_step
+    with BackgroundServer(engine, check_invariants=True) as srv:
+        body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0.0}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500
+        assert r.json()["error"]["message"] == "internal server error"
+        assert "Traceback" not in r.text and "injected" not in r.text
+        assert srv.serving.async_engine.errors == ["RuntimeError: injected fault"]
+        want = offline(llm, ["Once upon a time"], temperature=0.0, max_tokens=8)[0].outputs[0].text
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+        assert metrics(srv)["minipaged:engine_errors_total"] == 1
+        wait_idle(srv)
+        engine.check_invariants()
