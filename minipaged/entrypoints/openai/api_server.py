@@ -35,14 +35,11 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 def build_app(engine, **serving_kwargs):
     """The FastAPI app over ``engine`` (an ``LLMEngine``); see ``OpenAIServing`` for options."""
-    from fastapi import (  # NOTE: imported here so `minipaged --help` stays light
-        FastAPI,
-        Request,
-    )
+    # NOTE: imported here, not at the top, so that `minipaged --help` stays light
+    from fastapi import FastAPI, Request
     from fastapi.responses import HTMLResponse, JSONResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from minipaged.entrypoints.openai.async_engine import EngineError
     from minipaged.entrypoints.openai.live import LIVE_PAGE
     from minipaged.entrypoints.openai.protocol import (
         ChatCompletionRequest,
@@ -54,7 +51,6 @@ def build_app(engine, **serving_kwargs):
         ApiError,
         OpenAIServing,
         SSEResponse,
-        TextDeltas,
         chat_logprobs,
         completion_logprobs,
         finish_reason_of,
@@ -171,36 +167,14 @@ def build_app(engine, **serving_kwargs):
             ntok = sum(len(c.token_ids) for c in out.outputs)
             return {**head, "choices": choices, "usage": usage_of(len(ids), ntok)}
 
+        def choice(index, text, token_ids, lps, offset, reason, stop_reason):
+            return {"index": index, "text": text, "finish_reason": reason,
+                    "stop_reason": stop_reason,
+                    "logprobs": completion_logprobs(tokenizer, token_ids, lps, offset)}
+
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        deltas = TextDeltas(params.n, getattr(params, "stop", None))
-
-        async def events():
-            ntok = 0
-            try:
-                async for out in serving.outputs(stream):
-                    choices = []
-                    for c in out.outputs:
-                        done = c.finish_reason is not None
-                        reason = finish_reason_of(c) if done else None
-                        offset = len(deltas.text[c.index])
-                        text, new_ids, new_lps = deltas.delta(c, done)
-                        if not text and not done and not new_lps:
-                            continue
-                        choices.append({"index": c.index, "text": text, "finish_reason": reason,
-                                        "stop_reason": c.stop_reason if done else None,
-                                        "logprobs": completion_logprobs(tokenizer, new_ids,
-                                                                        new_lps, offset)})
-                    ntok = sum(len(c.token_ids) for c in out.outputs)
-                    if choices:
-                        yield sse({**head, "choices": choices})
-                if include_usage:
-                    yield sse({**head, "choices": [], "usage": usage_of(len(ids), ntok)})
-            except (ApiError, EngineError, ValueError) as e:
-                status = e.status if isinstance(e, ApiError) else 500
-                yield sse(error_body(getattr(e, "message", str(e)), status))
-            yield sse("[DONE]")
-
-        return SSEResponse(events(), lambda: serving.async_engine.abort(stream.request_id))
+        events = serving.sse_events(stream, head, params, len(ids), include_usage, choice)
+        return SSEResponse(events, lambda: serving.async_engine.abort(stream.request_id))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -234,40 +208,17 @@ def build_app(engine, **serving_kwargs):
             return {**head, "object": "chat.completion", "choices": choices,
                     "usage": usage_of(len(ids), ntok)}
 
+        def choice(index, text, token_ids, lps, offset, reason, stop_reason):
+            return {"index": index, "delta": {"content": text} if text else {},
+                    "logprobs": chat_logprobs(tokenizer, token_ids, lps, top_n),
+                    "finish_reason": reason, "stop_reason": stop_reason}
+
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        deltas = TextDeltas(params.n, getattr(params, "stop", None))
-        head = {**head, "object": "chat.completion.chunk"}
-
-        async def events():
-            ntok = 0
-            try:
-                yield sse({**head, "choices": [
-                    {"index": j, "delta": {"role": "assistant", "content": ""},
-                     "logprobs": None, "finish_reason": None} for j in range(params.n)]})
-                async for out in serving.outputs(stream):
-                    choices = []
-                    for c in out.outputs:
-                        done = c.finish_reason is not None
-                        reason = finish_reason_of(c) if done else None
-                        text, new_ids, new_lps = deltas.delta(c, done)
-                        if not text and not done and not new_lps:
-                            continue
-                        choices.append({"index": c.index,
-                                        "delta": {"content": text} if text else {},
-                                        "logprobs": chat_logprobs(tokenizer, new_ids, new_lps, top_n),
-                                        "finish_reason": reason,
-                                        "stop_reason": c.stop_reason if done else None})
-                    ntok = sum(len(c.token_ids) for c in out.outputs)
-                    if choices:
-                        yield sse({**head, "choices": choices})
-                if include_usage:
-                    yield sse({**head, "choices": [], "usage": usage_of(len(ids), ntok)})
-            except (ApiError, EngineError, ValueError) as e:
-                status = e.status if isinstance(e, ApiError) else 500
-                yield sse(error_body(getattr(e, "message", str(e)), status))
-            yield sse("[DONE]")
-
-        return SSEResponse(events(), lambda: serving.async_engine.abort(stream.request_id))
+        first = [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None} for j in range(params.n)]
+        events = serving.sse_events(stream, {**head, "object": "chat.completion.chunk"}, params,
+                                    len(ids), include_usage, choice, first)
+        return SSEResponse(events, lambda: serving.async_engine.abort(stream.request_id))
 
     return app
 

@@ -25,7 +25,12 @@ from typing import AsyncIterator, Callable, Optional
 from starlette.responses import Response
 
 from minipaged.entrypoints.openai.api_server import DEFAULT_MAX_BODY_BYTES
-from minipaged.entrypoints.openai.async_engine import AsyncEngine, QueueFull
+from minipaged.entrypoints.openai.async_engine import (
+    AsyncEngine,
+    EngineError,
+    QueueFull,
+)
+from minipaged.entrypoints.openai.protocol import error_body
 
 
 class ApiError(Exception):
@@ -212,6 +217,8 @@ class OpenAIServing:
                     get.cancel()
                     return None  # the client is gone
                 item = get.result()
+                if isinstance(item, ValueError):  # refused by the engine: the caller's input
+                    raise ApiError(400, str(item))
                 if isinstance(item, BaseException):
                     raise item
                 if item.finished:
@@ -224,11 +231,45 @@ class OpenAIServing:
         """Each output of ``stream`` until the finished one."""
         while True:
             item = await stream.queue.get()
+            if isinstance(item, ValueError):  # refused by the engine: the caller's input
+                raise ApiError(400, str(item))
             if isinstance(item, BaseException):
                 raise item
             yield item
             if item.finished:
                 return
+
+    async def sse_events(self, stream, head: dict, params, prompt_len: int, include_usage: bool,
+                         choice: Callable, first: Optional[list] = None) -> AsyncIterator[str]:
+        """The Server-Sent Events of one streamed answer: ``head`` + ``choices`` per step
+        with new text, ``choice(index, text, token_ids, logprobs, offset, finish_reason,
+        stop_reason)`` building each; then the usage (if asked) and ``[DONE]``. An error
+        after the headers went out is one event in the OpenAI error shape."""
+        deltas = TextDeltas(params.n, getattr(params, "stop", None))
+        ntok = 0
+        try:
+            if first:
+                yield sse({**head, "choices": first})
+            async for out in self.outputs(stream):
+                choices = []
+                for c in out.outputs:
+                    done = c.finish_reason is not None
+                    reason = finish_reason_of(c) if done else None
+                    offset = len(deltas.text[c.index])
+                    text, new_ids, new_lps = deltas.delta(c, done)
+                    if text or done or new_lps:
+                        choices.append(choice(c.index, text, new_ids, new_lps, offset, reason,
+                                              c.stop_reason if done else None))
+                ntok = sum(len(c.token_ids) for c in out.outputs)
+                if choices:
+                    yield sse({**head, "choices": choices})
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage_of(prompt_len, ntok)})
+        except ApiError as e:
+            yield sse(error_body(e.message, e.status, e.param))
+        except EngineError as e:
+            yield sse(error_body(str(e), 500))
+        yield sse("[DONE]")
 
 
 def finish_reason_of(c) -> Optional[str]:
