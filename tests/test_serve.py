@@ -500,3 +500,26 @@ def test_an_engine_fault_is_a_json_500_and_serving_goes_on(llm):
         assert metrics(srv)["minipaged:engine_errors_total"] == 1
         wait_idle(srv)
         engine.check_invariants()
+
+
+def test_prefix_cache_metrics_count_the_cached_tokens(llm):
+    """With prefix caching on, the second request with the same prompt finds the prompt's
+    full blocks cached (all but the last token may hit): the metrics count exactly those."""
+    from minipaged.engine.llm_engine import LLMEngine
+
+    e = llm.llm_engine
+    config = dataclasses.replace(e.config, enable_prefix_caching=True)
+    engine = LLMEngine(config, model=e.model, tokenizer=e.tokenizer)
+    prompt = ("Once upon a time, there was a little girl named Lily. She loved to play in the "
+              "park with her dog Max. One day, they found a big red ball.")
+    ids = e.tokenizer(prompt)["input_ids"]
+    bs = config.block_size
+    assert len(ids) > 2 * bs
+    with BackgroundServer(engine, check_invariants=True) as srv:
+        body = {"prompt": prompt, "max_tokens": 4, "temperature": 0.0}
+        texts = [httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+                 ["choices"][0]["text"] for _ in range(2)]
+        assert texts[0] == texts[1]
+        m = metrics(srv)
+        assert m["vllm:prefix_cache_queries_total"] == 2 * len(ids)
+        assert m["vllm:prefix_cache_hits_total"] == (len(ids) - 1) // bs * bs
