@@ -523,3 +523,21 @@ def test_prefix_cache_metrics_count_the_cached_tokens(llm):
         m = metrics(srv)
         assert m["vllm:prefix_cache_queries_total"] == 2 * len(ids)
         assert m["vllm:prefix_cache_hits_total"] == (len(ids) - 1) // bs * bs
+
+
+@needs_field("logprobs")
+def test_chat_logprobs_and_streamed_logprobs(server, client):
+    messages = [{"role": "user", "content": "Tell me about a dog."}]
+    r = client.chat.completions.create(model=server.serving.model_name, messages=messages,
+                                       max_tokens=5, temperature=0.0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 5
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob)
+    streamed = []
+    for ch in client.completions.create(model=server.serving.model_name, prompt="The little dog",
+                                        max_tokens=5, temperature=0.0, logprobs=1, stream=True):
+        if ch.choices and ch.choices[0].logprobs:
+            streamed += ch.choices[0].logprobs.token_logprobs
+    assert len(streamed) == 5 and all(lp <= 0.0 for lp in streamed)
