@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -54,7 +55,7 @@ def test_live_page_follows_the_server(tmp_path):
 
             def send(k: int) -> None:
                 r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
-                    "prompt": f"Once upon a time, {k}", "max_tokens": 120, "temperature": 0.0})
+                    "prompt": f"Once upon a time, {k}", "max_tokens": 300, "temperature": 0.0})
                 replies.append(r.status_code)
 
             senders = [threading.Thread(target=send, args=(k,)) for k in range(4)]
@@ -66,6 +67,10 @@ def test_live_page_follows_the_server(tmp_path):
                 " && document.querySelectorAll('#seqs g[data-seq]').length >= 2",
                 timeout=60_000)
             during = page.locator("#pool").screenshot()
+            deadline = time.monotonic() + 20
+            while during == before and time.monotonic() < deadline:
+                time.sleep(0.2)
+                during = page.locator("#pool").screenshot()
             assert during != before, "the block picture did not change"
             fills = page.evaluate(
                 "Array.from(document.querySelectorAll('#pool rect[data-owner]'))"
