@@ -1,0 +1,15 @@
+"""``minipaged serve``: the OpenAI-compatible HTTP server on one ``LLMEngine``.
+
+=====================  ============================================================
+``protocol.py``        request bodies (pydantic, unknown fields refused) and errors
+``async_engine.py``    the engine loop: requests added / aborted while it steps
+``serving.py``         the request path: parse, validate, submit, stream text deltas
+``metrics.py``         ``/metrics``: Prometheus text with vLLM v1's metric names
+``api_server.py``      the FastAPI app and ``minipaged serve``
+``live.py``            the live page at ``/`` and the notebook helpers
+=====================  ============================================================
+
+Mirrors vLLM ``vllm/entrypoints/openai/`` (``api_server.py``, ``protocol.py``,
+``serving_completion.py``, ``serving_chat.py``) over ``vllm/v1/engine/async_llm.py``.
+Needs ``fastapi`` and ``uvicorn`` (runtime dependencies of minipaged).
+"""

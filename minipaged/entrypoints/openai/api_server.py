@@ -1,0 +1,348 @@
+"""The OpenAI-compatible HTTP server: ``minipaged serve``.
+
+Mirrors vLLM ``vllm/entrypoints/openai/api_server.py`` (+ ``serving_completion.py``,
+``serving_chat.py``) over today's vLLM (v1) ``AsyncLLM``: FastAPI routes in front of one
+engine loop (``async_engine.py``).
+
+Routes
+    ``GET /v1/models``; ``POST /v1/completions`` and ``/v1/chat/completions``, streaming
+    (Server-Sent Events, ``data: {...}`` then ``data: [DONE]``) or not; ``GET /metrics``
+    (Prometheus text, ``metrics.py``); ``GET /trace`` (the live ``EngineTrace``: SSE of
+    step events, or ``?format=json`` for the recent steps); ``GET /`` (the live page);
+    ``GET /health``.
+Invariants
+    a client that disconnects (mid-stream or while waiting) has its request aborted and
+    its KV blocks freed before the next engine step; one engine, touched only by the loop.
+Failure mode
+    every error is the OpenAI JSON shape (``protocol.error_body``), never a traceback:
+    400 bad JSON / types / unknown fields / values (the message names the field), 404
+    unknown model or route, 413 a body over ``max_body_bytes``, 503 + ``Retry-After`` when
+    ``max_waiting_requests`` are already waiting, 500 "internal error" for an engine bug.
+"""
+
+
+# NOTE: no `from __future__ import annotations` here: FastAPI reads the route functions'
+# annotations (`request: Request`) at definition time.
+import argparse
+import threading
+import time
+from contextlib import asynccontextmanager
+from typing import Optional
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def build_app(engine, **serving_kwargs):
+    """The FastAPI app over ``engine`` (an ``LLMEngine``); see ``OpenAIServing`` for options."""
+    # NOTE: imported here, not at the top, so that `minipaged --help` stays light
+    from fastapi import FastAPI, Request
+    from fastapi.responses import HTMLResponse, JSONResponse, Response
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from minipaged.entrypoints.openai.live import LIVE_PAGE
+    from minipaged.entrypoints.openai.protocol import (
+        ChatCompletionRequest,
+        CompletionRequest,
+        error_body,
+        render_chat,
+    )
+    from minipaged.entrypoints.openai.serving import (
+        ApiError,
+        OpenAIServing,
+        SSEResponse,
+        chat_logprobs,
+        completion_logprobs,
+        finish_reason_of,
+        sse,
+        usage_of,
+    )
+
+    serving = OpenAIServing(engine, **serving_kwargs)
+    tokenizer = engine.tokenizer
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await serving.async_engine.start()
+        try:
+            yield
+        finally:
+            await serving.async_engine.shutdown()
+
+    app = FastAPI(title="minipaged", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.serving = serving
+
+    def error(status: int, message: str, param=None, headers=None) -> JSONResponse:
+        return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return error(exc.status, exc.message, exc.param, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc):
+        return error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc):  # NOTE: the traceback goes to the log, not the client
+        return error(500, "internal server error")
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": serving.model_name, "object": "model", "created": serving.created,
+            "owned_by": "minipaged", "root": serving.model_name,
+            "max_model_len": engine.max_model_len,
+        }]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(serving.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def live_page():
+        return HTMLResponse(LIVE_PAGE)
+
+    @app.get("/trace")
+    async def trace(request: Request, format: str = "sse", history: int = 64):
+        ae = serving.async_engine
+        if format not in ("sse", "json"):
+            raise ApiError(400, f"format must be 'sse' or 'json', got {format!r}", "format")
+        if history < 0:
+            raise ApiError(400, f"history must be >= 0, got {history}", "history")
+        recent = list(ae.recent_steps)[-history:] if history else []
+        if format == "json":
+            return {"config": ae.trace_header(), "steps": recent}
+        q = ae.subscribe()
+
+        async def events():
+            yield sse(ae.trace_header())
+            last = -1
+            for ev in recent:
+                last = ev["step"]
+                yield sse(ev)
+            while True:
+                ev = await q.get()
+                if ev is None:
+                    return
+                if ev["step"] > last:
+                    yield sse(ev)
+
+        return SSEResponse(events(), lambda: ae.unsubscribe(q))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = serving.validate(CompletionRequest, await serving.read_json(request))
+        serving.check_model(req.model)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise ApiError(400, "prompt: a list of several prompts is not supported; send "
+                                    "one request per prompt", "prompt")
+            prompt = prompt[0]
+        if req.echo:
+            raise ApiError(400, "echo is not supported", "echo")
+        _, ids = serving.tokenize(prompt, "prompt")
+        params = serving.make_params(req, len(ids), DEFAULT_COMPLETION_MAX_TOKENS)
+        stream = serving.submit(params, ids)
+        created, model = int(time.time()), serving.model_name
+        head = {"id": stream.request_id, "object": "text_completion", "created": created,
+                "model": model}
+        if not req.stream:
+            out = await serving.final_output(request, stream)
+            if out is None:
+                return Response(status_code=499)
+            choices = []
+            for c in out.outputs:
+                reason = finish_reason_of(c)
+                choices.append({"index": c.index, "text": c.text, "finish_reason": reason,
+                                "stop_reason": c.stop_reason,
+                                "logprobs": completion_logprobs(tokenizer, c.token_ids,
+                                                                getattr(c, "logprobs", None))})
+            ntok = sum(len(c.token_ids) for c in out.outputs)
+            return {**head, "choices": choices, "usage": usage_of(len(ids), ntok)}
+
+        def choice(index, text, token_ids, lps, offset, reason, stop_reason):
+            return {"index": index, "text": text, "finish_reason": reason,
+                    "stop_reason": stop_reason,
+                    "logprobs": completion_logprobs(tokenizer, token_ids, lps, offset)}
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = serving.sse_events(stream, head, params, len(ids), include_usage, choice)
+        return SSEResponse(events, lambda: serving.async_engine.abort(stream.request_id))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = serving.validate(ChatCompletionRequest, await serving.read_json(request))
+        serving.check_model(req.model)
+        prompt = render_chat(req.messages, tokenizer)
+        _, ids = serving.tokenize(prompt, "messages")
+        try:
+            top_n = req._logprobs() or 0
+        except ValueError as e:
+            raise ApiError(400, str(e), "top_logprobs")
+        params = serving.make_params(req, len(ids), engine.max_model_len - len(ids))
+        stream = serving.submit(params, ids)
+        created, model = int(time.time()), serving.model_name
+        head = {"id": stream.request_id.replace("cmpl-", "chatcmpl-"), "created": created,
+                "model": model}
+        if not req.stream:
+            out = await serving.final_output(request, stream)
+            if out is None:
+                return Response(status_code=499)
+            choices = []
+            for c in out.outputs:
+                reason = finish_reason_of(c)
+                choices.append({
+                    "index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "finish_reason": reason, "stop_reason": c.stop_reason,
+                    "logprobs": chat_logprobs(tokenizer, c.token_ids,
+                                              getattr(c, "logprobs", None), top_n),
+                })
+            ntok = sum(len(c.token_ids) for c in out.outputs)
+            return {**head, "object": "chat.completion", "choices": choices,
+                    "usage": usage_of(len(ids), ntok)}
+
+        def choice(index, text, token_ids, lps, offset, reason, stop_reason):
+            return {"index": index, "delta": {"content": text} if text else {},
+                    "logprobs": chat_logprobs(tokenizer, token_ids, lps, top_n),
+                    "finish_reason": reason, "stop_reason": stop_reason}
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        first = [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None} for j in range(params.n)]
+        events = serving.sse_events(stream, {**head, "object": "chat.completion.chunk"}, params,
+                                    len(ids), include_usage, choice, first)
+        return SSEResponse(events, lambda: serving.async_engine.abort(stream.request_id))
+
+    return app
+
+
+# -- running it ----------------------------------------------------------------------------
+class BackgroundServer:
+    """``minipaged serve`` in a thread of this process (tests, notebooks).
+
+    ``BackgroundServer(engine, port=0).start()`` binds 127.0.0.1 on a free port; ``.url``
+    is its base URL, ``.serving`` the ``OpenAIServing``; ``.stop()`` ends it (also on
+    ``with``). Loopback only unless ``host`` says otherwise.
+    """
+
+    def __init__(self, engine, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 **serving_kwargs) -> None:
+        import uvicorn
+
+        self.app = build_app(engine, **serving_kwargs)
+        self.serving = self.app.state.serving  # OpenAIServing
+        config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
+                                lifespan="on", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.host = host
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> "BackgroundServer":
+        self._thread = threading.Thread(target=self.server.run, name="minipaged-serve", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.05)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._thread is None:
+            return
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        self._thread = None
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from minipaged.config import EngineConfig
+
+    d = EngineConfig()
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for a classroom)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None, help="the model id clients send")
+    g.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="requests not yet running before new ones get 503 + Retry-After")
+    g.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
+    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    g.add_argument("--check-invariants", action="store_true",
+                   help="run LLMEngine.check_invariants() after every step (slow; for tests)")
+    g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    g.add_argument("--log-level", default="info")
+    e = parser.add_argument_group("engine")
+    e.add_argument("--model", default=None, help="a local HF folder or hub id (default: the course model)")
+    e.add_argument("--block-size", type=int, default=d.block_size)
+    e.add_argument("--num-blocks", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    e.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--enable-prefix-caching", action="store_true")
+    e.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    e.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"])
+    e.add_argument("--attention-backend", default=d.attention_backend, choices=["torch", "triton"])
+    e.add_argument("--device", default=d.device)
+    e.add_argument("--dtype", default=d.dtype)
+    e.add_argument("--seed", type=int, default=d.seed)
+
+
+ENGINE_ARGS = ("model", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
+               "max_model_len", "enable_prefix_caching", "enable_chunked_prefill",
+               "preemption_mode", "attention_backend", "device", "dtype", "seed")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from minipaged.config import EngineConfig
+    from minipaged.engine.llm_engine import LLMEngine
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        engine = LLMEngine(EngineConfig(**{k: getattr(args, k) for k in ENGINE_ARGS}))
+        app = build_app(engine, served_model_name=args.served_model_name,
+                        max_waiting_requests=args.max_waiting_requests, max_n=args.max_n,
+                        max_body_bytes=args.max_body_bytes, check_invariants=args.check_invariants)
+    except ValueError as e:
+        print(f"minipaged serve: {e}")
+        return 2
+    print(f"minipaged serve: {app.state.serving.model_name} on http://{args.host}:{args.port} "
+          f"(live view at /, metrics at /metrics)", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="minipaged serve", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
