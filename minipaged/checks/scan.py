@@ -58,6 +58,17 @@ BANNED_SYS = (
     "sys.settrace", "sys.setprofile", "sys.addaudithook", "sys.stdout", "sys.stderr",
     "sys.__stdout__", "sys.__stderr__", "sys.displayhook", "sys.excepthook", "sys.path",
 )
+# files and processes: the exercises never need them, and they reach the authored notebooks,
+# the package's files or the grader (the sandbox blocks these too; the scan says so first)
+BANNED_OS = (
+    "os.system", "os.popen", "os.execv", "os.execve", "os.execl", "os.execlp", "os.execvp", "os.spawnl",
+    "os.spawnv", "os.posix_spawn", "os.fork", "os.kill", "os.killpg", "os.remove", "os.unlink",
+    "os.rename", "os.replace", "os.open", "os.write", "os.chmod", "os.chown", "os.symlink", "os.link",
+    "os.mkdir", "os.makedirs", "os.rmdir", "os.environ", "os.putenv", "os.getppid", "os.listdir",
+    "os.scandir", "os.walk", "os.chdir", "pathlib", "shutil", "socket", "signal", "glob", "tempfile",
+    "io.open", "io.FileIO",
+)
+FILE_METHODS = {"write_text", "write_bytes", "read_text", "read_bytes", "symlink_to", "hardlink_to"}
 BANNED_CALLS = {
     "eval", "exec", "compile", "__import__", "globals", "locals", "vars", "setattr",
     "delattr", "breakpoint", "open", "input", "memoryview",
@@ -91,7 +102,7 @@ class Finding:
     tamper: bool = True  # can change later checks (patching, reflection, hooks)
 
     def __str__(self) -> str:
-        return f"line {self.line}: {self.message}"
+        return f"line {self.line}: {self.message} [{self.rule}]"
 
 
 def _transform(source: str) -> str:
@@ -184,6 +195,9 @@ class _Scanner(ast.NodeVisitor):
         if _prefix_match(name, BANNED_SYS):
             self.flag(node, "sys-internals", f"uses {name} (interpreter internals are not allowed)")
             return
+        if _prefix_match(name, BANNED_OS):
+            self.flag(node, "files-processes", f"uses {name} (files and processes are not allowed)")
+            return
         if name.startswith("get_ipython()"):
             self.flag(node, "ipython-hook", f"uses {name} (IPython hooks are not allowed)")
             return
@@ -228,10 +242,12 @@ class _Scanner(ast.NodeVisitor):
         attr = node.attr
         if attr.startswith("__") and attr.endswith("__") and attr not in ALLOWED_DUNDERS:
             self.flag(node, "dunder-attribute", f"uses .{attr} (reflection is not allowed)")
+        elif attr in FILE_METHODS:
+            self.flag(node, "files-processes", f"uses .{attr}() (files are not allowed)")
         elif attr in FRAME_ATTRS:
             self.flag(node, "frame-attribute", f"uses .{attr} (frames and code objects are not allowed)")
         elif isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name) \
-                and node.value.func.id == "type":
+                and node.value.func.id == "type" and attr not in ALLOWED_DUNDERS:
             self.flag(node, "type-attribute", f"uses type(...).{attr} (reaching into the class of an "
                       "object the check hands you is not allowed)")
         name = self.dotted(node)
@@ -402,5 +418,6 @@ RULES = {
     "patch": "assigns or deletes an attribute or item of something imported",
     "class-keyword": "a class with a metaclass or other class keyword",
     "star-import": "from X import *",
+    "files-processes": "files and processes: open, pathlib, shutil, os.system / kill / remove ...",
     "reference": "uses the chapter's reference implementation outside annotations and isinstance",
 }
