@@ -133,11 +133,13 @@ def build_plan(nb, authored) -> list[_PlanCell]:
 
     plan: list[_PlanCell] = []
     last_solution_pos: dict[str, int] = {}
+    # a check cell that lost its metadata (some editors drop it) is still recognised by its text
+    check_texts = {cell_source(c).strip() for c in authored.check_cells.values()}
     for i, cell in enumerate(nb.cells):
         if cell.get("cell_type") != "code" or cell_role(cell) == "check":
             continue  # a student's check cell (possibly edited) is never run
         src = cell_source(cell)
-        if not src.strip():
+        if not src.strip() or src.strip() in check_texts:
             continue
         plan.append(_PlanCell(src, "student", cell_exercise(cell) if cell_role(cell) == "solution" else None, i))
         if cell_role(cell) == "solution" and cell_exercise(cell):
