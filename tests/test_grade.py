@@ -310,10 +310,11 @@ print(json.dumps(out))
 def test_output_is_capped_per_cell(tmp_path):
     from minipaged.checks._executor import MAX_OUTPUT_BYTES, KernelRunner
 
-    runner = KernelRunner(cwd=str(tmp_path), timeout=60, isolation=ISOLATION)
+    runner = KernelRunner(cwd=str(tmp_path), timeout=300, isolation=ISOLATION)
     runner.start()
     try:
         run = runner.run('for _ in range(30):\n    print("x" * 1_000_000)\nfor i in range(2000):\n    display(i)')
+        assert run.status == "ok", (run.status, run.error)
         after = runner.run("print('still here')")
     finally:
         runner.shutdown()
@@ -384,3 +385,55 @@ def test_scan_allows_what_solutions_need():
              "    queue.num_free_blocks -= 1\n"
              "    print(type(block).__name__, getattr(block, 'block_id', None))"]
     assert scan_cells(cells, "ch02") == [[], [], []]
+
+
+# -- nbgrader export (issue 15, item 6) ----------------------------------------------------
+
+
+def test_nbgrader_metadata_one_grade_cell_per_exercise():
+    from minipaged.checks.nbgrader_export import to_nbgrader
+
+    for chapter, a in AUTHORED.items():
+        nb = to_nbgrader(a.nb, chapter)
+        metas = [c.metadata["nbgrader"] for c in nb.cells]
+        grades = [m for m in metas if m["grade"]]
+        assert [m["grade_id"] for m in grades] == [f"{ex.replace('.', '_')}_check" for ex in a.exercises]
+        assert all(m["points"] == 1 and m["locked"] and not m["solution"] for m in grades)
+        assert len({m["grade_id"] for m in metas}) == len(metas)  # unique ids
+        for c, m in zip(nb.cells, metas):
+            if m["solution"]:
+                assert "### BEGIN SOLUTION" in cell_source(c) and not m["locked"]
+            else:
+                assert m["locked"] and c.metadata["editable"] is False
+
+
+def test_nbgrader_round_trip_scores_solved_and_unsolved(tmp_path):
+    pytest.importorskip("nbgrader", reason="nbgrader is in the test extra; install it to run this test")
+    import shutil
+    import subprocess
+
+    from minipaged.cli import main
+
+    course = tmp_path / "course"
+    assert main(["exercises", "--nbgrader", str(course), "--chapter", "ch02"]) == 0
+    name = AUTHORED["ch02"].name
+
+    def nbgrader(*args):
+        r = subprocess.run([sys.executable, "-m", "nbgrader", *args, "--course-dir", str(course)],
+                           cwd=course, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+    nbgrader("generate_assignment", "minipaged")
+    release = course / "release" / "minipaged" / name
+    text = release.read_text()
+    assert "### BEGIN SOLUTION" not in text and "queue.num_free_blocks -= 1" not in text
+    for student, src in (("solved", course / "source" / "minipaged" / name), ("unsolved", release)):
+        (course / "submitted" / student / "minipaged").mkdir(parents=True)
+        shutil.copy(src, course / "submitted" / student / "minipaged" / name)
+    nbgrader("autograde", "minipaged", "--create")
+    from nbgrader.api import Gradebook
+
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
+        scores = {s: (gb.find_submission("minipaged", s).score, gb.find_submission("minipaged", s).max_score)
+                  for s in ("solved", "unsolved")}
+    assert scores == {"solved": (4.0, 4.0), "unsolved": (0.0, 4.0)}
