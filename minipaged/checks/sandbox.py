@@ -129,30 +129,29 @@ def _python_dirs() -> list[str]:
 
 def _bwrap_args(package_dir: str, workdir: str) -> list[str]:
     args = ["--die-with-parent", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", "--hostname", "minipaged-sandbox"]
+            "--unshare-cgroup-try", "--hostname", "minipaged-sandbox",
+            # first the fresh /tmp, so a Python or a socket folder under the host's /tmp is
+            # mounted on top of it, not hidden by it
+            "--tmpfs", "/tmp", "--perms", "0777", "--dir", "/tmp/work"]
     binds = [(p, p) for p in ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc") if os.path.exists(p)]
     binds += [(d, d) for d in _python_dirs()]
     binds.append((package_dir, f"{PACKAGE_MOUNT}/minipaged"))
-    # NOTE: bwrap (as root) makes the missing parents of a mount point mode 0700, which the
-    # unprivileged user cannot cross; create them 0755 first.
-    parents = set()
-    for _, dest in binds + [(workdir, workdir)]:
+    made = {"/", "/tmp"}
+    for src, dest in binds + [(workdir, workdir)]:
+        # NOTE: bwrap (as root) makes the missing parents of a mount point mode 0700, which
+        # the unprivileged user cannot cross; create them 0755 first.
+        parents = []
         p = Path(dest).parent
-        while str(p) != "/":
-            parents.add(str(p))
+        while str(p) not in made:
+            parents.append(str(p))
             p = p.parent
-    top = {dest for _, dest in binds}
-    for p in sorted(parents, key=lambda s: (s.count("/"), s)):
-        if not any(p == t or p.startswith(t + "/") for t in top) and not (p + "/").startswith("/tmp/"):
-            args += ["--perms", "0755", "--dir", p]
-    for src, dest in binds:
-        args += ["--ro-bind", src, dest]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--perms", "0777", "--dir", "/tmp/work"]
-    if workdir.startswith("/tmp/"):  # the socket folder lives under the host's /tmp: mount it after the tmpfs
-        for p in sorted(parents, key=lambda s: (s.count("/"), s)):
-            if p.startswith("/tmp/"):
-                args += ["--perms", "0755", "--dir", p]
-    args += ["--bind", workdir, workdir, "--chdir", "/tmp/work"]
+        for q in reversed(parents):
+            if not any(q == d or q.startswith(d + "/") for _, d in binds if d != dest):
+                args += ["--perms", "0755", "--dir", q]
+            made.add(q)
+        args += ["--bind" if dest == workdir else "--ro-bind", src, dest]
+        made.add(dest)
+    args += ["--proc", "/proc", "--dev", "/dev", "--chdir", "/tmp/work"]
     return args
 
 
