@@ -363,8 +363,8 @@ def test_scan_passes_every_authored_solution_and_setup():
     ("import builtins\nbuiltins.print = None", "banned-module"),
     ("import os\nos.system('ls')", "files-processes"),
     ("from minipaged.core import KVCacheManager as K\nK.allocate_slots(m, 'r', 1)", "reference"),
-    ("import minipaged.core as c\nx = c.kv_cache_manager.KVCacheManager.allocate_slots", "reference"),
-    ("from minipaged.core.kv_cache_manager import KVCacheManager\nclass M(KVCacheManager): pass", "reference"),
+    ("import minipaged.core as c\nx = c.KVCacheManager.allocate_slots", "reference"),
+    ("from minipaged.core import KVCacheManager\nclass M(KVCacheManager): pass", "reference"),
     ("import torch\ntorch.allclose = lambda *a, **k: True", "patch"),
 ])
 def test_scan_finds_banned_constructs(src, rule):
