@@ -25,7 +25,9 @@ Sandbox
     environment, and interrupts go over the control channel (a signal to the process group
     would stop bwrap itself). Output is kept up to ``max_output_bytes`` per cell (all
     output kinds together; the rest is read and dropped) and a single message larger than
-    ``MAX_MESSAGE_BYTES`` is dropped by ZeroMQ before it is read into memory.
+    ``MAX_MESSAGE_BYTES`` is dropped by ZeroMQ before it is read into memory. The kernel's
+    client and manager share one ZeroMQ context per kernel, destroyed at ``shutdown()``
+    (jupyter_client would otherwise leave one context and its I/O thread per kernel).
 
 Failure mode
     a kernel that does not start within ``startup_timeout`` raises ``RuntimeError``.
@@ -42,7 +44,8 @@ from typing import Optional
 
 
 MAX_OUTPUT_BYTES = 1_000_000  # output kept per cell; the rest is read and dropped
-MAX_MESSAGE_BYTES = 8 * 2**20  # larger messages from the kernel are dropped unread (ZMQ_MAXMSGSIZE)
+MAX_MESSAGE_BYTES = 32 * 2**20  # larger messages from the kernel are dropped unread (ZMQ_MAXMSGSIZE)
+IOPUB_LOST_AFTER = 10.0  # seconds of IOPub silence after the execute reply: the output channel is gone
 
 
 @dataclass
@@ -119,6 +122,7 @@ class KernelRunner:
         self.max_output_bytes = int(max_output_bytes)
         self.km = None
         self.kc = None
+        self._ctx = None
         self._rundir = None
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -156,7 +160,8 @@ class KernelRunner:
         # (MINIPAGED_GRADE_DEBUG=1 shows them, to debug a sandbox that does not start)
         quiet = subprocess.DEVNULL if not os.environ.get("MINIPAGED_GRADE_DEBUG") else None
         self.km.start_kernel(cwd=cwd, env=env, stdout=quiet, stderr=quiet)
-        self.kc = self.km.client()
+        self._ctx = ctx
+        self.kc = self.km.client(context=ctx)  # the same context: its limit applies, it is destroyed
         self.kc.start_channels()
         try:
             self.kc.wait_for_ready(timeout=self.startup_timeout)
@@ -175,10 +180,12 @@ class KernelRunner:
                 self.km.shutdown_kernel(now=True)
             except Exception:  # pragma: no cover - best effort
                 pass
+        if getattr(self, "_ctx", None) is not None:
             try:
-                self.km.context.term()
+                self._ctx.destroy(linger=0)
             except Exception:  # pragma: no cover - best effort
                 pass
+            self._ctx = None
         self.km = self.kc = None
         if self._rundir is not None:
             import shutil
@@ -200,6 +207,7 @@ class KernelRunner:
         limit = self.timeout if timeout is None else float(timeout)
         msg_id = self.kc.execute(code, store_history=store_history, allow_stdin=False, stop_on_error=False)
         stdout, outputs, error = [], [], ""
+        early_reply, quiet_since = None, time.monotonic()
         kept = 0  # bytes of output kept so far (all kinds together)
         cap = self.max_output_bytes
         deadline = time.monotonic() + limit
@@ -223,7 +231,21 @@ class KernelRunner:
                     self.shutdown()
                     return CellRun("died", "".join(stdout),
                                    "the kernel died (os._exit, a crash, or out of memory)", outputs)
+                # NOTE: an output message over MAX_MESSAGE_BYTES makes ZeroMQ drop the IOPub
+                # connection, with the "idle" status and every later output; the execute
+                # reply on the shell channel still says the cell is done. The kernel is then
+                # useless for grading: shut it down (the caller restarts, bounded).
+                if early_reply is None and self.kc.shell_channel.msg_ready():
+                    r = self.kc.get_shell_msg(timeout=0.1)
+                    if r.get("parent_header", {}).get("msg_id") == msg_id:
+                        early_reply, quiet_since = r, time.monotonic()
+                elif early_reply is not None and time.monotonic() - quiet_since > IOPUB_LOST_AFTER:
+                    self.shutdown()
+                    return CellRun("died", "".join(stdout),
+                                   f"its output came in one message over {MAX_MESSAGE_BYTES // 2**20} MiB, "
+                                   "which the grader drops; the kernel was restarted", outputs)
                 continue
+            quiet_since = time.monotonic()
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue  # a late message of an earlier request
             kind, content = msg["msg_type"], msg["content"]
@@ -246,7 +268,7 @@ class KernelRunner:
                     kept += len(text.encode("utf-8")) + 1
                     outputs.append({"output_type": kind, "text": text})
         status = "ok"
-        reply = self._shell_reply(msg_id)
+        reply = early_reply if early_reply is not None else self._shell_reply(msg_id)
         if reply is not None and reply["content"].get("status") != "ok":
             status = "error"
             if not error:
