@@ -323,6 +323,20 @@ def test_output_is_capped_per_cell(tmp_path):
     assert after.stdout == "still here\n"
 
 
+def test_one_oversize_output_message_is_dropped_and_the_kernel_replaced(tmp_path):
+    from minipaged.checks._executor import MAX_MESSAGE_BYTES, KernelRunner
+
+    runner = KernelRunner(cwd=str(tmp_path), timeout=300, isolation=ISOLATION)
+    runner.start()
+    try:
+        run = runner.run(f'print("y" * {MAX_MESSAGE_BYTES + 2**20})')
+        assert run.status == "died" and "MiB" in run.error and not runner.running
+        runner.start()
+        assert runner.run("print('fresh')").stdout == "fresh\n"
+    finally:
+        runner.shutdown()
+
+
 def test_csv_is_written_after_each_submission(tmp_path):
     path = tmp_path / "scores.csv"
     seen = []
