@@ -380,6 +380,8 @@ def test_scan_passes_every_authored_solution_and_setup():
     ("import minipaged.core as c\nx = c.KVCacheManager.allocate_slots", "reference"),
     ("from minipaged.core import KVCacheManager\nclass M(KVCacheManager): pass", "reference"),
     ("import torch\ntorch.allclose = lambda *a, **k: True", "patch"),
+    ("import sys\nsys.stdout = open", "patch"),
+    ("import sys\nsys.stdout.write = len", "patch"),
 ])
 def test_scan_finds_banned_constructs(src, rule):
     from minipaged.checks.scan import scan_source
@@ -392,7 +394,7 @@ def test_scan_allows_what_solutions_need():
     from minipaged.checks.scan import scan_cells
 
     cells = ["from minipaged.core import FreeKVCacheBlockQueue, KVCacheBlock, KVCacheManager, cdiv",
-             "%time x = 1",
+             "%time x = 1\nimport sys\nprint('debug', file=sys.stderr)",
              "def remove(queue: FreeKVCacheBlockQueue, block: KVCacheBlock) -> None:\n"
              "    assert isinstance(queue, FreeKVCacheBlockQueue)\n"
              "    block.prev_free_block.next_free_block = block.next_free_block\n"

@@ -55,9 +55,8 @@ BANNED_MODULES = (
 )
 BANNED_SYS = (
     "sys.modules", "sys.meta_path", "sys.path_hooks", "sys.path_importer_cache", "sys._getframe",
-    "sys.settrace", "sys.setprofile", "sys.addaudithook", "sys.stdout", "sys.stderr",
-    "sys.__stdout__", "sys.__stderr__", "sys.displayhook", "sys.excepthook", "sys.path",
-)
+    "sys.settrace", "sys.setprofile", "sys.addaudithook", "sys.path", "sys.setrecursionlimit",
+)  # (sys.stdout and friends may be read, e.g. print(..., file=sys.stderr); assigning them is a patch)
 # files and processes: the exercises never need them, and they reach the authored notebooks,
 # the package's files or the grader (the sandbox blocks these too; the scan says so first)
 BANNED_OS = (
