@@ -35,9 +35,15 @@ import nbformat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from minipaged.checks.grade import grade_many, write_csv  # noqa: E402
-from minipaged.checks.notebook import cell_exercise, cell_role, cell_source, load_authored, make_student_copy  # noqa: E402
-from minipaged.checks.sandbox import probe  # noqa: E402
+from minipaged.checks.grade import grade_many, write_csv
+from minipaged.checks.notebook import (
+    cell_exercise,
+    cell_role,
+    cell_source,
+    load_authored,
+    make_student_copy,
+)
+from minipaged.checks.sandbox import probe
 
 CHEATS = {
     "ch01": "import math\nmath.ceil = lambda x: 0\n",

@@ -31,7 +31,12 @@ from minipaged.checks.grade import (
     grader_check_source,
     write_csv,
 )
-from minipaged.checks.notebook import cell_source, load_authored, make_student_copy, read_submission
+from minipaged.checks.notebook import (
+    cell_source,
+    load_authored,
+    make_student_copy,
+    read_submission,
+)
 from minipaged.checks.sandbox import probe
 
 SUBMISSIONS = Path(__file__).parent / "fixtures" / "submissions"
@@ -272,9 +277,8 @@ def test_a_poisoned_submission_changes_nothing_for_others_now_or_later():
 def test_sandbox_hides_the_grader_the_notebooks_and_the_package_files(tmp_path):
     if not (ISOLATION.bwrap and ISOLATION.user):
         pytest.skip("needs the bubblewrap sandbox and a separate user: " + "; ".join(ISOLATION.missing))
-    from minipaged.checks._executor import KernelRunner
-
     import minipaged
+    from minipaged.checks._executor import KernelRunner
 
     pkg = Path(minipaged.__file__).resolve().parent
     probe_src = f"""

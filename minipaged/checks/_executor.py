@@ -42,7 +42,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-
 MAX_OUTPUT_BYTES = 1_000_000  # output kept per cell; the rest is read and dropped
 MAX_MESSAGE_BYTES = 32 * 2**20  # larger messages from the kernel are dropped unread (ZMQ_MAXMSGSIZE)
 IOPUB_LOST_AFTER = 10.0  # seconds of IOPub silence after the execute reply: the output channel is gone
@@ -128,7 +127,6 @@ class KernelRunner:
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         import zmq
-        from jupyter_client.manager import KernelManager
 
         iso = self.isolation
         ctx = zmq.Context()

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import importlib
 import io
 import json
 import os

@@ -42,7 +42,13 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     import nbformat
 
-    from minipaged.checks.notebook import cell_exercise, cell_role, cell_source, load_authored, make_student_copy
+    from minipaged.checks.notebook import (
+        cell_exercise,
+        cell_role,
+        cell_source,
+        load_authored,
+        make_student_copy,
+    )
 
     try:
         authored = load_authored(args.source)

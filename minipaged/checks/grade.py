@@ -50,8 +50,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from minipaged.checks._harness import pass_line
-
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_BUDGET = 600.0  # seconds of kernel time per submission, all cells and restarts together
 MAX_RESTARTS = 2  # fresh kernels after a death or a hang, per submission
@@ -325,7 +323,11 @@ def grade_submission(path, authored_by_chapter: dict, timeout: float = DEFAULT_T
                      chapter: Optional[str] = None, budget: float = DEFAULT_BUDGET,
                      isolation=None, scan: bool = True) -> SubmissionResult:
     """Grade one notebook file; never raises for a bad submission."""
-    from minipaged.checks.notebook import MalformedNotebook, identify_chapter, read_submission
+    from minipaged.checks.notebook import (
+        MalformedNotebook,
+        identify_chapter,
+        read_submission,
+    )
 
     name = str(path)
     try:
