@@ -27,7 +27,7 @@ Failure mode
 
 Mirrors the idea of Triton-Puzzles / tiny-llm: one test harness grades the student's code
 and the reference alike. The notebook tooling is ``minipaged exercises`` (student copies)
-and ``minipaged grade`` (tamper-proof grading); see docs/instructor_guide.md.
+and ``minipaged grade`` (sandboxed grading); see docs/instructor_guide.md.
 """
 
 from __future__ import annotations

@@ -18,6 +18,17 @@ Invariants
     late message of an interrupted cell never lands in the next cell's output. Cells run
     with ``stop_on_error=False`` so an error never makes the kernel skip later requests.
 
+Sandbox
+    with ``isolation`` (``minipaged.checks.sandbox.Isolation``) the kernel command is wrapped
+    in prlimit / bwrap / setpriv, the kernel gets a per-run folder for its connection file
+    and Unix sockets (``transport="ipc"``: the sandbox has no network), a stripped
+    environment, and interrupts go over the control channel (a signal to the process group
+    would stop bwrap itself). Output is kept up to ``max_output_bytes`` per cell (all
+    output kinds together; the rest is read and dropped) and a single message larger than
+    ``MAX_MESSAGE_BYTES`` is dropped by ZeroMQ before it is read into memory. The kernel's
+    client and manager share one ZeroMQ context per kernel, destroyed at ``shutdown()``
+    (jupyter_client would otherwise leave one context and its I/O thread per kernel).
+
 Failure mode
     a kernel that does not start within ``startup_timeout`` raises ``RuntimeError``.
 """
@@ -31,8 +42,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-
-MAX_OUTPUT_CHARS = 1_000_000  # stream output kept per cell; the rest is read and dropped
+MAX_OUTPUT_BYTES = 1_000_000  # output kept per cell; the rest is read and dropped
+MAX_MESSAGE_BYTES = 32 * 2**20  # larger messages from the kernel are dropped unread (ZMQ_MAXMSGSIZE)
+IOPUB_LOST_AFTER = 10.0  # seconds of IOPub silence after the execute reply: the output channel is gone
 
 
 @dataclass
@@ -45,6 +57,38 @@ class CellRun:
     @property
     def alive(self) -> bool:
         return self.status in ("ok", "error", "timeout")
+
+
+def _clip(text: str, max_bytes: int) -> str:
+    """At most ``max_bytes`` of ``text`` (UTF-8), cut at a character boundary."""
+    if max_bytes <= 0:
+        return ""
+    raw = str(text).encode("utf-8")
+    return text if len(raw) <= max_bytes else raw[:max_bytes].decode("utf-8", "ignore")
+
+
+def _make_manager_class():
+    from jupyter_client.manager import KernelManager
+
+    class SandboxKernelManager(KernelManager):
+        """A KernelManager whose kernel command runs inside ``self.isolation``."""
+
+        isolation = None
+
+        def format_kernel_cmd(self, extra_arguments=None):
+            cmd = super().format_kernel_cmd(extra_arguments)
+            iso = self.isolation
+            if iso is None:
+                return cmd
+            os.chmod(self.connection_file, 0o644)  # the sandbox user reads it
+            if iso.bwrap:
+                # NOTE: in its own PID namespace the kernel's parent is bwrap's init (pid 1),
+                # which ipykernel's parent poller reads as "the grader exited"; bwrap's
+                # --die-with-parent does that job instead.
+                cmd = [*cmd, "--IPKernelApp.parent_handle=0"]
+            return iso.wrap(cmd, os.path.dirname(self.connection_file))
+
+    return SandboxKernelManager
 
 
 def _first_lines(text: str, n: int = 6, width: int = 300) -> str:
@@ -61,8 +105,10 @@ class KernelRunner:
         startup_timeout: float = 60.0,
         kernel_name: str = "python3",
         env: Optional[dict] = None,
+        isolation=None,
+        max_output_bytes: int = MAX_OUTPUT_BYTES,
     ) -> None:
-        if timeout <= 0:
+        if not timeout > 0:  # NOTE: also rejects NaN
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self.cwd = cwd
         self.timeout = float(timeout)
@@ -71,19 +117,49 @@ class KernelRunner:
         self.kernel_name = kernel_name
         self.env = dict(os.environ if env is None else env)
         self.env.setdefault("MPLBACKEND", "Agg")
+        self.isolation = isolation
+        self.max_output_bytes = int(max_output_bytes)
         self.km = None
         self.kc = None
+        self._ctx = None
+        self._rundir = None
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
-        from jupyter_client.manager import KernelManager
+        import zmq
 
-        self.km = KernelManager(kernel_name=self.kernel_name)
+        iso = self.isolation
+        ctx = zmq.Context()
+        ctx.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        kwargs = {"kernel_name": self.kernel_name, "context": ctx}
+        env, cwd = self.env, self.cwd
+        if iso is not None:
+            import tempfile
+
+            self._rundir = tempfile.mkdtemp(prefix="minipaged-kernel-")
+            if iso.user:
+                import pwd
+
+                pw = pwd.getpwnam(iso.user)
+                os.chown(self._rundir, pw.pw_uid, pw.pw_gid)
+            os.chmod(self._rundir, 0o700)
+            kwargs.update(transport="ipc", ip=os.path.join(self._rundir, "s"),
+                          connection_file=os.path.join(self._rundir, "kernel.json"))
+            env = iso.env(self.env)
+            cwd = self._rundir if iso.bwrap else self.cwd
+            if iso.user and not iso.bwrap:
+                cwd = self._rundir
+        self.km = _make_manager_class()(**kwargs)
+        self.km.isolation = iso
+        if iso is not None and iso.bwrap:
+            self.km.kernel_spec.interrupt_mode = "message"
         # NOTE: the kernel's own stderr carries only its start-up log lines (not the
         # student's output, which comes over IOPub); keep them out of the score table.
-        self.km.start_kernel(cwd=self.cwd, env=self.env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-        self.kc = self.km.client()
+        # (MINIPAGED_GRADE_DEBUG=1 shows them, to debug a sandbox that does not start)
+        quiet = subprocess.DEVNULL if not os.environ.get("MINIPAGED_GRADE_DEBUG") else None
+        self.km.start_kernel(cwd=cwd, env=env, stdout=quiet, stderr=quiet)
+        self._ctx = ctx
+        self.kc = self.km.client(context=ctx)  # the same context: its limit applies, it is destroyed
         self.kc.start_channels()
         try:
             self.kc.wait_for_ready(timeout=self.startup_timeout)
@@ -102,7 +178,18 @@ class KernelRunner:
                 self.km.shutdown_kernel(now=True)
             except Exception:  # pragma: no cover - best effort
                 pass
+        if getattr(self, "_ctx", None) is not None:
+            try:
+                self._ctx.destroy(linger=0)
+            except Exception:  # pragma: no cover - best effort
+                pass
+            self._ctx = None
         self.km = self.kc = None
+        if self._rundir is not None:
+            import shutil
+
+            shutil.rmtree(self._rundir, ignore_errors=True)
+            self._rundir = None
 
     def restart(self) -> None:
         self.shutdown()
@@ -113,12 +200,14 @@ class KernelRunner:
         return self.km is not None and self.km.is_alive()
 
     # -- one cell ----------------------------------------------------------------------
-    def run(self, code: str, timeout: Optional[float] = None) -> CellRun:
+    def run(self, code: str, timeout: Optional[float] = None, store_history: bool = True) -> CellRun:
         assert self.kc is not None and self.km is not None, "start() the kernel first"
         limit = self.timeout if timeout is None else float(timeout)
-        msg_id = self.kc.execute(code, store_history=True, allow_stdin=False, stop_on_error=False)
+        msg_id = self.kc.execute(code, store_history=store_history, allow_stdin=False, stop_on_error=False)
         stdout, outputs, error = [], [], ""
-        kept = 0  # characters of stream output kept so far
+        early_reply, quiet_since = None, time.monotonic()
+        kept = 0  # bytes of output kept so far (all kinds together)
+        cap = self.max_output_bytes
         deadline = time.monotonic() + limit
         interrupted = False
         while True:
@@ -140,7 +229,21 @@ class KernelRunner:
                     self.shutdown()
                     return CellRun("died", "".join(stdout),
                                    "the kernel died (os._exit, a crash, or out of memory)", outputs)
+                # NOTE: an output message over MAX_MESSAGE_BYTES makes ZeroMQ drop the IOPub
+                # connection, with the "idle" status and every later output; the execute
+                # reply on the shell channel still says the cell is done. The kernel is then
+                # useless for grading: shut it down (the caller restarts, bounded).
+                if early_reply is None and self.kc.shell_channel.msg_ready():
+                    r = self.kc.get_shell_msg(timeout=0.1)
+                    if r.get("parent_header", {}).get("msg_id") == msg_id:
+                        early_reply, quiet_since = r, time.monotonic()
+                elif early_reply is not None and time.monotonic() - quiet_since > IOPUB_LOST_AFTER:
+                    self.shutdown()
+                    return CellRun("died", "".join(stdout),
+                                   f"its output came in one message over {MAX_MESSAGE_BYTES // 2**20} MiB, "
+                                   "which the grader drops; the kernel was restarted", outputs)
                 continue
+            quiet_since = time.monotonic()
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue  # a late message of an earlier request
             kind, content = msg["msg_type"], msg["content"]
@@ -148,20 +251,22 @@ class KernelRunner:
                 break
             if kind == "stream":
                 # NOTE: a cell that prints in a loop must not fill the grader's memory
-                if kept < MAX_OUTPUT_CHARS:
-                    text = content["text"][: MAX_OUTPUT_CHARS - kept]
-                    kept += len(text)
-                    outputs.append({"output_type": "stream", "name": content["name"], "text": text})
-                    if content["name"] == "stdout":
+                if kept < cap:
+                    text = _clip(content.get("text", ""), cap - kept)
+                    kept += len(text.encode("utf-8"))
+                    outputs.append({"output_type": "stream", "name": content.get("name"), "text": text})
+                    if content.get("name") == "stdout":
                         stdout.append(text)
             elif kind == "error":
                 outputs.append({"output_type": "error", "ename": content["ename"], "evalue": content["evalue"]})
                 error = _first_lines(f"{content['ename']}: {content['evalue']}")
-            elif kind in ("execute_result", "display_data"):
-                text = content.get("data", {}).get("text/plain", "")
-                outputs.append({"output_type": kind, "text": text})
+            elif kind in ("execute_result", "display_data", "update_display_data"):
+                if kept < cap:
+                    text = _clip(str(content.get("data", {}).get("text/plain", "")), cap - kept)
+                    kept += len(text.encode("utf-8")) + 1
+                    outputs.append({"output_type": kind, "text": text})
         status = "ok"
-        reply = self._shell_reply(msg_id)
+        reply = early_reply if early_reply is not None else self._shell_reply(msg_id)
         if reply is not None and reply["content"].get("status") != "ok":
             status = "error"
             if not error:

@@ -1,4 +1,5 @@
-"""``minipaged exercises [--student OUT]``: list the exercises, or write student copies.
+"""``minipaged exercises [--student OUT] [--nbgrader OUT]``: list the exercises, or write
+student copies, or an nbgrader source assignment.
 
 Inputs / outputs
     without ``--student``: prints each chapter's exercise notebook and its exercises.
@@ -7,6 +8,8 @@ Inputs / outputs
     solution region (function signatures and docstrings kept) and keeps the stored
     ``✅ exN.M passed`` outputs of the check cells, so ``pytest --nbval OUT/ch02_*.ipynb``
     passes exactly when every exercise of that chapter is right.
+    ``--nbgrader OUT``: writes ``OUT/source/<--assignment>/`` with nbgrader metadata
+    (``nbgrader_export.py``): run nbgrader's ``generate_assignment`` / ``autograde`` there.
 
 Invariants
     a student copy holds no line of any solution region (checked as it is written).
@@ -30,12 +33,22 @@ def add_arguments(parser) -> None:
     parser.add_argument("--chapter", metavar="chNN", action="append",
                         help="only this chapter (repeatable; default: all)")
     parser.add_argument("--force", action="store_true", help="overwrite existing files in OUT")
+    parser.add_argument("--nbgrader", metavar="OUT",
+                        help="write an nbgrader source assignment into course folder OUT (OUT/source/NAME/)")
+    parser.add_argument("--assignment", metavar="NAME", default="minipaged",
+                        help="the nbgrader assignment name (default: minipaged)")
 
 
 def run(args) -> int:
     import nbformat
 
-    from minipaged.checks.notebook import cell_exercise, cell_role, cell_source, load_authored, make_student_copy
+    from minipaged.checks.notebook import (
+        cell_exercise,
+        cell_role,
+        cell_source,
+        load_authored,
+        make_student_copy,
+    )
 
     try:
         authored = load_authored(args.source)
@@ -50,6 +63,23 @@ def run(args) -> int:
                   file=sys.stderr)
             return 2
         chapters = [c for c in chapters if c in args.chapter]
+
+    if args.nbgrader:
+        from minipaged.checks.nbgrader_export import write_assignment
+
+        try:
+            written = write_assignment(authored, args.nbgrader, args.assignment, chapters, force=args.force)
+        except FileExistsError as e:
+            print(f"minipaged exercises: {e} exist; pass --force to overwrite", file=sys.stderr)
+            return 2
+        except ValueError as e:
+            print(f"minipaged exercises: {e}", file=sys.stderr)
+            return 2
+        for path in written:
+            print(f"wrote {path}")
+        print(f"next: cd {args.nbgrader} && nbgrader generate_assignment {args.assignment}")
+        if not args.student:
+            return 0
 
     if not args.student:
         for ch in chapters:

@@ -1,50 +1,59 @@
-"""``minipaged grade SUBMISSION... [--csv FILE] [--timeout S]``: tamper-proof grading.
+"""``minipaged grade SUBMISSION... [--csv FILE] [--timeout S] [--budget S] [--jobs N]``.
 
 Concept
-    A submission is a student's copy of an exercise notebook. Before it runs, every check
-    cell is *restored from the authored notebook* (source and metadata, matched by
-    exercise id): the student's own check cells are dropped, and each authored check cell
-    is put right after the student's last solution cell of that exercise (or at the end
-    if the student deleted it). Faking, editing, moving or deleting a check cell therefore
-    changes nothing. Then the cells run one by one in a fresh Jupyter kernel, each with a
-    time limit. An exercise scores 1 when its restored check cell printed its
-    ``✅ exN.M passed`` line and raised nothing, else 0.
+    A submission is a student's copy of an exercise notebook. Before it runs:
+    every check cell is *restored from the authored notebook* (matched by exercise id;
+    the student's own check cells are dropped, each authored check goes right after the
+    student's last solution cell of that exercise, or at the end), and every cell the
+    student can write is *scanned* (``scan.py``): a banned construct (patching a module,
+    reflection, import or IPython hooks, the chapter's reference implementation) scores
+    zero for the exercises it can affect, with the reason. Then the cells run one by one
+    in a fresh Jupyter kernel inside a throw-away sandbox (``sandbox.py``: bubblewrap, an
+    unprivileged user, rlimits), after a grader cell that arms ``_guard.py`` (checkers
+    imported and their state snapshotted before any student code; one random token per
+    exercise). A check cell is the grader's: it restores the snapshot and runs the armed
+    checker, which prints a verdict with the exercise's token. An exercise scores 1 when
+    that verdict arrived and no scan finding zeroes it, else 0.
 
 Inputs / outputs
-    ``grade_submission(path, authored, timeout)`` -> ``SubmissionResult`` (per exercise:
-    passed and a one-line reason; per cell: what happened). ``format_table(results)`` is
-    the score table the command prints; ``write_csv(results, path)`` writes it.
+    ``grade_submission(path, authored, timeout, budget=, isolation=)`` ->
+    ``SubmissionResult`` (per exercise: passed and a one-line reason; per cell: what
+    happened; flags for a human). ``grade_many(..., jobs=, on_result=)`` grades a class;
+    ``format_table(results)`` is the printed table; ``write_csv(results, path)``.
 
 Invariants
-    a wrong, crashing or hanging exercise scores zero for itself only: errors never stop
-    the run; a cell that outlives the timeout is interrupted; if the kernel ignores the
-    interrupt or dies, a fresh kernel is started, the student's earlier cells are replayed
-    (skipping the ones that hung or killed a kernel) and grading goes on. Output printed
-    by the student's own cells never counts: only the restored check cell's does.
+    a wrong, crashing, hanging or banned exercise scores zero for itself only (or, for
+    tampering, the exercises checked after it); errors never stop the run. Cost is
+    bounded: each cell has ``timeout``, the submission ``budget`` (cells, restarts and
+    replays together); after a kernel death or an ignored interrupt a fresh kernel is
+    armed and the earlier student cells are replayed once, at most ``MAX_RESTARTS`` times;
+    output is capped per cell. The CSV is rewritten after every submission.
 
 Failure mode
     a file that is not a readable notebook, or whose chapter cannot be told, gets a
-    one-line message and a row of zeros, never a traceback. Missing authored notebooks
-    -> exit code 2 with a message.
-
-Limits (stated in docs/instructor_guide.md): the student's code runs in the same Python
-process as the checker, so code written to monkeypatch ``minipaged.checks`` could fool
-it; the grader flags cells that mention ``minipaged.checks`` for a human to look at.
+    one-line message and a row of zeros, never a traceback. Bad options (``--timeout
+    nan``, ``--csv /no/such/dir/x.csv``) -> argparse error, exit code 2, before grading.
+    What the grader does and does not guarantee: docs/instructor_guide.md, section 6.
 """
 
 from __future__ import annotations
 
 import csv
+import json
+import math
+import os
 import re
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from minipaged.checks._harness import pass_line
-
 DEFAULT_TIMEOUT = 60.0
+DEFAULT_BUDGET = 600.0  # seconds of kernel time per submission, all cells and restarts together
+MAX_RESTARTS = 2  # fresh kernels after a death or a hang, per submission
+_TOKENS_RE = re.compile(r"^MPTOKENS (\{.*\})$", re.M)
 
 
 @dataclass
@@ -55,10 +64,10 @@ class ExerciseResult:
 
 @dataclass
 class CellReport:
-    index: Optional[int]  # cell index in the submission; None for a restored check cell
-    kind: str  # "student" | "check"
+    index: Optional[int]  # cell index in the submission; None for a grader cell
+    kind: str  # "student" | "check" | "prelude"
     exercise: Optional[str]
-    status: str  # ok | error | timeout | hung | died
+    status: str  # ok | error | timeout | hung | died | skipped
     error: str = ""
 
 
@@ -70,6 +79,7 @@ class SubmissionResult:
     error: Optional[str] = None  # the whole notebook could not be graded
     cells: list = field(default_factory=list)  # CellReport per executed cell
     flags: list = field(default_factory=list)  # things for a human to look at
+    seconds: float = 0.0
 
     @property
     def score(self) -> int:
@@ -86,29 +96,60 @@ class _PlanCell:
     kind: str  # "student" | "check"
     exercise: Optional[str]
     index: Optional[int]
+    findings: list = field(default_factory=list)  # scan findings (student cells)
+
+
+def check_call(source: str) -> tuple[str, list[str]]:
+    """The exercise id and the names an authored check cell passes to ``check(...)``."""
+    import ast
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "check" and node.args \
+                and isinstance(node.args[0], ast.Constant) and all(isinstance(a, ast.Name) for a in node.args[1:]):
+            return node.args[0].value, [a.id for a in node.args[1:]]
+    raise ValueError(f"an authored check cell must call check('exN.M', name, ...): {source!r}")
+
+
+def grader_check_source(authored_check_source: str) -> str:
+    """The cell the grader runs for a check: the armed guard, never the student's ``check``."""
+    ex, names = check_call(authored_check_source)
+    return ("from minipaged.checks._guard import graded_check as _mp_graded_check\n"
+            f"_mp_graded_check({ex!r}{''.join(', ' + n for n in names)})")
+
+
+def prelude_source(chapter: str, exercises: list[str]) -> str:
+    return ("import minipaged.checks._guard as _mp_guard\n"
+            f"_mp_guard.arm({chapter!r}, {list(exercises)!r})\n"
+            "del _mp_guard")
 
 
 def build_plan(nb, authored) -> list[_PlanCell]:
-    """The cells to run: the student's code cells, with the authored check cells restored."""
+    """The cells to run: the student's code cells, with the authored check cells restored
+    (as grader check cells) right after each exercise's last solution cell."""
     from minipaged.checks.notebook import cell_exercise, cell_role, cell_source
+    from minipaged.checks.scan import scan_cells
 
     plan: list[_PlanCell] = []
     last_solution_pos: dict[str, int] = {}
+    # a check cell that lost its metadata (some editors drop it) is still recognised by its text
+    check_texts = {cell_source(c).strip() for c in authored.check_cells.values()}
     for i, cell in enumerate(nb.cells):
         if cell.get("cell_type") != "code" or cell_role(cell) == "check":
             continue  # a student's check cell (possibly edited) is never run
         src = cell_source(cell)
-        if not src.strip():
+        if not src.strip() or src.strip() in check_texts:
             continue
-        plan.append(_PlanCell(src, "student", cell_exercise(cell), i))
+        plan.append(_PlanCell(src, "student", cell_exercise(cell) if cell_role(cell) == "solution" else None, i))
         if cell_role(cell) == "solution" and cell_exercise(cell):
             last_solution_pos[cell_exercise(cell)] = len(plan) - 1
+    for cell, findings in zip(plan, scan_cells([c.source for c in plan], authored.chapter)):
+        cell.findings = findings
     # Insert restored check cells after their solution cell, back to front so the
     # recorded positions stay valid; exercises without a solution cell go at the end.
     at_end = []
     inserts = []
     for ex in authored.exercises:
-        check = _PlanCell(cell_source(authored.check_cells[ex]), "check", ex, None)
+        check = _PlanCell(grader_check_source(cell_source(authored.check_cells[ex])), "check", ex, None)
         if ex in last_solution_pos:
             inserts.append((last_solution_pos[ex], check))
         else:
@@ -118,97 +159,175 @@ def build_plan(nb, authored) -> list[_PlanCell]:
     return plan + at_end
 
 
-def _flags(nb) -> list[str]:
-    from minipaged.checks.notebook import cell_role, cell_source
-
-    out = []
-    for i, cell in enumerate(nb.cells):
-        if cell.get("cell_type") == "code" and cell_role(cell) != "check":
-            src = cell_source(cell)
-            if re.search(r"minipaged\s*\.\s*checks|from\s+minipaged\s+import\s+checks", src):
-                out.append(f"cell {i} mentions minipaged.checks (look at it)")
+def banned(plan: list[_PlanCell]) -> dict[str, str]:
+    """exercise -> reason, for exercises a scan finding zeroes: a finding in an exercise's own
+    solution cell zeroes it; one that can change later checks (patching, reflection, hooks),
+    or any finding in a cell of no exercise, zeroes every exercise checked after that cell."""
+    out: dict[str, str] = {}
+    for pos, cell in enumerate(plan):
+        if cell.kind != "student" or not cell.findings:
+            continue
+        f = cell.findings[0]
+        more = f" (+{len(cell.findings) - 1} more)" if len(cell.findings) > 1 else ""
+        reason = f"banned in cell {cell.index}: {f}{more}"
+        if cell.exercise:
+            out.setdefault(cell.exercise, reason)
+        if cell.exercise is None or any(x.tamper for x in cell.findings):
+            for later in plan[pos + 1:]:
+                if later.kind == "check":
+                    out.setdefault(later.exercise, reason)
     return out
 
 
-def _run_plan(plan: list[_PlanCell], timeout: float, cwd: str) -> list[tuple[_PlanCell, object]]:
+def _flags(plan: list[_PlanCell]) -> list[str]:
+    out = []
+    for cell in plan:
+        for f in cell.findings:
+            out.append(f"cell {cell.index}: {f}")
+    return out
+
+
+@dataclass
+class _Run:
+    cell: _PlanCell
+    run: object
+    tokens: dict
+
+
+def _run_plan(plan: list[_PlanCell], chapter: str, exercises: list[str], timeout: float, cwd: str,
+              budget: float = DEFAULT_BUDGET, isolation=None, max_restarts: int = MAX_RESTARTS) -> list[_Run]:
     from minipaged.checks._executor import CellRun, KernelRunner
 
-    runner = KernelRunner(cwd=cwd, timeout=timeout)
-    results: list[tuple[_PlanCell, CellRun]] = []
+    runner = KernelRunner(cwd=cwd, timeout=timeout, isolation=isolation)
+    results: list[_Run] = []
+    deadline = time.monotonic() + budget
+    state = {"tokens": {}, "restarts": 0}
     bad: set[int] = set()  # plan positions that hung or killed a kernel: never replayed
+    prelude = prelude_source(chapter, exercises)
+
+    def left() -> float:
+        return deadline - time.monotonic()
+
+    def start_kernel() -> bool:
+        runner.restart() if runner.km is not None else runner.start()
+        run = runner.run(prelude, timeout=max(1.0, min(120.0, left())), store_history=False)
+        m = _TOKENS_RE.search(run.stdout)
+        if run.status != "ok" or not m:
+            raise RuntimeError(f"the grader's first cell failed in the kernel: {run.status} {run.error}")
+        state["tokens"] = json.loads(m.group(1))
+        return True
+
+    def stopped(why: str) -> CellRun:
+        return CellRun("skipped", "", why)
+
+    stop_reason = ""
     try:
-        runner.start()
+        start_kernel()
         for pos, cell in enumerate(plan):
-            if not runner.running:
-                _restart_and_replay(runner, plan, pos, bad)
-            run = runner.run(cell.source)
+            if not stop_reason and left() <= 0:
+                stop_reason = f"the submission's time budget ({budget:g} s) ran out before this cell"
+            if not stop_reason and not runner.running:
+                if state["restarts"] >= max_restarts:
+                    stop_reason = (f"the kernel died or hung {state['restarts'] + 1} times; grading of this "
+                                   "submission stopped there")
+                else:
+                    state["restarts"] += 1
+                    _restart_and_replay(runner, plan, pos, bad, start_kernel, left)
+                    if left() <= 0:
+                        stop_reason = f"the submission's time budget ({budget:g} s) ran out before this cell"
+            if stop_reason:
+                results.append(_Run(cell, stopped(stop_reason), dict(state["tokens"])))
+                continue
+            run = runner.run(cell.source, timeout=max(0.1, min(timeout, left())),
+                             store_history=cell.kind == "student")
             if not run.alive:
                 bad.add(pos)
-            results.append((cell, run))
+            results.append(_Run(cell, run, dict(state["tokens"])))
     finally:
         runner.shutdown()
     return results
 
 
-def _restart_and_replay(runner, plan: list[_PlanCell], upto: int, bad: set[int]) -> None:
-    """Fresh kernel; re-run the student's cells before ``upto`` that did not hang or crash."""
-    while True:
-        runner.restart()
-        for pos in range(upto):
-            if pos in bad or plan[pos].kind == "check":
-                continue
-            run = runner.run(plan[pos].source)
-            if not run.alive:
-                bad.add(pos)
-                break  # this one hangs too now: mark it and start over
-        else:
+def _restart_and_replay(runner, plan: list[_PlanCell], upto: int, bad: set[int], start_kernel, left) -> None:
+    """Fresh kernel (armed again); re-run the student's cells before ``upto`` that did not hang
+    or crash, once each, within the submission's budget."""
+    start_kernel()
+    for pos in range(upto):
+        if pos in bad or plan[pos].kind == "check":
+            continue
+        if left() <= 0:
             return
+        run = runner.run(plan[pos].source, timeout=max(0.1, min(runner.timeout, left())))
+        if not run.alive:
+            bad.add(pos)  # it hangs or crashes now: never again
+            if not runner.running:
+                return  # the next cell sees a dead kernel and counts it as a restart
 
 
 def _reason(run) -> str:
-    if run.status in ("timeout", "hung", "died"):
+    if run.status in ("timeout", "hung", "died", "skipped"):
         return run.error
     if run.status == "error":
         lines = run.error.splitlines()[:4] if run.error else ["raised an error"]
         lines[0] = lines[0].removeprefix("ExerciseFailure: ")
         return " | ".join(line.strip() for line in lines)
-    return "the check printed no ✅ line"
+    return "the check printed no verdict (the grader's check did not run to its end)"
 
 
-def grade_notebook(nb, authored, timeout: float = DEFAULT_TIMEOUT, submission: str = "") -> SubmissionResult:
-    """Grade an in-memory notebook of ``authored.chapter``."""
+def grade_notebook(nb, authored, timeout: float = DEFAULT_TIMEOUT, submission: str = "",
+                   budget: float = DEFAULT_BUDGET, isolation=None, scan: bool = True) -> SubmissionResult:
+    """Grade an in-memory notebook of ``authored.chapter``. ``scan=False`` ignores the static
+    scan's findings (used by the tests to show what the other layers hold on their own)."""
+    t0 = time.monotonic()
     result = SubmissionResult(submission=submission, chapter=authored.chapter)
-    result.flags = _flags(nb)
     plan = build_plan(nb, authored)
+    result.flags = _flags(plan)
+    zeroed = banned(plan) if scan else {}
     with tempfile.TemporaryDirectory(prefix="minipaged-grade-") as cwd:
         try:
-            runs = _run_plan(plan, timeout, cwd)
+            runs = _run_plan(plan, authored.chapter, authored.exercises, timeout, cwd, budget=budget,
+                             isolation=isolation)
         except RuntimeError as e:  # the kernel did not start
             result.error = str(e)
             result.exercises = {ex: ExerciseResult(False, str(e)) for ex in authored.exercises}
+            result.seconds = time.monotonic() - t0
             return result
     solution_trouble: dict[str, str] = {}  # exercise -> what went wrong in its solution cell
-    for cell, run in runs:
+    for r in runs:
+        cell, run = r.cell, r.run
         result.cells.append(CellReport(cell.index, cell.kind, cell.exercise, run.status, run.error))
         if cell.kind == "student" and cell.exercise and run.status != "ok":
             solution_trouble.setdefault(cell.exercise, f"its solution cell (cell {cell.index}): {_reason(run)}")
         if cell.kind == "check":
-            ok = run.status == "ok" and pass_line(cell.exercise) in run.stdout.splitlines()
+            token = r.tokens.get(cell.exercise)
+            verdict = f"MPV {token} {cell.exercise}"
+            ok = run.status == "ok" and token is not None and verdict in run.stdout.splitlines()
             reason = ""
-            if not ok:
+            if cell.exercise in zeroed:
+                ok, reason = False, zeroed[cell.exercise]
+            elif not ok:
                 reason = _reason(run)
                 if cell.exercise in solution_trouble:
                     reason = f"{solution_trouble[cell.exercise]}; then the check: {reason}"
             result.exercises[cell.exercise] = ExerciseResult(ok, reason)
+            if "the grader put back what the submission had changed" in run.stdout:
+                line = next(ln for ln in run.stdout.splitlines() if "the grader put back" in ln)
+                result.flags.append(f"{cell.exercise}: {line.strip('()')}")
     # authored order, whatever order the cells ran in
     result.exercises = {ex: result.exercises[ex] for ex in authored.exercises}
+    result.seconds = time.monotonic() - t0
     return result
 
 
 def grade_submission(path, authored_by_chapter: dict, timeout: float = DEFAULT_TIMEOUT,
-                     chapter: Optional[str] = None) -> SubmissionResult:
+                     chapter: Optional[str] = None, budget: float = DEFAULT_BUDGET,
+                     isolation=None, scan: bool = True) -> SubmissionResult:
     """Grade one notebook file; never raises for a bad submission."""
-    from minipaged.checks.notebook import MalformedNotebook, identify_chapter, read_submission
+    from minipaged.checks.notebook import (
+        MalformedNotebook,
+        identify_chapter,
+        read_submission,
+    )
 
     name = str(path)
     try:
@@ -223,24 +342,43 @@ def grade_submission(path, authored_by_chapter: dict, timeout: float = DEFAULT_T
                          "pass --chapter")
     if ch not in authored_by_chapter:
         return _zero_row(name, None, authored_by_chapter, f"no authored exercises for chapter {ch!r}")
-    return grade_notebook(nb, authored_by_chapter[ch], timeout=timeout, submission=name)
+    return grade_notebook(nb, authored_by_chapter[ch], timeout=timeout, submission=name, budget=budget,
+                          isolation=isolation, scan=scan)
 
 
 def grade_many(paths, authored_by_chapter: dict, timeout: float = DEFAULT_TIMEOUT,
-               chapter: Optional[str] = None, jobs: int = 1, progress: bool = False) -> list[SubmissionResult]:
-    """Grade several submissions (``jobs`` at a time, one kernel each); results in input order."""
+               chapter: Optional[str] = None, jobs: int = 1, progress: bool = False,
+               budget: float = DEFAULT_BUDGET, isolation=None, on_result=None) -> list[SubmissionResult]:
+    """Grade several submissions (``jobs`` at a time, one sandboxed kernel each); results in
+    input order. ``on_result(results_so_far)`` is called after each submission (in input
+    order of those done), e.g. to rewrite the CSV."""
+    import threading
 
-    def one(path):
+    paths = list(paths)
+    done: dict[int, SubmissionResult] = {}
+    lock = threading.Lock()
+
+    def one(i_path):
+        i, path = i_path
         if progress:
             print(f"grading {path} ...", file=sys.stderr, flush=True)
-        return grade_submission(path, authored_by_chapter, timeout=timeout, chapter=chapter)
+        try:
+            r = grade_submission(path, authored_by_chapter, timeout=timeout, chapter=chapter, budget=budget,
+                                 isolation=isolation)
+        except Exception as e:  # never lose the rest of the class to one submission
+            r = _zero_row(str(path), None, authored_by_chapter, f"the grader failed on this file: {e}")
+        with lock:
+            done[i] = r
+            if on_result is not None:
+                on_result([done[k] for k in sorted(done)])
+        return r
 
     if jobs <= 1 or len(paths) <= 1:
-        return [one(p) for p in paths]
+        return [one(p) for p in enumerate(paths)]
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(one, paths))
+        return list(pool.map(one, enumerate(paths)))
 
 
 def _chapter_from_name(name: str, authored_by_chapter: dict) -> Optional[str]:
@@ -328,27 +466,76 @@ def write_csv(results: list[SubmissionResult], path) -> None:
 # -- command line ------------------------------------------------------------------------
 
 
+def _positive_seconds(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _csv_path(text: str) -> str:
+    import argparse
+
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"folder {folder} does not exist")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")
+    if not os.access(folder, os.W_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text}")
+    return text
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("submissions", nargs="+", metavar="SUBMISSION",
                         help="student notebooks (.ipynb) to grade")
-    parser.add_argument("--csv", metavar="FILE", help="also write the score table as CSV")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
+    parser.add_argument("--csv", metavar="FILE", type=_csv_path,
+                        help="also write the score table as CSV (rewritten after each submission)")
+    parser.add_argument("--timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT, metavar="S",
                         help=f"seconds each cell may run before it is interrupted (default {DEFAULT_TIMEOUT:g})")
+    parser.add_argument("--budget", type=_positive_seconds, default=DEFAULT_BUDGET, metavar="S",
+                        help="seconds one submission may take in all, restarts included "
+                             f"(default {DEFAULT_BUDGET:g})")
     parser.add_argument("--source", metavar="DIR",
                         help="folder of the authored exercise notebooks (default: notebooks/exercises "
                              "of this checkout)")
     parser.add_argument("--chapter", metavar="chNN",
                         help="grade every submission as this chapter (default: read it from the notebook)")
-    parser.add_argument("--jobs", type=int, default=1, metavar="N",
-                        help="grade N submissions at a time, each in its own kernel (default 1)")
+    parser.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
+                        help="grade N submissions at a time, each in its own sandboxed kernel (default 1)")
+    parser.add_argument("--memory", type=_positive_int, default=None, metavar="MIB",
+                        help="address-space limit of each kernel in MiB (default 6144)")
+    parser.add_argument("--no-sandbox", action="store_true",
+                        help="run kernels without bubblewrap (say so in the printed isolation line)")
     parser.add_argument("--quiet", action="store_true", help="print the table without the reasons")
 
 
 def run(args) -> int:
     from minipaged.checks.notebook import load_authored
+    from minipaged.checks.sandbox import Limits, probe
 
-    if args.timeout <= 0:
-        print("minipaged grade: --timeout must be > 0", file=sys.stderr)
+    if not (math.isfinite(args.timeout) and args.timeout > 0) or not (math.isfinite(args.budget) and args.budget > 0):
+        print("minipaged grade: --timeout and --budget must be finite and > 0", file=sys.stderr)
+        return 2
+    if args.jobs < 1:
+        print("minipaged grade: --jobs must be >= 1", file=sys.stderr)
         return 2
     try:
         authored = load_authored(args.source)
@@ -359,11 +546,25 @@ def run(args) -> int:
         print(f"minipaged grade: no exercises for --chapter {args.chapter!r} "
               f"(known: {', '.join(sorted(authored))})", file=sys.stderr)
         return 2
-    if args.jobs < 1:
-        print("minipaged grade: --jobs must be >= 1", file=sys.stderr)
-        return 2
+    if args.csv:
+        try:  # fail now, not after an hour of grading
+            with open(args.csv, "a", encoding="utf-8"):
+                pass
+        except OSError as e:
+            print(f"minipaged grade: cannot write --csv {args.csv}: {e.strerror or e}", file=sys.stderr)
+            return 2
+    limits = Limits()
+    if args.memory:
+        limits.memory_bytes = args.memory * 2**20
+    isolation = probe(limits=limits, use_bwrap=not args.no_sandbox)
+    print(isolation.describe(), file=sys.stderr, flush=True)
+
+    def save(done):
+        if args.csv:
+            write_csv(done, args.csv)
+
     results = grade_many(args.submissions, authored, timeout=args.timeout, chapter=args.chapter,
-                         jobs=args.jobs, progress=True)
+                         jobs=args.jobs, progress=True, budget=args.budget, isolation=isolation, on_result=save)
     print(format_table(results, details=not args.quiet), end="")
     if args.csv:
         write_csv(results, args.csv)
