@@ -17,7 +17,7 @@ COMMANDS = {
     "memory": ("minipaged.sim.memory_waste", "KV memory waste: paged vs contiguous (paper Fig. 2)"),
     "sharing": ("minipaged.sim.sharing", "blocks saved by sharing (paper Fig. 15)"),
     "simulate": ("minipaged.sim.cli", "paper-scale serving experiments on a cost model"),
-    "bench": ("minipaged.engine.bench", "real serving benchmark on CPU/GPU"),
+    "bench": ("minipaged.bench.serving", "real serving benchmark on CPU/GPU"),
     "figures": ("minipaged.viz.figures", "regenerate every PNG in figures/"),
     "exercises": ("minipaged.checks.exercises", "write student copies of the exercise notebooks"),
     "grade": ("minipaged.checks.grade", "grade exercise submissions"),

@@ -98,16 +98,16 @@ SIM_CASES = {  # name -> simulate() kwargs (the paper-scale simulator, small poo
 
 def make_scheduler(kwargs: dict):
     """The scheduler of a case (the only place that knows the scheduler constructors)."""
-    from minipaged.core import Scheduler, StaticBatchScheduler
+    from minipaged.core import EngineScheduler, StaticBatchScheduler
 
     kwargs = dict(kwargs)
     if kwargs.pop("kind", None) == "static":
         return StaticBatchScheduler(**kwargs)
-    return Scheduler(**kwargs)
+    return EngineScheduler(**kwargs)
 
 
 def scheduler_trace(name: str) -> dict:
-    from minipaged.core import run_scheduler
+    from minipaged.trace import run_scheduler
 
     sched_kwargs, work_kwargs = SCHEDULER_CASES[name]
     sched = make_scheduler(sched_kwargs)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests._golden_traces import GOLDEN, SCHEDULER_CASES, SIM_CASES, scheduler_trace, sim_trace
+from _golden_traces import GOLDEN, SCHEDULER_CASES, SIM_CASES, scheduler_trace, sim_trace
 
 _golden = json.loads(GOLDEN.read_text())
 

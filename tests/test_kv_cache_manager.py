@@ -10,9 +10,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from minipaged.core.kv_cache_manager import KVCacheManager, KVCacheUsage
-from minipaged.core.kv_cache_utils import cdiv
-from minipaged.core.request import Request
+from minipaged.core.kv.kv_cache_manager import KVCacheManager, KVCacheUsage
+from minipaged.core.kv.block import cdiv
+from minipaged.core.sched.request import Request
 
 
 def snapshot(mgr):

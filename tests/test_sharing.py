@@ -1,5 +1,5 @@
-"""Sharing blocks: fork, copy-on-write, sequence groups (minipaged/core/kv_cache_manager.py,
-minipaged/core/scheduler.py; the engine's n > 1 path).
+"""Sharing blocks: fork, copy-on-write, sequence groups (minipaged/core/kv/kv_cache_manager.py,
+minipaged/core/sched/scheduler.py; the engine's n > 1 path).
 
 References, each independent of the code under test:
 - hand-worked block tables, ref counts and copies;
@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from _content_model import ContentPagedModel, drive, reference_outputs
 from minipaged import SamplingParams
-from minipaged.core import KVCacheManager, Request, RequestStatus, Scheduler, cdiv
+from minipaged.core import KVCacheManager, Request, RequestStatus, EngineScheduler, cdiv
 
 # ----------------------------------------------------------------------------- manager, by hand
 
@@ -292,7 +292,7 @@ def _group(name, prompt, n, max_tokens=10, eos=None):
 
 
 def test_group_prefills_once_then_forks_by_hand():
-    s = Scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64)
+    s = EngineScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64)
     seqs = _group("g", [5, 6, 7, 8, 9, 10], 3, max_tokens=4)
     s.add_request_group(seqs)
     out = s.schedule()
@@ -319,17 +319,17 @@ def test_group_prefills_once_then_forks_by_hand():
 
 
 def test_group_refusals_and_abort():
-    s = Scheduler(num_blocks=8, block_size=4, max_num_seqs=2)
+    s = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=2)
     big = _group("big", [1, 2, 3], 3)
     s.add_request_group(big)
     assert all(r.status == RequestStatus.FINISHED_IGNORED for r in big)
     assert "max_num_seqs" in big[0].stop_reason
-    s = Scheduler(num_blocks=8, block_size=4)
+    s = EngineScheduler(num_blocks=8, block_size=4)
     long = _group("long", list(range(8)), 4, max_tokens=12)  # 2 shared + 4 x 3 private > 8
     s.add_request_group(long)
     assert all(r.status == RequestStatus.FINISHED_IGNORED for r in long)
     # aborting a sequence of a group that has not forked yet aborts the group
-    s = Scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=3)  # chunks of 3
+    s = EngineScheduler(num_blocks=8, block_size=4, max_num_batched_tokens=3)  # chunks of 3
     g = _group("g", [1, 2, 3, 4, 5], 2)
     s.add_request_group(g)
     out = s.schedule()
@@ -364,7 +364,7 @@ def test_groups_equal_plain_loop_under_pressure(seed, mode, num_blocks, block_si
                                                caching, budget):
     rng = random.Random(seed)
     arrivals, seqs = _workload(rng, rng.randint(1, 6), block_size)
-    s = Scheduler(num_blocks, block_size, max_num_seqs=rng.choice([4, 8]),
+    s = EngineScheduler(num_blocks, block_size, max_num_seqs=rng.choice([4, 8]),
                   max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
                   preemption_mode=mode, num_cpu_blocks=12 if mode == "swap" else 0,
                   enable_prefix_caching=caching)
@@ -385,7 +385,7 @@ def test_groups_share_prompt_blocks_and_copy():
     """A roomy pool: fewer blocks than n independent sequences, and copies were made."""
     rng = random.Random(3)
     prompt = [rng.randrange(50) for _ in range(10)]  # 2 full blocks + 2 tokens (block_size 4)
-    shared, alone = Scheduler(64, 4), Scheduler(64, 4)
+    shared, alone = EngineScheduler(64, 4), EngineScheduler(64, 4)
     m1, m2 = ContentPagedModel(4), ContentPagedModel(4)
     outs1 = drive(shared, {0: [_group("g", prompt, 4, max_tokens=6)]}, m1)
     outs2 = drive(alone, {0: [Request(f"g.{j}", prompt, SamplingParams(max_tokens=6)) for j in range(4)]}, m2)

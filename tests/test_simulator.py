@@ -169,7 +169,7 @@ def test_orca_scheduler_never_exceeds_memory(seed, slots, rate):
 
 
 def test_contiguous_scheduler_direct():
-    from minipaged.core.request import Request
+    from minipaged.core.sched.request import Request
     from minipaged.sampling_params import SamplingParams
 
     s = ContiguousScheduler(num_slots=10, max_model_len=10, policy="oracle", max_num_seqs=4,

@@ -58,9 +58,10 @@ from typing import Optional, Union
 
 import torch
 
-from minipaged.core.kv_cache_utils import cdiv
-from minipaged.core.request import Request, RequestStatus
-from minipaged.core.sched_output import SchedulerOutput
+from minipaged.core.kv.block import cdiv
+from minipaged.core.sched.request import Request, RequestStatus
+from minipaged.core.sched.output import SchedulerOutput
+from minipaged.engine.llm_engine import normalize_prompts
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
 from minipaged.trace import StepRecord, count_holders
 
@@ -194,8 +195,6 @@ def beam_search(
     """Beam search for every prompt, batched across prompts; see the module docstring.
 
     ``early_stopping`` overrides ``params.early_stopping`` when given."""
-    from minipaged.engine.llm import normalize_prompts
-
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
     if early_stopping is None:

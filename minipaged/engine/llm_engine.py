@@ -6,7 +6,9 @@ Mirrors vLLM ``vllm/v1/engine/llm_engine.py`` + ``core.py`` (and nano-vllm's
 One step (DESIGN.md, "the data path")::
 
     out     = scheduler.schedule()                     who runs, how many tokens each
-    logits  = model_runner.execute(out, kv_cache_manager)   cache moves, then one forward
+    model_runner.apply_cache_ops(out)                  swap / copy blocks, before the forward
+    inp     = model_runner.prepare(out, kv_cache_manager)   tensors of the step
+    logits  = model.forward(inp, kv_caches)
     tokens  = sampler(logits[rows that end their known tokens], params, seeds)
     done    = scheduler.update_from_output(out, tokens)     append, stop, free blocks
     trace.record(StepRecord)                           what the pictures are drawn from
@@ -44,17 +46,35 @@ from typing import Optional, Sequence, Union
 import torch
 
 from minipaged.config import EngineConfig, kv_cache_bytes_per_block
-from minipaged.core.request import Request, RequestStatus
-from minipaged.core.sched_utils import record_step
-from minipaged.core.scheduler import Scheduler
-from minipaged.core.static_scheduler import StaticBatchScheduler
+from minipaged.core.sched import EngineScheduler, Request, RequestStatus, StaticBatchScheduler
 from minipaged.engine.model_runner import ModelRunner
 from minipaged.engine.outputs import CompletionOutput, RequestOutput
 from minipaged.engine.sampler import Sampler, request_base_seed, sample_seed
 from minipaged.sampling_params import SamplingParams
-from minipaged.trace import EngineTrace
+from minipaged.trace import EngineTrace, record_step
 
 PromptType = Union[str, Sequence[int]]
+
+
+def normalize_prompts(prompts) -> list:
+    """A list of prompts, each a string or a list of token ids."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a string or a list, got {type(prompts).__name__}")
+    if len(prompts) > 0 and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, (list, tuple)):
+            out.append(list(p))
+        else:
+            raise ValueError(
+                f"prompts[{i}] must be a string or a list of token ids, got {type(p).__name__}"
+            )
+    return out
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -142,19 +162,20 @@ class LLMEngine:
         return config.max_model_len
 
     def _make_scheduler(self):
-        cls = Scheduler if self.config.scheduling == "continuous" else StaticBatchScheduler
         c = self.config
-        return cls(
+        kwargs = dict(
             num_blocks=self.num_blocks,
             block_size=c.block_size,
             max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens,
             enable_chunked_prefill=c.enable_chunked_prefill,
-            preemption_mode=c.preemption_mode,
-            num_cpu_blocks=self.num_cpu_blocks,
             max_model_len=self.max_model_len,
             enable_prefix_caching=c.enable_prefix_caching,
         )
+        if c.scheduling == "static":
+            return StaticBatchScheduler(**kwargs)
+        return EngineScheduler(**kwargs, preemption_mode=c.preemption_mode,
+                               num_cpu_blocks=self.num_cpu_blocks)
 
     def _new_trace(self, meta: Optional[dict] = None) -> EngineTrace:
         c = self.config

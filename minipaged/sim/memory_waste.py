@@ -67,8 +67,8 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from minipaged.core.contiguous import POLICIES, POLICY_NAMES, ContiguousAllocator
-from minipaged.core.kv_cache_manager import KVCacheManager
+from minipaged.core.kv.contiguous import POLICIES, POLICY_NAMES, ContiguousAllocator
+from minipaged.core.kv.kv_cache_manager import KVCacheManager
 from minipaged.sim.workloads import WORKLOADS, sample_requests
 
 DEFAULT_NUM_SLOTS = 15_728  # 12 GiB / 800 KiB per token (OPT-13B, A100-40GB)

@@ -11,7 +11,7 @@ The policies (``POLICIES``; the same KV memory for all, from ``CostModel``)
                        tables, recompute preemption); memory grows a block at a time.
     ``"orca-max"``, ``"orca-pow2"``, ``"orca-oracle"``
                        Orca-like: ``ContiguousScheduler`` below, continuous (iteration-level)
-                       batching over ``minipaged.core.contiguous.ContiguousAllocator``: a
+                       batching over ``minipaged.core.kv.contiguous.ContiguousAllocator``: a
                        request is admitted (FCFS, no skipping) only if a contiguous region
                        for its whole reservation (2048 / next power of two / exact length)
                        fits first-fit; it keeps it to the end, so nothing is preempted.
@@ -78,16 +78,12 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
-from minipaged.core.contiguous import ContiguousAllocator
-from minipaged.core.request import Request, RequestStatus
-from minipaged.core.sched_output import SchedulerOutput
-from minipaged.core.sched_utils import record_step
-from minipaged.core.scheduler import Scheduler
-from minipaged.core.static_scheduler import StaticBatchScheduler
+from minipaged.core.kv.contiguous import ContiguousAllocator
+from minipaged.core.sched import EngineScheduler, Request, RequestStatus, SchedulerOutput, StaticBatchScheduler
 from minipaged.sampling_params import SamplingParams
 from minipaged.sim.arrivals import TraceRequest
 from minipaged.sim.cost_model import CostModel
-from minipaged.trace import EngineTrace, StepRecord
+from minipaged.trace import EngineTrace, StepRecord, record_step
 
 POLICIES = ("paged", "orca-oracle", "orca-pow2", "orca-max", "static")
 POLICY_NAMES = {
@@ -355,13 +351,12 @@ def make_scheduler(policy: str, cost_model: CostModel, block_size: int = 16, max
     if policy.startswith("orca-"):
         return ContiguousScheduler(cost_model.num_kv_tokens(), max_model_len, policy[len("orca-"):],
                                    max_num_seqs, max_num_batched_tokens)
-    cls = Scheduler if policy == "paged" else StaticBatchScheduler
-    return cls(
-        num_blocks=cost_model.num_gpu_blocks(block_size), block_size=block_size,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode,
-        num_cpu_blocks=num_cpu_blocks, max_model_len=max_model_len, enable_prefix_caching=False,
-    )
+    kwargs = dict(num_blocks=cost_model.num_gpu_blocks(block_size), block_size=block_size,
+                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                  enable_chunked_prefill=enable_chunked_prefill, max_model_len=max_model_len)
+    if policy == "static":
+        return StaticBatchScheduler(**kwargs)
+    return EngineScheduler(**kwargs, preemption_mode=preemption_mode, num_cpu_blocks=num_cpu_blocks)
 
 
 def _make_request(tr: TraceRequest, policy: str, max_model_len: int, request_id: str) -> Request:

@@ -85,7 +85,8 @@ def scheduler_trace(
 ):
     """The real ``Scheduler`` on seeded requests, a fake model appending token 1."""
     from minipaged.core import Request
-    from minipaged.core.scheduler import Scheduler, run_scheduler
+    from minipaged.core import EngineScheduler
+    from minipaged.trace import run_scheduler
     from minipaged.sampling_params import SamplingParams
 
     rng = random.Random(seed)
@@ -100,7 +101,7 @@ def scheduler_trace(
                                            ignore_eos=True),
         )
         arrivals.setdefault(at, []).append(req)
-    sched = Scheduler(num_blocks, block_size, max_num_seqs=max_num_seqs,
+    sched = EngineScheduler(num_blocks, block_size, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens,
                       preemption_mode=preemption_mode, num_cpu_blocks=num_cpu_blocks)
     trace = run_scheduler(sched, arrivals, next_token=lambda r: 1)

@@ -26,7 +26,7 @@ builds each of them, small enough to read, in the `minipaged` package:
 |---|---|---|---|
 | **KV cache** | per layer, the keys and values of every token seen so far | *data* | `minipaged/model/`, cache tensors `[num_blocks, block_size, num_kv_heads, head_dim]` |
 | **PagedAttention** | a request's logical blocks map through a *block table* to physical blocks anywhere in the cache; attention reads through that map | *addressing* | `minipaged/core/` (pool, manager, tables), `minipaged/kernels/` |
-| **continuous batching** | the batch is rebuilt at every step as requests arrive, finish or are preempted | *scheduling* | `minipaged/core/scheduler.py` |
+| **continuous batching** | the batch is rebuilt at every step as requests arrive, finish or are preempted | *scheduling* | `minipaged/core/sched/scheduler.py` |
 
 They are easy to blur together. Keep them apart: the KV cache is *what* is stored, paging
 is *where* it is stored and how it is found, scheduling is *who* runs at each step. (And

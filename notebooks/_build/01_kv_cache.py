@@ -34,7 +34,7 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
-from minipaged.core.contiguous import ContiguousAllocator
+from minipaged.core.kv.contiguous import ContiguousAllocator
 from minipaged.sim.cost_model import OPT_13B, CostModel
 from minipaged.sim.memory_waste import format_table, plot_memory_waste, run_memory_experiment
 from minipaged.sim.workloads import WORKLOADS
@@ -174,7 +174,7 @@ how well it uses that memory.
 
 Before vLLM, systems such as Orca stored each request's KV cache in **one contiguous region**,
 reserved at admission. The output length is unknown then, so the region is sized for a
-worst case. `minipaged.core.contiguous.ContiguousAllocator` implements the three baselines of
+worst case. `minipaged.core.kv.contiguous.ContiguousAllocator` implements the three baselines of
 the paper over a linear address space with first-fit placement:
 
 | policy | reserves for a request of final length F | knows |

@@ -37,7 +37,8 @@ import torch
 
 from minipaged import LLM, SamplingParams, viz
 from minipaged.core import Request
-from minipaged.core.scheduler import Scheduler, StaticBatchScheduler, run_scheduler
+from minipaged.core import EngineScheduler, StaticBatchScheduler
+from minipaged.trace import run_scheduler
 from minipaged.engine.llm_engine import LLMEngine
 
 torch.set_num_threads(1)  # the course model is tiny: one thread is fastest and steadiest
@@ -88,7 +89,7 @@ def tiny_requests():
             for name, m in (("A", 2), ("B", 8), ("C", 3))]
 
 tiny = {}
-for cls in (StaticBatchScheduler, Scheduler):
+for cls in (StaticBatchScheduler, EngineScheduler):
     sched = cls(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
     tiny[cls.__name__] = run_scheduler(sched, tiny_requests(), next_token=lambda r: 7)
 

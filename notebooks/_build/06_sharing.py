@@ -36,7 +36,8 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from minipaged import LLM, BeamSearchParams, SamplingParams, viz
-from minipaged.core import KVCacheManager, Request, Scheduler, hash_block_tokens, run_scheduler
+from minipaged.core import EngineScheduler, KVCacheManager, Request, hash_block_tokens
+from minipaged.trace import run_scheduler
 
 torch.set_num_threads(1)  # a small model: one thread is fastest, and the output is the same
 hf_logging.disable_progress_bar()  # no loading bars in the output
@@ -138,7 +139,7 @@ now, writes in place. `blocks_to_copy = [(1, 2), (1, 3)]`.
 """)
 
 code(r"""
-s = Scheduler(num_blocks=16, block_size=4)
+s = EngineScheduler(num_blocks=16, block_size=4)
 group = [Request(f"g.{j}", list(range(10, 16)), SamplingParams(max_tokens=4)) for j in range(3)]
 trace = run_scheduler(s, [group], fake_model)  # a list inside the arrivals = a sequence group
 print([st.scheduled for st in trace.steps])
@@ -155,7 +156,7 @@ they are in each step's `SchedulerOutput.blocks_to_copy`:
 """)
 
 code(r"""
-s = Scheduler(num_blocks=16, block_size=4)
+s = EngineScheduler(num_blocks=16, block_size=4)
 s.add_request_group([Request(f"g.{j}", list(range(10, 16)), SamplingParams(max_tokens=4)) for j in range(3)])
 for step in range(3):
     out = s.schedule()
@@ -326,7 +327,7 @@ there: the prefill skips it. Four requests share a 12-token prefix and arrive on
 code(r"""
 prefix = list(range(200, 212))
 for caching in (False, True):
-    s = Scheduler(num_blocks=32, block_size=4, enable_prefix_caching=caching)
+    s = EngineScheduler(num_blocks=32, block_size=4, enable_prefix_caching=caching)
     arrivals = {2 * i: [Request(f"q{i}", prefix + [i, i], SamplingParams(max_tokens=3))] for i in range(4)}
     t = run_scheduler(s, arrivals, fake_model)
     prefill = [(rid, n) for st in t.steps for rid, n in st.scheduled.items() if rid in st.prefill_ids]

@@ -81,7 +81,7 @@ a step is modelled. Five serving policies share the same memory budget:
 | `static` | a new batch only when the last one is done | maximum length per request | FasterTransformer |
 
 The Orca-like policies run `ContiguousScheduler` (in `minipaged/sim/simulator.py`) over the
-first-fit allocators of chapter 01 (`minipaged/core/contiguous.py`).
+first-fit allocators of chapter 01 (`minipaged/core/kv/contiguous.py`).
 """)
 
 md(r"""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minipaged.core.request import Request
+from minipaged.core.sched.request import Request
 
 
 @dataclass

@@ -17,8 +17,8 @@ Inputs / outputs
     tokens of ``request`` (a ``Request`` or a request id) and returns the newly allocated
     blocks (possibly ``[]``), or ``None`` when the pool cannot supply them.
     ``free(request)`` returns its blocks to the pool. ``get_block_ids(request_id)`` is
-    its block table; ``get_slot_mapping(request_id, start, end)`` the slots of tokens
-    ``start..end-1``; ``usage()`` the occupancy figures of the paper's Fig. 2.
+    its block table's ids; ``get_block_table(request)`` the ``BlockTable`` (with the slot
+    formula) the model runner reads; ``usage()`` the occupancy figures of the paper's Fig. 2.
 
 Invariants (``check_invariants``)
     - a block's ``ref_cnt`` equals the number of block tables holding it;
@@ -73,10 +73,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from minipaged.core.block_pool import BlockPool
-from minipaged.core.kv_cache_utils import BlockHash, KVCacheBlock, cdiv, hash_block_tokens
-
-PAD_SLOT_ID = -1  # slot id for padding tokens: reshape_and_cache skips it
+from minipaged.core.kv.block_pool import BlockPool
+from minipaged.core.kv.block import BlockHash, KVCacheBlock, cdiv, hash_block_tokens
+from minipaged.core.kv.block_table import BlockTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +152,21 @@ class KVCacheManager:
         refs = {b.block_id: b.ref_cnt for t in tables for b in t}
         lens = [self.num_tokens.get(_request_id(r), 0) for r in requests]
         return _num_blocks_needed(tables, lens, list(num_new_tokens), refs, self.block_size)
+
+    def get_num_blocks_to_prefill(self, request, forks=()) -> int:
+        """Blocks (an upper bound) for ``request`` to compute all its tokens from scratch,
+        plus, for each request of ``forks`` (to be forked from it at its prompt's end),
+        the blocks of its own output, re-prefilled from the prompt's last full block on."""
+        bs = self.block_size
+        shared = request.num_prompt_tokens // bs
+        return cdiv(request.num_tokens, bs) + sum(
+            cdiv(f.num_tokens, bs) - shared for f in forks if f.num_tokens > f.num_prompt_tokens)
+
+    def get_num_blocks_still_needed(self, request, forks=()) -> int:
+        """Blocks a running ``request`` still needs to compute the tokens it already has
+        (the rest of its prefill or re-prefill, ``forks`` as above)."""
+        held = len(self.req_to_blocks.get(request.request_id, ()))
+        return max(0, self.get_num_blocks_to_prefill(request, forks) - held)
 
     def can_allocate(self, request, num_new_tokens: int) -> bool:
         return self.get_num_blocks_needed(request, num_new_tokens) <= self.get_num_free_blocks()
@@ -441,14 +455,16 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks[request_id]]
 
     def get_slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
-        """Slots of the request's tokens ``start .. end-1`` in the flat cache."""
-        if request_id not in self.req_to_blocks:
-            raise ValueError(f"unknown request {request_id!r}")
-        n = self.num_tokens[request_id]
-        if not 0 <= start <= end <= n:
-            raise ValueError(f"token span [{start}, {end}) outside the {n} allocated tokens")
-        table, bs = self.req_to_blocks[request_id], self.block_size
-        return [table[i // bs].block_id * bs + i % bs for i in range(start, end)]
+        """Slots of the request's tokens ``start .. end-1`` (``BlockTable.slot_mapping``)."""
+        return self.get_block_table(request_id).slot_mapping(start, end)
+
+    def get_block_table(self, request) -> BlockTable:
+        """The block table of ``request`` (a ``Request`` or its id): blocks, token count
+        and the slot formula, as the model runner reads it."""
+        rid = _request_id(request)
+        if rid not in self.req_to_blocks:
+            raise ValueError(f"unknown request {rid!r}")
+        return BlockTable(self.req_to_blocks[rid], self.num_tokens[rid], self.block_size)
 
     # -- reporting ----------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
