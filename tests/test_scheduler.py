@@ -1,4 +1,4 @@
-"""Tests for minipaged.core.scheduler.Scheduler (continuous batching).
+"""Tests for the continuous-batching schedulers (minipaged/core/sched/: vLLM v1's Scheduler and the EngineScheduler with the paper's layers).
 
 Independent references: schedules worked out by hand for tiny cases; a fake paged model
 that reads every context back through the block tables and must reproduce the outputs of
@@ -19,6 +19,7 @@ from minipaged.core import (
     Request,
     RequestStatus,
     EngineScheduler,
+    Scheduler,
     SchedulerOutput,
 )
 from minipaged.core.sched.request import get_max_num_kv_tokens
@@ -485,6 +486,37 @@ def test_scheduler_random_workloads(c, specs):
     if c["preemption_mode"] == "recompute":
         c = dict(c, num_cpu_blocks=0)
     run_property(EngineScheduler, c, specs, c["enable_chunked_prefill"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(c=config, specs=st.lists(request_spec, min_size=1, max_size=8), pressure=st.booleans())
+def test_v1_scheduler_alone_random_workloads(c, specs, pressure):
+    """vLLM v1's ``Scheduler`` without any layer: first-chunk admission, recompute only."""
+    c = {k: v for k, v in c.items() if k not in ("preemption_mode", "num_cpu_blocks")}
+    if pressure:  # a pool just big enough for the largest request: preemption is common
+        bs = c["block_size"]
+        c["num_blocks"] = max(c["num_blocks"] // 4, max(-(-(p + m - 1) // bs) for _, p, m, _, _ in specs))
+    sched, _ = run_property(Scheduler, c, specs, c["enable_chunked_prefill"])
+    assert not hasattr(sched, "swapped") and not hasattr(sched, "watermark")
+
+
+def test_v1_scheduler_equals_engine_scheduler_with_layers_off():
+    """With the watermark off, recompute preemption and no groups, the layers are inert:
+    the EngineScheduler makes exactly the v1 Scheduler's steps."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(20):
+        reqs = [(rng.randint(0, 6), rng.randint(1, 20), rng.randint(1, 12)) for _ in range(10)]
+        traces = []
+        for cls, extra in ((Scheduler, {}), (EngineScheduler, {"watermark": None})):
+            s = cls(num_blocks=10, block_size=4,
+                    max_num_seqs=4, max_num_batched_tokens=12, **extra)
+            arrivals = {}
+            for i, (at, plen, mt) in enumerate(reqs):
+                arrivals.setdefault(at, []).append(req(f"r{i}", plen, mt))
+            traces.append(run_scheduler(s, arrivals, const_token()).to_dict()["steps"])
+        assert traces[0] == traces[1]
 
 
 @settings(max_examples=150, deadline=None)

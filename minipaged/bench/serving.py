@@ -430,7 +430,7 @@ def _first_diff(x: list[int], y: list[int]) -> int:
 
 
 # -- profile of one step --------------------------------------------------------------
-_BLOCK_FILES = ("core/kv_cache_manager.py", "core/block_pool.py", "core/kv_cache_utils.py")
+_BLOCK_FILES = ("core/kv/kv_cache_manager.py", "core/kv/block_pool.py", "core/kv/block.py", "core/kv/block_table.py")
 
 
 def profile_step(model_obj, tokenizer, prompts, *, path=None, block_size=16, num_seqs=64,

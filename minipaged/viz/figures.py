@@ -8,7 +8,7 @@ Sources of the runs
     - the engine on the course model (``minipaged.LLM()``), where the course model is
       present: the run of chapter 00 (``engine_demo_trace``);
     - otherwise, and for the large picture, the real ``Scheduler`` driven by a fake model
-      (``minipaged.core.sched_utils.run_scheduler``; ``scheduler_demo_trace``,
+      (``minipaged.trace.run_scheduler``; ``scheduler_demo_trace``,
       ``scheduler_large_trace``: 20 requests x about 200 steps);
     - figures owned by other modules (``minipaged.sim.memory_waste``: the paper's Fig. 2)
       are drawn by their own functions; a module that is missing is skipped with a note.
@@ -178,19 +178,19 @@ def _own(kind: str, which: str = "demo") -> Callable:
 
 # name -> (module it needs, builder, what it shows)
 FIGURES: dict[str, tuple[str, Callable, str]] = {
-    "timeline.png": ("minipaged.core.scheduler", _own("timeline"),
+    "timeline.png": ("minipaged.core.sched.scheduler", _own("timeline"),
                      "active sequences per step (chapter 00 run)"),
-    "block_tables.png": ("minipaged.core.scheduler", _own("block_tables"),
+    "block_tables.png": ("minipaged.core.sched.scheduler", _own("block_tables"),
                          "block tables at the first preemption (chapter 00 run)"),
-    "step.png": ("minipaged.core.scheduler", _own("step"),
+    "step.png": ("minipaged.core.sched.scheduler", _own("step"),
                  "the lecture's picture: one step, timeline + block tables"),
-    "memory.png": ("minipaged.core.scheduler", _own("memory"),
+    "memory.png": ("minipaged.core.sched.scheduler", _own("memory"),
                    "KV slots over time (chapter 00 run)"),
-    "timeline_20x200.png": ("minipaged.core.scheduler", _own("timeline", "large"),
+    "timeline_20x200.png": ("minipaged.core.sched.scheduler", _own("timeline", "large"),
                             "20 requests x ~200 steps, scheduler + fake model"),
-    "step_20x200.png": ("minipaged.core.scheduler", _own("step", "large"),
+    "step_20x200.png": ("minipaged.core.sched.scheduler", _own("step", "large"),
                         "one step of the large run"),
-    "memory_20x200.png": ("minipaged.core.scheduler", _own("memory", "large"),
+    "memory_20x200.png": ("minipaged.core.sched.scheduler", _own("memory", "large"),
                           "KV slots over time, large run"),
     "memory_waste.png": ("minipaged.sim.memory_waste", lambda: _memory_waste("sharegpt"),
                          "paper Fig. 2, ShareGPT-like workload"),

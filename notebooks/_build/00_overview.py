@@ -224,7 +224,7 @@ md(r"""
 ## 7. Code tour
 
 The pictures are drawn from a `StepRecord` per step, recorded after each step by
-`minipaged.core.scheduler.record_step` (the engine and the simulator use the same one):
+`minipaged.trace.record_step` (the engine and the simulator use the same one):
 plain data, saved and reloaded as JSON, so every picture can be tested.
 """)
 

@@ -33,6 +33,7 @@ import matplotlib.pyplot as plt
 
 from minipaged import viz
 from minipaged.core import EngineScheduler, Request, RequestStatus
+from minipaged.core.sched import SwapPreemption, WatermarkAdmission
 from minipaged.trace import run_scheduler
 from minipaged.sampling_params import SamplingParams
 
@@ -392,18 +393,25 @@ print(s_off.finished["L"].stop_reason)
 md(r"""
 ## 6. Code tour
 
-The whole policy is `Scheduler.schedule`. Read it against section 1: the first loop keeps
-running requests (and preempts), the second admits, swapped and waiting requests in one
-arrival order.
+Chapter 04 showed vLLM v1's `Scheduler.schedule` (recompute preemption included). The
+`EngineScheduler` used here stacks the paper's layers on it, each in its own module and each
+through a hook of the base. Swap (`minipaged/core/sched/swap.py`, removed in vLLM v1) overrides
+what eviction does and lets swapped requests back in arrival order, merged with `waiting`:
 """)
 
 code(r"""
-print(inspect.getsource(Scheduler.schedule))
+print(inspect.getsource(SwapPreemption._evict))
+print(inspect.getsource(SwapPreemption._admit_next))
+""")
+
+md(r"""
+Watermark admission (`minipaged/core/sched/admission.py`, vLLM v0's rule; vLLM v1 admits a
+request as soon as its first chunk fits) asks the `KVCacheManager`, which alone counts
+blocks, whether the whole prefill fits beside what the running requests still need:
 """)
 
 code(r"""
-print(inspect.getsource(Scheduler._preempt))
-print(inspect.getsource(Scheduler._num_new_tokens))
+print(inspect.getsource(WatermarkAdmission._can_admit))
 """)
 
 md(r"""

@@ -37,6 +37,7 @@ from transformers.utils import logging as hf_logging
 
 from minipaged import LLM, BeamSearchParams, SamplingParams, viz
 from minipaged.core import EngineScheduler, KVCacheManager, Request, hash_block_tokens
+from minipaged.core.sched import SequenceGroups
 from minipaged.trace import run_scheduler
 
 torch.set_num_threads(1)  # a small model: one thread is fastest, and the output is the same
@@ -423,7 +424,7 @@ print(src[src.index("        if cow:"):src.index("        self.req_to_blocks[rid
 
 code(r"""
 print(inspect.getsource(KVCacheManager.get_computed_blocks))
-print(inspect.getsource(Scheduler._maybe_fork))
+print(inspect.getsource(SequenceGroups._maybe_fork))
 """)
 
 md(r"""
