@@ -28,6 +28,9 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 PREEMPTION_MODES = ("recompute", "swap")
+# n > 1: "prefix" = vLLM v1 (n child requests sharing the prompt through prefix caching);
+# "fork" = the paper's sequence group (prefill once, fork with copy-on-write)
+PARALLEL_SAMPLING = ("prefix", "fork")
 SCHEDULING_POLICIES = ("continuous", "static")
 ATTENTION_BACKENDS = ("torch", "triton")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -57,6 +60,7 @@ class EngineConfig:
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
     num_cpu_blocks: Optional[int] = None  # swap pool; None -> num_blocks if swapping else 0
     max_model_len: Optional[int] = None  # None -> the model's own context length
+    parallel_sampling: str = "prefix"  # how n > 1 shares the prompt (PARALLEL_SAMPLING)
 
     def __post_init__(self) -> None:
         self.check_invariants()
@@ -82,6 +86,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name, allowed in (
             ("preemption_mode", PREEMPTION_MODES),
+            ("parallel_sampling", PARALLEL_SAMPLING),
             ("scheduling", SCHEDULING_POLICIES),
             ("attention_backend", ATTENTION_BACKENDS),
             ("dtype", DTYPES),

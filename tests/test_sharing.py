@@ -423,12 +423,18 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20] * 9, [33, 34, 35, 36, 37, 38,
 
 
 @pytest.mark.parametrize("variant", [
-    dict(block_size=4, num_blocks=64),
-    dict(block_size=2, num_blocks=30, max_num_batched_tokens=16),  # preemption (recompute)
-    dict(block_size=2, num_blocks=30, max_num_batched_tokens=16, preemption_mode="swap"),
+    dict(block_size=4, num_blocks=64, parallel_sampling="fork"),
+    # preemption (recompute)
+    dict(block_size=2, num_blocks=30, max_num_batched_tokens=16, parallel_sampling="fork"),
+    dict(block_size=2, num_blocks=30, max_num_batched_tokens=16, preemption_mode="swap",
+         parallel_sampling="fork"),
+    # vLLM v1: n child requests sharing the prompt through prefix caching (the default)
+    dict(block_size=4, num_blocks=64, enable_prefix_caching=True),
+    dict(block_size=2, num_blocks=30, max_num_batched_tokens=16, enable_prefix_caching=True),
 ])
 def test_engine_n_samples_equal_unshared_baseline(tiny_llama, variant):
-    """n > 1 with sharing == the static baseline (no sharing), seed for seed."""
+    """n > 1 with sharing (fork or prefix caching) == the static baseline (no sharing),
+    seed for seed."""
     from minipaged import LLM
 
     params = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=5, ignore_eos=True)
@@ -443,10 +449,13 @@ def test_engine_n_samples_equal_unshared_baseline(tiny_llama, variant):
     trace = llm.trace
     trace.check_invariants()
     assert any(s.shared_blocks for s in trace.steps), "the prompt blocks should be shared"
-    if variant["num_blocks"] == 30:  # small pool: groups are preempted whole
+    fork = variant.get("parallel_sampling") == "fork"
+    if variant["num_blocks"] == 30:  # small pool: preemption (groups whole)
         assert any(s.preempted_ids or s.swapped_out_ids for s in trace.steps)
+    if not fork:  # the children hit the prompt blocks cached by the first one
+        assert llm.llm_engine.scheduler.prefix_cache_hits > 0
     # the prompt is prefilled once per request (absent preemption)
-    if "preemption_mode" not in variant and variant["num_blocks"] == 64:
+    if fork and "preemption_mode" not in variant and variant["num_blocks"] == 64:
         prefill = sum(n for s in trace.steps for rid, n in s.scheduled.items() if rid in s.prefill_ids)
         assert prefill == sum(len(p) for p in PROMPTS)
     assert llm.llm_engine.kv_cache_manager.get_num_free_blocks() == llm.llm_engine.num_blocks
@@ -517,3 +526,13 @@ def test_sharing_cli_json(capsys):
     assert d["config"]["block_size"] == 8 and d["config"]["num_requests"] == 3
     assert set(d["parallel_sampling"]) == {"alpaca", "sharegpt"}
     assert [x["width"] for x in d["beam_search"]["alpaca"]] == [2, 3, 4, 5, 6]
+
+
+def test_parallel_sampling_option_is_validated():
+    from minipaged.config import EngineConfig
+    from minipaged.core import EngineScheduler
+
+    with pytest.raises(ValueError, match="parallel_sampling"):
+        EngineConfig(parallel_sampling="beam")
+    with pytest.raises(ValueError, match="parallel_sampling"):
+        EngineScheduler(num_blocks=8, block_size=4, parallel_sampling="copy")

@@ -16,8 +16,10 @@ One step (DESIGN.md, "the data path")::
 Inputs
     ``add_request(request_id, prompt, sampling_params)``: a prompt string (tokenized with
     the model's tokenizer, special tokens added as by ``tokenizer(prompt)``) or a list of
-    token ids. ``SamplingParams(n > 1)`` becomes n sequences ``"{id}.{j}"``, a sequence group:
-    the scheduler prefills the prompt once and forks them (copy-on-write, chapter 06).
+    token ids. ``SamplingParams(n > 1)`` becomes n sequences ``"{id}.{j}"``: by default
+    (``parallel_sampling="prefix"``, vLLM v1) n independent requests that share the prompt's
+    full blocks through prefix caching; with ``"fork"`` a sequence group whose prompt is
+    prefilled once and forked with copy-on-write (the paper, chapter 06).
 Outputs
     ``step()`` -> the ``RequestOutput`` of every request that finished (or was refused)
     during that step. ``trace`` is the ``EngineTrace`` since the last ``reset_trace()``.
@@ -175,7 +177,8 @@ class LLMEngine:
         if c.scheduling == "static":
             return StaticBatchScheduler(**kwargs)
         return EngineScheduler(**kwargs, preemption_mode=c.preemption_mode,
-                               num_cpu_blocks=self.num_cpu_blocks)
+                               num_cpu_blocks=self.num_cpu_blocks,
+                               parallel_sampling=c.parallel_sampling)
 
     def _new_trace(self, meta: Optional[dict] = None) -> EngineTrace:
         c = self.config
@@ -282,7 +285,8 @@ class LLMEngine:
                 "arrival_step": self.step_index,
                 "finish_step": None,
             }
-        # NOTE: n > 1: a sequence group; the scheduler prefills the prompt once and forks.
+        # NOTE: n > 1: n child requests sharing the prompt through prefix caching (vLLM v1),
+        # or, with parallel_sampling="fork", a sequence group (the paper; see groups.py)
         self.scheduler.add_request_group(group.seqs)
 
     def abort_request(self, request_id: str) -> None:

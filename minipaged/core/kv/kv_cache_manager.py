@@ -318,7 +318,8 @@ class KVCacheManager:
     def cache_blocks(self, request, num_computed_tokens: int | None = None) -> None:
         """Register the request's full blocks up to ``num_computed_tokens`` in the cache.
 
-        Call it after the model wrote them (the scheduler does, in ``update_from_output``).
+        The scheduler calls it as it allocates a step's slots (vLLM v1): the blocks are
+        written by that step's forward before anyone reads them.
         A block whose prefix is already cached in another block is left uncached.
         """
         if not self.enable_caching:

@@ -12,20 +12,20 @@ from minipaged.core.sched.output import SchedulerOutput
 from minipaged.core.sched.request import Request, RequestStatus, get_max_num_kv_tokens
 from minipaged.core.sched.scheduler import Scheduler
 from minipaged.core.sched.static import StaticBatchScheduler
-from minipaged.core.sched.swap import PREEMPTION_MODES, SwapPreemption
+from minipaged.core.sched.swap import SwapPreemption
 
 
 class EngineScheduler(SequenceGroups, SwapPreemption, WatermarkAdmission, Scheduler):
     """vLLM v1's ``Scheduler`` with the paper's layers, each inert unless asked for:
     ``watermark`` (default ``DEFAULT_WATERMARK``; None = v1's first-chunk admission),
-    ``preemption_mode="swap"`` + ``num_cpu_blocks``, and ``add_request_group`` forking a
-    sequence group (the base fans a group out into independent requests instead)."""
+    ``preemption_mode="swap"`` + ``num_cpu_blocks``, and ``parallel_sampling="fork"``
+    (default; ``add_request_group`` forks a sequence group) or ``"prefix"`` (the base's vLLM
+    v1 fan-out into independent requests)."""
 
 
 __all__ = [
     "DEFAULT_WATERMARK",
     "EngineScheduler",
-    "PREEMPTION_MODES",
     "Request",
     "RequestStatus",
     "Scheduler",

@@ -2,7 +2,8 @@
 ``SequenceGroup``), for ``SamplingParams(n > 1)``.
 
 vLLM v1 instead fans ``n > 1`` out into n independent child requests that share the
-prompt's full blocks through prefix caching (``Scheduler.add_request_group``).
+prompt's full blocks through prefix caching (``Scheduler.add_request_group``; here
+``parallel_sampling="prefix"``, the engine's default; ``"fork"``, this layer's default, forks).
 
 Concept
     ``add_request_group(seqs)`` queues the n sequences as one group. Only the first
@@ -31,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from minipaged.config import PARALLEL_SAMPLING
 from minipaged.core.kv.block import cdiv
 from minipaged.core.sched.output import SchedulerOutput
 from minipaged.core.sched.request import Request, RequestStatus, get_max_num_kv_tokens
@@ -60,14 +62,21 @@ class SequenceGroup:
 
 
 class SequenceGroups(Scheduler):
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, parallel_sampling: str = "fork", **kwargs) -> None:
+        if parallel_sampling not in PARALLEL_SAMPLING:
+            raise ValueError(
+                f"parallel_sampling must be one of {PARALLEL_SAMPLING}, got {parallel_sampling!r}")
         super().__init__(*args, **kwargs)
+        # "prefix": add_request_group is the base's (vLLM v1 fan-out); "fork": this layer
+        self.parallel_sampling = parallel_sampling
         self.seq_groups: dict[str, SequenceGroup] = {}  # sequence id -> its group (n > 1)
 
     # -- requests -------------------------------------------------------------------
     def add_request_group(self, requests: list[Request]) -> None:
         """Queue the n sequences of one request: the leader waits, the others are held
         until the leader's prompt is computed. ValueError for an invalid group."""
+        if self.parallel_sampling == "prefix":
+            return super().add_request_group(requests)
         requests = self._validate_group(requests)
         if len(requests) == 1:
             return self.add_request(requests[0])

@@ -8,7 +8,8 @@ Concept
     by prefill chunks and decodes) and free KV blocks. A request is scheduled
     ``num_tokens - num_computed_tokens`` tokens, capped by the budget, so a long prompt is
     split into chunks mixed with other requests' decodes (with ``enable_chunked_prefill``
-    off a fresh prompt runs whole or waits). On admission the prefix cache is looked up.
+    off a fresh prompt runs whole or waits). On admission the prefix cache is looked up;
+    the blocks a step fills are cached when they are allocated, before the forward.
 Inputs / outputs
     ``add_request(request)`` (FCFS); ``schedule() -> SchedulerOutput``;
     ``update_from_output(output, sampled_token_ids) -> finished requests``: advances
@@ -170,6 +171,10 @@ class Scheduler:
         for (request, n), blocks in zip(plan, new_blocks):
             out.scheduled.append((request, n))
             out.new_block_ids.extend(b.block_id for b in blocks)
+            # NOTE: as vLLM v1, the blocks this step fills are cached now, before the
+            # forward: a request admitted later in this step may hit them (the forward
+            # writes every K/V of a layer before any attention reads it).
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens + n)
 
     def _preempt(self, out: SchedulerOutput) -> list[Request]:
         """Preempt the last unit of ``running``; return its requests."""
@@ -240,8 +245,6 @@ class Scheduler:
             if req.is_finished:  # aborted between schedule() and here
                 continue
             req.num_computed_tokens += n
-            if self.enable_prefix_caching:
-                self.kv_cache_manager.cache_blocks(req)  # NOTE: its new full blocks are written now
             if req.num_computed_tokens == req.num_tokens:  # else a prefill chunk: no token
                 self._append_and_check(req, sampled_token_ids[req.request_id], finished)
         output.finished = finished

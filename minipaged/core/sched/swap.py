@@ -24,12 +24,11 @@ from __future__ import annotations
 
 from collections import deque
 
+from minipaged.config import PREEMPTION_MODES
 from minipaged.core.kv.kv_cache_manager import KVCacheManager
 from minipaged.core.sched.output import SchedulerOutput
 from minipaged.core.sched.request import Request, RequestStatus
 from minipaged.core.sched.scheduler import Scheduler
-
-PREEMPTION_MODES = ("recompute", "swap")
 
 
 class SwapPreemption(Scheduler):
