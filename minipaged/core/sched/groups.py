@@ -243,6 +243,10 @@ class SequenceGroups(Scheduler):
         return finished
 
     # -- bookkeeping ----------------------------------------------------------------
+    def _end_step(self, out: SchedulerOutput) -> SchedulerOutput:
+        out.blocks_to_copy = self.kv_cache_manager.take_pending_copies()  # copy-on-write
+        return super()._end_step(out)
+
     def _num_queued(self) -> int:
         return super()._num_queued() + len(self._held_seqs())
 

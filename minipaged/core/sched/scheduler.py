@@ -285,7 +285,6 @@ class Scheduler:
         return out
 
     def _end_step(self, out: SchedulerOutput) -> SchedulerOutput:
-        out.blocks_to_copy = self.kv_cache_manager.take_pending_copies()
         out.total_num_scheduled_tokens = total = sum(n for _, n in out.scheduled)
         if total > self.max_num_batched_tokens or len(out.scheduled) > self.max_num_seqs:
             raise RuntimeError(f"over budget: {total} tokens, {len(out.scheduled)} sequences")
