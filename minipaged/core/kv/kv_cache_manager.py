@@ -153,6 +153,13 @@ class KVCacheManager:
         lens = [self.num_tokens.get(_request_id(r), 0) for r in requests]
         return _num_blocks_needed(tables, lens, list(num_new_tokens), refs, self.block_size)
 
+    def get_max_num_blocks(self, num_tokens: int, num_seqs: int = 1, num_shared_tokens: int = 0) -> int:
+        """The most blocks ``num_seqs`` sequences of up to ``num_tokens`` tokens each can hold
+        at once when they share the full blocks of their first ``num_shared_tokens`` tokens
+        (a sequence group's prompt); the refusal rules compare it with ``num_blocks``."""
+        shared = num_shared_tokens // self.block_size
+        return shared + num_seqs * (cdiv(num_tokens, self.block_size) - shared)
+
     def get_num_blocks_to_prefill(self, request, forks=()) -> int:
         """Blocks (an upper bound) for ``request`` to compute all its tokens from scratch,
         plus, for each request of ``forks`` (to be forked from it at its prompt's end),

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from minipaged.config import PARALLEL_SAMPLING
-from minipaged.core.kv.block import cdiv
 from minipaged.core.sched.output import SchedulerOutput
 from minipaged.core.sched.request import Request, RequestStatus, get_max_num_kv_tokens
 from minipaged.core.sched.scheduler import Scheduler
@@ -99,12 +98,11 @@ class SequenceGroups(Scheduler):
         n = len(requests)
         if n > self.max_num_seqs:
             return f"refused: a group of {n} sequences exceeds max_num_seqs={self.max_num_seqs}"
-        bs = self.block_size
-        shared = requests[0].num_prompt_tokens // bs  # full prompt blocks, never copied
-        tail = cdiv(get_max_num_kv_tokens(requests[0], self.max_model_len), bs) - shared
-        if shared + n * tail > self.num_blocks:
-            return (f"refused: {n} sequences may need {shared} shared + {n} x {tail} private KV "
-                    f"blocks but the whole pool has {self.num_blocks}")
+        longest = get_max_num_kv_tokens(requests[0], self.max_model_len)
+        need = self.kv_cache_manager.get_max_num_blocks(longest, n, requests[0].num_prompt_tokens)
+        if need > self.num_blocks:
+            return (f"refused: {n} sequences sharing their prompt's full blocks may need {need} "
+                    f"KV blocks but the whole pool has {self.num_blocks}")
         return None
 
     def abort_request(self, request_id: str) -> None:

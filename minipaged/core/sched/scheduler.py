@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional
 
-from minipaged.core.kv.block import cdiv, check_positive_int
+from minipaged.core.kv.block import check_positive_int
 from minipaged.core.kv.kv_cache_manager import KVCacheManager
 from minipaged.core.sched.output import SchedulerOutput
 from minipaged.core.sched.request import Request, RequestStatus, get_max_num_kv_tokens
@@ -364,7 +364,7 @@ class Scheduler:
     def _refusal_reason(self, request: Request) -> Optional[str]:
         """Why this engine can never serve ``request``, or None."""
         n = get_max_num_kv_tokens(request, self.max_model_len)
-        blocks = cdiv(n, self.block_size)
+        blocks = self.kv_cache_manager.get_max_num_blocks(n)
         if blocks > self.num_blocks:
             return (f"refused: needs {blocks} KV blocks for {n} tokens (prompt "
                     f"{request.num_prompt_tokens} + max_tokens {request.max_tokens} - 1) but the "
