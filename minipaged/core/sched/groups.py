@@ -105,6 +105,23 @@ class SequenceGroups(Scheduler):
                     f"KV blocks but the whole pool has {self.num_blocks}")
         return None
 
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """Add ``child`` to ``running`` sharing every block of the running ``parent`` (no
+        copy), in the parent's place in arrival order. Beam search forks its surviving
+        beams this way (the paper's Fig. 9). ``child`` carries its own tokens and
+        ``num_computed_tokens`` (the parent's tokens the shared blocks hold)."""
+        if parent not in self.running:
+            raise ValueError(f"fork_request: parent {parent.request_id!r} is not running")
+        old = self.requests.get(child.request_id)
+        if old is not None and not old.is_finished:
+            raise ValueError(f"fork_request: id {child.request_id!r} is in use by an unfinished request")
+        self.finished.pop(child.request_id, None)
+        self.requests[child.request_id] = child
+        self.arrival_seq[child.request_id] = self.arrival_seq[parent.request_id]
+        self.kv_cache_manager.fork(parent, child)
+        child.status = RequestStatus.RUNNING
+        self._insert_by_arrival(self.running, child)
+
     def abort_request(self, request_id: str) -> None:
         """Aborting any sequence of a group that has not forked yet aborts the whole group
         (its held sequences have nothing of their own)."""

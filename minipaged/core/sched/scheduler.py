@@ -299,10 +299,10 @@ class Scheduler:
         return out
 
     def _insert_by_arrival(self, queue, request: Request) -> None:
-        """Put ``request`` into ``queue`` (kept in arrival order)."""
+        """Put ``request`` into ``queue`` (kept in arrival order; after equal ranks)."""
         seq = self.arrival_seq[request.request_id]
         i = 0
-        while i < len(queue) and self.arrival_seq[queue[i].request_id] < seq:
+        while i < len(queue) and self.arrival_seq[queue[i].request_id] <= seq:
             i += 1
         queue.insert(i, request)
 
