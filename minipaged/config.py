@@ -4,7 +4,7 @@ Mirrors vLLM ``vllm/config.py`` (``CacheConfig``, ``SchedulerConfig``, ``ModelCo
 folded into one flat dataclass: a course engine has few enough knobs to read at once).
 
 Inputs
-    the keyword arguments of ``LLM(...)`` (see DESIGN.md), plus a few with defaults:
+    the keyword arguments of ``LLM(...)``, plus a few with defaults:
     ``kv_cache_memory`` (bytes of device memory for K and V when ``num_blocks`` is None),
     ``num_cpu_blocks`` (size of the CPU swap pool; None -> as many as the device pool when
     ``preemption_mode="swap"``, else 0) and ``max_model_len`` (None -> the model's context).

@@ -3,8 +3,9 @@
 Mirrors vLLM ``vllm/entrypoints/llm.py``.
 
 Inputs
-    ``LLM(**kwargs)``: the fields of ``minipaged.config.EngineConfig`` (DESIGN.md lists the
-    public ones; ``kv_cache_memory``, ``num_cpu_blocks`` and ``max_model_len`` are extras).
+    ``LLM(**kwargs)``: the fields of ``minipaged.config.EngineConfig`` (the public ones are
+    named in ``LLM.__init__``; ``kv_cache_memory``, ``num_cpu_blocks``, ``max_model_len`` and
+    ``parallel_sampling`` are extras).
     ``generate(prompts, sampling_params=None, use_tqdm=True)``: ``prompts`` is a string, a
     list of strings, one list of token ids, or a list of token-id lists;
     ``sampling_params`` is one ``SamplingParams`` for all or a list with one per prompt

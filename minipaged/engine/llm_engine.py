@@ -3,7 +3,7 @@
 Mirrors vLLM ``vllm/v1/engine/llm_engine.py`` + ``core.py`` (and nano-vllm's
 ``engine/llm_engine.py``), without processes or queues: one loop, readable top to bottom.
 
-One step (DESIGN.md, "the data path")::
+One step (the data path)::
 
     out     = scheduler.schedule()                     who runs, how many tokens each
     model_runner.apply_cache_ops(out)                  swap / copy blocks, before the forward
@@ -337,7 +337,7 @@ class LLMEngine:
         if not sample_rows:
             return {}
         reqs = [out.scheduled[r][0] for r in sample_rows]
-        for parent, child in getattr(out, "fork_samples", ()):  # n > 1: forked from parent's row
+        for parent, child in out.fork_samples:  # n > 1, fork path: sampled from the parent's row
             sample_rows = sample_rows + [sample_rows[reqs.index(parent)]]
             reqs.append(child)
         params = [r.sampling_params for r in reqs]
