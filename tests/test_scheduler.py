@@ -462,7 +462,7 @@ def run_property(sched_cls, c, specs, chunking):
     kv = sched.kv_cache_manager
     assert kv.get_num_free_blocks() == c["num_blocks"]
     assert kv.get_num_free_cpu_blocks() == kv.num_cpu_blocks
-    assert not kv.req_to_blocks and not kv.req_to_cpu_blocks
+    assert not kv.block_tables and not kv.cpu_block_tables
     for r in order:
         assert r.is_finished, r
         if expected_refusal(r, c, chunking) == "refused":
@@ -560,7 +560,7 @@ def test_kv_cache_manager_swap_is_all_or_nothing():
     assert kv.can_swap_in("a", 1) and not kv.can_swap_in("a", 2)  # 5 + 2 tokens = 4 blocks
     mapping = kv.swap_in("a")
     assert [c for c, _ in mapping] == [0, 1, 2] and kv.get_block_ids("a") == [d for _, d in mapping]
-    assert kv.num_tokens["a"] == 5 and kv.get_num_free_cpu_blocks() == 3
+    assert kv.block_tables["a"].num_tokens == 5 and kv.get_num_free_cpu_blocks() == 3
     kv.check_invariants()
     with pytest.raises(ValueError, match="not swapped"):
         kv.swap_in("a")

@@ -49,7 +49,7 @@ def test_reservation_limits_the_batch():
     log = ts.drive(s, {0: reqs})
     assert log[0]["scheduled"] == {"r0": 4, "r1": 4}
     assert len(log[0]["tables"]["r0"]) == 3
-    assert s.kv_cache_manager.num_tokens == {}  # all released at the end
+    assert s.kv_cache_manager.block_tables == {}  # all released at the end
     c = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     reqs2 = [req(f"r{i}", 4, 8) for i in range(4)]
     log2 = ts.drive(c, {0: reqs2})

@@ -117,8 +117,8 @@ def snapshot(s: EngineScheduler) -> dict:
         "finished": sorted(s.finished),
         "requests": {rid: (r.status.name, r.num_computed_tokens, r.num_output_tokens, r.num_preemptions)
                      for rid, r in sorted(s.requests.items())},
-        "block_tables": {rid: (kv.num_tokens[rid], [b.block_id for b in blocks])
-                         for rid, blocks in sorted(kv.req_to_blocks.items())},
+        "block_tables": {rid: (t.num_tokens, t.block_ids())
+                         for rid, t in sorted(kv.block_tables.items())},
         "free_queue": [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()],
     }
 

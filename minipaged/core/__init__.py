@@ -6,6 +6,7 @@ layers, the baselines). Pure Python, importable without torch.
 from minipaged.core.kv import (
     NONE_HASH,
     BlockPool,
+    BlockTable,
     ContiguousAllocator,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
@@ -25,6 +26,7 @@ from minipaged.core.sched import (
 
 __all__ = [
     "BlockPool",
+    "BlockTable",
     "ContiguousAllocator",
     "EngineScheduler",
     "FreeKVCacheBlockQueue",

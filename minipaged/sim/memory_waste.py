@@ -191,7 +191,7 @@ def replay_paged(
         # 2. snapshot
         tokens = reserved = allocated = 0
         for i in running:
-            held = len(mgr.req_to_blocks[str(i)]) * block_size
+            held = len(mgr.block_tables[str(i)].blocks) * block_size
             tokens += progress[i]
             reserved += min(held, final[i]) - progress[i]
             allocated += held

@@ -454,7 +454,7 @@ md(r"""
 code(r"""
 print(inspect.getsource(KVCacheManager.fork))
 src = inspect.getsource(KVCacheManager.allocate_slots)
-print(src[src.index("        if cow:"):src.index("        self.req_to_blocks[rid] = table\n")])
+print(src[src.index("        if cow:"):src.index("        if t is None:\n")])
 """)
 
 code(r"""

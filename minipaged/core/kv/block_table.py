@@ -1,8 +1,10 @@
 """BlockTable: one request's blocks and token count, and the slot-mapping formula.
 
 Mirrors vLLM ``vllm/v1/worker/block_table.py`` (the per-request rows the model runner
-reads). The ``KVCacheManager`` owns the tables (``get_block_table(request)``); the model
-runner reads them to build ``slot_mapping`` and the padded ``block_tables`` tensor.
+reads). The ``KVCacheManager`` owns the tables (``block_tables`` in the device pool,
+``cpu_block_tables`` while swapped out: swapping moves a table between the two) and is the
+only one that changes them; the model runner reads them (``get_block_table(request)``) to
+build ``slot_mapping`` and the padded ``block_tables`` tensor.
 
 The formula (chapter 02): token ``i`` of the request lives in slot::
 
@@ -26,6 +28,7 @@ class BlockTable:
     blocks: list[KVCacheBlock]  # logical block j -> physical block blocks[j]
     num_tokens: int  # tokens its slots are allocated for
     block_size: int
+    num_cached_blocks: int = 0  # prefix caching: its leading blocks registered in the cache
 
     def block_ids(self) -> list[int]:
         return [b.block_id for b in self.blocks]

@@ -453,8 +453,8 @@ class Scheduler:
         for r in self.requests.values():
             assert 0 <= r.num_computed_tokens <= r.num_tokens, f"{r.request_id}: computed > tokens"
         running_ids = {r.request_id for r in self.running}
-        assert set(kv.req_to_blocks) == running_ids, (
-            f"device blocks held by {sorted(kv.req_to_blocks)}, running {sorted(running_ids)}")
+        assert set(kv.block_tables) == running_ids, (
+            f"device blocks held by {sorted(kv.block_tables)}, running {sorted(running_ids)}")
         for name, (queue, statuses, _) in queues.items():
             if RequestStatus.WAITING in statuses:
                 for r in queue:
@@ -475,8 +475,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         for r in self.running:
             expected = r.num_computed_tokens + in_flight.get(r.request_id, 0)
-            assert kv.num_tokens[r.request_id] == expected, (
-                f"running {r.request_id}: slots for {kv.num_tokens[r.request_id]} tokens, "
+            assert kv.block_tables[r.request_id].num_tokens == expected, (
+                f"running {r.request_id}: slots for {kv.block_tables[r.request_id].num_tokens} tokens, "
                 f"expected {expected}")
             if not in_flight:
                 assert r.num_computed_tokens < r.num_tokens, f"running {r.request_id} is idle"

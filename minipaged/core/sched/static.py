@@ -75,8 +75,8 @@ class StaticBatchScheduler(Scheduler):
     def _check_allocation(self, in_flight: dict[str, int]) -> None:
         kv = self.kv_cache_manager
         for r in self.running:
-            assert kv.num_tokens[r.request_id] == self._reservation(r), (
-                f"batch member {r.request_id}: slots for {kv.num_tokens[r.request_id]} "
+            assert kv.block_tables[r.request_id].num_tokens == self._reservation(r), (
+                f"batch member {r.request_id}: slots for {kv.block_tables[r.request_id].num_tokens} "
                 f"tokens, reservation {self._reservation(r)}"
             )
             assert r.num_computed_tokens + in_flight.get(r.request_id, 0) <= self._reservation(r)

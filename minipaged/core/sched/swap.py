@@ -101,10 +101,10 @@ class SwapPreemption(Scheduler):
         super().check_invariants()
         kv = self.kv_cache_manager
         swapped_ids = {r.request_id for r in self.swapped}
-        assert set(kv.req_to_cpu_blocks) == swapped_ids, (
-            f"CPU blocks held by {sorted(kv.req_to_cpu_blocks)}, swapped {sorted(swapped_ids)}")
+        assert set(kv.cpu_block_tables) == swapped_ids, (
+            f"CPU blocks held by {sorted(kv.cpu_block_tables)}, swapped {sorted(swapped_ids)}")
         for r in self.swapped:
-            assert kv.cpu_num_tokens[r.request_id] == r.num_computed_tokens, (
-                f"swapped {r.request_id}: CPU blocks for {kv.cpu_num_tokens[r.request_id]} "
+            assert kv.cpu_block_tables[r.request_id].num_tokens == r.num_computed_tokens, (
+                f"swapped {r.request_id}: CPU blocks for {kv.cpu_block_tables[r.request_id].num_tokens} "
                 f"tokens, computed {r.num_computed_tokens}")
             assert r.num_computed_tokens < r.num_tokens, f"swapped {r.request_id} has nothing to do"
