@@ -13,7 +13,7 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS = {
-    "demo": ("minipaged.engine.demo", "serve a few requests on the course model, step by step"),
+    "demo": ("minipaged.demo", "serve a few requests on the course model, step by step"),
     "memory": ("minipaged.sim.memory_waste", "KV memory waste: paged vs contiguous (paper Fig. 2)"),
     "sharing": ("minipaged.sim.sharing", "blocks saved by sharing (paper Fig. 15)"),
     "simulate": ("minipaged.sim.cli", "paper-scale serving experiments on a cost model"),
