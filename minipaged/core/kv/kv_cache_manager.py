@@ -74,7 +74,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from minipaged.core.kv.block_pool import BlockPool
-from minipaged.core.kv.block import BlockHash, KVCacheBlock, cdiv, hash_block_tokens
+from minipaged.core.kv.block import BlockHash, KVCacheBlock, cdiv, check_positive_int, hash_block_tokens
 from minipaged.core.kv.block_table import BlockTable
 
 
@@ -106,8 +106,7 @@ class KVCacheManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_caching: bool = False, num_cpu_blocks: int = 0
     ) -> None:
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        check_positive_int("block_size", block_size)
         if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be an int >= 0, got {num_cpu_blocks!r}")
         self.block_size = block_size

@@ -37,8 +37,6 @@ class SwapPreemption(Scheduler):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
-        if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be an int >= 0, got {num_cpu_blocks!r}")
         if preemption_mode == "swap" and num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")
         self.preemption_mode = preemption_mode
