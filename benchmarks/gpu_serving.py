@@ -4,8 +4,8 @@
     python benchmarks/gpu_serving.py --json OUT.json --dry-run          # tiny model, CPU, interpreter
 
 Step (c) of ``benchmarks/gpu_check.sh``; the GPU twin of ``benchmarks/serving.py``, built on
-the same harness (``minipaged.engine.bench``: workload, serving loop metrics; and
-``minipaged.engine.hf_baselines``), which runs only fp32 on a CPU.
+the same harness (``minipaged.bench.serving``: workload, serving loop metrics; and
+``minipaged.bench.hf_baselines``), which runs only fp32 on a CPU.
 
 What it runs
     A Llama-shaped model built from a config with random weights (no download): TinyLlama's
@@ -27,7 +27,7 @@ What it runs
 Output (JSON, rewritten after each system)
     ``{"model", "workload", "kv_cache", "systems": {name: metrics}, "ratios": {"a/b": ...},
     "agreement": {"a=b": {"requests_equal", "token_prefix_share", "compared"}}, ...}``.
-    Metrics as in ``minipaged.engine.bench`` (tokens/s, TTFT, TPOT, steps; for minipaged the
+    Metrics as in ``minipaged.bench.serving`` (tokens/s, TTFT, TPOT, steps; for minipaged the
     step split and ``overhead_ms_per_step``, the time outside forward and sampler).
     Agreement instead of equality: bf16 greedy decoding of a random model meets near-ties,
     and batch shapes change the rounding, so outputs may part; the share is what is reported.
@@ -75,11 +75,11 @@ SHARE = {"continuous+paged": 0.2, "static+contiguous": 0.25, "hf-continuous-batc
 def import_harness():
     """The serving harness and the transformers baselines, wherever they live now.
 
-    NOTE: the one place this script imports them; ``minipaged.engine.bench`` may move.
+    NOTE: the one place this script imports them; ``minipaged.bench.serving`` may move.
     Returns (bench module, hf_baselines module); either may be None, with the reason."""
     bench = hf = None
     errors = []
-    for name in ("minipaged.engine.bench", "minipaged.bench", "minipaged.benchmarks.serving"):
+    for name in ("minipaged.bench.serving", "minipaged.engine.bench"):
         try:
             bench = importlib.import_module(name)
             if all(hasattr(bench, f) for f in ("workload_prompts", "_minipaged_metrics", "_common_metrics",
@@ -88,7 +88,7 @@ def import_harness():
             bench = None
         except ImportError as e:
             errors.append(f"{name}: {e}")
-    for name in ("minipaged.engine.hf_baselines", "minipaged.hf_baselines", "minipaged.benchmarks.hf_baselines"):
+    for name in ("minipaged.bench.hf_baselines", "minipaged.engine.hf_baselines"):
         try:
             hf = importlib.import_module(name)
             break
@@ -264,7 +264,7 @@ def run(args) -> dict:
     from transformers.utils import logging as hf_logging
 
     from minipaged.config import EngineConfig
-    from minipaged.core.kv_cache_utils import cdiv
+    from minipaged.core.kv.block import cdiv
     from minipaged.engine.llm_engine import LLMEngine
     from minipaged.model import load_model
 

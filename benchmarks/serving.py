@@ -4,7 +4,7 @@
                                  [--systems a,b,c,d] [--num-requests 64] [--seed 0] [--threads 1]
                                  [--quick] [--profile] ...
 
-A thin script over ``minipaged.engine.bench`` (also ``minipaged bench``): one process, one
+A thin script over ``minipaged.bench.serving`` (also ``minipaged bench``): one process, one
 seeded ShareGPT-like workload scaled to the model's context, the same number of KV token
 slots for every system:
 
@@ -19,7 +19,7 @@ module's docstring.
 
 import sys
 
-from minipaged.engine.bench import main
+from minipaged.bench.serving import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -16,11 +16,11 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS = {
-    "demo": ("minipaged.engine.demo", "serve a few requests on the course model, step by step"),
+    "demo": ("minipaged.demo", "serve a few requests on the course model, step by step"),
     "memory": ("minipaged.sim.memory_waste", "KV memory waste: paged vs contiguous (paper Fig. 2)"),
     "sharing": ("minipaged.sim.sharing", "blocks saved by sharing (paper Fig. 15)"),
     "simulate": ("minipaged.sim.cli", "paper-scale serving experiments on a cost model"),
-    "bench": ("minipaged.engine.bench", "real serving benchmark on CPU/GPU"),
+    "bench": ("minipaged.bench.serving", "real serving benchmark on CPU/GPU"),
     "serve": ("minipaged.entrypoints.openai.api_server",
               "an OpenAI-compatible streaming server with a live view of the block tables"),
     "figures": ("minipaged.viz.figures", "regenerate every PNG in figures/"),

@@ -4,7 +4,7 @@ Mirrors vLLM ``vllm/config.py`` (``CacheConfig``, ``SchedulerConfig``, ``ModelCo
 folded into one flat dataclass: a course engine has few enough knobs to read at once).
 
 Inputs
-    the keyword arguments of ``LLM(...)`` (see DESIGN.md), plus a few with defaults:
+    the keyword arguments of ``LLM(...)``, plus a few with defaults:
     ``kv_cache_memory`` (bytes of device memory for K and V when ``num_blocks`` is None),
     ``num_cpu_blocks`` (size of the CPU swap pool; None -> as many as the device pool when
     ``preemption_mode="swap"``, else 0) and ``max_model_len`` (None -> the model's context).
@@ -36,6 +36,9 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 PREEMPTION_MODES = ("recompute", "swap")
+# n > 1: "prefix" = vLLM v1 (n child requests sharing the prompt through prefix caching);
+# "fork" = the paper's sequence group (prefill once, fork with copy-on-write)
+PARALLEL_SAMPLING = ("prefix", "fork")
 SCHEDULING_POLICIES = ("continuous", "static")
 ATTENTION_BACKENDS = ("torch", "triton")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -124,6 +127,7 @@ class EngineConfig:
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
     num_cpu_blocks: Optional[int] = None  # swap pool; None -> num_blocks if swapping else 0
     max_model_len: Optional[int] = None  # None -> the model's own context length
+    parallel_sampling: str = "prefix"  # how n > 1 shares the prompt (PARALLEL_SAMPLING)
 
     def __post_init__(self) -> None:
         self.check_invariants()
@@ -149,6 +153,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name, allowed in (
             ("preemption_mode", PREEMPTION_MODES),
+            ("parallel_sampling", PARALLEL_SAMPLING),
             ("scheduling", SCHEDULING_POLICIES),
             ("attention_backend", ATTENTION_BACKENDS),
             ("dtype", DTYPES),

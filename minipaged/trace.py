@@ -9,6 +9,11 @@ Invariants (``EngineTrace.check_invariants``)
     and the running requests fit ``max_num_seqs``; every block id in a block table is in
     ``range(num_blocks)`` and is not listed as free; a block held by k tables has
     ``ref_cnt`` k (shared blocks are listed in ``shared_blocks``).
+
+``record_step(scheduler, output, step)`` takes one ``StepRecord`` after
+``update_from_output`` (the engine, the simulator and the notebooks all use it);
+``run_scheduler(scheduler, arrivals, next_token)`` drives any scheduler with a fake model
+and returns its ``EngineTrace`` (``RuntimeError`` after ``max_steps``).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 
 def count_holders(block_tables: dict[str, list[int]]) -> dict[int, int]:
@@ -136,3 +141,95 @@ class EngineTrace:
             assert len(holders) + s.num_free_blocks <= self.num_blocks, (
                 f"step {i}: {len(holders)} held + {s.num_free_blocks} free > {self.num_blocks}"
             )
+
+
+# -- filling a trace from a scheduler ----------------------------------------------------
+def record_step(scheduler, output, step: int) -> StepRecord:
+    """A ``StepRecord`` of ``output``, taken after ``update_from_output``.
+
+    Shared by the engine, the simulator and the notebooks, so that every trace means the
+    same thing. ``num_tokens`` is the tokens each running request's blocks hold (its
+    ``num_computed_tokens``; a static reservation holds more slots than tokens).
+    """
+    kv = scheduler.kv_cache_manager
+    tables = {r.request_id: kv.get_block_ids(r.request_id) for r in scheduler.running}
+    holders = count_holders(tables)
+    return StepRecord(
+        step=step,
+        scheduled=dict(output.num_scheduled_tokens),
+        prefill_ids=list(output.prefill_ids),
+        decode_ids=list(output.decode_ids),
+        waiting_ids=[r.request_id for r in scheduler.waiting],
+        preempted_ids=[r.request_id for r in output.preempted],
+        swapped_out_ids=[r.request_id for r in output.swapped_out],
+        swapped_in_ids=[r.request_id for r in output.swapped_in],
+        swapped_ids=[r.request_id for r in getattr(scheduler, "swapped", ())],  # swap layer
+        finished_ids=[r.request_id for r in output.finished],
+        arrived_ids=[r.request_id for r in output.arrived],
+        block_tables=tables,
+        num_tokens={r.request_id: r.num_computed_tokens for r in scheduler.running},
+        new_block_ids=list(output.new_block_ids),
+        shared_blocks={b: n for b, n in holders.items() if n > 1},
+        num_free_blocks=kv.get_num_free_blocks(),
+    )
+
+
+def run_scheduler(
+    scheduler,
+    arrivals: dict[int, Iterable] | Iterable,
+    next_token: Callable,
+    max_steps: int = 100_000,
+) -> EngineTrace:
+    """Drive ``scheduler`` with a fake model; return the ``EngineTrace``.
+
+    ``arrivals`` maps a step to the requests added before it (or is one list, all added
+    before step 0); an entry that is itself a list of requests is a sequence group
+    (``add_request_group``). ``next_token(request)`` plays the model: it is called for each
+    request whose prefill completes at a step (and for each sequence forked with no token
+    yet), and returns the token to append. Used by the
+    notebooks and tests to watch the scheduler without a model.
+    """
+    if not isinstance(arrivals, dict):
+        arrivals = {0: list(arrivals)}
+    trace = EngineTrace(
+        num_blocks=scheduler.num_blocks,
+        block_size=scheduler.block_size,
+        max_num_seqs=scheduler.max_num_seqs,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        meta={"scheduler": type(scheduler).__name__,
+              "preemption_mode": getattr(scheduler, "preemption_mode", "recompute"),
+              "enable_chunked_prefill": scheduler.enable_chunked_prefill},
+    )
+    last_arrival = max(arrivals, default=0)
+    step = 0
+    while step <= last_arrival or scheduler.has_unfinished_requests():
+        if step >= max_steps:
+            raise RuntimeError(f"not finished after {max_steps} steps")
+        for item in arrivals.get(step, ()):
+            group = list(item) if isinstance(item, (list, tuple)) else [item]
+            if isinstance(item, (list, tuple)):
+                scheduler.add_request_group(group)
+            else:
+                scheduler.add_request(item)
+            for req in group:
+                trace.requests[req.request_id] = {
+                    "prompt_len": req.num_prompt_tokens, "arrival_step": step,
+                }
+        out = scheduler.schedule()
+        sampled = {
+            r.request_id: next_token(r)
+            for r, n in out.scheduled
+            if r.num_computed_tokens + n == r.num_tokens
+        }
+        for _, child in out.fork_samples:
+            sampled[child.request_id] = next_token(child)
+        scheduler.update_from_output(out, sampled)
+        trace.record(record_step(scheduler, out, step))
+        for r in out.finished:
+            trace.requests[r.request_id].update(
+                output_len=r.num_output_tokens, finish_step=step,
+                status=r.status.value, stop_reason=r.stop_reason,
+                num_preemptions=r.num_preemptions,
+            )
+        step += 1
+    return trace

@@ -1,5 +1,5 @@
-"""``minipaged bench`` (minipaged/engine/bench.py) and its transformers baselines
-(minipaged/engine/hf_baselines.py): quick runs on a tiny random Llama, structure and invariants.
+"""``minipaged bench`` (minipaged/bench/serving.py) and its transformers baselines
+(minipaged/bench/hf_baselines.py): quick runs on a tiny random Llama, structure and invariants.
 
 No timed assertions: wall-clock numbers vary; token counts, step counts and outputs do not.
 The outputs of the four systems are compared with each other and, for one request, with
@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged.cli import main
-from minipaged.engine import hf_baselines
-from minipaged.engine.bench import format_report, run_benchmark, scaled_workload, workload_prompts
-from minipaged.engine.hf_baselines import static_batches
+from minipaged.bench import hf_baselines
+from minipaged.bench.serving import format_report, run_benchmark, scaled_workload, workload_prompts
+from minipaged.bench.hf_baselines import static_batches
 
 QUICK = dict(model="tiny-llama", num_requests=8, workload_max_len=128, warmup=False)
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.core.block_pool import BlockPool
-from minipaged.core.kv_cache_utils import hash_block_tokens
+from minipaged.core.kv.block_pool import BlockPool
+from minipaged.core.kv.block import hash_block_tokens
 
 
 def snapshot(pool):

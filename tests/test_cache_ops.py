@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from minipaged.core import PAD_SLOT_ID  # noqa: E402
+from minipaged.core.kv.block_table import PAD_SLOT_ID  # noqa: E402
 from minipaged.kernels import HAS_TRITON, copy_blocks, reshape_and_cache, swap_blocks  # noqa: E402
 from minipaged.kernels.cache_ops import reshape_and_cache_triton  # noqa: E402
 

@@ -11,14 +11,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from minipaged.core.contiguous import (
+from minipaged.core.kv.contiguous import (
     POLICIES,
     ContiguousAllocator,
     ContiguousRegion,
     ContiguousUsage,
     next_power_of_two,
 )
-from minipaged.core.request import Request
+from minipaged.core.sched.request import Request
 
 
 def snapshot(alloc):

@@ -1,7 +1,7 @@
-"""``minipaged demo`` (minipaged/engine/demo.py): runs end to end on the course model."""
+"""``minipaged demo`` (minipaged/demo.py): runs end to end on the course model."""
 
 from minipaged.cli import main
-from minipaged.engine.demo import DEMO_ARRIVALS, DEMO_PROMPTS, busiest_step, demo_requests
+from minipaged.demo import DEMO_ARRIVALS, DEMO_PROMPTS, busiest_step, demo_requests
 
 
 def test_demo_requests_are_seeded():

@@ -146,10 +146,10 @@ def test_refused_request_leaves_the_others_unchanged():
 
 def test_model_runner_prepare_by_hand():
     """Slots, positions and tables of a mixed batch, computed by hand."""
-    from minipaged.core.request import Request
-    from minipaged.core.scheduler import Scheduler
+    from minipaged.core.sched.request import Request
+    from minipaged.core import EngineScheduler
 
-    sched = Scheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
+    sched = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
     a = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4))
     b = Request("b", [7, 8, 9], SamplingParams(max_tokens=4))
     sched.add_request(a)

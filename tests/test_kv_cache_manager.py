@@ -10,20 +10,20 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from minipaged.core.kv_cache_manager import KVCacheManager, KVCacheUsage
-from minipaged.core.kv_cache_utils import cdiv
-from minipaged.core.request import Request
+from minipaged.core.kv.kv_cache_manager import KVCacheManager, KVCacheUsage
+from minipaged.core.kv.block import cdiv
+from minipaged.core.sched.request import Request
 
 
 def snapshot(mgr):
     pool, cpu = mgr.block_pool, mgr.cpu_block_pool
     return (
-        {rid: [b.block_id for b in blocks] for rid, blocks in mgr.req_to_blocks.items()},
-        dict(mgr.num_tokens),
+        {rid: t.block_ids() for rid, t in mgr.block_tables.items()},
+        {rid: t.num_tokens for rid, t in mgr.block_tables.items()},
         [b.ref_cnt for b in pool.blocks],
         [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
-        {rid: [b.block_id for b in blocks] for rid, blocks in mgr.req_to_cpu_blocks.items()},
-        dict(mgr.cpu_num_tokens),
+        {rid: t.block_ids() for rid, t in mgr.cpu_block_tables.items()},
+        {rid: t.num_tokens for rid, t in mgr.cpu_block_tables.items()},
         None if cpu is None else [b.block_id for b in cpu.free_block_queue.get_all_free_blocks()],
     )
 
@@ -75,7 +75,7 @@ def test_exhausted_pool_returns_none_and_changes_nothing():
     assert mgr.allocate_slots("b", 5) is None  # needs 2, 1 free
     assert mgr.allocate_slots("a", 7) is None  # 17 tokens -> 5 blocks: 2 more, 1 free
     assert snapshot(mgr) == before
-    assert "b" not in mgr.req_to_blocks
+    assert "b" not in mgr.block_tables
     mgr.check_invariants()
 
 
@@ -123,7 +123,7 @@ def test_swap_out_and_in_by_hand():
     mgr.allocate_slots("a", 3)  # device blocks 0, 1
     mgr.allocate_slots("b", 4)  # device blocks 2, 3
     assert mgr.swap_out("a") == [(0, 0), (1, 1)]  # (device, cpu)
-    assert mgr.get_cpu_block_ids("a") == [0, 1] and "a" not in mgr.req_to_blocks
+    assert mgr.get_cpu_block_ids("a") == [0, 1] and "a" not in mgr.block_tables
     before = snapshot(mgr)
     assert mgr.swap_out("b") is None  # needs 2 CPU blocks, 1 free: nothing changes
     assert snapshot(mgr) == before
@@ -132,7 +132,7 @@ def test_swap_out_and_in_by_hand():
     assert mgr.swap_in("a") is None  # no device block free
     mgr.free("c")
     assert mgr.swap_in("a") == [(0, 0), (1, 1)]  # (cpu, device)
-    assert mgr.num_tokens["a"] == 3 and mgr.get_num_free_cpu_blocks() == 3
+    assert mgr.block_tables["a"].num_tokens == 3 and mgr.get_num_free_cpu_blocks() == 3
     mgr.check_invariants()
 
 
@@ -265,7 +265,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def consistent(self):
         mgr, bs = self.mgr, self.bs
         mgr.check_invariants()
-        assert set(mgr.req_to_blocks) == set(self.tokens)
+        assert set(mgr.block_tables) == set(self.tokens)
         all_slots = []
         for rid, n in self.tokens.items():
             table = mgr.get_block_ids(rid)
@@ -285,10 +285,10 @@ class ManagerMachine(RuleBasedStateMachine):
         assert u.num_free_slots == (self.num_blocks - held) * bs
         assert 0 <= u.internal_fragmentation < bs * max(1, len(self.tokens))
         # swap space
-        assert set(mgr.req_to_cpu_blocks) == set(self.swapped)
+        assert set(mgr.cpu_block_tables) == set(self.swapped)
         cpu_held = 0
         for rid, n in self.swapped.items():
-            assert len(mgr.get_cpu_block_ids(rid)) == cdiv(n, bs) and mgr.cpu_num_tokens[rid] == n
+            assert len(mgr.get_cpu_block_ids(rid)) == cdiv(n, bs) and mgr.cpu_block_tables[rid].num_tokens == n
             cpu_held += cdiv(n, bs)
         assert mgr.get_num_free_cpu_blocks() == self.num_cpu_blocks - cpu_held
 

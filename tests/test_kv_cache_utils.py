@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.core.kv_cache_utils import (
+from minipaged.core.kv.block import (
     NONE_HASH,
     FreeKVCacheBlockQueue,
     KVCacheBlock,

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from _content_model import ContentPagedModel, drive, reference_outputs
 from minipaged import SamplingParams
-from minipaged.core import KVCacheManager, Request, RequestStatus, Scheduler, hash_block_tokens
+from minipaged.core import KVCacheManager, Request, RequestStatus, EngineScheduler, hash_block_tokens
 
 
 def _req(rid, tokens, max_tokens=4):
@@ -101,7 +101,7 @@ def test_lru_eviction_order():
 
 
 def test_scheduler_skips_cached_prefill_by_hand():
-    s = Scheduler(num_blocks=32, block_size=4, enable_prefix_caching=True)
+    s = EngineScheduler(num_blocks=32, block_size=4, enable_prefix_caching=True)
     prefix = list(range(10, 22))  # 12 tokens: 3 full blocks
     a, b = _req("a", prefix + [1, 2]), _req("b", prefix + [3])
     model = ContentPagedModel(4)
@@ -131,7 +131,7 @@ def test_caching_on_equals_off_and_plain_loop(seed, num_blocks, block_size, mode
     results = {}
     for caching in (False, True):
         arrivals, reqs = _prefix_workload(random.Random(seed), block_size)
-        s = Scheduler(num_blocks, block_size, max_num_batched_tokens=budget, preemption_mode=mode,
+        s = EngineScheduler(num_blocks, block_size, max_num_batched_tokens=budget, preemption_mode=mode,
                       num_cpu_blocks=10 if mode == "swap" else 0, enable_prefix_caching=caching)
         model = ContentPagedModel(block_size)
         drive(s, arrivals, model)

@@ -1,4 +1,4 @@
-"""Tests for minipaged.core.scheduler.Scheduler (continuous batching).
+"""Tests for the continuous-batching schedulers (minipaged/core/sched/: vLLM v1's Scheduler and the EngineScheduler with the paper's layers).
 
 Independent references: schedules worked out by hand for tiny cases; a fake paged model
 that reads every context back through the block tables and must reproduce the outputs of
@@ -18,14 +18,13 @@ from _fake_paged_model import FakePagedModel, reference_outputs
 from minipaged.core import (
     Request,
     RequestStatus,
+    EngineScheduler,
     Scheduler,
     SchedulerOutput,
-    get_max_num_kv_tokens,
-    record_step,
-    run_scheduler,
 )
+from minipaged.core.sched.request import get_max_num_kv_tokens
 from minipaged.sampling_params import SamplingParams
-from minipaged.trace import EngineTrace
+from minipaged.trace import EngineTrace, record_step, run_scheduler
 
 
 def req(rid, prompt_len, max_tokens, **kw):
@@ -79,7 +78,7 @@ def drive(sched, arrivals, next_token=const_token(), max_steps=1000):
 def test_chunked_prefill_by_hand():
     # budget 6: A's 5-token prompt runs whole, B's 4-token prompt is split 1 + 3 and
     # rides along with A's decodes.
-    s = Scheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
+    s = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
     a, b = req("A", 5, 3), req("B", 4, 2)
     log = drive(s, {0: [a, b]})
     assert [e["scheduled"] for e in log] == [{"A": 5, "B": 1}, {"A": 1, "B": 3}, {"A": 1, "B": 1}]
@@ -98,7 +97,7 @@ def test_recompute_preemption_by_hand():
     # at step 2 A needs a 3rd block: B (the later arrival) is preempted, its blocks
     # [2, 3] freed tail first (3, then 2), and A takes block 3. B comes back at step 4
     # and re-prefills its prompt plus its 2 output tokens (5 tokens) in one go.
-    s = Scheduler(num_blocks=4, block_size=2, max_num_seqs=4, max_num_batched_tokens=16)
+    s = EngineScheduler(num_blocks=4, block_size=2, max_num_seqs=4, max_num_batched_tokens=16)
     a, b = req("A", 3, 4), req("B", 3, 4)
     log = drive(s, {0: [a, b]})
     assert [e["scheduled"] for e in log] == [
@@ -118,7 +117,7 @@ def test_recompute_preemption_by_hand():
 def test_swap_preemption_by_hand():
     # The same workload with swapping: B's two blocks go to CPU blocks 0 and 1 and come
     # back into device blocks 2 and 3; B then only decodes (no 5-token re-prefill).
-    s = Scheduler(num_blocks=4, block_size=2, max_num_seqs=4, max_num_batched_tokens=16,
+    s = EngineScheduler(num_blocks=4, block_size=2, max_num_seqs=4, max_num_batched_tokens=16,
                   preemption_mode="swap", num_cpu_blocks=4)
     a, b = req("A", 3, 4), req("B", 3, 4)
     log = drive(s, {0: [a, b]})
@@ -136,7 +135,7 @@ def test_swap_preemption_by_hand():
 
 
 def test_swap_falls_back_to_recompute_when_cpu_pool_is_full():
-    s = Scheduler(num_blocks=4, block_size=2, max_num_seqs=4, max_num_batched_tokens=16,
+    s = EngineScheduler(num_blocks=4, block_size=2, max_num_seqs=4, max_num_batched_tokens=16,
                   preemption_mode="swap", num_cpu_blocks=1)
     a, b = req("A", 3, 4), req("B", 3, 4)
     log = drive(s, {0: [a, b]})
@@ -146,7 +145,7 @@ def test_swap_falls_back_to_recompute_when_cpu_pool_is_full():
 
 def test_head_of_line_blocking_is_fcfs():
     # C would fit, but B arrived first and does not: C waits behind B.
-    s = Scheduler(num_blocks=5, block_size=4, max_num_seqs=4, max_num_batched_tokens=12)
+    s = EngineScheduler(num_blocks=5, block_size=4, max_num_seqs=4, max_num_batched_tokens=12)
     a, b, c = req("A", 12, 2), req("B", 8, 2), req("C", 2, 2)
     log = drive(s, {0: [a, b, c]})
     assert log[0]["scheduled"] == {"A": 12}  # the whole budget
@@ -158,7 +157,7 @@ def test_head_of_line_blocking_is_fcfs():
 def test_victim_is_latest_arrival_not_latest_admitted():
     # Four requests share a tiny pool; every preemption must take the latest arrival
     # among the running ones, even after re-admissions reordered nothing.
-    s = Scheduler(num_blocks=6, block_size=2, max_num_seqs=8, max_num_batched_tokens=64)
+    s = EngineScheduler(num_blocks=6, block_size=2, max_num_seqs=8, max_num_batched_tokens=64)
     reqs = [req(f"r{i}", 3, 6) for i in range(4)]
     seq = {r.request_id: i for i, r in enumerate(reqs)}
     step = 0
@@ -180,7 +179,7 @@ def test_victim_is_latest_arrival_not_latest_admitted():
 
 
 def test_max_num_seqs_and_token_budget_bound_the_batch():
-    s = Scheduler(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=5)
+    s = EngineScheduler(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=5)
     reqs = [req(f"r{i}", 4, 3) for i in range(4)]
     log = drive(s, {0: reqs})
     for e in log:
@@ -189,7 +188,7 @@ def test_max_num_seqs_and_token_budget_bound_the_batch():
 
 
 def test_chunking_off_prompt_waits_for_budget_whole():
-    s = Scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+    s = EngineScheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
                   enable_chunked_prefill=False)
     a, b = req("A", 6, 3), req("B", 4, 2)
     log = drive(s, {0: [a, b]})
@@ -201,7 +200,7 @@ def test_chunking_off_prompt_waits_for_budget_whole():
 def test_chunking_off_recomputed_request_longer_than_budget_is_chunked():
     # B is preempted at step 5 with prompt 4 + 5 outputs = 9 tokens > budget 8. With
     # chunking off it still resumes, in chunks of 8 + 1, or it could never run again.
-    s = Scheduler(num_blocks=8, block_size=2, max_num_seqs=4, max_num_batched_tokens=8,
+    s = EngineScheduler(num_blocks=8, block_size=2, max_num_seqs=4, max_num_batched_tokens=8,
                   enable_chunked_prefill=False)
     a, b = req("A", 4, 10), req("B", 4, 10)
     log = drive(s, {0: [a, b]})
@@ -218,7 +217,7 @@ def test_chunking_off_recomputed_request_longer_than_budget_is_chunked():
 
 # -- stop conditions ------------------------------------------------------------------
 def test_stop_conditions():
-    s = Scheduler(num_blocks=32, block_size=4, max_model_len=7)
+    s = EngineScheduler(num_blocks=32, block_size=4, max_model_len=7)
     eos = req("eos", 2, 10, eos_token_id=7)
     ign = req("ign", 2, 3, eos_token_id=7, ignore_eos=True)
     stop = req("stop", 2, 10, stop_token_ids=[7])
@@ -251,11 +250,11 @@ def test_bad_constructor_arguments(kwargs, name):
     args = dict(num_blocks=8, block_size=4)
     args.update(kwargs)
     with pytest.raises(ValueError, match=name):
-        Scheduler(**args)
+        EngineScheduler(**args)
 
 
 def test_add_request_validation_leaves_state_unchanged():
-    s = Scheduler(num_blocks=8, block_size=4, max_model_len=16)
+    s = EngineScheduler(num_blocks=8, block_size=4, max_model_len=16)
     a = req("A", 4, 4)
     s.add_request(a)
     with pytest.raises(ValueError, match="already in use"):
@@ -277,7 +276,7 @@ def test_add_request_validation_leaves_state_unchanged():
 
 def test_request_too_big_is_refused_and_others_unaffected():
     def run(with_big):
-        s = Scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=16)
+        s = EngineScheduler(num_blocks=4, block_size=4, max_num_batched_tokens=16)
         reqs = [req("A", 5, 4), req("B", 3, 6)]
         arr = {0: reqs[:1], 1: reqs[1:]}
         big = req("big", 10, 8)  # 17 KV tokens -> 5 blocks > 4
@@ -298,7 +297,7 @@ def test_request_too_big_is_refused_and_others_unaffected():
 
 
 def test_prompt_over_budget_with_chunking_off_is_refused():
-    s = Scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=8, enable_chunked_prefill=False)
+    s = EngineScheduler(num_blocks=64, block_size=4, max_num_batched_tokens=8, enable_chunked_prefill=False)
     r = req("r", 9, 2)
     s.add_request(r)
     out = s.schedule()
@@ -310,7 +309,7 @@ def test_prompt_over_budget_with_chunking_off_is_refused():
 
 
 def test_abort_in_every_state_frees_blocks():
-    s = Scheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16,
+    s = EngineScheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16,
                   preemption_mode="swap", num_cpu_blocks=4)
     a, b, c = req("A", 3, 4), req("B", 3, 4), req("C", 2, 2)
     for r in (a, b, c):
@@ -339,7 +338,7 @@ def test_abort_in_every_state_frees_blocks():
 
 
 def test_update_from_output_misuse():
-    s = Scheduler(num_blocks=8, block_size=4)
+    s = EngineScheduler(num_blocks=8, block_size=4)
     s.add_request(req("A", 3, 2))
     out = s.schedule()
     with pytest.raises(RuntimeError, match="twice"):
@@ -353,7 +352,7 @@ def test_update_from_output_misuse():
 
 
 def test_finished_request_id_can_be_reused():
-    s = Scheduler(num_blocks=8, block_size=4)
+    s = EngineScheduler(num_blocks=8, block_size=4)
     drive(s, {0: [req("A", 3, 1)]})
     again = req("A", 2, 1)
     drive(s, {0: [again]})
@@ -361,7 +360,7 @@ def test_finished_request_id_can_be_reused():
 
 
 def test_record_step_and_run_scheduler_trace():
-    s = Scheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16)
+    s = EngineScheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16)
     a, b = req("A", 3, 4), req("B", 3, 4)
     trace = run_scheduler(s, {0: [a], 1: [b]}, const_token())
     trace.check_invariants()
@@ -443,7 +442,7 @@ def run_property(sched_cls, c, specs, chunking):
             order.append(r)
         seq = {r.request_id: i for i, r in enumerate(order)}
         running_before = sorted((r.request_id for r in sched.running), key=seq.get)
-        had_work = bool(sched.running or sched.waiting or sched.swapped)
+        had_work = bool(sched.running or sched.waiting or getattr(sched, "swapped", ()))
         out = sched.schedule()
         outputs.append(out)
         sched.check_invariants()
@@ -463,7 +462,7 @@ def run_property(sched_cls, c, specs, chunking):
     kv = sched.kv_cache_manager
     assert kv.get_num_free_blocks() == c["num_blocks"]
     assert kv.get_num_free_cpu_blocks() == kv.num_cpu_blocks
-    assert not kv.req_to_blocks and not kv.req_to_cpu_blocks
+    assert not kv.block_tables and not kv.cpu_block_tables
     for r in order:
         assert r.is_finished, r
         if expected_refusal(r, c, chunking) == "refused":
@@ -486,7 +485,38 @@ def run_property(sched_cls, c, specs, chunking):
 def test_scheduler_random_workloads(c, specs):
     if c["preemption_mode"] == "recompute":
         c = dict(c, num_cpu_blocks=0)
-    run_property(Scheduler, c, specs, c["enable_chunked_prefill"])
+    run_property(EngineScheduler, c, specs, c["enable_chunked_prefill"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(c=config, specs=st.lists(request_spec, min_size=1, max_size=8), pressure=st.booleans())
+def test_v1_scheduler_alone_random_workloads(c, specs, pressure):
+    """vLLM v1's ``Scheduler`` without any layer: first-chunk admission, recompute only."""
+    c = {k: v for k, v in c.items() if k not in ("preemption_mode", "num_cpu_blocks")}
+    if pressure:  # a pool just big enough for the largest request: preemption is common
+        bs = c["block_size"]
+        c["num_blocks"] = max(c["num_blocks"] // 4, max(-(-(p + m - 1) // bs) for _, p, m, _, _ in specs))
+    sched, _ = run_property(Scheduler, c, specs, c["enable_chunked_prefill"])
+    assert not hasattr(sched, "swapped") and not hasattr(sched, "watermark")
+
+
+def test_v1_scheduler_equals_engine_scheduler_with_layers_off():
+    """With the watermark off, recompute preemption and no groups, the layers are inert:
+    the EngineScheduler makes exactly the v1 Scheduler's steps."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(20):
+        reqs = [(rng.randint(0, 6), rng.randint(1, 20), rng.randint(1, 12)) for _ in range(10)]
+        traces = []
+        for cls, extra in ((Scheduler, {}), (EngineScheduler, {"watermark": None})):
+            s = cls(num_blocks=10, block_size=4,
+                    max_num_seqs=4, max_num_batched_tokens=12, **extra)
+            arrivals = {}
+            for i, (at, plen, mt) in enumerate(reqs):
+                arrivals.setdefault(at, []).append(req(f"r{i}", plen, mt))
+            traces.append(run_scheduler(s, arrivals, const_token()).to_dict()["steps"])
+        assert traces[0] == traces[1]
 
 
 @settings(max_examples=150, deadline=None)
@@ -508,7 +538,7 @@ def test_scheduler_under_heavy_pressure_preempts_and_finishes(
              max_num_batched_tokens=24, enable_chunked_prefill=chunking,
              preemption_mode="swap" if swap else "recompute",
              num_cpu_blocks=num_cpu_blocks if swap else 0, max_model_len=None)
-    run_property(Scheduler, c, specs, chunking)
+    run_property(EngineScheduler, c, specs, chunking)
 
 
 # -- KVCacheManager swap bookkeeping (used by the scheduler) ---------------------------
@@ -530,7 +560,7 @@ def test_kv_cache_manager_swap_is_all_or_nothing():
     assert kv.can_swap_in("a", 1) and not kv.can_swap_in("a", 2)  # 5 + 2 tokens = 4 blocks
     mapping = kv.swap_in("a")
     assert [c for c, _ in mapping] == [0, 1, 2] and kv.get_block_ids("a") == [d for _, d in mapping]
-    assert kv.num_tokens["a"] == 5 and kv.get_num_free_cpu_blocks() == 3
+    assert kv.block_tables["a"].num_tokens == 5 and kv.get_num_free_cpu_blocks() == 3
     kv.check_invariants()
     with pytest.raises(ValueError, match="not swapped"):
         kv.swap_in("a")
@@ -563,7 +593,7 @@ def _drive_checked(sched, arrivals, max_steps=2000):
                 sched.add_request_group(item)
             else:
                 sched.add_request(item)
-        had_work = bool(sched.running or sched.waiting or sched.swapped)
+        had_work = bool(sched.running or sched.waiting or getattr(sched, "swapped", ()))
         out = sched.schedule()
         sched.check_invariants()
         if had_work:
@@ -586,7 +616,7 @@ def test_group_reprefill_over_budget_with_chunking_off_is_split():
     # re-prefills the 8-token prompt, the others fork, and each must re-prefill its 17
     # outputs: 68 tokens > max_num_batched_tokens 64. Chunking is off, yet the group must
     # be split (17 + 17 + 17 + 13, then the last 4), or it would never run again.
-    s = Scheduler(num_blocks=24, block_size=4, max_num_seqs=16, max_num_batched_tokens=64,
+    s = EngineScheduler(num_blocks=24, block_size=4, max_num_seqs=16, max_num_batched_tokens=64,
                   enable_chunked_prefill=False, max_model_len=256)
     old = req("old", 8, 60, ignore_eos=True)
     group = _group("g", 4, 8, 20)
@@ -603,9 +633,9 @@ def test_group_reprefill_over_budget_with_chunking_off_is_split():
 
 
 def test_livelock_guard_raises_instead_of_an_empty_step(monkeypatch):
-    s = Scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=8)
+    s = EngineScheduler(num_blocks=8, block_size=4, max_num_batched_tokens=8)
     s.add_request(req("A", 4, 3))
-    monkeypatch.setattr(s, "_admit", lambda *a: (None, None))  # a broken admission
+    monkeypatch.setattr(s, "_admit_next", lambda *a: None)  # a broken admission
     with pytest.raises(RuntimeError, match="livelock"):
         s.schedule()
 
@@ -636,7 +666,7 @@ def test_no_livelock_with_groups_small_budgets_and_tight_pools(
         arrivals.setdefault(at, []).append(seqs if n > 1 else seqs[0])
         reqs.extend(seqs)
     need = max(-(-(plen + mt - 1) // block_size) * n for n, plen, mt, _ in groups)
-    s = Scheduler(num_blocks=need + extra_blocks, block_size=block_size, max_num_seqs=6,
+    s = EngineScheduler(num_blocks=need + extra_blocks, block_size=block_size, max_num_seqs=6,
                   max_num_batched_tokens=budget, enable_chunked_prefill=chunking,
                   preemption_mode="swap" if swap else "recompute",
                   num_cpu_blocks=8 if swap else 0, watermark=watermark)
@@ -652,15 +682,15 @@ def test_no_livelock_with_groups_small_budgets_and_tight_pools(
 @pytest.mark.parametrize("bad", [-0.1, 1.0, 2, "0.1", True])
 def test_bad_watermark(bad):
     with pytest.raises(ValueError, match="watermark"):
-        Scheduler(8, 4, watermark=bad)
+        EngineScheduler(8, 4, watermark=bad)
 
 
 def test_watermark_default_and_blocks():
-    assert Scheduler(8, 4).watermark == 0.05 and Scheduler(8, 4).watermark_blocks == 0
-    assert Scheduler(250, 4).watermark_blocks == 12  # int(0.05 * 250), as vLLM v0
-    assert Scheduler(250, 4, watermark=0.01).watermark_blocks == 2
-    assert Scheduler(10, 4, watermark=0.25).watermark_blocks == 2
-    assert Scheduler(10, 4, watermark=None).watermark_blocks == 0
+    assert EngineScheduler(8, 4).watermark == 0.05 and EngineScheduler(8, 4).watermark_blocks == 0
+    assert EngineScheduler(250, 4).watermark_blocks == 12  # int(0.05 * 250), as vLLM v0
+    assert EngineScheduler(250, 4, watermark=0.01).watermark_blocks == 2
+    assert EngineScheduler(10, 4, watermark=0.25).watermark_blocks == 2
+    assert EngineScheduler(10, 4, watermark=None).watermark_blocks == 0
 
 
 def test_new_request_waits_until_its_whole_prompt_fits():
@@ -669,7 +699,7 @@ def test_new_request_waits_until_its_whole_prompt_fits():
     # (7 tokens, 2 blocks) would fit, but its whole 24-token prompt needs 6 blocks > 5:
     # B waits instead of starting a prefill that must be preempted. A finishes at step 9
     # (its 10th output); B is admitted at step 10 and runs 8 + 8 + 8, then decodes once.
-    s = Scheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    s = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
     a, b = req("A", 8, 10, ignore_eos=True), req("B", 24, 2, ignore_eos=True)
     log = drive(s, {0: [a, b]})
     assert [e["scheduled"] for e in log] == (
@@ -686,7 +716,7 @@ def test_watermark_none_is_vllm_v1_first_chunk_admission():
     # 2 more blocks: B, the latest arrival, is preempted and its 14 tokens are lost.
     # The cycle repeats as A grows (preempted again at steps 6 and 9): 42 tokens wasted,
     # and B still starts for good only at step 10.
-    s = Scheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+    s = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
                   watermark=None)
     a, b = req("A", 8, 10, ignore_eos=True), req("B", 24, 2, ignore_eos=True)
     log = drive(s, {0: [a, b]})
@@ -704,7 +734,7 @@ def test_watermark_keeps_blocks_free_but_never_blocks_an_idle_engine():
     # free: admitted with A. C (12 tokens, 3 blocks) would leave 10 - 3 - 3 = 4 < 5: it
     # waits for A and B to finish. D (36 tokens, 9 blocks > 10 - 5) is admitted when
     # nothing runs, or it could never run.
-    s = Scheduler(num_blocks=10, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+    s = EngineScheduler(num_blocks=10, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                   watermark=0.5)
     a, b = req("A", 8, 2, ignore_eos=True), req("B", 4, 2, ignore_eos=True)
     c, d = req("C", 12, 1, ignore_eos=True), req("D", 36, 2, ignore_eos=True)

@@ -1,5 +1,5 @@
-"""Sharing blocks: fork, copy-on-write, sequence groups (minipaged/core/kv_cache_manager.py,
-minipaged/core/scheduler.py; the engine's n > 1 path).
+"""Sharing blocks: fork, copy-on-write, sequence groups (minipaged/core/kv/kv_cache_manager.py,
+minipaged/core/sched/scheduler.py; the engine's n > 1 path).
 
 References, each independent of the code under test:
 - hand-worked block tables, ref counts and copies;
@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from _content_model import ContentPagedModel, drive, reference_outputs
 from minipaged import SamplingParams
-from minipaged.core import KVCacheManager, Request, RequestStatus, Scheduler, cdiv
+from minipaged.core import KVCacheManager, Request, RequestStatus, EngineScheduler, cdiv
 
 # ----------------------------------------------------------------------------- manager, by hand
 
@@ -292,7 +292,7 @@ def _group(name, prompt, n, max_tokens=10, eos=None):
 
 
 def test_group_prefills_once_then_forks_by_hand():
-    s = Scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64)
+    s = EngineScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64)
     seqs = _group("g", [5, 6, 7, 8, 9, 10], 3, max_tokens=4)
     s.add_request_group(seqs)
     out = s.schedule()
@@ -319,17 +319,17 @@ def test_group_prefills_once_then_forks_by_hand():
 
 
 def test_group_refusals_and_abort():
-    s = Scheduler(num_blocks=8, block_size=4, max_num_seqs=2)
+    s = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=2)
     big = _group("big", [1, 2, 3], 3)
     s.add_request_group(big)
     assert all(r.status == RequestStatus.FINISHED_IGNORED for r in big)
     assert "max_num_seqs" in big[0].stop_reason
-    s = Scheduler(num_blocks=8, block_size=4)
+    s = EngineScheduler(num_blocks=8, block_size=4)
     long = _group("long", list(range(8)), 4, max_tokens=12)  # 2 shared + 4 x 3 private > 8
     s.add_request_group(long)
     assert all(r.status == RequestStatus.FINISHED_IGNORED for r in long)
     # aborting a sequence of a group that has not forked yet aborts the group
-    s = Scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=3)  # chunks of 3
+    s = EngineScheduler(num_blocks=8, block_size=4, max_num_batched_tokens=3)  # chunks of 3
     g = _group("g", [1, 2, 3, 4, 5], 2)
     s.add_request_group(g)
     out = s.schedule()
@@ -364,7 +364,7 @@ def test_groups_equal_plain_loop_under_pressure(seed, mode, num_blocks, block_si
                                                caching, budget):
     rng = random.Random(seed)
     arrivals, seqs = _workload(rng, rng.randint(1, 6), block_size)
-    s = Scheduler(num_blocks, block_size, max_num_seqs=rng.choice([4, 8]),
+    s = EngineScheduler(num_blocks, block_size, max_num_seqs=rng.choice([4, 8]),
                   max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
                   preemption_mode=mode, num_cpu_blocks=12 if mode == "swap" else 0,
                   enable_prefix_caching=caching)
@@ -385,7 +385,7 @@ def test_groups_share_prompt_blocks_and_copy():
     """A roomy pool: fewer blocks than n independent sequences, and copies were made."""
     rng = random.Random(3)
     prompt = [rng.randrange(50) for _ in range(10)]  # 2 full blocks + 2 tokens (block_size 4)
-    shared, alone = Scheduler(64, 4), Scheduler(64, 4)
+    shared, alone = EngineScheduler(64, 4), EngineScheduler(64, 4)
     m1, m2 = ContentPagedModel(4), ContentPagedModel(4)
     outs1 = drive(shared, {0: [_group("g", prompt, 4, max_tokens=6)]}, m1)
     outs2 = drive(alone, {0: [Request(f"g.{j}", prompt, SamplingParams(max_tokens=6)) for j in range(4)]}, m2)
@@ -423,12 +423,18 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20] * 9, [33, 34, 35, 36, 37, 38,
 
 
 @pytest.mark.parametrize("variant", [
-    dict(block_size=4, num_blocks=64),
-    dict(block_size=2, num_blocks=30, max_num_batched_tokens=16),  # preemption (recompute)
-    dict(block_size=2, num_blocks=30, max_num_batched_tokens=16, preemption_mode="swap"),
+    dict(block_size=4, num_blocks=64, parallel_sampling="fork"),
+    # preemption (recompute)
+    dict(block_size=2, num_blocks=30, max_num_batched_tokens=16, parallel_sampling="fork"),
+    dict(block_size=2, num_blocks=30, max_num_batched_tokens=16, preemption_mode="swap",
+         parallel_sampling="fork"),
+    # vLLM v1: n child requests sharing the prompt through prefix caching (the default)
+    dict(block_size=4, num_blocks=64, enable_prefix_caching=True),
+    dict(block_size=2, num_blocks=30, max_num_batched_tokens=16, enable_prefix_caching=True),
 ])
 def test_engine_n_samples_equal_unshared_baseline(tiny_llama, variant):
-    """n > 1 with sharing == the static baseline (no sharing), seed for seed."""
+    """n > 1 with sharing (fork or prefix caching) == the static baseline (no sharing),
+    seed for seed."""
     from minipaged import LLM
 
     params = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=5, ignore_eos=True)
@@ -443,10 +449,13 @@ def test_engine_n_samples_equal_unshared_baseline(tiny_llama, variant):
     trace = llm.trace
     trace.check_invariants()
     assert any(s.shared_blocks for s in trace.steps), "the prompt blocks should be shared"
-    if variant["num_blocks"] == 30:  # small pool: groups are preempted whole
+    fork = variant.get("parallel_sampling") == "fork"
+    if variant["num_blocks"] == 30:  # small pool: preemption (groups whole)
         assert any(s.preempted_ids or s.swapped_out_ids for s in trace.steps)
+    if not fork:  # the children hit the prompt blocks cached by the first one
+        assert llm.llm_engine.scheduler.prefix_cache_hits > 0
     # the prompt is prefilled once per request (absent preemption)
-    if "preemption_mode" not in variant and variant["num_blocks"] == 64:
+    if fork and "preemption_mode" not in variant and variant["num_blocks"] == 64:
         prefill = sum(n for s in trace.steps for rid, n in s.scheduled.items() if rid in s.prefill_ids)
         assert prefill == sum(len(p) for p in PROMPTS)
     assert llm.llm_engine.kv_cache_manager.get_num_free_blocks() == llm.llm_engine.num_blocks
@@ -517,3 +526,13 @@ def test_sharing_cli_json(capsys):
     assert d["config"]["block_size"] == 8 and d["config"]["num_requests"] == 3
     assert set(d["parallel_sampling"]) == {"alpaca", "sharegpt"}
     assert [x["width"] for x in d["beam_search"]["alpaca"]] == [2, 3, 4, 5, 6]
+
+
+def test_parallel_sampling_option_is_validated():
+    from minipaged.config import EngineConfig
+    from minipaged.core import EngineScheduler
+
+    with pytest.raises(ValueError, match="parallel_sampling"):
+        EngineConfig(parallel_sampling="beam")
+    with pytest.raises(ValueError, match="parallel_sampling"):
+        EngineScheduler(num_blocks=8, block_size=4, parallel_sampling="copy")

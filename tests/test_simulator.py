@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minipaged.core.sched.orca import OrcaScheduler
 from minipaged.sim.arrivals import TraceRequest, make_requests, poisson_arrivals
 from minipaged.sim.cost_model import CostModel
 from minipaged.sim.simulator import (
     POLICIES,
-    ContiguousScheduler,
     RateSweep,
     RequestRecord,
     SimMetrics,
@@ -169,10 +169,10 @@ def test_orca_scheduler_never_exceeds_memory(seed, slots, rate):
 
 
 def test_contiguous_scheduler_direct():
-    from minipaged.core.request import Request
+    from minipaged.core.sched.request import Request
     from minipaged.sampling_params import SamplingParams
 
-    s = ContiguousScheduler(num_slots=10, max_model_len=10, policy="oracle", max_num_seqs=4,
+    s = OrcaScheduler(num_slots=10, max_model_len=10, policy="oracle", max_num_seqs=4,
                             max_num_batched_tokens=16)
     r1 = Request("r1", [1] * 4, SamplingParams(max_tokens=2, ignore_eos=True))
     r2 = Request("r2", [1] * 4, SamplingParams(max_tokens=3, ignore_eos=True))

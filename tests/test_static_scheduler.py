@@ -1,4 +1,4 @@
-"""Tests for minipaged.core.static_scheduler.StaticBatchScheduler (the static baseline).
+"""Tests for minipaged.core.sched.static.StaticBatchScheduler (the static baseline).
 
 References: a schedule worked out by hand; the generic property run of test_scheduler
 (fake paged model vs a plain loop, invariants every step, no leaks, FCFS); and the
@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 import test_scheduler as ts
 from _fake_paged_model import FakePagedModel
-from minipaged.core import RequestStatus, Scheduler, StaticBatchScheduler, run_scheduler
+from minipaged.core import EngineScheduler, RequestStatus, StaticBatchScheduler
+from minipaged.trace import run_scheduler
 
 req = ts.req
 
@@ -48,8 +49,8 @@ def test_reservation_limits_the_batch():
     log = ts.drive(s, {0: reqs})
     assert log[0]["scheduled"] == {"r0": 4, "r1": 4}
     assert len(log[0]["tables"]["r0"]) == 3
-    assert s.kv_cache_manager.num_tokens == {}  # all released at the end
-    c = Scheduler(num_blocks=8, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    assert s.kv_cache_manager.block_tables == {}  # all released at the end
+    c = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     reqs2 = [req(f"r{i}", 4, 8) for i in range(4)]
     log2 = ts.drive(c, {0: reqs2})
     assert log2[0]["scheduled"] == {"r0": 4, "r1": 4, "r2": 4, "r3": 4}
@@ -86,15 +87,21 @@ def test_static_trace():
     assert trace.meta["scheduler"] == "StaticBatchScheduler"
 
 
+def _static(c: dict) -> dict:
+    """A scheduler config without the swap layer's keywords (static batching never preempts)."""
+    return {k: v for k, v in c.items() if k not in ("preemption_mode", "num_cpu_blocks")}
+
+
 @settings(max_examples=200, deadline=None)
 @given(c=ts.config, specs=st.lists(ts.request_spec, min_size=1, max_size=8))
 def test_static_random_workloads(c, specs):
-    ts.run_property(StaticBatchScheduler, c, specs, chunking=False)
+    ts.run_property(StaticBatchScheduler, _static(c), specs, chunking=False)
 
 
 @settings(max_examples=60, deadline=None)
 @given(c=ts.config, specs=st.lists(ts.request_spec, min_size=1, max_size=8))
 def test_static_batch_rules(c, specs):
+    c = _static(c)
     s = StaticBatchScheduler(**c)
     model = FakePagedModel(c["block_size"])
     arrivals = {}

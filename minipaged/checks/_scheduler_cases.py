@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from minipaged.core import Request, RequestStatus
-from minipaged.core.kv_cache_utils import cdiv
-from minipaged.core.scheduler import Scheduler
+from minipaged.core.kv.block import cdiv
+from minipaged.core import EngineScheduler
 from minipaged.sampling_params import SamplingParams
 
 EOS = 2  # the eos token id of every request that has one
@@ -62,7 +62,7 @@ class Recipe:
     requests: list = field(default_factory=list)  # ReqSpec, in arrival order
 
     def describe(self) -> str:
-        head = (f"Scheduler(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+        head = (f"EngineScheduler(num_blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"max_num_seqs={self.max_num_seqs}, max_num_batched_tokens={self.max_num_batched_tokens}"
                 + ("" if self.enable_chunked_prefill else ", enable_chunked_prefill=False")
                 + ("" if self.max_model_len is None else f", max_model_len={self.max_model_len}") + ")")
@@ -79,7 +79,7 @@ def _tokens(rid: str, n: int, start: int = 10) -> list[int]:
     return [start + (base + 7 * i) % 50 for i in range(n)]
 
 
-def build(recipe: Recipe, cls=Scheduler) -> Scheduler:
+def build(recipe: Recipe, cls=EngineScheduler) -> EngineScheduler:
     s = cls(recipe.num_blocks, recipe.block_size, max_num_seqs=recipe.max_num_seqs,
             max_num_batched_tokens=recipe.max_num_batched_tokens,
             enable_chunked_prefill=recipe.enable_chunked_prefill, max_model_len=recipe.max_model_len,
@@ -108,7 +108,7 @@ def build(recipe: Recipe, cls=Scheduler) -> Scheduler:
     return s
 
 
-def snapshot(s: Scheduler) -> dict:
+def snapshot(s: EngineScheduler) -> dict:
     """Everything the exercises may change, as plain data."""
     kv = s.kv_cache_manager
     return {
@@ -117,8 +117,8 @@ def snapshot(s: Scheduler) -> dict:
         "finished": sorted(s.finished),
         "requests": {rid: (r.status.name, r.num_computed_tokens, r.num_output_tokens, r.num_preemptions)
                      for rid, r in sorted(s.requests.items())},
-        "block_tables": {rid: (kv.num_tokens[rid], [b.block_id for b in blocks])
-                         for rid, blocks in sorted(kv.req_to_blocks.items())},
+        "block_tables": {rid: (t.num_tokens, t.block_ids())
+                         for rid, t in sorted(kv.block_tables.items())},
         "free_queue": [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()],
     }
 

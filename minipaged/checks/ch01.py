@@ -10,7 +10,7 @@ Exercises (notebooks/exercises/ch01_kv_cache.ipynb)
           hold a token when memory is paged, checked against ``KVCacheManager.usage()``.
 
 Reference: ex1.1 is the formula in the spec, held here; ex1.2 and ex1.3 are graded
-against the package (``minipaged.core.contiguous`` and ``KVCacheManager``). Pure Python.
+against the package (``minipaged.core.kv.contiguous`` and ``KVCacheManager``). Pure Python.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from minipaged.checks._harness import (
     run_cases,
 )
 from minipaged.core import KVCacheManager
-from minipaged.core.contiguous import ContiguousAllocator
+from minipaged.core.kv.contiguous import ContiguousAllocator
 
 CHECKS: dict = {}
 

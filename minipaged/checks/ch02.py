@@ -29,7 +29,7 @@ from minipaged.checks._harness import (
     require_callable,
     run_cases,
 )
-from minipaged.core import FreeKVCacheBlockQueue, KVCacheBlock, KVCacheManager
+from minipaged.core import BlockPool, BlockTable, FreeKVCacheBlockQueue, KVCacheBlock, KVCacheManager
 
 CHECKS: dict = {}
 
@@ -197,8 +197,7 @@ class _StudentManager(KVCacheManager):
 
 
 def _manager_state(m: KVCacheManager) -> dict:
-    return {rid: (m.num_tokens.get(rid), [b.block_id for b in blocks])
-            for rid, blocks in sorted(m.req_to_blocks.items())}
+    return {rid: (t.num_tokens, t.block_ids()) for rid, t in sorted(m.block_tables.items())}
 
 
 @exercise(CHECKS, "ex2.3", "allocate_slots: grow a block table on demand, all or nothing")
@@ -232,7 +231,7 @@ def check_allocate_slots(allocate_slots) -> None:
         for k, (op, rid, n) in enumerate(ops):
             step = f"step {k + 1} ({op} {rid}{'' if n is None else f', {n} tokens'})"
             if op == "free":
-                if rid in ref.req_to_blocks:
+                if rid in ref.block_tables:
                     ref.free(rid)
                     KVCacheManager.free(stu, rid)
                 continue
@@ -267,11 +266,10 @@ def check_allocate_slots(allocate_slots) -> None:
 
 
 def ref_slot_mapping(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
-    """Via the package: a manager holding this block table, asked for its slot mapping."""
-    manager = KVCacheManager(num_blocks=max(block_table, default=0) + 1, block_size=block_size)
-    manager.req_to_blocks["r"] = [manager.block_pool.blocks[i] for i in block_table]
-    manager.num_tokens["r"] = len(block_table) * block_size
-    return manager.get_slot_mapping("r", start, end)
+    """Via the package: the ``BlockTable`` of these blocks, asked for its slot mapping."""
+    pool = BlockPool(max(block_table, default=0) + 1)
+    table = BlockTable([pool.blocks[i] for i in block_table], len(block_table) * block_size, block_size)
+    return table.slot_mapping(start, end)
 
 
 @exercise(CHECKS, "ex2.4", "slot mapping: where each token's K/V goes in the flat cache")

@@ -36,17 +36,17 @@ from minipaged.checks._scheduler_cases import (
     snapshot,
 )
 from minipaged.core import Request, RequestStatus
-from minipaged.core.scheduler import Scheduler
+from minipaged.core import EngineScheduler
 
 CHECKS: dict = {}
 
 
-class _NoSchedule(Scheduler):
+class _NoSchedule(EngineScheduler):
     def schedule(self):
         raise RuntimeError("scheduler.schedule() is switched off in this check: write the loop yourself")
 
 
-class _NoUpdate(Scheduler):
+class _NoUpdate(EngineScheduler):
     def update_from_output(self, output, sampled_token_ids):
         raise RuntimeError("scheduler.update_from_output() is switched off in this check")
 
@@ -151,7 +151,7 @@ def check_check_stop(check_stop) -> None:
 
     def run_one(c):
         ref_req, stu_req = _stop_request(c), _stop_request(c)
-        ref = Scheduler(64, 16, max_model_len=c["max_model_len"])
+        ref = EngineScheduler(64, 16, max_model_len=c["max_model_len"])
         expected = ref._check_stop(ref_req)
         got = check_stop(stu_req, c["max_model_len"])
         expect_equal("return value (finished?)", expected, got)
@@ -204,7 +204,7 @@ def check_update_from_output(update_from_output) -> None:
         out = ref.schedule()
         sampled = _sampled(recipe, out.scheduled, seed)
         stu = build(recipe, _NoUpdate)
-        stu_out = Scheduler.schedule(stu)
+        stu_out = EngineScheduler.schedule(stu)
         assert _pairs(stu_out.scheduled) == _pairs(out.scheduled), "checker bug: twins diverged"
         expected = [r.request_id for r in ref.update_from_output(out, dict(sampled))]
         got = update_from_output(stu, list(stu_out.scheduled), dict(sampled))

@@ -32,13 +32,13 @@ from minipaged.checks._harness import (
 from minipaged.checks._scheduler_cases import Recipe, build, random_recipe
 from minipaged.checks.ch04 import _pairs, compare_snapshots
 from minipaged.core import Request
-from minipaged.core.sched_output import SchedulerOutput
-from minipaged.core.scheduler import Scheduler
+from minipaged.core.sched.output import SchedulerOutput
+from minipaged.core import EngineScheduler
 
 CHECKS: dict = {}
 
 
-class _NoPreempt(Scheduler):
+class _NoPreempt(EngineScheduler):
     def _preempt(self, out):
         raise RuntimeError("scheduler._preempt() is switched off in this check: write it yourself")
 
@@ -70,7 +70,7 @@ def check_num_new_tokens(num_new_tokens) -> None:
         return r
 
     def run_one(c):
-        ref = Scheduler(64, 16, max_num_batched_tokens=c["mnbt"], enable_chunked_prefill=c["chunked"])
+        ref = EngineScheduler(64, 16, max_num_batched_tokens=c["mnbt"], enable_chunked_prefill=c["chunked"])
         expected = ref._num_new_tokens(make(c), c["budget"])
         got = num_new_tokens(make(c), c["budget"], c["chunked"], c["mnbt"])
         expect_equal("tokens to schedule (0 = it must wait)", expected, got)

@@ -36,7 +36,7 @@ from minipaged.checks._harness import (
     require_callable,
     run_cases,
 )
-from minipaged.core import BlockPool, KVCacheBlock, KVCacheManager, Request, hash_block_tokens
+from minipaged.core import BlockPool, BlockTable, KVCacheBlock, KVCacheManager, Request, hash_block_tokens
 
 CHECKS: dict = {}
 
@@ -45,29 +45,30 @@ CHECKS: dict = {}
 
 
 def ref_fork(m: KVCacheManager, parent_id: str, child_id: str) -> None:
-    if parent_id not in m.req_to_blocks:
+    if parent_id not in m.block_tables:
         raise ValueError(f"unknown parent {parent_id!r}")
-    if child_id in m.req_to_blocks:
+    if child_id in m.block_tables:
         raise ValueError(f"{child_id!r} already has blocks")
-    blocks = list(m.req_to_blocks[parent_id])  # NOTE: a new list: the tables diverge later
+    parent = m.block_tables[parent_id]
+    blocks = list(parent.blocks)  # NOTE: a new list: the tables diverge later
     m.block_pool.touch(blocks)
-    m.req_to_blocks[child_id] = blocks
-    m.num_tokens[child_id] = m.num_tokens[parent_id]
+    m.block_tables[child_id] = BlockTable(blocks, parent.num_tokens, m.block_size)
 
 
 def ref_append_slot(m: KVCacheManager, request_id: str) -> Optional[list[tuple[int, int]]]:
-    if request_id not in m.req_to_blocks:
+    if request_id not in m.block_tables:
         raise ValueError(f"unknown request {request_id!r}")
-    table, n, bs = m.req_to_blocks[request_id], m.num_tokens[request_id], m.block_size
+    t = m.block_tables[request_id]
+    table, n, bs = t.blocks, t.num_tokens, m.block_size
     if n % bs == 0:  # the last block is full: the new token starts a new block
         if m.block_pool.get_num_free_blocks() == 0:
             return None
         table.extend(m.block_pool.get_new_blocks(1))
-        m.num_tokens[request_id] = n + 1
+        t.num_tokens = n + 1
         return []
     last = table[-1]
     if last.ref_cnt == 1:  # ours alone: write in place
-        m.num_tokens[request_id] = n + 1
+        t.num_tokens = n + 1
         return []
     # shared and partly filled: copy on write
     if m.block_pool.get_num_free_blocks() == 0:
@@ -75,7 +76,7 @@ def ref_append_slot(m: KVCacheManager, request_id: str) -> Optional[list[tuple[i
     new = m.block_pool.get_new_blocks(1)[0]
     m.block_pool.free_blocks([last])  # drops our reference only; the others keep it
     table[-1] = new
-    m.num_tokens[request_id] = n + 1
+    t.num_tokens = n + 1
     return [(last.block_id, new.block_id)]
 
 
@@ -132,7 +133,7 @@ class _StudentManager(KVCacheManager):
 
 def _mstate(m: KVCacheManager) -> dict:
     return {
-        "tables": {rid: (m.num_tokens.get(rid), [b.block_id for b in bl]) for rid, bl in sorted(m.req_to_blocks.items())},
+        "tables": {rid: (t.num_tokens, t.block_ids()) for rid, t in sorted(m.block_tables.items())},
         "ref_cnt": [b.ref_cnt for b in m.block_pool.blocks],
         "free": [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()],
     }
@@ -160,7 +161,7 @@ def _sharing_cases(exercise_id: str, n: int, focus: str) -> list:
         m = KVCacheManager(num_blocks, block_size)  # simulated to keep ops valid
         ops, k = [], 0
         for _ in range(rng.randint(1, 10)):
-            holders = sorted(m.req_to_blocks)
+            holders = sorted(m.block_tables)
             r = rng.random()
             if not holders or r < 0.2:
                 rid = f"r{k}"
@@ -179,7 +180,7 @@ def _sharing_cases(exercise_id: str, n: int, focus: str) -> list:
                 ops.append(bad)
             elif r < 0.9:
                 rid = rng.choice(holders)
-                if -(-(m.num_tokens[rid] + 1) // block_size) <= num_blocks:
+                if -(-(m.block_tables[rid].num_tokens + 1) // block_size) <= num_blocks:
                     pkg_append_slot(m, rid)
                     ops.append(("append", rid))
             else:
@@ -225,7 +226,8 @@ def _replay(case, fork_fn, append_fn, ref_fork_fn=None, ref_append_fn=None):
             ref_fork_fn(ref, op[1], op[2])
             got = fork_fn(stu, op[1], op[2])
             expect_equal(f"{step}: return value of fork", None, got)
-            if stu.req_to_blocks.get(op[2]) is stu.req_to_blocks.get(op[1]):
+            child, parent = stu.block_tables.get(op[2]), stu.block_tables.get(op[1])
+            if child is not None and parent is not None and (child is parent or child.blocks is parent.blocks):
                 raise Mismatch(f"{step}: the child's block table is the parent's list object itself; "
                                "give the child its own list (the tables must be able to diverge)")
         else:  # append

@@ -82,11 +82,11 @@ ALLOWED_MAGICS = {"time", "timeit", "matplotlib"}
 # Per chapter: the package objects whose job the exercises ask the student to do. A
 # student cell may name them only in annotations and as isinstance's class argument.
 REFERENCES: dict[str, tuple[str, ...]] = {
-    "ch01": ("minipaged.core.contiguous.ContiguousAllocator", "minipaged.core.KVCacheManager"),
+    "ch01": ("minipaged.core.kv.contiguous.ContiguousAllocator", "minipaged.core.KVCacheManager"),
     "ch02": ("minipaged.core.FreeKVCacheBlockQueue", "minipaged.core.KVCacheManager"),
     "ch03": ("minipaged.kernels",),
-    "ch04": ("minipaged.core.scheduler", "minipaged.core.Scheduler"),
-    "ch05": ("minipaged.core.scheduler", "minipaged.core.Scheduler"),
+    "ch04": ("minipaged.core.sched", "minipaged.core.Scheduler", "minipaged.core.EngineScheduler"),
+    "ch05": ("minipaged.core.sched", "minipaged.core.Scheduler", "minipaged.core.EngineScheduler"),
     "ch06": ("minipaged.core.KVCacheManager",),
 }
 # Uses of a reference that are fine anyway: the chapter 03 setup cell's bare import.

@@ -4,8 +4,8 @@
 -> ``ModelRunner`` (SchedulerOutput -> ModelInput, cache moves) and ``Sampler``.
 Mirrors vLLM ``vllm/v1/engine`` + ``vllm/v1/worker``.
 
-NOTE: names are imported lazily, so that ``minipaged demo --help`` and ``minipaged bench
---help`` (modules inside this package) do not pay for importing torch.
+NOTE: names are imported lazily, so that importing this package (the ``minipaged`` CLI
+builds every command's parser) does not pay for importing torch.
 """
 
 import importlib

@@ -1,16 +1,18 @@
 """Beam search over forked block tables: ``LLM.beam_search(prompts, BeamSearchParams)``.
 
 Mirrors vLLM's ``LLM.beam_search`` (``vllm/entrypoints/llm.py``, ``vllm/beam_search.py``):
-a driver *outside* the scheduler that keeps the beams and calls the model once per step.
+the beams are kept outside the scheduler, which runs them: it admits each prompt, prefills
+it (in chunks), decodes every beam, and forks and frees the beams the selection picks
+(``fork_request`` / ``abort_request``); there is no scheduling loop of its own here.
 The selection rule is transformers' (``GenerationMixin._beam_search``, 4.50+), reproduced
 exactly so that the outputs are token for token those of
 ``generate(num_beams=beam_width, do_sample=False, length_penalty=..., early_stopping=False)``.
 
 The paging part (the paper's section 4.4, Fig. 9)
     Every beam is a ``Request`` with its own block table. At each step the ``beam_width``
-    best continuations are chosen; each new beam is ``KVCacheManager.fork``-ed from its
-    parent (its table shares all of the parent's blocks, ``ref_cnt + 1``), then the old
-    beams are freed (a block no beam descends from any more returns to the pool). When
+    best continuations are chosen; each new beam is forked from its parent
+    (``fork_request``: its table shares all of the parent's blocks, ``ref_cnt + 1``), then
+    the old beams are freed (a block no beam descends from any more returns to the pool). When
     the new token is written, a parent with several children has its partly filled last
     block copied for all but one of them (copy-on-write, ``blocks_to_copy``); full blocks,
     and every block of the prompt, stay shared. So memory holds one copy of each common
@@ -58,11 +60,11 @@ from typing import Optional, Union
 
 import torch
 
-from minipaged.core.kv_cache_utils import cdiv
-from minipaged.core.request import Request, RequestStatus
-from minipaged.core.sched_output import SchedulerOutput
+from minipaged.core.kv.block import cdiv
+from minipaged.core.sched.request import Request, RequestStatus
+from minipaged.engine.llm_engine import normalize_prompts
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
-from minipaged.trace import StepRecord, count_holders
+from minipaged.trace import record_step
 
 EARLY_STOPPING = (False, True, "never")
 _NEG = -1.0e9  # transformers' "minus infinity" for scores
@@ -120,8 +122,9 @@ class _PromptBeams:
     def beams(self) -> list[Request]:
         return list({id(r): r for r in self.running}.values())
 
-    def advance(self, logprobs: torch.Tensor, kv) -> None:
-        """One transformers step from the running beams' log-probs ``[k, V]``; fork/free."""
+    def advance(self, logprobs: torch.Tensor, scheduler) -> None:
+        """One transformers step from the running beams' log-probs ``[k, V]``; the new
+        beams are forked from their parents and the old ones freed, by the scheduler."""
         k, K = self.k, self.num_candidates
         V = logprobs.shape[-1]
         acc = (logprobs + self.running_scores[:, None]).reshape(-1)  # [k * V]
@@ -159,10 +162,10 @@ class _PromptBeams:
                 num_computed_tokens=parent.num_tokens, status=RequestStatus.RUNNING,
             )
             self._next_beam += 1
-            kv.fork(parent, child)
+            scheduler.fork_request(parent, child)
             new.append(child)
         for r in old:
-            kv.free(r)
+            scheduler.abort_request(r.request_id)
         self.running = new
         self.running_scores = running_lp[nxt]
         # g. early-stop test and the stopping condition
@@ -194,8 +197,6 @@ def beam_search(
     """Beam search for every prompt, batched across prompts; see the module docstring.
 
     ``early_stopping`` overrides ``params.early_stopping`` when given."""
-    from minipaged.engine.llm import normalize_prompts
-
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
     if early_stopping is None:
@@ -230,17 +231,27 @@ def beam_search(
     engine.reset_trace({"beam_search": True, "beam_width": k, "early_stopping": early_stopping})
     try:
         _run(engine, states)
-    finally:  # leave the pool empty whatever happened
+    finally:  # leave the scheduler and the pool empty whatever happened
+        sched = engine.scheduler
         for st in states:
-            for r in st.beams():
-                if r.request_id in kv.req_to_blocks:
-                    kv.free(r)
-        kv.take_pending_copies()
+            for r in (st.prompt_req, *st.beams()):
+                if r.request_id in sched.requests:
+                    sched.abort_request(r.request_id)
     return [st.output(engine.decode) for st in states]
 
 
 def _run(engine, states: list[_PromptBeams]) -> None:
-    kv, runner, model, cfg = engine.kv_cache_manager, engine.model_runner, engine.model, engine.config
+    """The engine's step, with the beam selection in place of the sampler: the scheduler
+    admits each prompt (once its reservation fits), prefills it (in chunks) and decodes
+    every beam; after the forward, each prompt whose beams all ran picks its next beams,
+    which the scheduler forks from their parents (``fork_request``) while it frees the
+    old ones. NOTE: the reservations keep the pool from ever running out, so no beam is
+    preempted, and beams take their prompt's place in arrival order, so the decodes come
+    before any later prompt's prefill and all fit the token budget."""
+    sched, runner, model, cfg = engine.scheduler, engine.model_runner, engine.model, engine.config
+    if not hasattr(sched, "fork_request"):
+        raise ValueError("beam search needs scheduling='continuous' (it forks block tables)")
+    kv = sched.kv_cache_manager
     waiting = deque(states)
     active: list[_PromptBeams] = []
     reserved = 0
@@ -249,89 +260,39 @@ def _run(engine, states: list[_PromptBeams]) -> None:
         trace.requests[st.rid] = {"prompt_len": st.P, "output_len": 0, "arrival_step": 0, "finish_step": None}
     step = 0
     while waiting or active:
-        out = SchedulerOutput()
-        budget = cfg.max_num_batched_tokens
-        # decodes first: each running beam computes its newest token
-        for st in active:
-            if st.prompt_req.num_computed_tokens < st.P:
-                continue
-            for beam in st.running:
-                new = kv.allocate_slots(beam, 1)
-                if new is None:  # NOTE: the reservation makes this impossible
-                    raise RuntimeError("beam search ran out of KV blocks despite its reservation")
-                out.scheduled.append((beam, 1))
-                out.new_block_ids.extend(b.block_id for b in new)
-                budget -= 1
-        # then prompt chunks, admitting prompts in order while their reservation fits
         while waiting and reserved + waiting[0].reservation(kv.block_size) <= kv.num_blocks and (
             sum(s.k for s in active) + waiting[0].k <= min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         ):
             st = waiting.popleft()
             active.append(st)
             reserved += st.reservation(kv.block_size)
-            out.arrived.append(st.prompt_req)
-        for st in active:
-            req = st.prompt_req
-            if req.num_computed_tokens >= st.P or budget <= 0:
-                continue
-            n = min(budget, st.P - req.num_computed_tokens)
-            new = kv.allocate_slots(req, n)
-            if new is None:
-                raise RuntimeError("beam search ran out of KV blocks despite its reservation")
-            out.scheduled.append((req, n))
-            out.new_block_ids.extend(b.block_id for b in new)
-            out.prefill_ids.append(req.request_id)
-            budget -= n
-        out.decode_ids = [r.request_id for r, n in out.scheduled if r.request_id not in out.prefill_ids]
-        out.total_num_scheduled_tokens = sum(n for _, n in out.scheduled)
-        out.blocks_to_copy = kv.take_pending_copies()
+            sched.add_request(st.prompt_req)
+        out = sched.schedule()
         runner.apply_cache_ops(out)  # copy-on-write copies before the model writes
-        inp, _ = runner.prepare(out, kv)
-        with torch.inference_mode():
-            logits = model.forward(inp, runner.kv_caches).float()  # [B, V]
-        row = {}
-        for b, (req, n) in enumerate(out.scheduled):
-            req.num_computed_tokens += n
-            row[id(req)] = b
-        finished = []
+        row = {id(req): b for b, (req, _) in enumerate(out.scheduled)}
+        n = {id(req): k for req, k in out.scheduled}
+        if out.scheduled:
+            inp, _ = runner.prepare(out, kv)
+            with torch.inference_mode():
+                logits = model.forward(inp, runner.kv_caches).float()  # [B, V]
+        done = []
         for st in list(active):
-            if not all(id(r) in row for r in st.running) or st.prompt_req.num_computed_tokens < st.P:
+            if not all(id(r) in row and r.num_computed_tokens + n[id(r)] == r.num_tokens for r in st.running):
                 continue  # still prefilling
             rows = torch.tensor([row[id(r)] for r in st.running])
-            st.advance(torch.log_softmax(logits[rows], dim=-1), kv)  # [k, V]
+            st.advance(torch.log_softmax(logits[rows], dim=-1), sched)  # [k, V]
             if st.done:
                 for r in st.beams():
-                    kv.free(r)
+                    sched.abort_request(r.request_id)
                 st.running = []
                 active.remove(st)
                 reserved -= st.reservation(kv.block_size)
-                finished.append(st)
-        trace.record(_record(step, out, active, finished, kv))
-        for st in finished:
+                done.append(st)
+        sched.update_from_output(out, {})  # NOTE: every request that sampled was replaced
+        rec = record_step(sched, out, step)
+        rec.finished_ids = [st.rid for st in done]
+        trace.record(rec)
+        for st in done:
             trace.requests[st.rid].update(finish_step=step, output_len=max(
                 (len(t) for t in st.fin_tokens if t is not None), default=0))
         step += 1
-
-
-def _record(step, out, active, finished, kv) -> StepRecord:
-    tables, num_tokens = {}, {}
-    for st in active:
-        for r in st.beams():
-            if r.request_id not in kv.req_to_blocks:
-                continue  # admitted, its prefill not started yet
-            tables[r.request_id] = kv.get_block_ids(r.request_id)
-            num_tokens[r.request_id] = r.num_computed_tokens
-    holders = count_holders(tables)
-    return StepRecord(
-        step=step,
-        scheduled=dict(out.num_scheduled_tokens),
-        prefill_ids=list(out.prefill_ids),
-        decode_ids=list(out.decode_ids),
-        finished_ids=[st.rid for st in finished],
-        arrived_ids=[r.request_id for r in out.arrived],
-        block_tables=tables,
-        num_tokens=num_tokens,
-        new_block_ids=list(out.new_block_ids),
-        shared_blocks={b: n for b, n in holders.items() if n > 1},
-        num_free_blocks=kv.get_num_free_blocks(),
-    )

@@ -3,8 +3,9 @@
 Mirrors vLLM ``vllm/entrypoints/llm.py``.
 
 Inputs
-    ``LLM(**kwargs)``: the fields of ``minipaged.config.EngineConfig`` (DESIGN.md lists the
-    public ones; ``kv_cache_memory``, ``num_cpu_blocks`` and ``max_model_len`` are extras).
+    ``LLM(**kwargs)``: the fields of ``minipaged.config.EngineConfig`` (the public ones are
+    named in ``LLM.__init__``; ``kv_cache_memory``, ``num_cpu_blocks``, ``max_model_len`` and
+    ``parallel_sampling`` are extras).
     ``generate(prompts, sampling_params=None, use_tqdm=True)``: ``prompts`` is a string, a
     list of strings, one list of token ids, or a list of token-id lists;
     ``sampling_params`` is one ``SamplingParams`` for all or a list with one per prompt
@@ -36,7 +37,8 @@ import warnings
 from typing import Optional, Sequence, Union
 
 from minipaged.config import EngineConfig
-from minipaged.engine.llm_engine import LLMEngine
+from minipaged.engine.beam_search import beam_search
+from minipaged.engine.llm_engine import LLMEngine, normalize_prompts
 from minipaged.engine.outputs import RequestOutput
 from minipaged.sampling_params import (
     BeamSearchParams,
@@ -46,27 +48,6 @@ from minipaged.sampling_params import (
 from minipaged.trace import EngineTrace
 
 PromptsType = Union[str, Sequence[str], Sequence[int], Sequence[Sequence[int]]]
-
-
-def normalize_prompts(prompts: PromptsType) -> list:
-    """A list of prompts, each a string or a list of token ids."""
-    if isinstance(prompts, str):
-        return [prompts]
-    if not isinstance(prompts, (list, tuple)):
-        raise ValueError(f"prompts must be a string or a list, got {type(prompts).__name__}")
-    if len(prompts) > 0 and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
-        return [list(prompts)]  # one prompt given as token ids
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            out.append(p)
-        elif isinstance(p, (list, tuple)):
-            out.append(list(p))
-        else:
-            raise ValueError(
-                f"prompts[{i}] must be a string or a list of token ids, got {type(p).__name__}"
-            )
-    return out
 
 
 class LLM:
@@ -192,6 +173,4 @@ class LLM:
     def beam_search(self, prompts, params: BeamSearchParams):
         """Beam search over forked block tables (``minipaged/engine/beam_search.py``): one
         ``BeamSearchOutput`` per prompt, equal to transformers' ``generate(num_beams=...)``."""
-        from minipaged.engine.beam_search import beam_search
-
         return beam_search(self.llm_engine, prompts, params)

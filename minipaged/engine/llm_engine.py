@@ -3,10 +3,12 @@
 Mirrors vLLM ``vllm/v1/engine/llm_engine.py`` + ``core.py`` (and nano-vllm's
 ``engine/llm_engine.py``), without processes or queues: one loop, readable top to bottom.
 
-One step (DESIGN.md, "the data path")::
+One step (the data path)::
 
     out     = scheduler.schedule()                     who runs, how many tokens each
-    logits  = model_runner.execute(out, kv_cache_manager)   cache moves, then one forward
+    model_runner.apply_cache_ops(out)                  swap / copy blocks, before the forward
+    inp     = model_runner.prepare(out, kv_cache_manager)   tensors of the step
+    logits  = model.forward(inp, kv_caches)
     tokens  = sampler(logits[rows that end their known tokens], params, seeds)
     done    = scheduler.update_from_output(out, tokens)     append, stop, free blocks
     trace.record(StepRecord)                           what the pictures are drawn from
@@ -14,8 +16,10 @@ One step (DESIGN.md, "the data path")::
 Inputs
     ``add_request(request_id, prompt, sampling_params)``: a prompt string (tokenized with
     the model's tokenizer, special tokens added as by ``tokenizer(prompt)``) or a list of
-    token ids. ``SamplingParams(n > 1)`` becomes n sequences ``"{id}.{j}"``, a sequence group:
-    the scheduler prefills the prompt once and forks them (copy-on-write, chapter 06).
+    token ids. ``SamplingParams(n > 1)`` becomes n sequences ``"{id}.{j}"``: by default
+    (``parallel_sampling="prefix"``, vLLM v1) n independent requests that share the prompt's
+    full blocks through prefix caching; with ``"fork"`` a sequence group whose prompt is
+    prefilled once and forked with copy-on-write (the paper, chapter 06).
 Outputs
     ``step()`` -> the ``RequestOutput`` of every request that finished (or was refused)
     during that step. ``trace`` is the ``EngineTrace`` since the last ``reset_trace()``.
@@ -44,18 +48,36 @@ from typing import Optional, Sequence, Union
 import torch
 
 from minipaged.config import EngineConfig, kv_cache_bytes_per_block
-from minipaged.core.request import Request, RequestStatus
-from minipaged.core.sched_utils import record_step
-from minipaged.core.scheduler import Scheduler
-from minipaged.core.static_scheduler import StaticBatchScheduler
+from minipaged.core.sched import EngineScheduler, Request, RequestStatus, StaticBatchScheduler
 from minipaged.engine.model_runner import ModelRunner
 from minipaged.engine.output_processor import OutputProcessor
 from minipaged.engine.outputs import RequestOutput
 from minipaged.engine.sampler import Sampler, request_base_seed, sample_seed
 from minipaged.sampling_params import SamplingParams, verify_sampling_params
-from minipaged.trace import EngineTrace
+from minipaged.trace import EngineTrace, record_step
 
 PromptType = Union[str, Sequence[int]]
+
+
+def normalize_prompts(prompts) -> list:
+    """A list of prompts, each a string or a list of token ids."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a string or a list, got {type(prompts).__name__}")
+    if len(prompts) > 0 and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, (list, tuple)):
+            out.append(list(p))
+        else:
+            raise ValueError(
+                f"prompts[{i}] must be a string or a list of token ids, got {type(p).__name__}"
+            )
+    return out
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -145,19 +167,21 @@ class LLMEngine:
         return config.max_model_len
 
     def _make_scheduler(self):
-        cls = Scheduler if self.config.scheduling == "continuous" else StaticBatchScheduler
         c = self.config
-        return cls(
+        kwargs = dict(
             num_blocks=self.num_blocks,
             block_size=c.block_size,
             max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens,
             enable_chunked_prefill=c.enable_chunked_prefill,
-            preemption_mode=c.preemption_mode,
-            num_cpu_blocks=self.num_cpu_blocks,
             max_model_len=self.max_model_len,
             enable_prefix_caching=c.enable_prefix_caching,
         )
+        if c.scheduling == "static":
+            return StaticBatchScheduler(**kwargs)
+        return EngineScheduler(**kwargs, preemption_mode=c.preemption_mode,
+                               num_cpu_blocks=self.num_cpu_blocks,
+                               parallel_sampling=c.parallel_sampling)
 
     def _new_trace(self, meta: Optional[dict] = None) -> EngineTrace:
         c = self.config
@@ -269,7 +293,8 @@ class LLMEngine:
                 "arrival_step": self.step_index,
                 "finish_step": None,
             }
-        # NOTE: n > 1: a sequence group; the scheduler prefills the prompt once and forks.
+        # NOTE: n > 1: n child requests sharing the prompt through prefix caching (vLLM v1),
+        # or, with parallel_sampling="fork", a sequence group (the paper; see groups.py)
         self.scheduler.add_request_group(group.seqs)
 
     def abort_request(self, request_id: str) -> None:
@@ -320,7 +345,7 @@ class LLMEngine:
         if not sample_rows:
             return {}
         reqs = [out.scheduled[r][0] for r in sample_rows]
-        for parent, child in getattr(out, "fork_samples", ()):  # n > 1: forked from parent's row
+        for parent, child in out.fork_samples:  # n > 1, fork path: sampled from the parent's row
             sample_rows = sample_rows + [sample_rows[reqs.index(parent)]]
             reqs.append(child)
         params = [r.sampling_params for r in reqs]

@@ -1,4 +1,4 @@
-"""ModelRunner: turn one SchedulerOutput into the tensors of one forward pass, and run it.
+"""ModelRunner: turn one SchedulerOutput into the tensors of one forward pass.
 
 Mirrors vLLM ``vllm/v1/worker/gpu_model_runner.py`` (``_prepare_inputs``) and the cache
 side of ``vllm/worker/cache_engine.py`` (device and CPU caches, swaps).
@@ -17,7 +17,7 @@ Outputs
     For token ``i`` of a request with block table ``table``::
 
         position   = i
-        slot       = table[i // block_size] * block_size + i % block_size
+        slot       = table[i // block_size] * block_size + i % block_size   (BlockTable.slot)
         seq_len    = start + n            (context after this step: cached + new)
 
     Block tables are padded with 0 to the longest one: the attention never reads past
@@ -39,14 +39,9 @@ Failure mode
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from minipaged.model.input import ModelInput
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 class ModelRunner:
     def __init__(
@@ -117,17 +112,18 @@ class ModelRunner:
             else:
                 input_ids.extend(req.prompt_token_ids[start:])
                 input_ids.extend(req.output_token_ids[: end - num_prompt])
-            table = kv_cache_manager.get_block_ids(req.request_id)
-            if len(table) * bs < end:
+            table = kv_cache_manager.get_block_table(req)
+            if len(table.blocks) * bs < end:
                 raise RuntimeError(
-                    f"request {req.request_id!r}: {len(table)} blocks cannot hold {end} tokens"
+                    f"request {req.request_id!r}: {len(table.blocks)} blocks cannot hold {end} tokens"
                 )
             positions.extend(range(start, end))
+            # NOTE: the slot formula of chapter 02, BlockTable.slot
             if n == 1:
-                slot_mapping.append(table[start // bs] * bs + start % bs)
+                slot_mapping.append(table.slot(start))
             else:
-                slot_mapping.extend(table[i // bs] * bs + i % bs for i in range(start, end))
-            tables.append(table)
+                slot_mapping.extend(table.slot(i) for i in range(start, end))
+            tables.append(table.block_ids())
             seq_lens.append(end)
             cu_seqlens_q.append(cu_seqlens_q[-1] + n)
             if end == req.num_tokens:
@@ -158,9 +154,9 @@ class ModelRunner:
         """Swap out, swap in, copy-on-write: the block moves decided this step."""
         from minipaged.kernels import copy_blocks, swap_blocks
 
-        swap_out = getattr(scheduler_output, "blocks_to_swap_out", None) or []
-        swap_in = getattr(scheduler_output, "blocks_to_swap_in", None) or []
-        to_copy = getattr(scheduler_output, "blocks_to_copy", None) or []
+        swap_out = scheduler_output.blocks_to_swap_out
+        swap_in = scheduler_output.blocks_to_swap_in
+        to_copy = scheduler_output.blocks_to_copy
         if (swap_out or swap_in) and not self.cpu_kv_caches:
             raise RuntimeError("the scheduler swapped blocks but there is no CPU pool")
         if swap_out:
@@ -173,18 +169,3 @@ class ModelRunner:
                 swap_blocks(cv, v, swap_in)
         if to_copy:
             copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], to_copy)
-
-    # -- forward -------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute(self, scheduler_output, kv_cache_manager) -> tuple[Optional[torch.Tensor], list[int]]:
-        """Cache moves, then one forward. Returns (logits [B, V], sample_rows)."""
-        self.apply_cache_ops(scheduler_output)
-        if not scheduler_output.scheduled:
-            return None, []
-        inp, sample_rows = self.prepare(scheduler_output, kv_cache_manager)
-        logits = self.model.forward(inp, self.kv_caches)  # [B, V]
-        return logits, sample_rows
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return _DTYPES[name]

@@ -33,7 +33,6 @@ from minipaged.sim.simulator import (
     DEFAULT_LATENCY_FACTOR,
     POLICIES,
     POLICY_NAMES,
-    ContiguousScheduler,
     PolicyComparison,
     RateSweep,
     RequestRecord,
@@ -53,7 +52,7 @@ from minipaged.sim.workloads import WORKLOADS, sample_requests
 __all__ = [
     "A100_40GB", "A100_80GB", "DEFAULT_LATENCY_FACTOR", "GPUS", "GPUConfig", "H100", "H200",
     "LLAMA_7B", "MODELS", "OPT_13B", "POLICIES", "POLICY_NAMES", "WORKLOADS",
-    "ContiguousScheduler", "CostModel", "ModelConfig", "PolicyComparison", "RateSweep",
+    "CostModel", "ModelConfig", "PolicyComparison", "RateSweep",
     "RequestRecord", "SimMetrics", "SimResult", "StepCost", "TraceRequest",
     "block_size_sweep", "compare_policies", "compute_metrics", "load_trace", "make_requests",
     "offline_capacity", "poisson_arrivals", "poisson_workload", "sample_requests", "save_trace",

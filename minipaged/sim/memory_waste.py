@@ -67,8 +67,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from minipaged.cli import dumps_json
-from minipaged.core.contiguous import POLICIES, POLICY_NAMES, ContiguousAllocator
-from minipaged.core.kv_cache_manager import KVCacheManager
+from minipaged.core.kv.contiguous import POLICIES, POLICY_NAMES, ContiguousAllocator
+from minipaged.core.kv.kv_cache_manager import KVCacheManager
 from minipaged.sim.workloads import WORKLOADS, sample_requests
 
 DEFAULT_NUM_SLOTS = 15_728  # 12 GiB / 800 KiB per token (OPT-13B, A100-40GB)
@@ -191,7 +191,7 @@ def replay_paged(
         # 2. snapshot
         tokens = reserved = allocated = 0
         for i in running:
-            held = len(mgr.req_to_blocks[str(i)]) * block_size
+            held = len(mgr.block_tables[str(i)].blocks) * block_size
             tokens += progress[i]
             reserved += min(held, final[i]) - progress[i]
             allocated += held

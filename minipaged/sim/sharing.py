@@ -77,11 +77,11 @@ import random
 from dataclasses import asdict, dataclass
 
 from minipaged.cli import dumps_json
-from minipaged.core.kv_cache_manager import KVCacheManager
-from minipaged.core.kv_cache_utils import cdiv
-from minipaged.core.request import Request
-from minipaged.core.sched_utils import run_scheduler
-from minipaged.core.scheduler import Scheduler
+from minipaged.core.kv.kv_cache_manager import KVCacheManager
+from minipaged.core.kv.block import cdiv
+from minipaged.core.sched.request import Request
+from minipaged.trace import run_scheduler
+from minipaged.core import EngineScheduler
 from minipaged.sampling_params import SamplingParams
 from minipaged.sim.workloads import WORKLOADS, sample_requests
 
@@ -253,7 +253,7 @@ def measure_prefix_caching(
         for i, (prompt, (_, o)) in enumerate(zip(prompts, shapes)):
             req = Request(f"r{i}", prompt, SamplingParams(max_tokens=o, ignore_eos=True))
             arrivals.setdefault(i * arrival_every, []).append(req)
-        s = Scheduler(num_blocks, block_size, max_num_seqs=64, max_num_batched_tokens=2048,
+        s = EngineScheduler(num_blocks, block_size, max_num_seqs=64, max_num_batched_tokens=2048,
                       enable_prefix_caching=caching)
         trace = run_scheduler(s, arrivals, lambda r: 7)
         prefill = sum(n for st in trace.steps for rid, n in st.scheduled.items() if rid in st.prefill_ids)

@@ -10,8 +10,8 @@ The policies (``POLICIES``; the same KV memory for all, from ``CostModel``)
     ``"paged"``        vLLM-like: ``minipaged.core.Scheduler`` (continuous batching, block
                        tables, recompute preemption); memory grows a block at a time.
     ``"orca-max"``, ``"orca-pow2"``, ``"orca-oracle"``
-                       Orca-like: ``ContiguousScheduler`` below, continuous (iteration-level)
-                       batching over ``minipaged.core.contiguous.ContiguousAllocator``: a
+                       Orca-like: ``minipaged.core.sched.orca.OrcaScheduler``, continuous (iteration-level)
+                       batching over ``minipaged.core.kv.contiguous.ContiguousAllocator``: a
                        request is admitted (FCFS, no skipping) only if a contiguous region
                        for its whole reservation (2048 / next power of two / exact length)
                        fits first-fit; it keeps it to the end, so nothing is preempted.
@@ -74,20 +74,15 @@ Failure mode
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
-from minipaged.core.contiguous import ContiguousAllocator
-from minipaged.core.request import Request, RequestStatus
-from minipaged.core.sched_output import SchedulerOutput
-from minipaged.core.sched_utils import record_step
-from minipaged.core.scheduler import Scheduler
-from minipaged.core.static_scheduler import StaticBatchScheduler
+from minipaged.core.sched import EngineScheduler, Request, RequestStatus, StaticBatchScheduler
+from minipaged.core.sched.orca import OrcaScheduler
 from minipaged.sampling_params import SamplingParams
 from minipaged.sim.arrivals import TraceRequest
 from minipaged.sim.cost_model import CostModel
-from minipaged.trace import EngineTrace, StepRecord
+from minipaged.trace import EngineTrace, StepRecord, record_step
 
 POLICIES = ("paged", "orca-oracle", "orca-pow2", "orca-max", "static")
 POLICY_NAMES = {
@@ -100,136 +95,6 @@ POLICY_NAMES = {
 DEFAULT_LATENCY_FACTOR = 2.0  # the knee: latency per token twice its light-load value
 EOS_TOKEN_ID = 2  # the simulated model samples token 1, and EOS at the end of the output
 OTHER_TOKEN_ID = 1
-
-
-# -- the Orca-like scheduler -------------------------------------------------------------
-class ContiguousScheduler:
-    """Iteration-level (continuous) batching over one contiguous region per request.
-
-    Same interface as ``Scheduler`` (``add_request`` / ``schedule`` /
-    ``update_from_output`` / ``has_unfinished_requests`` / ``check_invariants``), but the
-    memory is a ``ContiguousAllocator``: admission reserves the request's whole region
-    up front (``final_len`` = prompt + output, which the Oracle/Pow2 policies are assumed
-    to know), first-fit, FCFS with head-of-line blocking. Prompts run whole (no chunking);
-    running requests never need more memory, so nobody is preempted.
-    """
-
-    def __init__(self, num_slots: int, max_model_len: int, policy: str = "oracle",
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048) -> None:
-        for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        self.allocator = ContiguousAllocator(num_slots, max_model_len, policy)
-        self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.final_len: dict[str, int] = {}
-        self._new_arrivals: list[Request] = []
-        self._to_refuse: list[Request] = []
-        self._in_flight: Optional[SchedulerOutput] = None
-
-    def add_request(self, request: Request, final_len: int) -> None:
-        """Queue ``request``; ``final_len`` (prompt + output) sizes its reservation."""
-        rid = request.request_id
-        if rid in self.final_len:
-            raise ValueError(f"request id {rid!r} is already in use")
-        if final_len < request.num_prompt_tokens:
-            raise ValueError(f"final_len {final_len} of {rid!r} is shorter than its prompt")
-        self.final_len[rid] = final_len
-        self._new_arrivals.append(request)
-        size = self.allocator.reservation_size(min(final_len, self.max_model_len))
-        if (final_len > self.max_model_len or size > self.allocator.num_slots
-                or request.num_prompt_tokens > self.max_num_batched_tokens):
-            request.status = RequestStatus.FINISHED_IGNORED
-            request.stop_reason = (f"refused: final length {final_len} (reservation {size}) does not "
-                                   f"fit max_model_len {self.max_model_len} / "
-                                   f"{self.allocator.num_slots} slots / the token budget")
-            self._to_refuse.append(request)
-        else:
-            self.waiting.append(request)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self._to_refuse)
-
-    def schedule(self) -> SchedulerOutput:
-        if self._in_flight is not None:
-            raise RuntimeError("schedule() called twice without update_from_output()")
-        out = SchedulerOutput()
-        out.arrived, self._new_arrivals = self._new_arrivals, []
-        out.refused, self._to_refuse = self._to_refuse, []
-        budget = self.max_num_batched_tokens
-        for req in self.running:  # every running request decodes one token
-            out.scheduled.append((req, 1))
-            out.decode_ids.append(req.request_id)
-            budget -= 1
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            n = req.num_prompt_tokens
-            if n > budget:
-                break  # FCFS: the head waits for a step with room for its whole prompt
-            if self.allocator.allocate(req, n, self.final_len[req.request_id]) is None:
-                break  # no hole fits its region: head-of-line blocking
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.admitted.append(req)
-            out.scheduled.append((req, n))
-            out.prefill_ids.append(req.request_id)
-            budget -= n
-        out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
-        self._in_flight = out
-        return out
-
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
-        if output is not self._in_flight:
-            raise ValueError("update_from_output() needs the output of the last schedule()")
-        finished = list(output.refused)
-        for req, n in output.scheduled:
-            req.num_computed_tokens += n
-            region = self.allocator.get_region(req.request_id)
-            if req.num_computed_tokens > region.num_tokens:  # a decode wrote one more K/V
-                self.allocator.append_tokens(req, req.num_computed_tokens - region.num_tokens)
-            req.append_output_token_id(sampled_token_ids[req.request_id])
-            tok = req.output_token_ids[-1]
-            params = req.sampling_params
-            if req.num_output_tokens >= params.max_tokens or (
-                    not params.ignore_eos and tok == req.eos_token_id):
-                req.status = RequestStatus.FINISHED_LENGTH
-                self.running.remove(req)
-                self.allocator.free(req)
-                finished.append(req)
-        output.finished = finished
-        self._in_flight = None
-        return finished
-
-    def check_invariants(self) -> None:
-        a = self.allocator
-        a.check_invariants()
-        assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > max_num_seqs"
-        assert set(a.regions) == {r.request_id for r in self.running}, "regions != running requests"
-        used = sum(r.size for r in a.regions.values())
-        assert used + a.get_num_free_slots() == a.num_slots, "reserved + free != pool"
-        assert used <= a.num_slots, f"{used} slots reserved > pool of {a.num_slots}"
-        for r in self.running:
-            reg = a.regions[r.request_id]
-            assert reg.num_tokens == r.num_computed_tokens, (
-                f"{r.request_id}: region holds {reg.num_tokens} tokens, computed {r.num_computed_tokens}")
-            assert r.num_tokens <= reg.final_len, f"{r.request_id} outgrew its region"
-
-    def record(self, output: SchedulerOutput, step: int) -> StepRecord:
-        """A ``StepRecord``: regions are not blocks, so ``block_tables`` stays empty and
-        ``num_free_blocks`` counts free *slots* (the trace's block_size is 1)."""
-        return StepRecord(
-            step=step, scheduled=dict(output.num_scheduled_tokens),
-            prefill_ids=list(output.prefill_ids), decode_ids=list(output.decode_ids),
-            waiting_ids=[r.request_id for r in self.waiting],
-            finished_ids=[r.request_id for r in output.finished],
-            arrived_ids=[r.request_id for r in output.arrived],
-            num_tokens={r.request_id: r.num_computed_tokens for r in self.running},
-            num_free_blocks=self.allocator.get_num_free_slots(),
-        )
 
 
 # -- results ------------------------------------------------------------------------------
@@ -353,15 +218,14 @@ def make_scheduler(policy: str, cost_model: CostModel, block_size: int = 16, max
         # NOTE: vLLM's default swap space is 4 GiB of pinned host memory per GPU
         num_cpu_blocks = int(4 * 1024**3 // (block_size * cost_model.model.kv_bytes_per_token))
     if policy.startswith("orca-"):
-        return ContiguousScheduler(cost_model.num_kv_tokens(), max_model_len, policy[len("orca-"):],
+        return OrcaScheduler(cost_model.num_kv_tokens(), max_model_len, policy[len("orca-"):],
                                    max_num_seqs, max_num_batched_tokens)
-    cls = Scheduler if policy == "paged" else StaticBatchScheduler
-    return cls(
-        num_blocks=cost_model.num_gpu_blocks(block_size), block_size=block_size,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode,
-        num_cpu_blocks=num_cpu_blocks, max_model_len=max_model_len, enable_prefix_caching=False,
-    )
+    kwargs = dict(num_blocks=cost_model.num_gpu_blocks(block_size), block_size=block_size,
+                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                  enable_chunked_prefill=enable_chunked_prefill, max_model_len=max_model_len)
+    if policy == "static":
+        return StaticBatchScheduler(**kwargs)
+    return EngineScheduler(**kwargs, preemption_mode=preemption_mode, num_cpu_blocks=num_cpu_blocks)
 
 
 def _make_request(tr: TraceRequest, policy: str, max_model_len: int, request_id: str) -> Request:
@@ -408,7 +272,7 @@ def simulate(
     sched = make_scheduler(policy, cost_model, block_size, max_num_seqs, max_num_batched_tokens,
                            enable_chunked_prefill, preemption_mode, num_cpu_blocks)
     max_num_batched_tokens = sched.max_num_batched_tokens
-    contiguous = isinstance(sched, ContiguousScheduler)
+    contiguous = isinstance(sched, OrcaScheduler)
     reqs = sorted(requests, key=lambda r: r.arrival_time)
     records = {r.request_id: RequestRecord(r.request_id, r.arrival_time, r.prompt_len, r.output_len)
                for r in reqs}

@@ -19,7 +19,7 @@ Invariants
 Failure mode
     a step outside the trace or an unknown source raises ``ValueError``.
 
-vLLM has no such picture; it draws ``KVCacheManager.req_to_blocks`` and the free queue of
+vLLM has no such picture; it draws ``KVCacheManager.block_tables`` and the free queue of
 ``vllm/v1/core/block_pool.py``.
 """
 

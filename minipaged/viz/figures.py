@@ -8,7 +8,7 @@ Sources of the runs
     - the engine on the course model (``minipaged.LLM()``), where the course model is
       present: the run of chapter 00 (``engine_demo_trace``);
     - otherwise, and for the large picture, the real ``Scheduler`` driven by a fake model
-      (``minipaged.core.sched_utils.run_scheduler``; ``scheduler_demo_trace``,
+      (``minipaged.trace.run_scheduler``; ``scheduler_demo_trace``,
       ``scheduler_large_trace``: 20 requests x about 200 steps);
     - figures owned by other modules (``minipaged.sim.memory_waste``: the paper's Fig. 2)
       are drawn by their own functions; a module that is missing is skipped with a note.
@@ -85,7 +85,8 @@ def scheduler_trace(
 ):
     """The real ``Scheduler`` on seeded requests, a fake model appending token 1."""
     from minipaged.core import Request
-    from minipaged.core.scheduler import Scheduler, run_scheduler
+    from minipaged.core import EngineScheduler
+    from minipaged.trace import run_scheduler
     from minipaged.sampling_params import SamplingParams
 
     rng = random.Random(seed)
@@ -100,7 +101,7 @@ def scheduler_trace(
                                            ignore_eos=True),
         )
         arrivals.setdefault(at, []).append(req)
-    sched = Scheduler(num_blocks, block_size, max_num_seqs=max_num_seqs,
+    sched = EngineScheduler(num_blocks, block_size, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens,
                       preemption_mode=preemption_mode, num_cpu_blocks=num_cpu_blocks)
     trace = run_scheduler(sched, arrivals, next_token=lambda r: 1)
@@ -177,19 +178,19 @@ def _own(kind: str, which: str = "demo") -> Callable:
 
 # name -> (module it needs, builder, what it shows)
 FIGURES: dict[str, tuple[str, Callable, str]] = {
-    "timeline.png": ("minipaged.core.scheduler", _own("timeline"),
+    "timeline.png": ("minipaged.core.sched.scheduler", _own("timeline"),
                      "active sequences per step (chapter 00 run)"),
-    "block_tables.png": ("minipaged.core.scheduler", _own("block_tables"),
+    "block_tables.png": ("minipaged.core.sched.scheduler", _own("block_tables"),
                          "block tables at the first preemption (chapter 00 run)"),
-    "step.png": ("minipaged.core.scheduler", _own("step"),
+    "step.png": ("minipaged.core.sched.scheduler", _own("step"),
                  "the lecture's picture: one step, timeline + block tables"),
-    "memory.png": ("minipaged.core.scheduler", _own("memory"),
+    "memory.png": ("minipaged.core.sched.scheduler", _own("memory"),
                    "KV slots over time (chapter 00 run)"),
-    "timeline_20x200.png": ("minipaged.core.scheduler", _own("timeline", "large"),
+    "timeline_20x200.png": ("minipaged.core.sched.scheduler", _own("timeline", "large"),
                             "20 requests x ~200 steps, scheduler + fake model"),
-    "step_20x200.png": ("minipaged.core.scheduler", _own("step", "large"),
+    "step_20x200.png": ("minipaged.core.sched.scheduler", _own("step", "large"),
                         "one step of the large run"),
-    "memory_20x200.png": ("minipaged.core.scheduler", _own("memory", "large"),
+    "memory_20x200.png": ("minipaged.core.sched.scheduler", _own("memory", "large"),
                           "KV slots over time, large run"),
     "memory_waste.png": ("minipaged.sim.memory_waste", lambda: _memory_waste("sharegpt"),
                          "paper Fig. 2, ShareGPT-like workload"),

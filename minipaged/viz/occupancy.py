@@ -11,7 +11,7 @@ Invariants: per step, ``tokens + reserved + free == num_blocks * block_size`` (a
 either held or free); a shared block's slots count once. Failure mode: an empty trace
 raises ``ValueError``.
 
-Mirrors ``KVCacheManager.usage()`` (``minipaged/core/kv_cache_manager.py``), applied to
+Mirrors ``KVCacheManager.usage()`` (``minipaged/core/kv/kv_cache_manager.py``), applied to
 every recorded step.
 """
 

@@ -21,7 +21,7 @@ Failure mode
     ``ValueError``.
 
 Mirrors no vLLM file (vLLM has no pictures); the state read from a manager is
-``KVCacheManager.req_to_blocks`` / ``num_tokens`` and ``BlockPool.free_block_queue`` as in
+``KVCacheManager.block_tables`` and ``BlockPool.free_block_queue`` as in
 ``vllm/v1/core/kv_cache_manager.py`` and ``block_pool.py``.
 """
 
@@ -180,7 +180,7 @@ def snapshot_from_manager(
 ) -> BlockSnapshot:
     """The live state of a ``KVCacheManager``; ``new_block_ids`` are highlighted."""
     pool = manager.block_pool
-    tables = {r: [b.block_id for b in blocks] for r, blocks in manager.req_to_blocks.items()}
+    tables = {r: t.block_ids() for r, t in manager.block_tables.items()}
     if order is None:
         order = list(tables)
     else:
@@ -193,7 +193,7 @@ def snapshot_from_manager(
         num_blocks=manager.num_blocks,
         block_size=manager.block_size,
         block_tables=tables,
-        num_tokens={r: manager.num_tokens[r] for r in tables},
+        num_tokens={r: manager.block_tables[r].num_tokens for r in tables},
         ref_cnt=ref_cnt,
         free_block_ids=[b.block_id for b in free_blocks],
         new_block_ids=list(new_block_ids),
@@ -210,7 +210,7 @@ def snapshot(source, step: Optional[int] = None, **kwargs) -> BlockSnapshot:
         if kwargs:
             raise ValueError(f"unexpected arguments for a trace: {sorted(kwargs)}")
         return snapshot_from_trace(source, step)
-    if hasattr(source, "req_to_blocks") and hasattr(source, "block_pool"):
+    if hasattr(source, "block_tables") and hasattr(source, "block_pool"):
         if step is not None:
             raise ValueError("step applies to an EngineTrace; a KVCacheManager is drawn as is")
         return snapshot_from_manager(source, **kwargs)

@@ -23,7 +23,7 @@ picture all show the same step.
 Failure mode: an empty trace or ``start`` outside it raises ``ValueError``.
 
 vLLM has no counterpart (it has no pictures); the widget plays back what
-``minipaged.core.sched_utils.record_step`` recorded.
+``minipaged.trace.record_step`` recorded.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ builds each of them, small enough to read, in the `minipaged` package:
 |---|---|---|---|
 | **KV cache** | per layer, the keys and values of every token seen so far | *data* | `minipaged/model/`, cache tensors `[num_blocks, block_size, num_kv_heads, head_dim]` |
 | **PagedAttention** | a request's logical blocks map through a *block table* to physical blocks anywhere in the cache; attention reads through that map | *addressing* | `minipaged/core/` (pool, manager, tables), `minipaged/kernels/` |
-| **continuous batching** | the batch is rebuilt at every step as requests arrive, finish or are preempted | *scheduling* | `minipaged/core/scheduler.py` |
+| **continuous batching** | the batch is rebuilt at every step as requests arrive, finish or are preempted | *scheduling* | `minipaged/core/sched/scheduler.py` |
 
 They are easy to blur together. Keep them apart: the KV cache is *what* is stored, paging
 is *where* it is stored and how it is found, scheduling is *who* runs at each step. (And
@@ -235,7 +235,7 @@ md(r"""
 ## 7. Code tour
 
 The pictures are drawn from a `StepRecord` per step, recorded after each step by
-`minipaged.core.scheduler.record_step` (the engine and the simulator use the same one):
+`minipaged.trace.record_step` (the engine and the simulator use the same one):
 plain data, saved and reloaded as JSON, so every picture can be tested.
 """)
 

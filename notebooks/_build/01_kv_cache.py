@@ -34,7 +34,7 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
-from minipaged.core.contiguous import ContiguousAllocator
+from minipaged.core.kv.contiguous import ContiguousAllocator
 from minipaged.sim.cost_model import OPT_13B, CostModel
 from minipaged.sim.memory_waste import format_table, plot_memory_waste, run_memory_experiment
 from minipaged.sim.workloads import WORKLOADS
@@ -179,7 +179,7 @@ Before vLLM, serving systems stored each request's KV cache in **one contiguous 
 reserved at admission. The output length is unknown then, so the region is sized for a
 worst case. Orca itself is not public: the paper compares against **its own
 re-implementations of Orca**, three of them, which differ only in how much they reserve.
-`minipaged.core.contiguous.ContiguousAllocator` implements those three baselines over a
+`minipaged.core.kv.contiguous.ContiguousAllocator` implements those three baselines over a
 linear address space with first-fit placement:
 
 | policy | reserves for a request of final length F | knows |
@@ -188,7 +188,7 @@ linear address space with first-fit placement:
 | Orca (Pow2) | the next power of two ≥ F | F within 2x |
 | Orca (Oracle) | exactly F | F exactly (impossible in practice) |
 
-**Contract card · contiguous reservation** (`minipaged.core.contiguous.ContiguousAllocator`;
+**Contract card · contiguous reservation** (`minipaged.core.kv.contiguous.ContiguousAllocator`;
 the paper's Orca baselines, §6.1; no vLLM counterpart)
 
 | | |

@@ -34,7 +34,7 @@ import inspect
 import matplotlib.pyplot as plt
 
 from minipaged import viz
-from minipaged.core import BlockPool, KVCacheManager, cdiv
+from minipaged.core import BlockPool, BlockTable, KVCacheManager, cdiv
 from minipaged.sim.memory_waste import run_memory_experiment
 from minipaged.sim.workloads import sample_requests
 """)
@@ -101,7 +101,7 @@ new = mgr.allocate_slots("r", 5)  # the prompt
 print(f"prefill 5 tokens: new blocks {[b.block_id for b in new]}, table {mgr.get_block_ids('r')}")
 for step in range(8):
     new = mgr.allocate_slots("r", 1)  # one decoded token
-    n = mgr.num_tokens["r"]
+    n = mgr.block_tables["r"].num_tokens
     table = mgr.get_block_ids("r")
     waste = len(table) * mgr.block_size - n
     print(f"decode -> {n:2d} tokens: new {[b.block_id for b in new]!s:4}  table {table!s:10}  "
@@ -158,7 +158,7 @@ mgr.allocate_slots("C", 4)
 
 for rid in ("A", "C"):
     table = mgr.get_block_ids(rid)
-    slots = mgr.get_slot_mapping(rid, 0, mgr.num_tokens[rid])
+    slots = mgr.get_slot_mapping(rid, 0, mgr.block_tables[rid].num_tokens)
     print(f"{rid}: table {table}, slots {slots}")
     assert table == expected_tables[rid] and slots == expected_slots[rid]
 assert free_queue(mgr.block_pool) == expected_free_queue
@@ -174,7 +174,7 @@ cache-write kernel.
 
 code(r"""
 print("slot_mapping for this decode step:",
-      [mgr.get_slot_mapping(rid, mgr.num_tokens[rid] - 1, mgr.num_tokens[rid])[0] for rid in ("A", "C")])
+      [mgr.get_slot_mapping(rid, mgr.block_tables[rid].num_tokens - 1, mgr.block_tables[rid].num_tokens)[0] for rid in ("A", "C")])
 """)
 
 md(r"""
@@ -207,7 +207,7 @@ The tests run thousands of random allocate / grow / free / swap sequences and ca
 code(r"""
 mgr.check_invariants()
 for rid in ("A", "C"):
-    assert len(mgr.get_block_ids(rid)) == cdiv(mgr.num_tokens[rid], mgr.block_size)
+    assert len(mgr.get_block_ids(rid)) == cdiv(mgr.block_tables[rid].num_tokens, mgr.block_size)
 print(inspect.getsource(KVCacheManager.check_invariants).split("        # swap space")[0])
 """)
 
@@ -239,7 +239,7 @@ full.allocate_slots("y", 4)  # the last block
 
 
 def state(m):
-    return ({r: m.get_block_ids(r) for r in m.req_to_blocks}, dict(m.num_tokens), free_queue(m.block_pool))
+    return ({r: m.get_block_ids(r) for r in m.block_tables}, {r: t.num_tokens for r, t in m.block_tables.items()}, free_queue(m.block_pool))
 
 
 before = state(full)
@@ -315,8 +315,14 @@ code(r"""
 print(inspect.getsource(KVCacheManager.allocate_slots))
 """)
 
+md(r"""
+The manager keeps one `BlockTable` per request (`minipaged/core/kv/block_table.py`: its
+blocks and its number of tokens). Its `slot` is the formula of this chapter; the model
+runner calls it to build every step's `slot_mapping`, so there is one formula in the code.
+""")
+
 code(r"""
-print(inspect.getsource(KVCacheManager.get_slot_mapping))
+print(inspect.getsource(BlockTable.slot))
 """)
 
 md(r"""

@@ -37,7 +37,8 @@ import torch
 
 from minipaged import LLM, SamplingParams, viz
 from minipaged.core import Request
-from minipaged.core.scheduler import Scheduler, StaticBatchScheduler, run_scheduler
+from minipaged.core import Scheduler, StaticBatchScheduler
+from minipaged.trace import run_scheduler
 from minipaged.engine.llm_engine import LLMEngine
 
 torch.set_num_threads(1)  # the course model is tiny: one thread is fastest and steadiest
@@ -62,7 +63,8 @@ The last row is why the two ideas of vLLM go together: continuous batching admit
 whenever memory is free, and paging makes memory free in small pieces, as soon as tokens
 are actually produced.
 
-The tables below come from the real schedulers of `minipaged.core.scheduler`, driven by a
+The tables below come from the real schedulers of `minipaged.core.sched` (`static.py` and
+`scheduler.py`, vLLM v1's rule), driven by a
 fake model (`run_scheduler`, every sampled token is 7): the scheduler only decides *who
 computes how many tokens*, so no model is needed to count steps.
 """)
@@ -245,8 +247,11 @@ md(r"""
 
 ### Continuous batching
 
-`Scheduler.schedule` does more, because it has more freedom. It also handles chunked
-prefill, preemption and sequence groups (chapters 05 and 06); for now follow the two passes.
+`Scheduler.schedule` (`minipaged/core/sched/scheduler.py`, vLLM v1's rule) does more,
+because it has more freedom: chunked prefill and preemption by recompute (chapter 05). The
+paper's other mechanisms (swap, the admission watermark, sequence groups) are *layers*
+that extend this class in their own modules (chapters 05 and 06); the base names none of
+them. For now follow the two passes.
 """)
 
 code(r"""
@@ -254,17 +259,19 @@ print(inspect.getsource(Scheduler.schedule))
 """)
 
 md(r"""
-* `token_budget = self.max_num_batched_tokens` — a step has a budget of tokens, shared by
+* `budget = self.max_num_batched_tokens` — a step has a budget of tokens, shared by
   decodes (1 token each) and prefills (many).
-* **Pass 1, `# 1. running requests first`** — every running request gets its next token
-  (or its next prefill chunk) *before* anybody new is admitted, in arrival order. When the
-  free blocks do not suffice, `self._preempt(out)` takes blocks back from the latest-arrived
-  running request (chapter 05).
-* `if out.preempted or out.swapped_out: return` — a step that had to preempt admits nobody.
-* **Pass 2, `while token_budget > 0:`** — then the queue: swapped-out requests and waiting
-  ones, strictly in arrival order (FCFS), while `max_num_seqs`, the token budget and the
-  free blocks allow. The first one that does not fit stops admission (`break`): nobody
-  jumps the queue.
+* **Pass 1, `# 1. RUNNING first`** — every running request gets its next token (or its
+  next prefill chunk) *before* anybody new is admitted, in arrival order. `_allocate` asks
+  the `KVCacheManager` for the blocks; when it answers `None`, `self._preempt(out)` takes
+  blocks back from the last request of `running` and retries (chapter 05).
+* `while not preempted ...` — a step that had to preempt admits nobody.
+* **Pass 2, `# 2. WAITING`** — then the queue, strictly in arrival order (FCFS):
+  `_admit_next` looks up the prefix cache and asks for the first chunk's blocks, while
+  `max_num_seqs`, the token budget and the free blocks allow. The first one that does not
+  fit stops admission: nobody jumps the queue.
+* The `# hook` methods (`_units`, `_plan`, `_allocate`, `_evict`, `_admit_next`, ...) are
+  where the layers of chapters 05 and 06 plug in.
 
 There is no `if not self.running` here: **the batch is rebuilt at every call.** A request
 that finished at the previous step simply is not in `self.running` any more, and its place

@@ -32,7 +32,9 @@ import inspect
 import matplotlib.pyplot as plt
 
 from minipaged import viz
-from minipaged.core import Request, RequestStatus, Scheduler, run_scheduler
+from minipaged.core import EngineScheduler, Request, RequestStatus
+from minipaged.core.sched import SwapPreemption, WatermarkAdmission
+from minipaged.trace import run_scheduler
 from minipaged.sampling_params import SamplingParams
 
 
@@ -67,7 +69,7 @@ frees the blocks of finished requests. Here is one step by hand:
 """)
 
 code(r"""
-s = Scheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
+s = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
 a = make("A", 5, 3)
 s.add_request(a)
 out = s.schedule()
@@ -96,7 +98,7 @@ Block tables: A's 5 prompt tokens need 2 blocks (0, 1), B's first token 1 block 
 """)
 
 code(r"""
-s = Scheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
+s = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
 trace = run_scheduler(s, [make("A", 5, 3), make("B", 4, 2)], fake_model)
 print([st.scheduled for st in trace.steps])
 assert [st.scheduled for st in trace.steps] == [{"A": 5, "B": 1}, {"A": 1, "B": 3}, {"A": 1, "B": 1}]
@@ -136,7 +138,7 @@ def workload():
 
 
 for chunked, budget in ((True, 16), (False, 48)):
-    s = Scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=budget,
+    s = EngineScheduler(num_blocks=64, block_size=4, max_num_batched_tokens=budget,
                   enable_chunked_prefill=chunked)
     t = run_scheduler(s, workload(), fake_model)
     per_step = [sum(st.scheduled.values()) for st in t.steps]
@@ -160,7 +162,7 @@ def pressure():
     return [make(f"r{i}", 8, 24) for i in range(6)]
 
 
-s = Scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64)
+s = EngineScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64)
 pressure_trace = run_scheduler(s, pressure(), fake_model)
 print(viz.timeline_text(pressure_trace))
 print(viz.memory_text(pressure_trace, max_rows=12))
@@ -207,9 +209,9 @@ def ab():
     return [make("A", 3, 4), make("B", 3, 4)]
 
 
-rec = run_scheduler(Scheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16), ab(), fake_model)
+rec = run_scheduler(EngineScheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16), ab(), fake_model)
 swp = run_scheduler(
-    Scheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16,
+    EngineScheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16,
               preemption_mode="swap", num_cpu_blocks=4),
     ab(), fake_model,
 )
@@ -235,7 +237,7 @@ before the model runs; the `SchedulerOutput` says what to copy:
 """)
 
 code(r"""
-s = Scheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16,
+s = EngineScheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16,
               preemption_mode="swap", num_cpu_blocks=4)
 for r in ab():
     s.add_request(r)
@@ -265,7 +267,7 @@ def costs(trace):
 
 print(f"{'mode':>9}  steps  tokens computed  recomputed  preemptions  swap-outs")
 for mode in ("recompute", "swap"):
-    s = Scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64,
+    s = EngineScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64,
                   preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0)
     t = run_scheduler(s, pressure(), fake_model)
     computed, wasted, _ = costs(t)
@@ -289,7 +291,7 @@ the computed tokens are *recomputed*, and the same request is preempted again an
 code(r"""
 print(f"{'blocks':>6}  steps  computed  recomputed  preemptions  max per request")
 for num_blocks in (48, 32, 24, 16, 12, 8):
-    s = Scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64, watermark=None)
+    s = EngineScheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64, watermark=None)
     t = run_scheduler(s, pressure(), fake_model)
     computed, wasted, _ = costs(t)
     worst = max(r["num_preemptions"] for r in t.requests.values())
@@ -306,7 +308,7 @@ with the default:
 code(r"""
 print(f"{'blocks':>6}  steps  computed  recomputed  preemptions")
 for num_blocks in (48, 32, 24, 16, 12, 8):
-    s = Scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64)
+    s = EngineScheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64)
     t = run_scheduler(s, pressure(), fake_model)
     computed, wasted, _ = costs(t)
     print(f"{num_blocks:6d}  {len(t):5d}  {computed:8d}  {wasted:5d} ({wasted / computed:4.0%})  "
@@ -326,7 +328,7 @@ less batching (one at a time takes the most steps).
 code(r"""
 print(f"{'max_num_seqs':>12}  steps  recomputed  preemptions")
 for max_num_seqs in (6, 3, 2, 1):
-    s = Scheduler(num_blocks=8, block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+    s = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
                   watermark=None)
     t = run_scheduler(s, pressure(), fake_model)
     computed, wasted, _ = costs(t)
@@ -347,7 +349,7 @@ for big_first in (True, False):
     smalls = [make(f"s{i}", 4, 4) for i in range(4)]
     big = make("BIG", 32, 8)
     arrivals = {0: [make("A", 32, 24)], 1: [big] + smalls if big_first else smalls + [big]}
-    t = run_scheduler(Scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64),
+    t = run_scheduler(EngineScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64),
                       arrivals, fake_model)
     done = {rid: r["finish_step"] for rid, r in t.requests.items()}
     print(("BIG first" if big_first else "BIG last "), "finish steps:", done)
@@ -370,7 +372,7 @@ forever. A prompt longer than `max_model_len` is a caller error: `add_request` r
 """)
 
 code(r"""
-s = Scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=32, max_model_len=128)
+s = EngineScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=32, max_model_len=128)
 huge = make("huge", 60, 20)  # 79 tokens of K/V > 64 slots
 t = run_scheduler(s, [make("ok1", 8, 4), huge, make("ok2", 8, 4)], fake_model)
 for rid in ("ok1", "huge", "ok2"):
@@ -383,7 +385,7 @@ try:
 except ValueError as e:
     print("ValueError:", e)
 
-s_off = Scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=32, enable_chunked_prefill=False)
+s_off = EngineScheduler(num_blocks=64, block_size=4, max_num_batched_tokens=32, enable_chunked_prefill=False)
 run_scheduler(s_off, [make("L", 40, 4)], fake_model)
 print(s_off.finished["L"].stop_reason)
 """)
@@ -391,18 +393,25 @@ print(s_off.finished["L"].stop_reason)
 md(r"""
 ## 6. Code tour
 
-The whole policy is `Scheduler.schedule`. Read it against section 1: the first loop keeps
-running requests (and preempts), the second admits, swapped and waiting requests in one
-arrival order.
+Chapter 04 showed vLLM v1's `Scheduler.schedule` (recompute preemption included). The
+`EngineScheduler` used here stacks the paper's layers on it, each in its own module and each
+through a hook of the base. Swap (`minipaged/core/sched/swap.py`, removed in vLLM v1) overrides
+what eviction does and lets swapped requests back in arrival order, merged with `waiting`:
 """)
 
 code(r"""
-print(inspect.getsource(Scheduler.schedule))
+print(inspect.getsource(SwapPreemption._evict))
+print(inspect.getsource(SwapPreemption._admit_next))
+""")
+
+md(r"""
+Watermark admission (`minipaged/core/sched/admission.py`, vLLM v0's rule; vLLM v1 admits a
+request as soon as its first chunk fits) asks the `KVCacheManager`, which alone counts
+blocks, whether the whole prefill fits beside what the running requests still need:
 """)
 
 code(r"""
-print(inspect.getsource(Scheduler._preempt))
-print(inspect.getsource(Scheduler._num_new_tokens))
+print(inspect.getsource(WatermarkAdmission._can_admit))
 """)
 
 md(r"""
@@ -413,7 +422,7 @@ computed tokens, and FCFS: every running request arrived before every waiting on
 """)
 
 code(r"""
-s = Scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=16,
+s = EngineScheduler(num_blocks=12, block_size=4, max_num_batched_tokens=16,
               preemption_mode="swap", num_cpu_blocks=8)
 reqs = pressure()
 for r in reqs:
@@ -443,7 +452,7 @@ code(r"""
 num_blocks, budget, chunked, mode, cpu_blocks = 12, 16, True, "swap", 6
 watermark = None  # None = vLLM v1's first-chunk admission; try 0.05, the default
 
-s = Scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
+s = EngineScheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
               enable_chunked_prefill=chunked, preemption_mode=mode, watermark=watermark,
               num_cpu_blocks=cpu_blocks if mode == "swap" else 0)
 t = run_scheduler(s, {0: pressure()[:3], 4: pressure()[3:]}, fake_model)

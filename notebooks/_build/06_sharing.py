@@ -36,7 +36,9 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from minipaged import LLM, BeamSearchParams, SamplingParams, viz
-from minipaged.core import KVCacheManager, Request, Scheduler, hash_block_tokens, run_scheduler
+from minipaged.core import EngineScheduler, KVCacheManager, Request, hash_block_tokens
+from minipaged.core.sched import SequenceGroups
+from minipaged.trace import run_scheduler
 
 torch.set_num_threads(1)  # a small model: one thread is fastest, and the output is the same
 hf_logging.disable_progress_bar()  # no loading bars in the output
@@ -123,8 +125,9 @@ sequence is ever copied per fork, the one the fork happened in.
 
 ## 3. Parallel sampling: prefill once, fork n
 
-`SamplingParams(n=3)` asks for three samples of one prompt. The three sequences form a
-**sequence group**. The scheduler queues only the first (the *leader*); in the step that
+`SamplingParams(n=3)` asks for three samples of one prompt. In the paper (vLLM v0) the three
+sequences form a **sequence group** (the layer `minipaged/core/sched/groups.py`, selected with
+`LLM(parallel_sampling="fork")`; vLLM v1 does it differently, see the end of this section). The scheduler queues only the first (the *leader*); in the step that
 completes its prompt it forks the others from it, and they draw their first token from the
 leader's logits row. So the prompt is computed **once**. A group is scheduled, preempted and
 swapped all or nothing.
@@ -138,7 +141,7 @@ now, writes in place. `blocks_to_copy = [(1, 2), (1, 3)]`.
 """)
 
 code(r"""
-s = Scheduler(num_blocks=16, block_size=4)
+s = EngineScheduler(num_blocks=16, block_size=4)
 group = [Request(f"g.{j}", list(range(10, 16)), SamplingParams(max_tokens=4)) for j in range(3)]
 trace = run_scheduler(s, [group], fake_model)  # a list inside the arrivals = a sequence group
 print([st.scheduled for st in trace.steps])
@@ -155,7 +158,7 @@ they are in each step's `SchedulerOutput.blocks_to_copy`:
 """)
 
 code(r"""
-s = Scheduler(num_blocks=16, block_size=4)
+s = EngineScheduler(num_blocks=16, block_size=4)
 s.add_request_group([Request(f"g.{j}", list(range(10, 16)), SamplingParams(max_tokens=4)) for j in range(3)])
 for step in range(3):
     out = s.schedule()
@@ -175,7 +178,7 @@ prompt computed once and its blocks shared by the three sequences.
 """)
 
 code(r"""
-llm = LLM(block_size=4, num_blocks=64, seed=0)  # a small pool: short pictures
+llm = LLM(block_size=4, num_blocks=64, seed=0, parallel_sampling="fork")  # a small pool: short pictures
 
 
 def tables_only(text):
@@ -190,6 +193,40 @@ print(tables_only(viz.block_tables_text(llm.trace, 0)))
 """)
 
 md(r"""
+### vLLM v1's way: n child requests and prefix caching
+
+vLLM v1 has no sequence groups: `n > 1` becomes n independent child requests, and the prompt is
+shared only through **prefix caching** (section 5): the first child's full prompt blocks are
+cached as they are allocated, so the children admitted after it in the same step find them and
+skip their prefill (all but the last, partly filled block, which each child computes itself).
+This is minipaged's default (`parallel_sampling="prefix"`). Side by side on the same request,
+with the same seeds, so the samples are the same:
+""")
+
+code(r"""
+prompt = ["Once upon a time there was a little girl who"]
+params4 = SamplingParams(n=4, temperature=0.8, max_tokens=20, seed=1)
+samples = []
+print(f"{'parallel_sampling':18s}{'prefix caching':>15s}{'prompt tokens computed':>24s}{'peak blocks':>13s}")
+for mode, caching in (("fork", False), ("prefix", True), ("prefix", False)):
+    llm_m = LLM(block_size=4, num_blocks=64, seed=0, parallel_sampling=mode, enable_prefix_caching=caching)
+    (o,) = llm_m.generate(prompt, params4, use_tqdm=False)
+    t = llm_m.trace
+    computed = sum(n for st in t.steps for rid, n in st.scheduled.items() if rid in st.prefill_ids)
+    peak = max(t.num_blocks - st.num_free_blocks for st in t.steps)
+    samples.append([c.token_ids for c in o.outputs])
+    print(f"{mode:18s}{caching!s:>15s}{computed:>24d}{peak:>13d}")
+print("prompt length:", len(o.prompt_token_ids))
+assert all(s_ == samples[0] for s_ in samples), "the same samples, seed for seed"
+""")
+
+md(r"""
+The fork computes the prompt once and shares even its partly filled last block (copied on the
+first write). Prefix caching shares only *full* blocks, so each child recomputes the tail of the
+prompt and holds its own copy of the last block; without caching, each child prefills the whole
+prompt. vLLM v1 accepts that small cost for a simpler scheduler: no groups, nothing scheduled or
+preempted "all or nothing", and the same mechanism also shares prefixes *between* requests.
+
 ## 4. Beam search: fork and free at every step
 
 Beam search keeps the `beam_width` best partial sequences. At each step every beam proposes
@@ -326,7 +363,7 @@ there: the prefill skips it. Four requests share a 12-token prefix and arrive on
 code(r"""
 prefix = list(range(200, 212))
 for caching in (False, True):
-    s = Scheduler(num_blocks=32, block_size=4, enable_prefix_caching=caching)
+    s = EngineScheduler(num_blocks=32, block_size=4, enable_prefix_caching=caching)
     arrivals = {2 * i: [Request(f"q{i}", prefix + [i, i], SamplingParams(max_tokens=3))] for i in range(4)}
     t = run_scheduler(s, arrivals, fake_model)
     prefill = [(rid, n) for st in t.steps for rid, n in st.scheduled.items() if rid in st.prefill_ids]
@@ -417,12 +454,12 @@ md(r"""
 code(r"""
 print(inspect.getsource(KVCacheManager.fork))
 src = inspect.getsource(KVCacheManager.allocate_slots)
-print(src[src.index("        if cow:"):src.index("        self.req_to_blocks[rid] = table\n")])
+print(src[src.index("        if cow:"):src.index("        if t is None:\n")])
 """)
 
 code(r"""
 print(inspect.getsource(KVCacheManager.get_computed_blocks))
-print(inspect.getsource(Scheduler._maybe_fork))
+print(inspect.getsource(SequenceGroups._maybe_fork))
 """)
 
 md(r"""
@@ -435,7 +472,7 @@ the engine's `check_invariants()` hold after every step.
 
 code(r"""
 n, block_size = 4, 4
-llm_x = LLM(block_size=block_size, num_blocks=64)
+llm_x = LLM(block_size=block_size, num_blocks=64, parallel_sampling="fork")
 (o,) = llm_x.generate(["The little dog"], SamplingParams(n=n, temperature=1.0, max_tokens=16, seed=3),
                       use_tqdm=False)
 peak_used = max(llm_x.trace.num_blocks - st.num_free_blocks for st in llm_x.trace.steps)

@@ -61,10 +61,11 @@ import matplotlib.pyplot as plt
 
 from minipaged import viz
 from minipaged.sim import (
-    GPUS, MODELS, OPT_13B, A100_40GB, POLICY_NAMES, ContiguousScheduler, CostModel, GPUConfig,
+    GPUS, MODELS, OPT_13B, A100_40GB, POLICY_NAMES, CostModel, GPUConfig,
     block_size_sweep, compare_policies, make_requests, offline_capacity, poisson_arrivals,
     sample_requests, simulate,
 )
+from minipaged.core.sched.orca import OrcaScheduler
 from minipaged.sim.cli import plot_block_size, plot_latency
 
 SEED = 0
@@ -98,8 +99,9 @@ a step is modelled. Five serving policies share the same memory budget:
 | `orca-max` | continuous | region of the maximum length (2048) | Orca (Max) |
 | `static` | a new batch only when the last one is done | maximum length per request | FasterTransformer |
 
-The Orca-like policies run `ContiguousScheduler` (in `minipaged/sim/simulator.py`) over the
-first-fit allocators of chapter 01 (`minipaged/core/contiguous.py`).
+The Orca-like policies run `OrcaScheduler` (in `minipaged/core/sched/orca.py`, a sibling of
+the paged scheduler reusing its queues and refusal rules) over the
+first-fit allocators of chapter 01 (`minipaged/core/kv/contiguous.py`).
 """)
 
 md(r"""
@@ -218,7 +220,7 @@ and the price is paid up front: memory reserved for tokens not generated yet.
 """)
 
 code(r"""
-print(inspect.getsource(ContiguousScheduler.schedule))
+print(inspect.getsource(OrcaScheduler.schedule))
 """)
 
 md(r"""

@@ -18,7 +18,7 @@ nb = ExerciseNotebook(
 )
 
 nb.setup("""
-from minipaged.core import FreeKVCacheBlockQueue, KVCacheBlock, KVCacheManager, cdiv
+from minipaged.core import BlockTable, FreeKVCacheBlockQueue, KVCacheBlock, KVCacheManager, cdiv
 """)
 
 nb.exercise(
@@ -79,9 +79,10 @@ nb.exercise(
 nb.exercise(
     "ex2.3", "allocate_slots: grow a block table on demand",
     """
-    A `KVCacheManager` keeps, per request id, its block table `manager.req_to_blocks[rid]`
-    (a list of `KVCacheBlock`, logical block `j` at index `j`) and the number of tokens it
-    has room for, `manager.num_tokens[rid]`. A request not seen before has neither.
+    A `KVCacheManager` keeps, per request id, its block table `manager.block_tables[rid]`:
+    a `BlockTable` with `.blocks` (a list of `KVCacheBlock`, logical block `j` at index `j`)
+    and `.num_tokens`, the number of tokens it has room for. A request not seen before has
+    no table.
     `manager.block_size` is the tokens per block, `manager.num_blocks` the pool's size, and
     `manager.block_pool` hands out blocks: `get_num_free_blocks()`, and
     `get_new_blocks(n)`, which takes `n` blocks from the front of the free queue.
@@ -94,7 +95,8 @@ nb.exercise(
       blocks than the whole pool has (it could never run).
     - If there are not enough free blocks right now, return `None` and change nothing:
       all or nothing, so the scheduler can decide whom to preempt.
-    - Otherwise append the new blocks to the table and update `num_tokens`.
+    - Otherwise append the new blocks to the table and update its `num_tokens` (a new
+      request gets `BlockTable(new_blocks, num_new_tokens, manager.block_size)`).
 
     Hand check: block size 4, a request with 6 tokens holds 2 blocks; 3 more tokens make
     9, which needs `cdiv(9, 4) = 3` blocks, so one new block.
@@ -105,17 +107,20 @@ nb.exercise(
         ### BEGIN SOLUTION
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
-        total = manager.num_tokens.get(request_id, 0) + num_new_tokens
+        table = manager.block_tables.get(request_id)
+        total = (0 if table is None else table.num_tokens) + num_new_tokens
         blocks_needed = cdiv(total, manager.block_size)
         if blocks_needed > manager.num_blocks:
             raise ValueError(f"{request_id!r} would need {blocks_needed} blocks, the pool has {manager.num_blocks}")
-        table = manager.req_to_blocks.get(request_id, [])
-        num_new_blocks = blocks_needed - len(table)
+        num_new_blocks = blocks_needed - (0 if table is None else len(table.blocks))
         if num_new_blocks > manager.block_pool.get_num_free_blocks():
             return None
         new_blocks = manager.block_pool.get_new_blocks(num_new_blocks)
-        manager.req_to_blocks[request_id] = table + new_blocks
-        manager.num_tokens[request_id] = total
+        if table is None:
+            manager.block_tables[request_id] = BlockTable(new_blocks, total, manager.block_size)
+        else:
+            table.blocks.extend(new_blocks)
+            table.num_tokens = total
         return new_blocks
         ### END SOLUTION
     """,

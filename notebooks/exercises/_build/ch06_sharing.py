@@ -17,8 +17,8 @@ nb = ExerciseNotebook(
     tables holding it; the free queue holds exactly the blocks with `ref_cnt == 0`) after
     every step.
 
-    A `KVCacheManager` keeps `req_to_blocks[request_id]` (its block table, a list of
-    `KVCacheBlock`), `num_tokens[request_id]`, `block_size`, and a `block_pool`:
+    A `KVCacheManager` keeps `block_tables[request_id]` (its `BlockTable`: `.blocks`, a
+    list of `KVCacheBlock`, and `.num_tokens`), `block_size`, and a `block_pool`:
     `get_num_free_blocks()`, `get_new_blocks(n)` (each with `ref_cnt == 1`),
     `touch(blocks)` (`ref_cnt += 1`, leaving the free queue if it was there),
     `free_blocks(blocks)` (`ref_cnt -= 1`, back to the free queue at 0), and for prefix
@@ -29,7 +29,7 @@ nb = ExerciseNotebook(
 )
 
 nb.setup("""
-from minipaged.core import BlockPool, KVCacheBlock, KVCacheManager, hash_block_tokens
+from minipaged.core import BlockPool, BlockTable, KVCacheBlock, KVCacheManager, hash_block_tokens
 """)
 
 nb.exercise(
@@ -37,8 +37,9 @@ nb.exercise(
     """
     Parallel sampling and beam search start several sequences from one prompt. Write
     `fork(kv_cache_manager, parent_id, child_id)`: the child gets a block table of its own
-    (a new list) holding the *same* blocks as the parent, every one of them gets one more
-    reference (`ref_cnt`), and the child's `num_tokens` is the parent's. No KV is copied.
+    (a new `BlockTable` with a new list) holding the *same* blocks as the parent, every one
+    of them gets one more reference (`ref_cnt`), and the child's `num_tokens` is the
+    parent's. No KV is copied.
     Raise `ValueError` if the parent holds no blocks or the child already does.
     """,
     """
@@ -46,14 +47,14 @@ nb.exercise(
         \"\"\"The child shares every block of the parent.\"\"\"
         ### BEGIN SOLUTION
         m = kv_cache_manager
-        if parent_id not in m.req_to_blocks:
+        if parent_id not in m.block_tables:
             raise ValueError(f"unknown parent {parent_id!r}")
-        if child_id in m.req_to_blocks:
+        if child_id in m.block_tables:
             raise ValueError(f"{child_id!r} already has blocks")
-        blocks = list(m.req_to_blocks[parent_id])
+        parent = m.block_tables[parent_id]
+        blocks = list(parent.blocks)
         m.block_pool.touch(blocks)
-        m.req_to_blocks[child_id] = blocks
-        m.num_tokens[child_id] = m.num_tokens[parent_id]
+        m.block_tables[child_id] = BlockTable(blocks, parent.num_tokens, m.block_size)
         ### END SOLUTION
     """,
     ["fork"],
@@ -63,7 +64,7 @@ nb.exercise(
     "ex6.2", "append a token, with copy-on-write",
     """
     Write `append_slot(kv_cache_manager, request_id)`: make room for one more token of the
-    request (`n = num_tokens[request_id]` tokens so far) and return the block copies the
+    request (`n = block_tables[request_id].num_tokens` tokens so far) and return the block copies the
     engine must do before the model writes, as a list of `(src_block_id, dst_block_id)`:
 
     - if `n % block_size == 0` the last block is full: take one new block (`[]` copies);
@@ -74,14 +75,15 @@ nb.exercise(
       return `[(old.block_id, new.block_id)]`.
 
     If a new block is needed and none is free, return `None` and change nothing. Otherwise
-    `num_tokens[request_id]` grows by one.
+    the table's `num_tokens` grows by one.
     """,
     """
     def append_slot(kv_cache_manager: KVCacheManager, request_id: str):
         \"\"\"Room for one more token: the copies to do, or None if no block is free.\"\"\"
         ### BEGIN SOLUTION
         m = kv_cache_manager
-        table, n = m.req_to_blocks[request_id], m.num_tokens[request_id]
+        t = m.block_tables[request_id]
+        table, n = t.blocks, t.num_tokens
         copies = []
         if n % m.block_size == 0:
             if m.block_pool.get_num_free_blocks() == 0:
@@ -94,7 +96,7 @@ nb.exercise(
             m.block_pool.free_blocks([old])
             table[-1] = new
             copies.append((old.block_id, new.block_id))
-        m.num_tokens[request_id] = n + 1
+        t.num_tokens = n + 1
         return copies
         ### END SOLUTION
     """,

@@ -17,8 +17,8 @@ Inputs / outputs
     tokens of ``request`` (a ``Request`` or a request id) and returns the newly allocated
     blocks (possibly ``[]``), or ``None`` when the pool cannot supply them.
     ``free(request)`` returns its blocks to the pool. ``get_block_ids(request_id)`` is
-    its block table; ``get_slot_mapping(request_id, start, end)`` the slots of tokens
-    ``start..end-1``; ``usage()`` the occupancy figures of the paper's Fig. 2.
+    its block table's ids; ``get_block_table(request)`` the ``BlockTable`` (with the slot
+    formula) the model runner reads; ``usage()`` the occupancy figures of the paper's Fig. 2.
 
 Invariants (``check_invariants``)
     - a block's ``ref_cnt`` equals the number of block tables holding it;
@@ -73,10 +73,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from minipaged.core.block_pool import BlockPool
-from minipaged.core.kv_cache_utils import BlockHash, KVCacheBlock, cdiv, hash_block_tokens
-
-PAD_SLOT_ID = -1  # slot id for padding tokens: reshape_and_cache skips it
+from minipaged.core.kv.block_pool import BlockPool
+from minipaged.core.kv.block import BlockHash, KVCacheBlock, cdiv, check_positive_int, hash_block_tokens
+from minipaged.core.kv.block_table import BlockTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,40 +106,36 @@ class KVCacheManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_caching: bool = False, num_cpu_blocks: int = 0
     ) -> None:
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        check_positive_int("block_size", block_size)
         if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be an int >= 0, got {num_cpu_blocks!r}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching)
-        # request_id -> its block table (logical block j is req_to_blocks[rid][j])
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # request_id -> number of tokens its slots have been allocated for
-        self.num_tokens: dict[str, int] = {}
+        # request_id -> its block table (blocks, tokens, slot formula), in the device pool
+        self.block_tables: dict[str, BlockTable] = {}
         # Swap space: a second pool of CPU blocks, and the tables of swapped-out requests.
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_block_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
-        self.req_to_cpu_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.cpu_num_tokens: dict[str, int] = {}
+        # request_id -> its block table while swapped out (its blocks are CPU blocks)
+        self.cpu_block_tables: dict[str, BlockTable] = {}
         # Copy-on-write: (src block id, dst block id) pairs not yet handed to the engine.
         self.pending_copies: list[tuple[int, int]] = []
-        # Prefix caching: request_id -> how many of its leading blocks are cached.
-        self.num_cached_blocks: dict[str, int] = {}
 
     # -- allocation ---------------------------------------------------------------
     def _needs_copy_on_write(self, rid: str) -> bool:
         """Whether the next token of ``rid`` lands in a shared, partly filled block."""
-        table = self.req_to_blocks.get(rid)
-        return bool(table) and self.num_tokens[rid] % self.block_size != 0 and table[-1].ref_cnt > 1
+        t = self.block_tables.get(rid)
+        return t is not None and bool(t.blocks) and t.num_tokens % self.block_size != 0 and t.blocks[-1].ref_cnt > 1
 
     def get_num_blocks_needed(self, request, num_new_tokens: int) -> int:
         """How many *new* blocks ``allocate_slots(request, num_new_tokens)`` would take
         (a copy-on-write copy counts as one)."""
         rid = _request_id(request)
-        total = self.num_tokens.get(rid, 0) + num_new_tokens
-        grow = max(0, cdiv(total, self.block_size) - len(self.req_to_blocks.get(rid, ())))
+        t = self.block_tables.get(rid)
+        total = (0 if t is None else t.num_tokens) + num_new_tokens
+        grow = max(0, cdiv(total, self.block_size) - (0 if t is None else len(t.blocks)))
         return grow + int(self._needs_copy_on_write(rid))
 
     def get_num_blocks_needed_group(self, requests, num_new_tokens) -> int:
@@ -149,10 +144,35 @@ class KVCacheManager:
         Exact with shared blocks: once all but one holder of a shared partly filled block
         have copied it, the last one writes in place.
         """
-        tables = [self.req_to_blocks.get(_request_id(r), []) for r in requests]
+        empty = BlockTable([], 0, self.block_size)
+        got = [self.block_tables.get(_request_id(r), empty) for r in requests]
+        tables = [t.blocks for t in got]
         refs = {b.block_id: b.ref_cnt for t in tables for b in t}
-        lens = [self.num_tokens.get(_request_id(r), 0) for r in requests]
+        lens = [t.num_tokens for t in got]
         return _num_blocks_needed(tables, lens, list(num_new_tokens), refs, self.block_size)
+
+    def get_max_num_blocks(self, num_tokens: int, num_seqs: int = 1, num_shared_tokens: int = 0) -> int:
+        """The most blocks ``num_seqs`` sequences of up to ``num_tokens`` tokens each can hold
+        at once when they share the full blocks of their first ``num_shared_tokens`` tokens
+        (a sequence group's prompt); the refusal rules compare it with ``num_blocks``."""
+        shared = num_shared_tokens // self.block_size
+        return shared + num_seqs * (cdiv(num_tokens, self.block_size) - shared)
+
+    def get_num_blocks_to_prefill(self, request, forks=()) -> int:
+        """Blocks (an upper bound) for ``request`` to compute all its tokens from scratch,
+        plus, for each request of ``forks`` (to be forked from it at its prompt's end),
+        the blocks of its own output, re-prefilled from the prompt's last full block on."""
+        bs = self.block_size
+        shared = request.num_prompt_tokens // bs
+        return cdiv(request.num_tokens, bs) + sum(
+            cdiv(f.num_tokens, bs) - shared for f in forks if f.num_tokens > f.num_prompt_tokens)
+
+    def get_num_blocks_still_needed(self, request, forks=()) -> int:
+        """Blocks a running ``request`` still needs to compute the tokens it already has
+        (the rest of its prefill or re-prefill, ``forks`` as above)."""
+        t = self.block_tables.get(request.request_id)
+        held = 0 if t is None else len(t.blocks)
+        return max(0, self.get_num_blocks_to_prefill(request, forks) - held)
 
     def can_allocate(self, request, num_new_tokens: int) -> bool:
         return self.get_num_blocks_needed(request, num_new_tokens) <= self.get_num_free_blocks()
@@ -172,19 +192,20 @@ class KVCacheManager:
         if not isinstance(num_new_tokens, int) or num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be a positive int, got {num_new_tokens!r}")
         rid = _request_id(request)
-        if rid in self.req_to_cpu_blocks:
+        if rid in self.cpu_block_tables:
             raise ValueError(f"request {rid!r} is swapped out: swap_in before allocate_slots")
         computed = list(new_computed_blocks or ())
-        if computed and rid in self.req_to_blocks:
+        if computed and rid in self.block_tables:
             raise ValueError(f"new_computed_blocks: request {rid!r} already holds blocks")
-        start = self.num_tokens.get(rid, 0) + len(computed) * self.block_size
+        t = self.block_tables.get(rid)
+        start = (0 if t is None else t.num_tokens) + len(computed) * self.block_size
         total = start + num_new_tokens
         if cdiv(total, self.block_size) > self.num_blocks:
             raise ValueError(
                 f"request {rid!r} needs {cdiv(total, self.block_size)} blocks for {total} "
                 f"tokens but the pool has only {self.num_blocks}"
             )
-        table = self.req_to_blocks.get(rid, [])
+        table = [] if t is None else t.blocks
         cow = self._needs_copy_on_write(rid)
         num_grow = cdiv(total, self.block_size) - len(table) - len(computed)
         # NOTE: a cache hit sitting in the free queue leaves it when shared, so it costs a
@@ -194,8 +215,7 @@ class KVCacheManager:
             return None  # NOTE: nothing changed; the caller preempts or waits
         if computed:
             self.block_pool.touch(computed)
-            self.req_to_blocks[rid] = table = list(computed)
-            self.num_cached_blocks[rid] = len(computed)
+            table = list(computed)
         new_blocks = self.block_pool.get_new_blocks(num_grow + int(cow))
         if cow:
             shared, copy = table[-1], new_blocks[0]
@@ -211,8 +231,9 @@ class KVCacheManager:
             table.extend(new_blocks[1:])
         else:
             table.extend(new_blocks)
-        self.req_to_blocks[rid] = table
-        self.num_tokens[rid] = total
+        if t is None:
+            t = self.block_tables[rid] = BlockTable(table, total, self.block_size, len(computed))
+        t.blocks, t.num_tokens = table, total
         return new_blocks
 
     def free(self, request) -> None:
@@ -221,12 +242,9 @@ class KVCacheManager:
         A shared block only loses one reference; it is free when its last holder frees it.
         """
         rid = _request_id(request)
-        if rid not in self.req_to_blocks:
+        if rid not in self.block_tables:
             raise ValueError(f"unknown request {rid!r}: it holds no blocks")
-        blocks = self.req_to_blocks.pop(rid)
-        del self.num_tokens[rid]
-        self.num_cached_blocks.pop(rid, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(reversed(self.block_tables.pop(rid).blocks))
         if self.pending_copies:
             # NOTE: a copy into a block nobody holds any more is moot (and the block may be
             # handed to someone else before the engine would do it).
@@ -242,14 +260,14 @@ class KVCacheManager:
         the first write into the shared, partly filled last block copies it.
         """
         pid, cid = _request_id(parent), _request_id(child)
-        if pid not in self.req_to_blocks:
+        if pid not in self.block_tables:
             raise ValueError(f"fork: unknown parent {pid!r} (it holds no device blocks)")
-        if cid in self.req_to_blocks or cid in self.req_to_cpu_blocks:
+        if cid in self.block_tables or cid in self.cpu_block_tables:
             raise ValueError(f"fork: child {cid!r} already holds blocks")
-        blocks = list(self.req_to_blocks[pid])  # NOTE: a new list: the tables diverge later
+        parent_table = self.block_tables[pid]
+        blocks = list(parent_table.blocks)  # NOTE: a new list: the tables diverge later
         self.block_pool.touch(blocks)
-        self.req_to_blocks[cid] = blocks
-        self.num_tokens[cid] = self.num_tokens[pid]
+        self.block_tables[cid] = BlockTable(blocks, parent_table.num_tokens, self.block_size)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """The ``(src, dst)`` copy-on-write pairs recorded since the last call (cleared)."""
@@ -304,25 +322,26 @@ class KVCacheManager:
     def cache_blocks(self, request, num_computed_tokens: int | None = None) -> None:
         """Register the request's full blocks up to ``num_computed_tokens`` in the cache.
 
-        Call it after the model wrote them (the scheduler does, in ``update_from_output``).
+        The scheduler calls it as it allocates a step's slots (vLLM v1): the blocks are
+        written by that step's forward before anyone reads them.
         A block whose prefix is already cached in another block is left uncached.
         """
         if not self.enable_caching:
             return
         rid = _request_id(request)
-        if rid not in self.req_to_blocks:
+        t = self.block_tables.get(rid)
+        if t is None:
             raise ValueError(f"unknown request {rid!r}")
         n = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
-        if n > self.num_tokens[rid]:
-            raise ValueError(f"num_computed_tokens {n} > the {self.num_tokens[rid]} allocated tokens")
+        if n > t.num_tokens:
+            raise ValueError(f"num_computed_tokens {n} > the {t.num_tokens} allocated tokens")
         full = n // self.block_size
-        done = self.num_cached_blocks.get(rid, 0)
+        done = t.num_cached_blocks
         if full <= done:
             return
-        table = self.req_to_blocks[rid]
         for j, h in enumerate(self._block_hashes(request, full)[done:], start=done):
-            self.block_pool.cache_block(table[j], h)
-        self.num_cached_blocks[rid] = full
+            self.block_pool.cache_block(t.blocks[j], h)
+        t.num_cached_blocks = full
 
     # -- swapping -----------------------------------------------------------------
     def get_num_free_cpu_blocks(self) -> int:
@@ -330,7 +349,8 @@ class KVCacheManager:
 
     def can_swap_out(self, request) -> bool:
         rid = _request_id(request)
-        return len(self.req_to_blocks.get(rid, ())) <= self.get_num_free_cpu_blocks()
+        t = self.block_tables.get(rid)
+        return (0 if t is None else len(t.blocks)) <= self.get_num_free_cpu_blocks()
 
     def swap_out(self, request) -> list[tuple[int, int]] | None:
         """Move the request's blocks to CPU blocks: ``[(device id, cpu id)]``, or None.
@@ -347,24 +367,25 @@ class KVCacheManager:
         """Swap out several requests at once; a block they share gets one CPU block."""
         rids = [_request_id(r) for r in requests]
         for rid in rids:
-            if rid not in self.req_to_blocks:
+            if rid not in self.block_tables:
                 raise ValueError(f"unknown request {rid!r}: it holds no device blocks")
-            if rid in self.req_to_cpu_blocks:
+            if rid in self.cpu_block_tables:
                 raise RuntimeError(f"request {rid!r} is already swapped out")
         if len(set(rids)) != len(rids):
             raise ValueError(f"requests appear twice: {rids}")
-        distinct = list({b.block_id: b for rid in rids for b in self.req_to_blocks[rid]}.values())
+        tables = [self.block_tables[rid] for rid in rids]
+        distinct = list({b.block_id: b for t in tables for b in t.blocks}.values())
         if self.cpu_block_pool is None or len(distinct) > self.get_num_free_cpu_blocks():
             return None
         cpu_blocks = self.cpu_block_pool.get_new_blocks(len(distinct))
         to_cpu = {b.block_id: c for b, c in zip(distinct, cpu_blocks)}
-        for rid in rids:
-            self.req_to_cpu_blocks[rid] = [to_cpu[b.block_id] for b in self.req_to_blocks[rid]]
-            self.cpu_num_tokens[rid] = self.num_tokens[rid]
+        cpu_tables = [[to_cpu[b.block_id] for b in t.blocks] for t in tables]
         # get_new_blocks gave each CPU block one reference; add one per further holder.
-        _add_extra_refs(self.cpu_block_pool, [self.req_to_cpu_blocks[r] for r in rids])
-        for rid in rids:
+        _add_extra_refs(self.cpu_block_pool, cpu_tables)
+        for rid, t, cpu in zip(rids, tables, cpu_tables):  # NOTE: the table moves to the CPU pool
             self.free(rid)
+            t.blocks, t.num_cached_blocks = cpu, 0
+            self.cpu_block_tables[rid] = t
         return [(b.block_id, to_cpu[b.block_id].block_id) for b in distinct]
 
     def can_swap_in(self, request, num_new_tokens: int = 0) -> bool:
@@ -378,12 +399,14 @@ class KVCacheManager:
         blocks each request grows by, and the copy-on-write copies (in order: the last
         writer of a shared partly filled block writes in place).
         """
-        tables = [self.req_to_cpu_blocks.get(_request_id(r), []) for r in requests]
+        empty = BlockTable([], 0, self.block_size)
+        got = [self.cpu_block_tables.get(_request_id(r), empty) for r in requests]
+        tables = [t.blocks for t in got]
         refs: dict[int, int] = {}  # NOTE: after swap-in, shared only inside the group
         for t in tables:
             for c in t:
                 refs[c.block_id] = refs.get(c.block_id, 0) + 1
-        lens = [self.cpu_num_tokens.get(_request_id(r), 0) for r in requests]
+        lens = [t.num_tokens for t in got]
         need = len(refs) + _num_blocks_needed(tables, lens, list(num_new_tokens), dict(refs), self.block_size)
         return need <= self.get_num_free_blocks()
 
@@ -398,57 +421,57 @@ class KVCacheManager:
         """Swap several requests back in at once; a shared CPU block gets one device block."""
         rids = [_request_id(r) for r in requests]
         for rid in rids:
-            if rid not in self.req_to_cpu_blocks:
+            if rid not in self.cpu_block_tables:
                 raise ValueError(f"request {rid!r} is not swapped out")
-            if rid in self.req_to_blocks:
+            if rid in self.block_tables:
                 raise RuntimeError(f"request {rid!r} holds device blocks and CPU blocks")
         if len(set(rids)) != len(rids):
             raise ValueError(f"requests appear twice: {rids}")
-        distinct = list({c.block_id: c for rid in rids for c in self.req_to_cpu_blocks[rid]}.values())
+        tables = [self.cpu_block_tables[rid] for rid in rids]
+        distinct = list({c.block_id: c for t in tables for c in t.blocks}.values())
         if len(distinct) > self.get_num_free_blocks():
             return None
         blocks = self.block_pool.get_new_blocks(len(distinct))
         to_dev = {c.block_id: b for c, b in zip(distinct, blocks)}
-        for rid in rids:
-            self.req_to_blocks[rid] = [to_dev[c.block_id] for c in self.req_to_cpu_blocks[rid]]
-            self.num_tokens[rid] = self.cpu_num_tokens[rid]
-        _add_extra_refs(self.block_pool, [self.req_to_blocks[r] for r in rids])
-        for rid in rids:
+        dev_tables = [[to_dev[c.block_id] for c in t.blocks] for t in tables]
+        _add_extra_refs(self.block_pool, dev_tables)
+        for rid, t, dev in zip(rids, tables, dev_tables):  # NOTE: the table moves back
             self.free_swapped(rid)
+            t.blocks = dev
+            self.block_tables[rid] = t
         return [(c.block_id, to_dev[c.block_id].block_id) for c in distinct]
 
     def free_swapped(self, request) -> None:
         """Drop a swapped-out request's CPU blocks (it was aborted, or swapped in)."""
         rid = _request_id(request)
-        if rid not in self.req_to_cpu_blocks:
+        if rid not in self.cpu_block_tables:
             raise ValueError(f"request {rid!r} is not swapped out")
-        blocks = self.req_to_cpu_blocks.pop(rid)
-        del self.cpu_num_tokens[rid]
+        blocks = self.cpu_block_tables.pop(rid).blocks
         assert self.cpu_block_pool is not None
         self.cpu_block_pool.free_blocks(reversed(blocks))
 
     def get_cpu_block_ids(self, request_id: str) -> list[int]:
         """The CPU block table of a swapped-out request."""
-        if request_id not in self.req_to_cpu_blocks:
+        if request_id not in self.cpu_block_tables:
             raise ValueError(f"request {request_id!r} is not swapped out")
-        return [b.block_id for b in self.req_to_cpu_blocks[request_id]]
+        return self.cpu_block_tables[request_id].block_ids()
 
     # -- addressing ---------------------------------------------------------------
     def get_block_ids(self, request_id: str) -> list[int]:
         """The block table of ``request_id`` (physical block id per logical block)."""
-        if request_id not in self.req_to_blocks:
-            raise ValueError(f"unknown request {request_id!r}")
-        return [b.block_id for b in self.req_to_blocks[request_id]]
+        return self.get_block_table(request_id).block_ids()
 
     def get_slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
-        """Slots of the request's tokens ``start .. end-1`` in the flat cache."""
-        if request_id not in self.req_to_blocks:
-            raise ValueError(f"unknown request {request_id!r}")
-        n = self.num_tokens[request_id]
-        if not 0 <= start <= end <= n:
-            raise ValueError(f"token span [{start}, {end}) outside the {n} allocated tokens")
-        table, bs = self.req_to_blocks[request_id], self.block_size
-        return [table[i // bs].block_id * bs + i % bs for i in range(start, end)]
+        """Slots of the request's tokens ``start .. end-1`` (``BlockTable.slot_mapping``)."""
+        return self.get_block_table(request_id).slot_mapping(start, end)
+
+    def get_block_table(self, request) -> BlockTable:
+        """The block table of ``request`` (a ``Request`` or its id): blocks, token count
+        and the slot formula, as the model runner reads it."""
+        rid = _request_id(request)
+        if rid not in self.block_tables:
+            raise ValueError(f"unknown request {rid!r}")
+        return self.block_tables[rid]
 
     # -- reporting ----------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -460,15 +483,15 @@ class KVCacheManager:
 
     def get_num_table_blocks(self) -> int:
         """Block-table entries over all requests: the blocks used *without* sharing."""
-        return sum(len(t) for t in self.req_to_blocks.values())
+        return sum(len(t.blocks) for t in self.block_tables.values())
 
     def usage(self) -> KVCacheUsage:
         """Slots holding tokens, reserved, free. Shared blocks count once."""
         bs = self.block_size
         per_block: dict[int, int] = {}  # block id -> tokens it holds
-        for rid, blocks in self.req_to_blocks.items():
-            n = self.num_tokens[rid]
-            for j, b in enumerate(blocks):
+        for t in self.block_tables.values():
+            n = t.num_tokens
+            for j, b in enumerate(t.blocks):
                 held = min(bs, n - j * bs)
                 per_block[b.block_id] = max(per_block.get(b.block_id, 0), held)
         reserved = (self.num_blocks - self.get_num_free_blocks()) * bs
@@ -481,42 +504,28 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         self.block_pool.check_invariants()
-        holders: dict[int, int] = {}
-        for rid, blocks in self.req_to_blocks.items():
-            n = self.num_tokens[rid]
-            assert len(blocks) == cdiv(n, self.block_size), (
-                f"request {rid!r}: {len(blocks)} blocks for {n} tokens "
-                f"(block_size {self.block_size})"
-            )
-            for b in blocks:
-                holders[b.block_id] = holders.get(b.block_id, 0) + 1
-        assert set(self.num_tokens) == set(self.req_to_blocks), "num_tokens / tables disagree"
-        for b in self.block_pool.blocks:
-            assert b.ref_cnt == holders.get(b.block_id, 0), (
-                f"block {b.block_id}: ref_cnt {b.ref_cnt} but held by "
-                f"{holders.get(b.block_id, 0)} block tables"
-            )
-        # swap space
-        assert set(self.cpu_num_tokens) == set(self.req_to_cpu_blocks), "cpu tables disagree"
-        both = set(self.req_to_cpu_blocks) & set(self.req_to_blocks)
+        both = set(self.cpu_block_tables) & set(self.block_tables)
         assert not both, f"requests {sorted(both)} hold device and CPU blocks at once"
+        pools = [(self.block_pool, self.block_tables, "")]
         if self.cpu_block_pool is None:
-            assert not self.req_to_cpu_blocks, "CPU block tables without a CPU pool"
+            assert not self.cpu_block_tables, "CPU block tables without a CPU pool"
         else:
             self.cpu_block_pool.check_invariants()
-            cpu_holders: dict[int, int] = {}
-            for rid, blocks in self.req_to_cpu_blocks.items():
-                n = self.cpu_num_tokens[rid]
-                assert len(blocks) == cdiv(n, self.block_size), (
-                    f"swapped request {rid!r}: {len(blocks)} CPU blocks for {n} tokens"
-                )
-                for b in blocks:
-                    cpu_holders[b.block_id] = cpu_holders.get(b.block_id, 0) + 1
-            for b in self.cpu_block_pool.blocks:
-                assert b.ref_cnt == cpu_holders.get(b.block_id, 0), (
-                    f"CPU block {b.block_id}: ref_cnt {b.ref_cnt} but held by "
-                    f"{cpu_holders.get(b.block_id, 0)} CPU block tables"
-                )
+            pools.append((self.cpu_block_pool, self.cpu_block_tables, "CPU "))
+        for pool, tables, where in pools:
+            holders: dict[int, int] = {}
+            for rid, t in tables.items():
+                assert t.block_size == self.block_size, f"{where}table of {rid!r}: block_size {t.block_size}"
+                assert len(t.blocks) == cdiv(t.num_tokens, self.block_size), (
+                    f"{where}table of {rid!r}: {len(t.blocks)} blocks for {t.num_tokens} tokens "
+                    f"(block_size {self.block_size})")
+                assert t.num_cached_blocks <= len(t.blocks), f"{rid!r}: {t.num_cached_blocks} cached blocks > its table"
+                for b in t.blocks:
+                    holders[b.block_id] = holders.get(b.block_id, 0) + 1
+            for b in pool.blocks:
+                assert b.ref_cnt == holders.get(b.block_id, 0), (
+                    f"{where}block {b.block_id}: ref_cnt {b.ref_cnt} but held by "
+                    f"{holders.get(b.block_id, 0)} block tables")
         # copy-on-write: distinct destinations, each held by a table
         dsts = [d for _, d in self.pending_copies]
         assert len(set(dsts)) == len(dsts), f"a block is the destination of two copies: {dsts}"
@@ -524,10 +533,6 @@ class KVCacheManager:
             assert s != d and self.block_pool.blocks[d].ref_cnt >= 1, (
                 f"copy {s}->{d}: the destination must be held by a table"
             )
-        # prefix caching
-        assert set(self.num_cached_blocks) <= set(self.req_to_blocks), "cached counts of unknown requests"
-        for rid, k in self.num_cached_blocks.items():
-            assert k <= len(self.req_to_blocks[rid]), f"{rid!r}: {k} cached blocks > its table"
 
 
 def _num_blocks_needed(tables, lens, ks, refs: dict[int, int], block_size: int) -> int:

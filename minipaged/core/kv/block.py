@@ -152,3 +152,9 @@ def hash_block_tokens(parent_hash: Optional[BlockHash], token_ids: Iterable[int]
 def cdiv(a: int, b: int) -> int:
     """Ceiling division: blocks needed for ``a`` tokens at ``b`` tokens per block."""
     return -(-a // b)
+
+
+def check_positive_int(name: str, value) -> None:
+    """ValueError naming ``name`` unless ``value`` is an int > 0 (the one such check)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

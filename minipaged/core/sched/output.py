@@ -4,8 +4,8 @@ Mirrors vLLM ``vllm/v1/core/sched/output.py`` (plus v0's ``blocks_to_swap_in`` /
 ``blocks_to_swap_out`` / ``blocks_to_copy``).
 
 Inputs / outputs
-    Filled by a scheduler's ``schedule()`` (``minipaged/core/scheduler.py``,
-    ``static_scheduler.py``); read by the engine (model inputs, block copies) and consumed
+    Filled by a scheduler's ``schedule()`` (``scheduler.py`` and its layers,
+    ``static.py``); read by the engine (model inputs, block copies) and consumed
     by ``update_from_output``, which adds ``finished``.
 Invariants
     ``scheduled`` is in batch order (running first, then swapped-in and admitted);
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minipaged.core.request import Request
+from minipaged.core.sched.request import Request
 
 
 @dataclass

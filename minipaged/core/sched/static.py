@@ -7,8 +7,8 @@ What it is
     its maximum length (``get_max_num_kv_tokens``) up front, as a contiguous allocator
     must. Prompts run whole (no chunking) and nothing is ever preempted or swapped. The
     n sequences of a ``SamplingParams(n > 1)`` request are served independently, without
-    sharing. Queues, validation, refusal and stop checks are the shared
-    ``_SchedulerBase`` (``minipaged/core/scheduler.py``); only ``schedule`` differs.
+    sharing. Queues, validation, refusal and stop checks are the base ``Scheduler``'s
+    (``scheduler.py``); only ``schedule`` differs.
 
 Inputs / outputs
     As ``Scheduler``: ``add_request``; ``schedule() -> SchedulerOutput``;
@@ -16,7 +16,7 @@ Inputs / outputs
 
 Invariants (``check_invariants``)
     Those of the base, plus: every batch member holds exactly its reservation's slots and
-    never computes past it; nothing is admitted while a batch runs; nothing is swapped.
+    never computes past it; nothing is admitted while a batch runs.
 
 Failure mode
     Waste, not errors: a batch runs as long as its longest member while finished members'
@@ -27,21 +27,19 @@ Failure mode
 
 from __future__ import annotations
 
-from minipaged.core.request import Request, RequestStatus
-from minipaged.core.sched_output import SchedulerOutput
-from minipaged.core.sched_utils import get_max_num_kv_tokens
-from minipaged.core.scheduler import _SchedulerBase
+from minipaged.core.sched.output import SchedulerOutput
+from minipaged.core.sched.request import Request, RequestStatus, get_max_num_kv_tokens
+from minipaged.core.sched.scheduler import Scheduler
 
 
-class StaticBatchScheduler(_SchedulerBase):
+class StaticBatchScheduler(Scheduler):
     """The baseline: static batches with a max-length reservation per request.
 
     A batch of up to ``max_num_seqs`` requests is formed only when the previous batch has
     completely finished; each member reserves ``ceil(get_max_num_kv_tokens / block_size)``
     blocks up front (memory for its maximum length, as a contiguous allocator must).
     Prompts run whole (no chunking; ``enable_chunked_prefill`` is ignored) and a prompt
-    waits for a step with enough token budget left. Nothing is ever preempted
-    (``preemption_mode`` and ``num_cpu_blocks`` are accepted and unused).
+    waits for a step with enough token budget left. Nothing is ever preempted.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -77,11 +75,9 @@ class StaticBatchScheduler(_SchedulerBase):
     def _check_allocation(self, in_flight: dict[str, int]) -> None:
         kv = self.kv_cache_manager
         for r in self.running:
-            assert kv.num_tokens[r.request_id] == self._reservation(r), (
-                f"batch member {r.request_id}: slots for {kv.num_tokens[r.request_id]} "
+            assert kv.block_tables[r.request_id].num_tokens == self._reservation(r), (
+                f"batch member {r.request_id}: slots for {kv.block_tables[r.request_id].num_tokens} "
                 f"tokens, reservation {self._reservation(r)}"
             )
             assert r.num_computed_tokens + in_flight.get(r.request_id, 0) <= self._reservation(r)
-        if self.running:
-            assert not self.swapped, "static batching never swaps"
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Sequence
 
-from minipaged.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
+from minipaged.core.kv.block import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
 
 
 class BlockPool:

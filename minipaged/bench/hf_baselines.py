@@ -25,7 +25,7 @@ Inputs
     a transformers causal LM (eval, fp32), the prompts (token ids) and the output length
     of each request, and the KV budget.
 Outputs
-    ``ServeResult`` (``minipaged.engine.bench``): per request the generated token ids, the
+    ``ServeResult`` (``minipaged.bench.serving``): per request the generated token ids, the
     time of its first token and of its last token from the start of serving; wall and
     process-CPU seconds, steps (forward passes), and system-specific ``info``.
 
@@ -52,7 +52,7 @@ from typing import Optional
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from minipaged.engine.bench import ServeResult
+from minipaged.bench.result import ServeResult
 
 # name -> LlamaConfig keyword arguments (GQA, tied embeddings, 512-token context)
 RANDOM_LLAMAS = {

@@ -13,7 +13,7 @@ What it measures
     (b) ``static+contiguous``: minipaged's ``StaticBatchScheduler``, a batch formed only when
         the last one is done, each member reserving prompt + max_tokens slots up front;
     (c) ``hf-generate-static``: transformers ``model.generate`` in left-padded static batches
-        that fit the same slots (``minipaged.engine.hf_baselines``);
+        that fit the same slots (``minipaged.bench.hf_baselines``);
     (d) ``hf-continuous-batching``: transformers' ``ContinuousBatchingManager`` with a paged
         cache of the same slots and the same token budget per step; if it cannot run here the
         system is reported as ``unavailable: <reason>``.
@@ -55,9 +55,9 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
+from minipaged.bench.result import ServeResult
 from minipaged.cli import dumps_json
 
 # name -> (letter, what it is)
@@ -69,19 +69,6 @@ SYSTEMS = {
 }
 MINIPAGED = {"continuous+paged": "continuous", "static+contiguous": "static"}
 NAMED_MODELS = ("course", "random-llama-20m", "tiny-llama")
-
-
-@dataclass
-class ServeResult:
-    """One system's run: per request its tokens and the times (s from the start) of its first and last token."""
-
-    token_ids: list[list[int]]
-    wall_s: float
-    cpu_s: float
-    first_token_s: list[float]
-    last_token_s: list[float]
-    steps: int
-    info: dict = field(default_factory=dict)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -224,7 +211,7 @@ def _common_metrics(res: ServeResult, output_lens: list[int]) -> dict:
 # -- models ---------------------------------------------------------------------------
 def _resolve_model(model: Optional[str], tmp: str, seed: int) -> tuple[str, Optional[str]]:
     """(label, checkpoint dir or None for the course model)."""
-    from minipaged.engine.hf_baselines import RANDOM_LLAMAS, make_random_llama
+    from minipaged.bench.hf_baselines import RANDOM_LLAMAS, make_random_llama
 
     if model in (None, "course"):
         return "course", None
@@ -293,8 +280,8 @@ def _measure(label, path, names, *, workload, num_requests, seed, block_size, nu
 
     from minipaged import SamplingParams
     from minipaged.config import EngineConfig
-    from minipaged.core.kv_cache_utils import cdiv
-    from minipaged.engine import hf_baselines
+    from minipaged.core.kv.block import cdiv
+    from minipaged.bench import hf_baselines
     from minipaged.engine.llm_engine import LLMEngine, load_model_checked
     from minipaged.model.loader import resolve_model_path
 
@@ -445,7 +432,7 @@ def _first_diff(x: list[int], y: list[int]) -> int:
 
 
 # -- profile of one step --------------------------------------------------------------
-_BLOCK_FILES = ("core/kv_cache_manager.py", "core/block_pool.py", "core/kv_cache_utils.py")
+_BLOCK_FILES = ("core/kv/kv_cache_manager.py", "core/kv/block_pool.py", "core/kv/block.py", "core/kv/block_table.py")
 
 
 def profile_step(model_obj, tokenizer, prompts, *, path=None, block_size=16, num_seqs=64,
@@ -465,7 +452,7 @@ def profile_step(model_obj, tokenizer, prompts, *, path=None, block_size=16, num
 
     from minipaged import SamplingParams
     from minipaged.config import EngineConfig
-    from minipaged.core.kv_cache_utils import cdiv
+    from minipaged.core.kv.block import cdiv
     from minipaged.engine.llm_engine import LLMEngine
 
     max_len = int(model_obj.max_model_len)

@@ -96,3 +96,16 @@ class Request:
             f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
             f"out={self.num_output_tokens}, computed={self.num_computed_tokens})"
         )
+
+
+def get_max_num_kv_tokens(request: Request, max_model_len: Optional[int] = None) -> int:
+    """The most tokens whose K/V ``request`` can ever hold at once.
+
+    ``prompt + max_tokens - 1``: the last sampled token is never fed back. Generation
+    stops when ``num_tokens`` reaches ``max_model_len``, so at most ``max_model_len - 1``
+    tokens are fed, but the prompt itself always is.
+    """
+    n = request.num_prompt_tokens + request.max_tokens - 1
+    if max_model_len is not None:
+        n = min(n, max_model_len - 1)
+    return max(n, request.num_prompt_tokens)
