@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from minipaged import kernels
+from minipaged.kernels.reference import build_attn_metadata
 from minipaged.model.input import ModelInput
 
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -67,9 +68,14 @@ class PagedAttention(nn.Module):
 
         # 2. Read: each query attends to its sequence's tokens, found through its block table.
         if self.backend == "torch":
+            if inp.attn_metadata is None:  # the step's first layer plans; the others reuse the plan
+                inp.attn_metadata = build_attn_metadata(
+                    inp.block_tables, inp.cu_seqlens_q, inp.seq_lens, k_cache.shape[1],
+                    self.num_heads * self.head_dim,
+                )
             return kernels.paged_attention_torch(
                 q, k_cache, v_cache, inp.block_tables, inp.cu_seqlens_q, inp.seq_lens,
-                inp.max_query_len, inp.max_seq_len, self.scale,
+                inp.max_query_len, inp.max_seq_len, self.scale, metadata=inp.attn_metadata,
             )  # [T, H, D]
         if inp.is_decode_only:
             # NOTE: decode-only means T == num_seqs, so q is already [num_seqs, H, D].
