@@ -398,6 +398,7 @@ def _measure(label, path, names, *, workload, num_requests, seed, block_size, nu
                 cpu_ratios[key] = round(a["tokens_per_cpu_s"] / m["tokens_per_cpu_s"], 2)
             if m["steps"]:
                 step_ratios[key] = round(m["steps"] / a["steps"], 2)
+    median_ratios = _median_ratios(systems)
     num_params = sum(p.numel() for p in model_obj.parameters())
     report = {
         "workload": {
@@ -426,12 +427,27 @@ def _measure(label, path, names, *, workload, num_requests, seed, block_size, nu
         "ratios": ratios,
         "cpu_ratios": cpu_ratios,
         "step_ratios": step_ratios,
+        "median_ratios": median_ratios,
     }
     if profile:
         report["profile"] = profile_step(model_obj, tokenizer, prompts, path=path, block_size=block_size,
                                          num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                          device=device, attention_backend=attention_backend, steps=profile_steps)
     return report
+
+
+def _median_ratios(systems: dict) -> dict:
+    """a/x tokens/s ratios from each system's *median* wall time over its runs (every run of a
+    system produces the same tokens, so tokens/s ratios are inverse wall-time ratios)."""
+    def median_tps(m):
+        walls = sorted(m["wall_s_all_runs"])
+        return m["output_tokens"] / walls[len(walls) // 2]
+
+    a = systems.get("continuous+paged", {})
+    if "wall_s_all_runs" not in a:
+        return {}
+    return {f"a/{m['label']}": round(median_tps(a) / median_tps(m), 2)
+            for name, m in systems.items() if name != "continuous+paged" and m.get("wall_s_all_runs")}
 
 
 def _first_diff(x: list[int], y: list[int]) -> int:
@@ -762,6 +778,9 @@ def format_report(r: dict) -> str:
             + ("; by steps: " + ", ".join(f"{k} {v:.2f}x" for k, v in r["step_ratios"].items())
                if r["step_ratios"] else "")
         )
+    if r.get("median_ratios") and r["repeats"] > 1:
+        lines.append(f"ratios (tokens/s, median of {r['repeats']} runs per system): "
+                     + ", ".join(f"{k} {v:.2f}x" for k, v in r["median_ratios"].items()))
     if r["outputs_equal"]:
         lines.append("outputs equal (greedy, token for token): " + ", ".join(
             f"{k} {'yes' if r['outputs_equal'][k] else 'no'} ({r['outputs_matching'][k]})" for k in r["outputs_equal"]

@@ -36,10 +36,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()  # [T, hidden]
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # [T, hidden]
-        return self.weight * x.to(dtype)
+        if x.dtype != torch.float32:  # half precision: compute in fp32, as transformers does
+            return self.weight * self.forward(x.float()).to(x.dtype)
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))  # [T, hidden]
 
 
 def rope_parameters(config) -> dict:
@@ -102,15 +101,25 @@ class RotaryEmbedding(nn.Module):
         self.cos_cache = freqs.cos() * self.attention_scaling  # [P, D/2]
         self.sin_cache = freqs.sin() * self.attention_scaling  # [P, D/2]
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """positions [T]; x [T, N, D] (any number N of heads: q's, k's, or both) -> rotated x."""
+    def cos_sin(self, positions: torch.Tensor, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of each token's angles, [T, 1, D/2] each: looked up once per step, used by every layer."""
         if self.cos_cache.device != positions.device:
             self.cos_cache = self.cos_cache.to(positions.device)
             self.sin_cache = self.sin_cache.to(positions.device)
-        cos = self.cos_cache[positions].to(x.dtype)[:, None, :]  # [T, 1, D/2]
-        sin = self.sin_cache[positions].to(x.dtype)[:, None, :]  # [T, 1, D/2]
+        cos = self.cos_cache[positions].to(dtype)[:, None, :]  # [T, 1, D/2]
+        sin = self.sin_cache[positions].to(dtype)[:, None, :]  # [T, 1, D/2]
+        return cos, sin
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, N, D] (any number N of heads: q's, k's, or both) -> rotated x."""
+        cos, sin = cos_sin  # [T, 1, D/2] each
         x1, x2 = x.chunk(2, dim=-1)  # [T, N, D/2] each
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [T, N, D]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """positions [T]; x [T, N, D] -> rotated x (``rotate(x, cos_sin(positions))``)."""
+        return self.rotate(x, self.cos_sin(positions, x.dtype))
 
 
 def get_act_fn(name: str):

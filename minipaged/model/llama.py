@@ -101,11 +101,11 @@ class LlamaAttention(nn.Module):
         q, kv = self.q_size, self.kv_size
         return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[shard]
 
-    def forward(self, positions, h, kv_cache, inp: ModelInput) -> torch.Tensor:
+    def forward(self, cos_sin, h, kv_cache, inp: ModelInput) -> torch.Tensor:
         T = h.shape[0]
         qkv = self.qkv_proj(h)  # [T, q_size + 2 * kv_size]
         # q and k sit side by side: one RoPE call rotates both ([T, H + KVH, D]).
-        qk = self.rotary_emb(positions, qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim))
+        qk = self.rotary_emb.rotate(qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim), cos_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, H, D], [T, KVH, D]
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         o = self.attn(q, k, v, kv_cache, inp)  # [T, H, D]
@@ -120,8 +120,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, h, kv_cache, inp: ModelInput) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, inp)  # [T, hidden]
+    def forward(self, cos_sin, h, kv_cache, inp: ModelInput) -> torch.Tensor:
+        h = h + self.self_attn(cos_sin, self.input_layernorm(h), kv_cache, inp)  # [T, hidden]
         return h + self.mlp(self.post_attention_layernorm(h))  # [T, hidden]
 
 
@@ -130,6 +130,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         rotary_emb = RotaryEmbedding(config, head_dim)
+        self.rotary_emb = rotary_emb  # one table for all layers
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, head_dim, rotary_emb, backend)
             for _ in range(config.num_hidden_layers)
@@ -164,9 +165,12 @@ class LlamaForCausalLM(PagedCausalLM):
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model {self.num_layers}")
         h = self.model.embed_tokens(inp.input_ids)  # [T, hidden]
+        # RoPE angles depend only on the positions: looked up once, rotated in every layer
+        cos_sin = self.model.rotary_emb.cos_sin(inp.positions, h.dtype)  # [T, 1, D/2] x 2
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(inp.positions, h, kv_cache, inp)  # [T, hidden]
-        h = h[inp.logits_indices]  # [B, hidden]: only each sequence's last token
+            h = layer(cos_sin, h, kv_cache, inp)  # [T, hidden]
+        if not (inp.is_decode_only and h.shape[0] == inp.num_seqs):  # else every row is a last token
+            h = h[inp.logits_indices]  # [B, hidden]: only each sequence's last token
         h = self.model.norm(h)  # [B, hidden]
         return self.lm_head(h).float()  # [B, vocab]
 
