@@ -30,6 +30,10 @@ What it measures
     ``--profile``: one decode step at ``max_num_seqs`` (64) running sequences, timed by the
     engine's stopwatch laps over several steps (no profiler) and split further with cProfile:
     scheduling, block management, input preparation, trace recording, forward, sampler.
+    Then one of those steps' forward is split (``forward_breakdown``, CPU time): the weight
+    matmuls alone (the floor), the attention layers, everything else, and forward / floor;
+    ``plot_forward_breakdown`` draws recorded breakdowns ("where a decode step's time goes",
+    ``benchmarks/results/cpu_profile.json``).
 
 Models
     ``course`` (the shipped course model, default), ``random-llama-20m`` (a seeded random
@@ -586,20 +590,23 @@ def _weight_matrices(model, unfused: bool = False) -> list:
     return mats
 
 
-def _cpu_ms(fn, calls: int, repeats: int) -> float:
-    """Median over ``repeats`` of the mean CPU time (ms) of ``calls`` calls of ``fn``.
+def _cpu_ms(fns: dict, calls: int, repeats: int) -> dict:
+    """name -> median over ``repeats`` of the mean CPU time (ms) of ``calls`` calls of ``fns[name]``.
 
+    The functions take turns in each repeat, so a change in machine load hits all alike.
     NOTE: process CPU time, not wall time: on a shared machine a wall clock also counts the
     time this process waits for a core; CPU time counts only the work (with 1 torch thread).
     """
-    fn()  # warm
-    runs = []
+    for fn in fns.values():
+        fn()  # warm
+    runs: dict = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.process_time()
-        for _ in range(calls):
-            fn()
-        runs.append(1e3 * (time.process_time() - t0) / calls)
-    return sorted(runs)[len(runs) // 2]
+        for name, fn in fns.items():
+            t0 = time.process_time()
+            for _ in range(calls):
+                fn()
+            runs[name].append(1e3 * (time.process_time() - t0) / calls)
+    return {name: sorted(r)[len(r) // 2] for name, r in runs.items()}
 
 
 def forward_breakdown(model, inp, kv_caches, calls: int = 10, repeats: int = 5) -> dict:
@@ -611,7 +618,7 @@ def forward_breakdown(model, inp, kv_caches, calls: int = 10, repeats: int = 5) 
       matrices (what fusing them saves).
     - ``forward_ms``: ``model.forward`` on the step's input (its attention plan included).
     - ``attention_ms``: time inside the ``PagedAttention`` layers (cache write, attention
-      plan, attention), measured by hooks in a separate pass.
+      plan, attention): their share of a separate pass timed with hooks, times ``forward_ms``.
     - ``other_ms`` = forward - floor - attention: norms, rotary, residuals, reshapes,
       gathers, Python; ``*_share`` are fractions of the forward, ``ratio_to_floor`` = forward / floor.
     All CPU times of this process (``_cpu_ms``), medians of ``repeats``.
@@ -648,19 +655,22 @@ def forward_breakdown(model, inp, kv_caches, calls: int = 10, repeats: int = 5) 
         spent["attention"] += time.process_time() - spent["t0"]
 
     with torch.inference_mode():
-        floor = _cpu_ms(matmuls(_weight_matrices(model)), calls, repeats)
-        floor_unfused = _cpu_ms(matmuls(_weight_matrices(model, unfused=True)), calls, repeats)
-        fwd = _cpu_ms(forward, calls, repeats)
+        ms = _cpu_ms({"floor": matmuls(_weight_matrices(model)), "forward": forward,
+                      "floor_unfused": matmuls(_weight_matrices(model, unfused=True))}, calls, repeats)
+        floor, fwd, floor_unfused = ms["floor"], ms["forward"], ms["floor_unfused"]
         hooks = [h for m in model.modules() if isinstance(m, PagedAttention)
                  for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
         try:
-            n = calls * repeats
-            for _ in range(n):
+            t0 = time.process_time()
+            for _ in range(calls * repeats):
                 forward()
+            hooked = time.process_time() - t0
         finally:
             for h in hooks:
                 h.remove()
-    attention = 1e3 * spent["attention"] / n
+    # NOTE: the attention's share of the hooked pass, applied to the forward timed without hooks
+    # (one pass gives both numbers the same machine load).
+    attention = fwd * spent["attention"] / hooked
     other = max(0.0, fwd - floor - attention)
     return {
         "tokens": rows,
@@ -698,12 +708,14 @@ def plot_forward_breakdown(runs: dict, ax=None):
     floor, attention and everything else (ms), with forward / floor written at its end.
     Returns the matplotlib ``Axes``.
     """
+    import textwrap
+
     import matplotlib.pyplot as plt
 
     if not runs:
         raise ValueError("runs must hold at least one breakdown")
     if ax is None:
-        _, ax = plt.subplots(figsize=(8, 0.9 + 0.7 * len(runs)))
+        _, ax = plt.subplots(figsize=(9, 1.6 + 0.8 * len(runs)))
     parts = (("floor_ms", "weight matmuls (the floor)", "#4c72b0"),
              ("attention_ms", "attention", "#dd8452"),
              ("other_ms", "everything else", "#8c8c8c"))
@@ -714,11 +726,12 @@ def plot_forward_breakdown(runs: dict, ax=None):
             ax.barh(y, b[key], left=left, color=color, label=name if y == 0 else None)
             left += b[key]
         ax.text(left, y, f"  {b['ratio_to_floor']:.2f}x floor", va="center")
-    ax.set_yticks(range(len(labels)), labels)
+    ax.set_yticks(range(len(labels)), [textwrap.fill(label, 32) for label in labels])
     ax.set_xlabel("CPU ms per decode step (forward only)")
-    ax.set_xlim(0, 1.25 * max(r["forward_ms"] for r in runs.values()))
-    ax.legend(loc="lower right", fontsize="small")
-    ax.set_title("Where a decode step's time goes")
+    ax.set_xlim(0, 1.3 * max(r["forward_ms"] for r in runs.values()))
+    ax.set_ylim(-0.6, len(labels) - 0.4)
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize="small", frameon=False)
+    ax.set_title("Where a decode step's time goes", pad=28)
     return ax
 
 

@@ -42,7 +42,12 @@ Functions
     ``paged_attention_prefill_ref``  causal varlen over a cached prefix, a loop too.
     ``contiguous_attention``         plain attention on contiguous tensors.
     ``paged_attention_torch``        one vectorized call for decode and mixed batches: the
-                                     engine's default ``"torch"`` attention backend.
+                                     engine's default ``"torch"`` attention backend. Decode
+                                     rows go through ``_decode_split_kv`` (every sequence's
+                                     blocks packed, per-block softmax, merged per sequence),
+                                     prefill rows through padded SDPA calls over length buckets.
+    ``build_attn_metadata``          its per-step plan (which blocks each decode reads, the
+                                     prefill buckets), built once and shared by every layer.
 """
 
 from __future__ import annotations

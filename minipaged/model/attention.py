@@ -19,6 +19,9 @@ Invariants
     - Token ``i`` of the step is written at ``slot_mapping[i]``; slot -1 (padding) is skipped.
     - Backends compute the same function; "triton" picks the decode kernel when every
       sequence has exactly one query (``inp.is_decode_only``), the varlen kernel otherwise.
+    - "torch" plans once per step (``build_attn_metadata``: block ids, masks, buckets) in the
+      first layer and keeps the plan on ``inp.attn_metadata`` for the other layers, as vLLM
+      builds its attention metadata once per step for all layers.
 
 Failure mode
     An unknown backend raises ``ValueError``; "triton" without Triton installed raises

@@ -8,7 +8,8 @@ Inputs / outputs
     All layers work on the flat token batch of one engine step: ``[T, hidden]`` rows, no
     padding and no batch axis (``minipaged.model.input.ModelInput``). ``RotaryEmbedding``
     takes each token's *position* ``[T]`` explicitly, because the rows of one step belong to
-    different sequences at different offsets.
+    different sequences at different offsets; ``cos_sin(positions)`` looks the angles up once
+    per step and ``rotate(x, cos_sin)`` applies them in each layer.
 
 Invariants
     - ``RMSNorm`` and ``RotaryEmbedding`` compute in fp32 and cast back, as Hugging Face does,
