@@ -284,9 +284,9 @@ def build_attn_metadata(
     key_bias = torch.zeros(slot_pos.shape, device=device)  # [NB, bs]
     key_bias.masked_fill_(slot_pos >= dec_lens[seq_of_block, None], float("-inf"))
 
-    # 2. Prefills: a few padded calls over length buckets (``_length_buckets``).
+    # 2. Prefills (rows with q_len > 1): a few padded calls over length buckets (``_length_buckets``).
     buckets = []
-    for bucket in _length_buckets(cu_host, seq_lens_host, block_size, row_cost):
+    for bucket in _length_buckets(cu_host, seq_lens_host, block_size, row_cost) if len(decodes) < num_seqs else []:
         q_lens = [cu_host[b + 1] - cu_host[b] for b in bucket]
         if max(q_lens) == 1:
             continue  # the decodes' bucket: step 1 covers it
