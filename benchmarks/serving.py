@@ -13,8 +13,9 @@ slots for every system:
 
 Prints tokens/s (wall and CPU time), TTFT, TPOT, steps, sequences per step, preemptions, the
 per-step overhead, whether the greedy outputs agree pair by pair, and the ratios (a)/(b),
-(a)/(c), (a)/(d). ``--profile`` adds the split of one step at 64 running sequences. See that
-module's docstring.
+(a)/(c), (a)/(d) (of the fastest run, and with ``--repeats`` > 1 of the median run).
+``--profile`` adds the split of one step at 64 running sequences, and of its forward into the
+weight matmuls alone (the floor), attention and everything else. See that module's docstring.
 """
 
 import sys

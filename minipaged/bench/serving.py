@@ -30,6 +30,10 @@ What it measures
     ``--profile``: one decode step at ``max_num_seqs`` (64) running sequences, timed by the
     engine's stopwatch laps over several steps (no profiler) and split further with cProfile:
     scheduling, block management, input preparation, trace recording, forward, sampler.
+    Then one of those steps' forward is split (``forward_breakdown``, CPU time): the weight
+    matmuls alone (the floor), the attention layers, everything else, and forward / floor;
+    ``plot_forward_breakdown`` draws recorded breakdowns ("where a decode step's time goes",
+    ``benchmarks/results/cpu_profile.json``).
 
 Models
     ``course`` (the shipped course model, default), ``random-llama-20m`` (a seeded random
@@ -388,6 +392,7 @@ def _measure(label, path, names, *, workload, num_requests, seed, block_size, nu
                 cpu_ratios[key] = round(a["tokens_per_cpu_s"] / m["tokens_per_cpu_s"], 2)
             if m["steps"]:
                 step_ratios[key] = round(m["steps"] / a["steps"], 2)
+    median_ratios = _median_ratios(systems)
     num_params = sum(p.numel() for p in model_obj.parameters())
     report = {
         "workload": {
@@ -416,12 +421,27 @@ def _measure(label, path, names, *, workload, num_requests, seed, block_size, nu
         "ratios": ratios,
         "cpu_ratios": cpu_ratios,
         "step_ratios": step_ratios,
+        "median_ratios": median_ratios,
     }
     if profile:
         report["profile"] = profile_step(model_obj, tokenizer, prompts, path=path, block_size=block_size,
                                          num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                          device=device, attention_backend=attention_backend, steps=profile_steps)
     return report
+
+
+def _median_ratios(systems: dict) -> dict:
+    """a/x tokens/s ratios from each system's *median* wall time over its runs (every run of a
+    system produces the same tokens, so tokens/s ratios are inverse wall-time ratios)."""
+    def median_tps(m):
+        walls = sorted(m["wall_s_all_runs"])
+        return m["output_tokens"] / walls[len(walls) // 2]
+
+    a = systems.get("continuous+paged", {})
+    if "wall_s_all_runs" not in a:
+        return {}
+    return {f"a/{m['label']}": round(median_tps(a) / median_tps(m), 2)
+            for name, m in systems.items() if name != "continuous+paged" and m.get("wall_s_all_runs")}
 
 
 def _first_diff(x: list[int], y: list[int]) -> int:
@@ -471,6 +491,7 @@ def profile_step(model_obj, tokenizer, prompts, *, path=None, block_size=16, num
             raise RuntimeError("profile: the sequences never all reached decode")
     for _ in range(warm_steps):
         engine.step()
+    step_input = _capture_step_input(engine)  # one more step: its forward is split below
     for k in engine.step_times:
         engine.step_times[k] = 0.0
     t0 = time.perf_counter()
@@ -500,7 +521,9 @@ def profile_step(model_obj, tokenizer, prompts, *, path=None, block_size=16, num
 
     ms = {k: round(1e3 * v, 3) for k, v in laps.items()}
     overhead = laps["schedule"] + laps["prepare"]
+    breakdown = forward_breakdown(model_obj, *step_input)
     return {
+        "forward_breakdown": breakdown,
         "running_seqs": running,
         "steps_timed": steps,
         "step_ms": round(1e3 * step_s, 3),
@@ -514,6 +537,192 @@ def profile_step(model_obj, tokenizer, prompts, *, path=None, block_size=16, num
                               if v / total >= 0.001},
         "cprofile_block_management_fraction": round(block / total, 3),
     }
+
+
+# -- where a decode step's forward goes: matmul floor, attention, the rest -------------
+def _capture_step_input(engine):
+    """(ModelInput, kv_caches) of the engine's next step, captured while it runs."""
+    model = engine.model
+    seen = {}
+
+    def capture(inp, kv_caches):
+        seen["inp"], seen["kv"] = inp, kv_caches
+        return type(model).forward(model, inp, kv_caches)
+
+    model.forward = capture  # NOTE: an instance attribute shadows the method for one step
+    try:
+        engine.step()
+    finally:
+        del model.forward
+    return seen["inp"], seen["kv"]
+
+
+def _weight_matrices(model, unfused: bool = False) -> list:
+    """(name, weight, bias) of every ``nn.Linear`` in ``model``; with ``unfused`` a fused projection
+    (``qkv_proj``, ``gate_up_proj``) counts as the checkpoint's separate matrices."""
+    from torch import nn
+
+    from minipaged.model.llama import STACKED_PARAMS
+
+    mats = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        parent_name, _, field_name = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        shards = [shard for fused, _, shard in STACKED_PARAMS if fused == field_name]
+        if unfused and shards and hasattr(parent, "shard_rows"):
+            for shard in shards:
+                rows = parent.shard_rows(shard)
+                mats.append((name, mod.weight[rows], None if mod.bias is None else mod.bias[rows]))
+        else:
+            mats.append((name, mod.weight, mod.bias))
+    return mats
+
+
+def _cpu_ms(fns: dict, calls: int, repeats: int) -> dict:
+    """name -> median over ``repeats`` of the mean CPU time (ms) of ``calls`` calls of ``fns[name]``.
+
+    The functions take turns in each repeat, so a change in machine load hits all alike.
+    NOTE: process CPU time, not wall time: on a shared machine a wall clock also counts the
+    time this process waits for a core; CPU time counts only the work (with 1 torch thread).
+    """
+    for fn in fns.values():
+        fn()  # warm
+    runs: dict = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.process_time()
+            for _ in range(calls):
+                fn()
+            runs[name].append(1e3 * (time.process_time() - t0) / calls)
+    return {name: sorted(r)[len(r) // 2] for name, r in runs.items()}
+
+
+def forward_breakdown(model, inp, kv_caches, calls: int = 10, repeats: int = 5) -> dict:
+    """Split one step's forward into: the weight matmuls (the floor), attention, the rest.
+
+    - ``floor_ms``: the same rows through every weight matrix of the model as plain
+      ``F.linear`` calls, nothing else (T rows per layer matrix, B rows for the LM head);
+      ``floor_unfused_ms``: the same with q/k/v and gate/up as the checkpoint's separate
+      matrices (what fusing them saves).
+    - ``forward_ms``: ``model.forward`` on the step's input (its attention plan included).
+    - ``attention_ms``: time inside the ``PagedAttention`` layers (cache write, attention
+      plan, attention): their share of a separate pass timed with hooks, times ``forward_ms``.
+    - ``other_ms`` = forward - floor - attention: norms, rotary, residuals, reshapes,
+      gathers, Python; ``*_share`` are fractions of the forward, ``ratio_to_floor`` = forward / floor.
+    All CPU times of this process (``_cpu_ms``), medians of ``repeats``.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from minipaged.model.attention import PagedAttention
+
+    rows = int(inp.input_ids.shape[0])
+    gen = torch.Generator().manual_seed(0)
+
+    def matmuls(mats):
+        # NOTE: the LM head sees one row per sequence (the logits rows), the others every token
+        xs = [torch.randn(inp.num_seqs if name.endswith("lm_head") else rows, w.shape[1], generator=gen,
+                          dtype=w.dtype) for name, w, _ in mats]
+
+        def run():
+            for x, (_, w, b) in zip(xs, mats):
+                F.linear(x, w, b)
+
+        return run
+
+    def forward():
+        inp.attn_metadata = None  # NOTE: plan the attention as a real step does
+        model.forward(inp, kv_caches)
+
+    spent = {"attention": 0.0}
+
+    def pre(mod, args):
+        spent["t0"] = time.process_time()
+
+    def post(mod, args, out):
+        spent["attention"] += time.process_time() - spent["t0"]
+
+    with torch.inference_mode():
+        ms = _cpu_ms({"floor": matmuls(_weight_matrices(model)), "forward": forward,
+                      "floor_unfused": matmuls(_weight_matrices(model, unfused=True))}, calls, repeats)
+        floor, fwd, floor_unfused = ms["floor"], ms["forward"], ms["floor_unfused"]
+        hooks = [h for m in model.modules() if isinstance(m, PagedAttention)
+                 for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+        try:
+            t0 = time.process_time()
+            for _ in range(calls * repeats):
+                forward()
+            hooked = time.process_time() - t0
+        finally:
+            for h in hooks:
+                h.remove()
+    # NOTE: the attention's share of the hooked pass, applied to the forward timed without hooks
+    # (one pass gives both numbers the same machine load).
+    attention = fwd * spent["attention"] / hooked
+    other = max(0.0, fwd - floor - attention)
+    return {
+        "tokens": rows,
+        "num_seqs": inp.num_seqs,
+        "mean_context": round(float(inp.seq_lens.float().mean()), 1),
+        "max_context": int(inp.max_seq_len),
+        "forward_ms": round(fwd, 3),
+        "floor_ms": round(floor, 3),
+        "floor_unfused_ms": round(floor_unfused, 3),
+        "attention_ms": round(attention, 3),
+        "other_ms": round(other, 3),
+        "floor_share": round(floor / fwd, 3),
+        "attention_share": round(attention / fwd, 3),
+        "other_share": round(other / fwd, 3),
+        "ratio_to_floor": round(fwd / floor, 2),
+    }
+
+
+def format_forward_breakdown(b: dict) -> str:
+    return (
+        f"  forward at {b['num_seqs']} sequences (context mean {b['mean_context']}, max {b['max_context']}): "
+        f"{b['forward_ms']:.2f} ms CPU = weight matmuls alone (the floor) {b['floor_ms']:.2f} ms "
+        f"({b['floor_share']:.0%}) + attention {b['attention_ms']:.2f} ms ({b['attention_share']:.0%}) "
+        f"+ everything else {b['other_ms']:.2f} ms ({b['other_share']:.0%}); "
+        f"forward / floor = {b['ratio_to_floor']:.2f}x (target <= 1.5x); "
+        f"floor with q/k/v and gate/up unfused: {b['floor_unfused_ms']:.2f} ms"
+    )
+
+
+def plot_forward_breakdown(runs: dict, ax=None):
+    """Bar chart "where a decode step's time goes" from recorded breakdowns.
+
+    ``runs``: label -> a ``forward_breakdown`` dict (e.g. the ``"runs"`` of
+    ``benchmarks/results/cpu_profile.json``). One horizontal bar per label, split into the
+    floor, attention and everything else (ms), with forward / floor written at its end.
+    Returns the matplotlib ``Axes``.
+    """
+    import textwrap
+
+    import matplotlib.pyplot as plt
+
+    if not runs:
+        raise ValueError("runs must hold at least one breakdown")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 1.6 + 0.8 * len(runs)))
+    parts = (("floor_ms", "weight matmuls (the floor)", "#4c72b0"),
+             ("attention_ms", "attention", "#dd8452"),
+             ("other_ms", "everything else", "#8c8c8c"))
+    labels = list(runs)[::-1]  # first label on top
+    for y, label in enumerate(labels):
+        b, left = runs[label], 0.0
+        for key, name, color in parts:
+            ax.barh(y, b[key], left=left, color=color, label=name if y == 0 else None)
+            left += b[key]
+        ax.text(left, y, f"  {b['ratio_to_floor']:.2f}x floor", va="center")
+    ax.set_yticks(range(len(labels)), [textwrap.fill(label, 32) for label in labels])
+    ax.set_xlabel("CPU ms per decode step (forward only)")
+    ax.set_xlim(0, 1.3 * max(r["forward_ms"] for r in runs.values()))
+    ax.set_ylim(-0.6, len(labels) - 0.4)
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize="small", frameon=False)
+    ax.set_title("Where a decode step's time goes", pad=28)
+    return ax
 
 
 # -- text report ----------------------------------------------------------------------
@@ -572,6 +781,9 @@ def format_report(r: dict) -> str:
             + ("; by steps: " + ", ".join(f"{k} {v:.2f}x" for k, v in r["step_ratios"].items())
                if r["step_ratios"] else "")
         )
+    if r.get("median_ratios") and r["repeats"] > 1:
+        lines.append(f"ratios (tokens/s, median of {r['repeats']} runs per system): "
+                     + ", ".join(f"{k} {v:.2f}x" for k, v in r["median_ratios"].items()))
     if r["outputs_equal"]:
         lines.append("outputs equal (greedy, token for token): " + ", ".join(
             f"{k} {'yes' if r['outputs_equal'][k] else 'no'} ({r['outputs_matching'][k]})" for k in r["outputs_equal"]
@@ -600,7 +812,7 @@ def format_profile(p: dict) -> str:
         f"{p['non_model_fraction']:.1%}",
         f"  cProfile (inflates Python-heavy parts) of the engine's direct calls: {prof}; "
         f"block management (KVCacheManager/BlockPool, all callers): {p['cprofile_block_management_fraction']:.1%}",
-    ])
+    ] + ([format_forward_breakdown(p["forward_breakdown"])] if "forward_breakdown" in p else []))
 
 
 def run(args) -> int:

@@ -42,13 +42,19 @@ Functions
     ``paged_attention_prefill_ref``  causal varlen over a cached prefix, a loop too.
     ``contiguous_attention``         plain attention on contiguous tensors.
     ``paged_attention_torch``        one vectorized call for decode and mixed batches: the
-                                     engine's default ``"torch"`` attention backend.
+                                     engine's default ``"torch"`` attention backend. Decode
+                                     rows go through ``_decode_split_kv`` (every sequence's
+                                     blocks packed, per-block softmax, merged per sequence),
+                                     prefill rows through padded SDPA calls over length buckets.
+    ``build_attn_metadata``          its per-step plan (which blocks each decode reads, the
+                                     prefill buckets), built once and shared by every layer.
 """
 
 from __future__ import annotations
 
 import math
 from itertools import accumulate
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -230,6 +236,75 @@ def _sdpa_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: to
     return out.reshape(num_seqs, max_q, num_heads, head_dim)  # [B, Mq, H, D]
 
 
+@dataclass
+class TorchAttnMetadata:
+    """What every layer's attention needs to know about one step's batch, built once per step
+    by ``build_attn_metadata`` and read by all layers (vLLM v1: a backend's
+    ``AttentionMetadataBuilder.build()``). Index tensors live on the cache's device.
+
+    Decode sequences (one query row each) are attended block by block (``_decode_split_kv``):
+    their ``NB`` (sequence, logical block) pairs are packed one after the other, so no key
+    slot is gathered or scored beyond each sequence's last, partial block.
+    """
+
+    decode_rows: Optional[torch.Tensor]  # [Bd] query row of each decode sequence; None = every row
+    block_ids: torch.Tensor  # [NB] physical block of each (decode sequence, logical block) pair
+    seq_of_block: torch.Tensor  # [NB] the decode sequence (0 .. Bd - 1) the pair belongs to
+    key_bias: torch.Tensor  # [NB, block_size] fp32: 0, or -inf at slots past seq_len
+    num_decodes: int  # Bd
+    # one padded call per bucket of prefill sequences: (rows [t], seqs [b], cu [b + 1], max q_len, max seq_len)
+    prefill_buckets: list = field(default_factory=list)
+
+
+def build_attn_metadata(
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    row_cost: int = 1,
+) -> TorchAttnMetadata:
+    """The plan of one step for ``paged_attention_torch``: which blocks each decode reads,
+    and the prefill buckets. ``row_cost`` = num_heads * head_dim (see ``_length_buckets``).
+    Reads the lengths on the host: free on CPU, one device sync per step on a GPU."""
+    device = block_tables.device
+    cu_host = cu_seqlens_q.tolist()  # [B + 1]
+    seq_lens_host = seq_lens.tolist()  # [B]
+    num_seqs = len(seq_lens_host)
+    decodes = [b for b in range(num_seqs) if cu_host[b + 1] - cu_host[b] == 1]
+
+    # 1. Decodes: every (sequence, logical block j) pair, packed sequence after sequence.
+    dec = torch.tensor(decodes, dtype=torch.long, device=device)  # [Bd]
+    dec_lens = seq_lens.to(device=device, dtype=torch.long)[dec]  # [Bd]
+    nb = (dec_lens + block_size - 1) // block_size  # [Bd] blocks of each decode sequence
+    seq_of_block = torch.repeat_interleave(torch.arange(len(decodes), device=device), nb)  # [NB]
+    first = nb.cumsum(0) - nb  # [Bd] first pair of each sequence
+    j = torch.arange(seq_of_block.shape[0], device=device) - first[seq_of_block]  # [NB] logical block
+    block_ids = block_tables[dec].long()[seq_of_block, j]  # [NB] physical block
+    slot_pos = j[:, None] * block_size + torch.arange(block_size, device=device)  # [NB, bs] token position
+    key_bias = torch.zeros(slot_pos.shape, device=device)  # [NB, bs]
+    key_bias.masked_fill_(slot_pos >= dec_lens[seq_of_block, None], float("-inf"))
+
+    # 2. Prefills (rows with q_len > 1): a few padded calls over length buckets (``_length_buckets``).
+    buckets = []
+    for bucket in _length_buckets(cu_host, seq_lens_host, block_size, row_cost) if len(decodes) < num_seqs else []:
+        q_lens = [cu_host[b + 1] - cu_host[b] for b in bucket]
+        if max(q_lens) == 1:
+            continue  # the decodes' bucket: step 1 covers it
+        rows = [r for b in bucket for r in range(cu_host[b], cu_host[b + 1])]
+        buckets.append((
+            torch.tensor(rows, device=device),  # [t] query rows, packed order
+            torch.tensor(bucket, device=device),  # [b] sequences
+            torch.tensor([0] + q_lens, device=device).cumsum(0),  # [b + 1]
+            max(q_lens), max(seq_lens_host[b] for b in bucket),
+        ))
+    return TorchAttnMetadata(
+        decode_rows=None if len(decodes) == num_seqs else torch.tensor(
+            [cu_host[b] for b in decodes], dtype=torch.long, device=device),
+        block_ids=block_ids, seq_of_block=seq_of_block, key_bias=key_bias,
+        num_decodes=len(decodes), prefill_buckets=buckets,
+    )
+
+
 def paged_attention_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -240,25 +315,20 @@ def paged_attention_torch(
     max_query_len: int,
     max_seq_len: int,
     scale: Optional[float] = None,
+    metadata: Optional[TorchAttnMetadata] = None,
 ) -> torch.Tensor:
     """Vectorized paged attention for a whole batch (decode, prefill or both), in torch.
 
     Same contract as ``paged_attention_prefill_ref`` (q [total_q, H, D] -> [total_q, H, D]);
     ``max_query_len`` / ``max_seq_len`` (host ints from ``ModelInput``) are accepted for
-    the backend interface; each bucket computes its own. Steps:
-    split the sequences into buckets of similar length (``_length_buckets``); per bucket,
-    gather its blocks into ``[b, KVH, blocks * block_size, D]``, pad its query rows to
-    ``[b, max_q, H, D]``, build the causal + length mask, one SDPA call, and scatter the
-    rows back to their packed positions. Computed in fp32.
+    the backend interface. ``metadata`` is ``build_attn_metadata(...)`` for this step (the
+    model builds it once and passes it to every layer); ``None`` builds it here.
 
-    NOTE: why buckets. One padded call pads every sequence to the step's longest context:
-    with contexts spread from 20 to 450 tokens that gathers and attends ~2x the real keys.
-    But each extra call has a fixed cost (``BUCKET_COST``): with the small course model a
-    rule like "padding below 1.25x" made up to 15 buckets a step and ran slower than one
-    call. So the sorted sequences are cut only where a cut saves more padded work than a
-    call costs (a few buckets at most). Decode rows and prefill rows never share a bucket
-    (60 decodes must not be padded to one prompt's query length). Bucketing reads the
-    lengths on the host: free on CPU, one device sync on a GPU.
+    Decode rows, all in one call: ``_decode_split_kv`` scores each query against the blocks
+    of its own sequence only, packed (no padding to the longest sequence), and merges the
+    per-block softmaxes. Prefill rows: per bucket of similar lengths, gather the blocks,
+    pad the query rows, one masked SDPA call (``_paged_attention_padded``); decode rows and
+    prefill rows never share a call. Computed in fp32, returned in ``q.dtype``.
     """
     _check_cache(q, k_cache, v_cache)
     num_seqs = seq_lens.shape[0]
@@ -270,24 +340,69 @@ def paged_attention_torch(
     if total_q == 0 or num_seqs == 0:
         return torch.empty_like(q)
     scale = _default_scale(q.shape[2], scale)
-    cu_host = cu_seqlens_q.tolist()  # [B + 1] host ints
-    seq_lens_host = seq_lens.tolist()  # [B]
-    block_size = k_cache.shape[1]
+    if metadata is None:
+        metadata = build_attn_metadata(block_tables, cu_seqlens_q, seq_lens, k_cache.shape[1],
+                                       q.shape[1] * q.shape[2])
+    rows = metadata.decode_rows
+    if rows is None:  # a decode-only step: every row is a decode, in order
+        return _decode_split_kv(q, k_cache, v_cache, metadata, scale).to(q.dtype)  # [B, H, D]
 
     out = torch.empty_like(q)  # [T, H, D]
-    row_cost = q.shape[1] * q.shape[2]  # heads x head_dim: the work of one query row x key slot
-    for bucket in _length_buckets(cu_host, seq_lens_host, block_size, row_cost):
-        # Rows of q that belong to the bucket's sequences, in packed order.
-        rows = [r for b in bucket for r in range(cu_host[b], cu_host[b + 1])]
-        bucket_q_lens = [cu_host[b + 1] - cu_host[b] for b in bucket]
-        bucket_cu = torch.tensor([0] + bucket_q_lens, device=q.device).cumsum(0)  # [b + 1]
-        idx = torch.tensor(bucket, device=q.device)  # [b]
-        rows_t = torch.tensor(rows, device=q.device)  # [t]
+    if rows.shape[0] > 0:
+        out[rows] = _decode_split_kv(q[rows], k_cache, v_cache, metadata, scale).to(q.dtype)
+    for rows_t, idx, bucket_cu, bucket_max_q, bucket_max_seq in metadata.prefill_buckets:
         out[rows_t] = _paged_attention_padded(
             q[rows_t], k_cache, v_cache, block_tables[idx], bucket_cu, seq_lens[idx],
-            max(bucket_q_lens), max(seq_lens_host[b] for b in bucket), scale,
+            bucket_max_q, bucket_max_seq, scale,
         )  # [t, H, D]
     return out
+
+
+def _decode_split_kv(q, k_cache, v_cache, meta: TorchAttnMetadata, scale: float) -> torch.Tensor:
+    """Decode attention over every decode sequence's blocks at once, block by block.
+
+    q [Bd, H, D] (one query per sequence) -> [Bd, H, D] fp32. Split-KV, as in the Triton
+    V2 kernel (``paged_attention.py``) and FlashDecoding: each (sequence, block) pair gives
+    a partial softmax over its ``block_size`` keys -- its max ``m``, its sum ``l`` and its
+    unnormalised output ``o`` -- and the pairs of a sequence are merged at the end:
+    ``out = sum_j exp(m_j - M) o_j / sum_j exp(m_j - M) l_j`` with ``M = max_j m_j``.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    nb = meta.block_ids.shape[0]
+    seq = meta.seq_of_block  # [NB]
+
+    # 1. Gather each pair's block: whole blocks, a plain row copy each.
+    k = k_cache.flatten(1).index_select(0, meta.block_ids).view(nb, block_size, num_kv_heads, head_dim).float()
+    v = v_cache.flatten(1).index_select(0, meta.block_ids).view(nb, block_size, num_kv_heads, head_dim).float()
+    # 2. Each pair's query, kv-head major: the G query heads of a kv head are G rows (GQA).
+    qb = q.float().reshape(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).index_select(1, seq)  # [KVH, NB, G, D]
+
+    # 3. Scores against the block's keys: per kv head, one batched matmul over all pairs.
+    # NOTE: k[:, :, h] is a strided view; bmm reads it in place (no copy per head).
+    s = q.new_empty(num_kv_heads, nb, group, block_size, dtype=torch.float32)
+    for h in range(num_kv_heads):
+        torch.bmm(qb[h], k[:, :, h].transpose(1, 2), out=s[h])  # [NB, G, bs]
+    s.mul_(scale).add_(meta.key_bias.view(1, nb, 1, block_size))  # [KVH, NB, G, bs]
+    # 4. Partial softmax per pair: max m, sum l, unnormalised output o.
+    m = s.amax(-1, keepdim=True)  # [KVH, NB, G, 1]; finite: every block holds >= 1 key
+    p = s.sub_(m).exp_()  # [KVH, NB, G, bs]
+    l = p.sum(-1, keepdim=True)  # [KVH, NB, G, 1]
+    o = q.new_empty(num_kv_heads, nb, group, head_dim, dtype=torch.float32)
+    for h in range(num_kv_heads):
+        torch.bmm(p[h], v[:, :, h], out=o[h])  # [NB, G, D]
+
+    # 5. Merge the pairs of each sequence: rescale each to the sequence's max M, then sum.
+    big_m = m.new_full((num_kv_heads, num_seqs, group, 1), float("-inf"))
+    big_m.scatter_reduce_(1, seq[None, :, None, None].expand_as(m), m, "amax")  # [KVH, Bd, G, 1]
+    w = (m - big_m.index_select(1, seq)).exp_()  # [KVH, NB, G, 1]
+    num = o.new_zeros(num_kv_heads, num_seqs, group, head_dim).index_add_(1, seq, o * w)  # [KVH, Bd, G, D]
+    den = l.new_zeros(num_kv_heads, num_seqs, group, 1).index_add_(1, seq, l * w)  # [KVH, Bd, G, 1]
+    # NOTE: den >= 1 (the pair holding the max adds exp(0) * l >= 1), except for an empty
+    # sequence (seq_len 0, no pairs): 0 / 1 gives it the zeros the reference gives.
+    out = (num / den.clamp_min(1.0)).transpose(0, 1)  # [Bd, KVH, G, D]
+    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 BUCKET_COST = 2**19

@@ -19,6 +19,9 @@ Invariants
     - Token ``i`` of the step is written at ``slot_mapping[i]``; slot -1 (padding) is skipped.
     - Backends compute the same function; "triton" picks the decode kernel when every
       sequence has exactly one query (``inp.is_decode_only``), the varlen kernel otherwise.
+    - "torch" plans once per step (``build_attn_metadata``: block ids, masks, buckets) in the
+      first layer and keeps the plan on ``inp.attn_metadata`` for the other layers, as vLLM
+      builds its attention metadata once per step for all layers.
 
 Failure mode
     An unknown backend raises ``ValueError``; "triton" without Triton installed raises
@@ -33,6 +36,7 @@ import torch
 from torch import nn
 
 from minipaged import kernels
+from minipaged.kernels.reference import build_attn_metadata
 from minipaged.model.input import ModelInput
 
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -67,9 +71,14 @@ class PagedAttention(nn.Module):
 
         # 2. Read: each query attends to its sequence's tokens, found through its block table.
         if self.backend == "torch":
+            if inp.attn_metadata is None:  # the step's first layer plans; the others reuse the plan
+                inp.attn_metadata = build_attn_metadata(
+                    inp.block_tables, inp.cu_seqlens_q, inp.seq_lens, k_cache.shape[1],
+                    self.num_heads * self.head_dim,
+                )
             return kernels.paged_attention_torch(
                 q, k_cache, v_cache, inp.block_tables, inp.cu_seqlens_q, inp.seq_lens,
-                inp.max_query_len, inp.max_seq_len, self.scale,
+                inp.max_query_len, inp.max_seq_len, self.scale, metadata=inp.attn_metadata,
             )  # [T, H, D]
         if inp.is_decode_only:
             # NOTE: decode-only means T == num_seqs, so q is already [num_seqs, H, D].

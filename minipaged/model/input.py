@@ -14,6 +14,7 @@ context of ``seq_lens[b]`` tokens; the earlier ones are already in the cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -29,6 +30,9 @@ class ModelInput:
     logits_indices: torch.Tensor  # [B] int64: row of each sequence's last token in T
     max_query_len: int  # max over b of the query length
     max_seq_len: int  # max over b of seq_lens
+    # NOTE: filled by the first attention layer of the step and read by all the others (the
+    # "torch" backend's per-step plan, ``kernels.build_attn_metadata``); never set it by hand.
+    attn_metadata: Optional[Any] = None
 
     @property
     def num_seqs(self) -> int:
@@ -44,5 +48,6 @@ class ModelInput:
             **{
                 k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
                 for k, v in self.__dict__.items()
+                if k != "attn_metadata"  # built on the device it is used on
             }
         )

@@ -8,7 +8,8 @@ Inputs / outputs
     All layers work on the flat token batch of one engine step: ``[T, hidden]`` rows, no
     padding and no batch axis (``minipaged.model.input.ModelInput``). ``RotaryEmbedding``
     takes each token's *position* ``[T]`` explicitly, because the rows of one step belong to
-    different sequences at different offsets.
+    different sequences at different offsets; ``cos_sin(positions)`` looks the angles up once
+    per step and ``rotate(x, cos_sin)`` applies them in each layer.
 
 Invariants
     - ``RMSNorm`` and ``RotaryEmbedding`` compute in fp32 and cast back, as Hugging Face does,
@@ -36,10 +37,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()  # [T, hidden]
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # [T, hidden]
-        return self.weight * x.to(dtype)
+        if x.dtype != torch.float32:  # half precision: compute in fp32, as transformers does
+            return self.weight * self.forward(x.float()).to(x.dtype)
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))  # [T, hidden]
 
 
 def rope_parameters(config) -> dict:
@@ -67,7 +67,13 @@ _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding, neox style (rotate the two halves of each head).
 
-    q' = q * cos(pos * inv_freq) + rotate_half(q) * sin(pos * inv_freq), same for k.
+    With ``x = [x1, x2]`` (two halves of a head) and angles ``pos * inv_freq``::
+
+        x' = [x1 * cos - x2 * sin,  x2 * cos + x1 * sin]
+
+    which is transformers' ``x * cos + rotate_half(x) * sin`` term for term (so the same
+    floats). ``cos`` and ``sin`` of every position up to ``max_position_embeddings`` are
+    computed once (vLLM's ``cos_sin_cache``); a step only looks its positions up.
     """
 
     def __init__(self, config, head_dim: int):
@@ -87,27 +93,34 @@ class RotaryEmbedding(nn.Module):
             inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
         else:
             raise ValueError(f"config.rope_parameters: rope_type {rope_type!r} is not supported")
-        # NOTE: a plain attribute, not a buffer: ``model.to(torch.bfloat16)`` must not round
-        # the frequencies (transformers keeps them in fp32 too). Moved to q's device on use.
+        # NOTE: plain attributes, not buffers: ``model.to(torch.bfloat16)`` must not round
+        # the frequencies (transformers keeps them in fp32 too). Moved to x's device on use.
         self.inv_freq = inv_freq.float().cpu()  # [D/2]
         self.attention_scaling = float(attention_scaling)
+        self.max_positions = int(getattr(config, "max_position_embeddings", 2048))
+        freqs = torch.arange(self.max_positions, dtype=torch.float, device="cpu")[:, None] * self.inv_freq[None, :]  # [P, D/2]
+        self.cos_cache = freqs.cos() * self.attention_scaling  # [P, D/2]
+        self.sin_cache = freqs.sin() * self.attention_scaling  # [P, D/2]
+
+    def cos_sin(self, positions: torch.Tensor, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of each token's angles, [T, 1, D/2] each: looked up once per step, used by every layer."""
+        if self.cos_cache.device != positions.device:
+            self.cos_cache = self.cos_cache.to(positions.device)
+            self.sin_cache = self.sin_cache.to(positions.device)
+        cos = self.cos_cache[positions].to(dtype)[:, None, :]  # [T, 1, D/2]
+        sin = self.sin_cache[positions].to(dtype)[:, None, :]  # [T, 1, D/2]
+        return cos, sin
 
     @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
+    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, N, D] (any number N of heads: q's, k's, or both) -> rotated x."""
+        cos, sin = cos_sin  # [T, 1, D/2] each
+        x1, x2 = x.chunk(2, dim=-1)  # [T, N, D/2] each
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [T, N, D]
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, H, D]; k [T, KVH, D] -> rotated (q, k), same shapes."""
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        cos = (emb.cos() * self.attention_scaling).to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = (emb.sin() * self.attention_scaling).to(q.dtype)[:, None, :]  # [T, 1, D]
-        q = q * cos + self._rotate_half(q) * sin  # [T, H, D]
-        k = k * cos + self._rotate_half(k) * sin  # [T, KVH, D]
-        return q, k
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """positions [T]; x [T, N, D] -> rotated x (``rotate(x, cos_sin(positions))``)."""
+        return self.rotate(x, self.cos_sin(positions, x.dtype))
 
 
 def get_act_fn(name: str):

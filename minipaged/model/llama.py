@@ -2,12 +2,16 @@
 
 Mirrors vLLM ``vllm/model_executor/models/llama.py`` (and ``qwen2.py``, which differs only
 in its q/k/v biases). Module and parameter names are Hugging Face's
-(``model.layers.0.self_attn.q_proj.weight`` ...), so a transformers state dict loads as is.
+(``model.layers.0.self_attn.o_proj.weight`` ...), except that q/k/v and gate/up are fused
+into ``qkv_proj`` and ``gate_up_proj`` as in vLLM: ``load_weights`` copies each checkpoint
+matrix into its rows (``STACKED_PARAMS``), so a transformers state dict still loads as is.
 
 One decoder layer, pre-norm::
 
-    h = h + o_proj(PagedAttention(RoPE(q_proj(norm(h))), RoPE(k_proj(..)), v_proj(..)))
-    h = h + down_proj(silu(gate_proj(norm(h))) * up_proj(norm(h)))
+    q, k, v = split(qkv_proj(norm(h)))                  one matmul for all three
+    h = h + o_proj(PagedAttention(RoPE(q), RoPE(k), v))
+    gate, up = split(gate_up_proj(norm(h)))             one matmul for both
+    h = h + down_proj(silu(gate) * up)
 
 Inputs
     ``forward(inp: ModelInput, kv_caches)``: the flat token batch of one step (``input_ids``
@@ -39,19 +43,37 @@ from minipaged.model.input import ModelInput
 from minipaged.model.layers import PagedCausalLM, RMSNorm, RotaryEmbedding, get_act_fn
 
 
+# Projections fused at load time: (fused parameter, checkpoint name, shard). vLLM calls this
+# ``stacked_params_mapping``: the checkpoint keeps q/k/v and gate/up apart, the model runs one
+# matmul for each group, because one [T, hidden] x [hidden, 3 outs] matmul costs less than three.
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", "gate"),
+    ("gate_up_proj", "up_proj", "up"),
+)
+
+
 class LlamaMLP(nn.Module):
-    """SwiGLU: down_proj(act(gate_proj(x)) * up_proj(x))."""
+    """SwiGLU: down_proj(act(gate_proj(x)) * up_proj(x)), gate and up as one matmul."""
 
     def __init__(self, config):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = get_act_fn(config.hidden_act)
 
+    def shard_rows(self, shard: str) -> slice:
+        """Rows of ``gate_up_proj`` that hold checkpoint shard ``"gate"`` or ``"up"``."""
+        i = self.intermediate_size
+        return {"gate": slice(0, i), "up": slice(i, 2 * i)}[shard]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))  # [T, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [T, intermediate]
+        return self.down_proj(self.act_fn(gate) * up)  # [T, hidden]
 
 
 class LlamaAttention(nn.Module):
@@ -67,21 +89,27 @@ class LlamaAttention(nn.Module):
         else:
             qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=o_bias)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)  # q, k, v fused
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
         self.rotary_emb = rotary_emb  # shared by all layers; holds no weights
         self.attn = PagedAttention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5, backend)
 
-    def forward(self, positions, h, kv_cache, inp: ModelInput) -> torch.Tensor:
+    def shard_rows(self, shard: str) -> slice:
+        """Rows of ``qkv_proj`` that hold checkpoint shard ``"q"``, ``"k"`` or ``"v"``."""
+        q, kv = self.q_size, self.kv_size
+        return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[shard]
+
+    def forward(self, cos_sin, h, kv_cache, inp: ModelInput) -> torch.Tensor:
         T = h.shape[0]
-        q = self.q_proj(h).view(T, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(h).view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        v = self.v_proj(h).view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        q, k = self.rotary_emb(positions, q, k)
+        qkv = self.qkv_proj(h)  # [T, q_size + 2 * kv_size]
+        # q and k sit side by side: one RoPE call rotates both ([T, H + KVH, D]).
+        qk = self.rotary_emb.rotate(qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim), cos_sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, H, D], [T, KVH, D]
+        v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         o = self.attn(q, k, v, kv_cache, inp)  # [T, H, D]
-        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # [T, hidden]
+        return self.o_proj(o.reshape(T, self.q_size))  # [T, hidden]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -92,8 +120,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, h, kv_cache, inp: ModelInput) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, inp)  # [T, hidden]
+    def forward(self, cos_sin, h, kv_cache, inp: ModelInput) -> torch.Tensor:
+        h = h + self.self_attn(cos_sin, self.input_layernorm(h), kv_cache, inp)  # [T, hidden]
         return h + self.mlp(self.post_attention_layernorm(h))  # [T, hidden]
 
 
@@ -102,6 +130,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         rotary_emb = RotaryEmbedding(config, head_dim)
+        self.rotary_emb = rotary_emb  # one table for all layers
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, head_dim, rotary_emb, backend)
             for _ in range(config.num_hidden_layers)
@@ -136,29 +165,50 @@ class LlamaForCausalLM(PagedCausalLM):
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model {self.num_layers}")
         h = self.model.embed_tokens(inp.input_ids)  # [T, hidden]
+        # RoPE angles depend only on the positions: looked up once, rotated in every layer
+        cos_sin = self.model.rotary_emb.cos_sin(inp.positions, h.dtype)  # [T, 1, D/2] x 2
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(inp.positions, h, kv_cache, inp)  # [T, hidden]
-        h = h[inp.logits_indices]  # [B, hidden]: only each sequence's last token
+            h = layer(cos_sin, h, kv_cache, inp)  # [T, hidden]
+        if not (inp.is_decode_only and h.shape[0] == inp.num_seqs):  # else every row is a last token
+            h = h[inp.logits_indices]  # [B, hidden]: only each sequence's last token
         h = self.model.norm(h)  # [B, hidden]
         return self.lm_head(h).float()  # [B, vocab]
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy a transformers state dict in (names match; casts to this model's dtype)."""
+        """Copy a transformers state dict in (casts to this model's dtype).
+
+        Names match Hugging Face's, except that ``q_proj`` / ``k_proj`` / ``v_proj`` go into
+        rows of ``qkv_proj`` and ``gate_proj`` / ``up_proj`` into rows of ``gate_up_proj``
+        (``STACKED_PARAMS``); every shard must be found exactly once.
+        """
         if self.tie_word_embeddings:  # NOTE: Module.to_empty() can untie shared parameters
             self.lm_head.weight = self.model.embed_tokens.weight
         params = dict(self.named_parameters())
-        missing = set(params)
+        modules = dict(self.named_modules())
+        missing = set()  # checkpoint names we still expect
+        for name in params:
+            fused = [(f, ckpt) for f, ckpt, _ in STACKED_PARAMS if f".{f}." in name]
+            missing.update(name.replace(f".{f}.", f".{ckpt}.") for f, ckpt in fused)
+            if not fused:
+                missing.add(name)
         for name, tensor in state_dict.items():
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # the same tensor as embed_tokens
-            if name not in params:
-                if "rotary_emb" in name:
-                    continue  # older checkpoints store inv_freq; we compute it
+            if "rotary_emb" in name:
+                continue  # older checkpoints store inv_freq; we compute it
+            target, rows = name, slice(None)
+            for fused, ckpt, shard in STACKED_PARAMS:
+                if f".{ckpt}." in name:
+                    target = name.replace(f".{ckpt}.", f".{fused}.")
+                    rows = modules[target.rsplit(".", 2)[0]].shard_rows(shard)
+                    break
+            if target not in params:
                 raise ValueError(f"checkpoint weight {name!r} has no place in {type(self).__name__}")
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
+            dst = params[target][rows]
+            if dst.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
             with torch.no_grad():
-                params[name].copy_(tensor)
+                dst.copy_(tensor)
             missing.discard(name)
         if self.tie_word_embeddings:
             missing.discard("lm_head.weight")
