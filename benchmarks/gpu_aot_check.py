@@ -44,8 +44,11 @@ UNIT_STRIDES = ("stride_qd", "stride_od", "stride_kd", "stride_vd")
 
 def _multiple_of_16(name: str) -> bool:
     """Strides of q, out and the caches are multiples of head_dim (64..256); head_dim too."""
-    return name == "head_dim" or (name.startswith("stride_") and name not in UNIT_STRIDES
-                                  and not name.startswith(("stride_p", "stride_t", "stride_bt")))
+    return name == "head_dim" or (
+        name.startswith("stride_")
+        and name not in UNIT_STRIDES
+        and not name.startswith(("stride_p", "stride_t", "stride_bt"))
+    )
 
 
 def compile_kernel(fn, dtype: str, constexprs: dict, arch: int, num_warps: int, num_stages: int):
@@ -66,10 +69,16 @@ def compile_kernel(fn, dtype: str, constexprs: dict, arch: int, num_warps: int, 
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n.endswith("_ptr") or (_multiple_of_16(n) and n not in constexprs)}
-    return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(fn.arg_names)
+        if n.endswith("_ptr") or (_multiple_of_16(n) and n not in constexprs)
+    }
+    return triton.compile(
+        ASTSource(fn, sig, const, attrs),
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
 
 
 def launches(head_dim: int = 128, group: int = 4, block_size: int = 16):
@@ -83,32 +92,63 @@ def launches(head_dim: int = 128, group: int = 4, block_size: int = 16):
         dec = dict(common, BLOCK_G=pa._next_pow2(group), BLOCK_N=pa.DECODE_BLOCK_N)
         stages = pa._num_stages(pa.DECODE_BLOCK_N, d, tdt)
         yield "decode_v1", pa._paged_attention_decode_kernel, dtype, dict(dec, PARTITION_SIZE=0), stages
-        yield "decode_v2", pa._paged_attention_decode_kernel, dtype, dict(dec, PARTITION_SIZE=pa.PARTITION_SIZE), stages
+        yield (
+            "decode_v2",
+            pa._paged_attention_decode_kernel,
+            dtype,
+            dict(dec, PARTITION_SIZE=pa.PARTITION_SIZE),
+            stages,
+        )
         pre = dict(common, BLOCK_M=pa.PREFILL_BLOCK_M, BLOCK_N=pa.PREFILL_BLOCK_N)
-        yield "prefill", pa._paged_attention_prefill_kernel, dtype, pre, pa._num_stages(pa.PREFILL_BLOCK_N, d, tdt)
-    yield ("reshape_and_cache", co._reshape_and_cache_kernel, "bf16",
-           dict(block_size=block_size, BLOCK_H=8, BLOCK_D=d), 3)
+        yield (
+            "prefill",
+            pa._paged_attention_prefill_kernel,
+            dtype,
+            pre,
+            pa._num_stages(pa.PREFILL_BLOCK_N, d, tdt),
+        )
+    yield (
+        "reshape_and_cache",
+        co._reshape_and_cache_kernel,
+        "bf16",
+        dict(block_size=block_size, BLOCK_H=8, BLOCK_D=d),
+        3,
+    )
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--arch", default="80,89,90", help="comma-separated compute capabilities (80 = sm_80)")
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--only", default="", help="comma-separated kernel names/dtypes to keep, e.g. decode_v1:bf16")
-    p.add_argument("--num-stages", type=int, default=None,
-                   help="compile with this many stages instead of the wrappers' _num_stages rule")
+    p.add_argument(
+        "--only", default="", help="comma-separated kernel names/dtypes to keep, e.g. decode_v1:bf16"
+    )
+    p.add_argument(
+        "--num-stages",
+        type=int,
+        default=None,
+        help="compile with this many stages instead of the wrappers' _num_stages rule",
+    )
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     only = {s for s in args.only.split(",") if s}
     rows, bad = [], 0
-    print(f"{'kernel':<18} {'dtype':<5} {'arch':>4} {'warps':>5} {'stages':>6} {'shared KiB':>10} {'limit':>6}  status")
+    print(
+        f"{'kernel':<18} {'dtype':<5} {'arch':>4} {'warps':>5} {'stages':>6} {'shared KiB':>10} {'limit':>6}  status"
+    )
     for name, fn, dtype, constexprs, stages in launches(args.head_dim):
         if only and f"{name}:{dtype}" not in only:
             continue
         stages = stages if args.num_stages is None else args.num_stages
         for arch in (int(a) for a in args.arch.split(",")):
-            row = {"kernel": name, "dtype": dtype, "arch": arch, "num_warps": pa.NUM_WARPS, "num_stages": stages,
-                   "head_dim": args.head_dim}
+            row = {
+                "kernel": name,
+                "dtype": dtype,
+                "arch": arch,
+                "num_warps": pa.NUM_WARPS,
+                "num_stages": stages,
+                "head_dim": args.head_dim,
+            }
             t = time.perf_counter()
             try:
                 k = compile_kernel(fn, dtype, constexprs, arch, pa.NUM_WARPS, stages)
@@ -120,8 +160,11 @@ def main(argv=None) -> int:
             bad += row["status"] != "ok"
             rows.append(row)
             shared = f"{row['shared'] / 1024:.1f}" if "shared" in row else "-"
-            print(f"{name:<18} {dtype:<5} {arch:>4} {row['num_warps']:>5} {stages:>6} {shared:>10} "
-                  f"{SMEM_LIMIT[arch] // 1024:>6}  {row['status']}", flush=True)
+            print(
+                f"{name:<18} {dtype:<5} {arch:>4} {row['num_warps']:>5} {stages:>6} {shared:>10} "
+                f"{SMEM_LIMIT[arch] // 1024:>6}  {row['status']}",
+                flush=True,
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -78,8 +78,16 @@ def build_cases(dry_run: bool) -> list[dict]:
         block_sizes, head_dims, dtypes = [1, 2, 4, 8, 16, 32, 64, 128, 256], [64, 80, 96, 128], list(DTYPES)
         groups = [(32, 32), (32, 8), (32, 4), (32, 1), (8, 1)]
         sweep_ops = ("decode_v1", "decode_v2", "prefill")
-    base = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, block_size=16, dtype="bfloat16",
-                seq_lens=seq_lens, q_lens=q_lens, tiles=tiles)
+    base = dict(
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        dtype="bfloat16",
+        seq_lens=seq_lens,
+        q_lens=q_lens,
+        tiles=tiles,
+    )
     cases = []
 
     def add(op, suffix="", **kw):
@@ -93,9 +101,11 @@ def build_cases(dry_run: bool) -> list[dict]:
         for op in attention_ops:
             add(op, dtype=dtype)
     for op in ("decode_v1", "prefill"):
-        add(op, large_pool=True, suffix=",pool > 2**31 elements" if not dry_run else ",large-pool path (tiny)")
+        add(
+            op, large_pool=True, suffix=",pool > 2**31 elements" if not dry_run else ",large-pool path (tiny)"
+        )
     for dtype in dtypes:
-        for bs in ((1, 16, 256) if dry_run else (1, 16, 64, 256)):
+        for bs in (1, 16, 256) if dry_run else (1, 16, 64, 256):
             add("reshape_and_cache", dtype=dtype, block_size=bs)
             add("reshape_and_cache_triton", dtype=dtype, block_size=bs)
         add("copy_blocks", dtype=dtype)
@@ -233,14 +243,20 @@ def run_cache_op(case, device) -> dict:
         swap_blocks(cpu_pool, fresh, [(0, 9), (3, 1)])  # swap in
         if device.type == "cuda":
             torch.cuda.synchronize()
-        ok = (torch.equal(cpu_pool[0], k_cache[7].cpu()) and torch.equal(cpu_pool[3], k_cache[2].cpu())
-              and torch.equal(fresh[9], k_cache[7]) and torch.equal(fresh[1], k_cache[2]))
+        ok = (
+            torch.equal(cpu_pool[0], k_cache[7].cpu())
+            and torch.equal(cpu_pool[3], k_cache[2].cpu())
+            and torch.equal(fresh[9], k_cache[7])
+            and torch.equal(fresh[1], k_cache[2])
+        )
         return {"status": "pass" if ok else "fail", "max_abs_err": 0.0 if ok else None, "tol": "exact"}
     raise ValueError(f"unknown op {op!r}")
 
 
 def _exact(k, want_k, v, want_v) -> dict:
-    err = max((k.float() - want_k.float()).abs().max().item(), (v.float() - want_v.float()).abs().max().item())
+    err = max(
+        (k.float() - want_k.float()).abs().max().item(), (v.float() - want_v.float()).abs().max().item()
+    )
     ok = torch.equal(k, want_k) and torch.equal(v, want_v)
     return {"status": "pass" if ok else "fail", "max_abs_err": err, "tol": "exact"}
 
@@ -293,7 +309,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", required=True, help="where to write the results")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes (the Triton interpreter on a CPU)")
-    p.add_argument("--budget-s", type=float, default=150.0, help="skip the remaining cases after this many seconds")
+    p.add_argument(
+        "--budget-s", type=float, default=150.0, help="skip the remaining cases after this many seconds"
+    )
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.dry_run:
@@ -325,8 +343,10 @@ def main(argv=None) -> int:
             if row["status"] == "error" and device.type == "cuda" and not cuda_alive():
                 dead_after = case["name"]
         report["cases"].append(row)
-        print(f"{row['status']:>8}  {row['name']}  err={row.get('max_abs_err', '-')}  {row.get('error', '')[:160]}",
-              flush=True)
+        print(
+            f"{row['status']:>8}  {row['name']}  err={row.get('max_abs_err', '-')}  {row.get('error', '')[:160]}",
+            flush=True,
+        )
         _finish(report)
         _write(args.json, report)
     report["seconds"] = round(time.perf_counter() - start, 1)

@@ -60,7 +60,9 @@ def env_info(dry_run: bool) -> dict:
     except Exception as e:  # noqa: BLE001
         info["device"] = "unknown"
         info["error"] = f"{type(e).__name__}: {e}"
-    info["slug"] = "cpu-dry-run" if dry_run or info["device"] in ("cpu dry run", "unknown") else slug(info["device"])
+    info["slug"] = (
+        "cpu-dry-run" if dry_run or info["device"] in ("cpu dry run", "unknown") else slug(info["device"])
+    )
     info["date_utc"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
     info["mode"] = "dry-run" if dry_run else "gpu"
     return info
@@ -83,8 +85,12 @@ def _steps(out_dir: str) -> dict:
             for line in f:
                 parts = line.rstrip("\n").split("\t")
                 if len(parts) >= 4:
-                    steps[parts[0]] = {"status": parts[1], "rc": parts[2], "seconds": parts[3],
-                                       "note": parts[4] if len(parts) > 4 else ""}
+                    steps[parts[0]] = {
+                        "status": parts[1],
+                        "rc": parts[2],
+                        "seconds": parts[3],
+                        "note": parts[4] if len(parts) > 4 else "",
+                    }
     except FileNotFoundError:
         pass
     return steps
@@ -122,10 +128,15 @@ def format_summary(report: dict) -> str:
         "steps: " + ", ".join(f"{k} {v['status']} ({v['seconds']} s)" for k, v in report["steps"].items()),
     ]
     if "kernel_cases" in h:
-        lines.append(f"kernel correctness (compiled, vs torch reference): {h['kernel_cases']}; "
-                     f"block sizes rejected as expected: {h['rejected_block_sizes']}")
-    failed = [c["name"] for c in report.get("kernel_correctness", {}).get("cases", [])
-              if c.get("status") in ("fail", "error")]
+        lines.append(
+            f"kernel correctness (compiled, vs torch reference): {h['kernel_cases']}; "
+            f"block sizes rejected as expected: {h['rejected_block_sizes']}"
+        )
+    failed = [
+        c["name"]
+        for c in report.get("kernel_correctness", {}).get("cases", [])
+        if c.get("status") in ("fail", "error")
+    ]
     if failed:
         lines.append(f"  failing cases: {', '.join(failed[:8])}{' ...' if len(failed) > 8 else ''}")
     if h.get("paged_over_contiguous_64x4k") is not None:
@@ -139,30 +150,47 @@ def format_summary(report: dict) -> str:
             f"(target <= 1.2x: {_met(h['ratio_target_met'])}; paper {1 + lo:.2f}-{1 + hi:.2f}x), "
             f"{'unknown peak' if pct is None else f'{pct:.0f}% of peak HBM bandwidth'} "
             f"(target >= 70%: {_met(h['pct_peak_target_met'])}); worst ratio {h['paged_over_contiguous_worst']}"
-            + (f" [{kb['targets']['note']}]" if kb["targets"].get("note") else ""))
+            + (f" [{kb['targets']['note']}]" if kb["targets"].get("note") else "")
+        )
     best = (report.get("kernel_bench", {}).get("tuning") or {}).get("best") or {}
     for kind, r in best.items():
         cfg = {k: v for k, v in r.items() if k not in ("kernel", "ms", "GBps", "batch", "context")}
-        lines.append(f"  tuning: fastest {kind} at batch {r['batch']}: {r['ms']:.3f} ms, {r['GBps']:.0f} GB/s, {cfg}")
+        lines.append(
+            f"  tuning: fastest {kind} at batch {r['batch']}: {r['ms']:.3f} ms, {r['GBps']:.0f} GB/s, {cfg}"
+        )
     sv = report.get("serving", {})
     if sv.get("systems"):
         parts = []
-        for name, m in sv["systems"].items():
+        for _name, m in sv["systems"].items():
             if "unavailable" in m:
                 parts.append(f"({m['label']}) unavailable")
             else:
-                parts.append(f"({m['label']}) {m.get('tokens_per_s')} tok/s{' partial' if m.get('partial') else ''}")
+                parts.append(
+                    f"({m['label']}) {m.get('tokens_per_s')} tok/s{' partial' if m.get('partial') else ''}"
+                )
         m, w = sv.get("model", {}), sv.get("workload", {})
-        lines.append(f"serving, random Llama {m.get('params_m')}M params {m.get('dtype')}, {w.get('num_requests')} "
-                     f"ShareGPT-like requests (context {w.get('max_model_len')}): " + ", ".join(parts))
+        lines.append(
+            f"serving, random Llama {m.get('params_m')}M params {m.get('dtype')}, {w.get('num_requests')} "
+            f"ShareGPT-like requests (context {w.get('max_model_len')}): " + ", ".join(parts)
+        )
         if sv.get("ratios"):
-            lines.append("  ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in sv["ratios"].items())
-                         + (f"; engine overhead {h['engine_overhead_ms_per_step']} ms/step "
-                            f"({h['engine_overhead_fraction']} of a step)"
-                            if h.get("engine_overhead_ms_per_step") is not None else ""))
+            lines.append(
+                "  ratios: "
+                + ", ".join(f"{k} {v:.2f}x" for k, v in sv["ratios"].items())
+                + (
+                    f"; engine overhead {h['engine_overhead_ms_per_step']} ms/step "
+                    f"({h['engine_overhead_fraction']} of a step)"
+                    if h.get("engine_overhead_ms_per_step") is not None
+                    else ""
+                )
+            )
         if sv.get("agreement"):
-            lines.append("  greedy agreement (share of requests equal): " + ", ".join(
-                f"{k} {v['requests_equal']} of {v['compared']}" for k, v in sv["agreement"].items()))
+            lines.append(
+                "  greedy agreement (share of requests equal): "
+                + ", ".join(
+                    f"{k} {v['requests_equal']} of {v['compared']}" for k, v in sv["agreement"].items()
+                )
+            )
     elif sv.get("error"):
         lines.append(f"serving: {sv['error']}")
     return "\n".join(lines)
@@ -214,8 +242,12 @@ def main(argv=None) -> int:
     p.add_argument("command", choices=["env", "combine"])
     p.add_argument("out_dir")
     p.add_argument("--dry-run", action="store_true")
-    p.add_argument("--copy-to", action="append", default=[],
-                   help="also copy the report there (repeatable; the real run: OUTDIR/results, benchmarks/results)")
+    p.add_argument(
+        "--copy-to",
+        action="append",
+        default=[],
+        help="also copy the report there (repeatable; the real run: OUTDIR/results, benchmarks/results)",
+    )
     args = p.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     if args.command == "env":

@@ -58,18 +58,38 @@ if not torch.cuda.is_available():  # before triton is imported through the packa
 
 # TinyLlama-1.1B's shape (GQA 32/4, head_dim 64); 22 x 44M + 2 x 65.5M embeddings = 1.10B
 LLAMA_1B = dict(
-    hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-    num_key_value_heads=4, head_dim=64, vocab_size=32000, max_position_embeddings=2048,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=22,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=64,
+    vocab_size=32000,
+    max_position_embeddings=2048,
 )
 LLAMA_TINY = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=512,
 )
 ORDER = ("continuous+paged", "static+contiguous", "hf-continuous-batching", "hf-generate-static")
-LETTER = {"continuous+paged": "a", "static+contiguous": "b", "hf-generate-static": "c",
-          "hf-continuous-batching": "d"}
-SHARE = {"continuous+paged": 0.2, "static+contiguous": 0.25, "hf-continuous-batching": 0.2,
-         "hf-generate-static": 0.35}  # of the budget left after the model is built
+LETTER = {
+    "continuous+paged": "a",
+    "static+contiguous": "b",
+    "hf-generate-static": "c",
+    "hf-continuous-batching": "d",
+}
+SHARE = {
+    "continuous+paged": 0.2,
+    "static+contiguous": 0.25,
+    "hf-continuous-batching": 0.2,
+    "hf-generate-static": 0.35,
+}  # of the budget left after the model is built
 
 
 def import_harness():
@@ -82,8 +102,10 @@ def import_harness():
     for name in ("minipaged.bench.serving", "minipaged.engine.bench"):
         try:
             bench = importlib.import_module(name)
-            if all(hasattr(bench, f) for f in ("workload_prompts", "_minipaged_metrics", "_common_metrics",
-                                                "ServeResult")):
+            if all(
+                hasattr(bench, f)
+                for f in ("workload_prompts", "_minipaged_metrics", "_common_metrics", "ServeResult")
+            ):
                 break
             bench = None
         except ImportError as e:
@@ -111,8 +133,14 @@ def build_model(config_kw: dict, dtype: torch.dtype, device: torch.device, out_d
     from packaging.version import Version
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**config_kw, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                         bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    config = LlamaConfig(
+        **config_kw,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+    )
     torch.manual_seed(seed)
     with torch.device(device):  # random init on the GPU: seconds, not a minute on the CPU
         model = LlamaForCausalLM(config)
@@ -135,7 +163,9 @@ class OnDevice:
 
     def generate(self, input_ids, attention_mask, **kwargs):
         dev = self._model.device
-        return self._model.generate(input_ids=input_ids.to(dev), attention_mask=attention_mask.to(dev), **kwargs)
+        return self._model.generate(
+            input_ids=input_ids.to(dev), attention_mask=attention_mask.to(dev), **kwargs
+        )
 
 
 # --------------------------------------------------------------------------- one system
@@ -160,7 +190,9 @@ def serve_minipaged(bench, engine, prompts, output_lens, deadline):
         for o in done:
             outs[o.request_id] = o
             last[o.request_id] = now
-        for rid in [r for r in pending if r not in engine.groups or engine.groups[r].seqs[0].num_output_tokens]:
+        for rid in [
+            r for r in pending if r not in engine.groups or engine.groups[r].seqs[0].num_output_tokens
+        ]:
             first[rid] = now
             pending.discard(rid)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -168,14 +200,22 @@ def serve_minipaged(bench, engine, prompts, output_lens, deadline):
     ids = [str(i) for i in range(len(prompts)) if str(i) in outs]
     tokens = {int(r): list(outs[r].outputs[0].token_ids) for r in ids}
     res = bench.ServeResult(
-        token_ids=[tokens[int(r)] for r in ids], wall_s=wall, cpu_s=cpu,
-        first_token_s=[first[r] for r in ids], last_token_s=[last[r] for r in ids], steps=len(engine.trace),
+        token_ids=[tokens[int(r)] for r in ids],
+        wall_s=wall,
+        cpu_s=cpu,
+        first_token_s=[first[r] for r in ids],
+        last_token_s=[last[r] for r in ids],
+        steps=len(engine.trace),
     )
     metrics = bench._common_metrics(res, [output_lens[int(r)] for r in ids]) if ids else {}
     metrics.update(bench._minipaged_metrics(engine, outs) if len(engine.trace) else {})
     generated = sum(len(t) for t in tokens.values()) + in_flight
-    metrics.update(output_tokens=generated, wall_s=round(wall, 3), tokens_per_s=round(generated / wall, 1) if generated else None,
-                   requests_finished=len(ids))
+    metrics.update(
+        output_tokens=generated,
+        wall_s=round(wall, 3),
+        tokens_per_s=round(generated / wall, 1) if generated else None,
+        requests_finished=len(ids),
+    )
     return metrics, tokens, partial
 
 
@@ -187,32 +227,61 @@ def serve_hf_static(hf, model, prompts, output_lens, slots, max_num_seqs, deadli
         if time.perf_counter() > deadline:
             partial = True
             break
-        res = hf.hf_generate_static(model, [prompts[i] for i in batch], [output_lens[i] for i in batch],
-                                    slots, max_num_seqs)
+        res = hf.hf_generate_static(
+            model, [prompts[i] for i in batch], [output_lens[i] for i in batch], slots, max_num_seqs
+        )
         for i, t in zip(batch, res.token_ids):
             tokens[i] = t
         wall += res.wall_s
         steps += res.steps
         done_batches += 1
     generated = sum(len(t) for t in tokens.values())
-    metrics = {"output_tokens": generated, "wall_s": round(wall, 3),
-               "tokens_per_s": round(generated / wall, 1) if wall else None, "steps": steps,
-               "batches": len(batches), "batches_done": done_batches, "requests_finished": len(tokens),
-               "batch_sizes": [len(b) for b in batches]}
+    metrics = {
+        "output_tokens": generated,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(generated / wall, 1) if wall else None,
+        "steps": steps,
+        "batches": len(batches),
+        "batches_done": done_batches,
+        "requests_finished": len(tokens),
+        "batch_sizes": [len(b) for b in batches],
+    }
     return metrics, tokens, partial
 
 
-def serve_hf_cb(hf, model, prompts, output_lens, *, block_size, num_blocks, max_num_batched_tokens,
-                max_num_seqs, seed, deadline):
+def serve_hf_cb(
+    hf,
+    model,
+    prompts,
+    output_lens,
+    *,
+    block_size,
+    num_blocks,
+    max_num_batched_tokens,
+    max_num_seqs,
+    seed,
+    deadline,
+):
     res = hf.hf_continuous_batching(
-        model, prompts, output_lens, block_size=block_size, num_blocks=num_blocks,
-        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, seed=seed,
+        model,
+        prompts,
+        output_lens,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        seed=seed,
         timeout_s=max(1.0, deadline - time.perf_counter()),
     )
     n_out = sum(len(t) for t in res.token_ids)
-    metrics = {"output_tokens": n_out, "wall_s": round(res.wall_s, 3),
-               "tokens_per_s": round(n_out / res.wall_s, 1) if n_out else None,
-               "steps": res.steps, "requests_finished": len(res.token_ids), **res.info}
+    metrics = {
+        "output_tokens": n_out,
+        "wall_s": round(res.wall_s, 3),
+        "tokens_per_s": round(n_out / res.wall_s, 1) if n_out else None,
+        "steps": res.steps,
+        "requests_finished": len(res.token_ids),
+        **res.info,
+    }
     return metrics, dict(enumerate(res.token_ids)), False
 
 
@@ -227,8 +296,11 @@ def agreement(x: dict, y: dict) -> dict:
         a, b = x[i], y[i]
         n = next((k for k, (s, t) in enumerate(zip(a, b)) if s != t), min(len(a), len(b)))
         prefix.append(n / max(1, max(len(a), len(b))))
-    return {"compared": len(common), "requests_equal": round(equal / len(common), 3),
-            "token_prefix_share": round(sum(prefix) / len(prefix), 3)}
+    return {
+        "compared": len(common),
+        "requests_equal": round(equal / len(common), 3),
+        "token_prefix_share": round(sum(prefix) / len(prefix), 3),
+    }
 
 
 # --------------------------------------------------------------------------- the run
@@ -246,9 +318,13 @@ def run(args) -> dict:
         max_num_seqs, max_batched, kv_fraction = args.max_num_seqs, args.max_num_batched_tokens, 0.25
     dtype = getattr(torch, dtype_name)
     report = {
-        "step": "serving", "mode": "gpu" if device.type == "cuda" else "dry-run",
+        "step": "serving",
+        "mode": "gpu" if device.type == "cuda" else "dry-run",
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-        "budget_s": args.budget_s, "systems": {}, "ratios": {}, "agreement": {},
+        "budget_s": args.budget_s,
+        "systems": {},
+        "ratios": {},
+        "agreement": {},
     }
 
     def save():
@@ -273,28 +349,49 @@ def run(args) -> dict:
         hf_model = build_model(cfg_kw, dtype, device, tmp, args.seed)
         model, _ = load_model(tmp, dtype=dtype_name, device=str(device), attention_backend="triton")
         num_params = sum(p.numel() for p in model.parameters())
-        report["model"] = {"config": cfg_kw, "params_m": round(num_params / 1e6, 1), "dtype": dtype_name,
-                           "attention_backend": "triton", "build_s": round(time.perf_counter() - start, 1)}
+        report["model"] = {
+            "config": cfg_kw,
+            "params_m": round(num_params / 1e6, 1),
+            "dtype": dtype_name,
+            "attention_backend": "triton",
+            "build_s": round(time.perf_counter() - start, 1),
+        }
         lengths, prompts = bench.workload_prompts("sharegpt", n_req, args.seed, ctx, cfg_kw["vocab_size"])
         output_lens = [o for _, o in lengths]
         block_size = 16
         demand = [cdiv(p + o - 1, block_size) for p, o in lengths]
         num_blocks = max(max(demand), int(sum(demand) * kv_fraction))
         report["workload"] = {
-            "name": "sharegpt", "num_requests": n_req, "seed": args.seed, "max_model_len": ctx,
+            "name": "sharegpt",
+            "num_requests": n_req,
+            "seed": args.seed,
+            "max_model_len": ctx,
             "mean_prompt_len": round(sum(p for p, _ in lengths) / n_req, 1),
-            "mean_output_len": round(sum(output_lens) / n_req, 1), "output_tokens": sum(output_lens),
+            "mean_output_len": round(sum(output_lens) / n_req, 1),
+            "output_tokens": sum(output_lens),
         }
-        report["kv_cache"] = {"num_blocks": num_blocks, "block_size": block_size,
-                              "token_slots": num_blocks * block_size,
-                              "bytes": num_blocks * model.kv_cache_bytes_per_block(block_size)}
+        report["kv_cache"] = {
+            "num_blocks": num_blocks,
+            "block_size": block_size,
+            "token_slots": num_blocks * block_size,
+            "bytes": num_blocks * model.kv_cache_bytes_per_block(block_size),
+        }
         report["max_num_seqs"], report["max_num_batched_tokens"] = max_num_seqs, max_batched
         save()
 
         def engine_for(scheduling, blocks=num_blocks):
-            cfg = EngineConfig(model=tmp, block_size=block_size, num_blocks=blocks, max_num_seqs=max_num_seqs,
-                               max_num_batched_tokens=max_batched, device=str(device), dtype=dtype_name,
-                               attention_backend="triton", seed=args.seed, scheduling=scheduling)
+            cfg = EngineConfig(
+                model=tmp,
+                block_size=block_size,
+                num_blocks=blocks,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                device=str(device),
+                dtype=dtype_name,
+                attention_backend="triton",
+                seed=args.seed,
+                scheduling=scheduling,
+            )
             return LLMEngine(cfg, model=model, tokenizer=None)
 
         hf_dev = OnDevice(hf_model)
@@ -307,9 +404,18 @@ def run(args) -> dict:
                 raise RuntimeError("minipaged's transformers baselines could not be imported")
             if name == "hf-generate-static":
                 return serve_hf_static(hf, hf_dev, p, o, num_blocks * block_size, max_num_seqs, deadline)
-            return serve_hf_cb(hf, hf_model, p, o, block_size=block_size, num_blocks=num_blocks,
-                               max_num_batched_tokens=max_batched, max_num_seqs=max_num_seqs, seed=args.seed,
-                               deadline=deadline)
+            return serve_hf_cb(
+                hf,
+                hf_model,
+                p,
+                o,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                max_num_batched_tokens=max_batched,
+                max_num_seqs=max_num_seqs,
+                seed=args.seed,
+                deadline=deadline,
+            )
 
         tokens = {}
         left = args.budget_s - (time.perf_counter() - start)
@@ -325,7 +431,10 @@ def run(args) -> dict:
                 tokens[name] = toks
                 report["systems"][name] = {"label": LETTER[name], **metrics, "partial": partial}
             except Exception as e:  # noqa: BLE001 - reported, the next system still runs
-                report["systems"][name] = {"label": LETTER[name], "unavailable": f"{type(e).__name__}: {e}"[:400]}
+                report["systems"][name] = {
+                    "label": LETTER[name],
+                    "unavailable": f"{type(e).__name__}: {e}"[:400],
+                }
             carry = max(0.0, share - (time.perf_counter() - t_sys))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -345,7 +454,8 @@ def summarize(report: dict, tokens: dict) -> None:
     names = [n for n in ORDER if n in tokens]
     report["agreement"] = {
         f"{LETTER[x]}={LETTER[y]}": agreement(tokens[x], tokens[y])
-        for i, x in enumerate(names) for y in names[i + 1:]
+        for i, x in enumerate(names)
+        for y in names[i + 1 :]
     }
 
 
@@ -360,22 +470,31 @@ def format_report(r: dict) -> str:
     lines = []
     if "model" in r:
         w, kv = r["workload"], r["kv_cache"]
-        lines.append(f"model: random Llama {r['model']['params_m']}M params, {r['model']['dtype']}, on {r['device']}; "
-                     f"{w['num_requests']} ShareGPT-like requests (context {w['max_model_len']}, mean prompt "
-                     f"{w['mean_prompt_len']}, output {w['mean_output_len']}); KV {kv['token_slots']} token slots")
+        lines.append(
+            f"model: random Llama {r['model']['params_m']}M params, {r['model']['dtype']}, on {r['device']}; "
+            f"{w['num_requests']} ShareGPT-like requests (context {w['max_model_len']}, mean prompt "
+            f"{w['mean_prompt_len']}, output {w['mean_output_len']}); KV {kv['token_slots']} token slots"
+        )
     for name, m in r["systems"].items():
         if "unavailable" in m:
             lines.append(f"  ({m['label']}) {name:<24} unavailable: {m['unavailable']}")
         else:
             ovh = m.get("overhead_ms_per_step")
-            lines.append(f"  ({m['label']}) {name:<24} {m['tokens_per_s'] or 0:>9.1f} tok/s  steps {m.get('steps')}"
-                         + (f"  overhead {ovh:.2f} ms/step" if ovh is not None else "")
-                         + ("  PARTIAL (time share spent)" if m.get("partial") else ""))
+            lines.append(
+                f"  ({m['label']}) {name:<24} {m['tokens_per_s'] or 0:>9.1f} tok/s  steps {m.get('steps')}"
+                + (f"  overhead {ovh:.2f} ms/step" if ovh is not None else "")
+                + ("  PARTIAL (time share spent)" if m.get("partial") else "")
+            )
     if r.get("ratios"):
         lines.append("  ratios (tokens/s): " + ", ".join(f"{k} {v:.2f}x" for k, v in r["ratios"].items()))
     if r.get("agreement"):
-        lines.append("  greedy agreement (requests equal, token prefix share): " + ", ".join(
-            f"{k} {v['requests_equal']}/{v['token_prefix_share']} of {v['compared']}" for k, v in r["agreement"].items()))
+        lines.append(
+            "  greedy agreement (requests equal, token prefix share): "
+            + ", ".join(
+                f"{k} {v['requests_equal']}/{v['token_prefix_share']} of {v['compared']}"
+                for k, v in r["agreement"].items()
+            )
+        )
     return "\n".join(lines)
 
 
@@ -399,7 +518,9 @@ def main(argv=None) -> int:
     if "error" in report:
         print(report["error"])
         return 1
-    bad = [n for n in ("continuous+paged", "static+contiguous") if "unavailable" in report["systems"].get(n, {})]
+    bad = [
+        n for n in ("continuous+paged", "static+contiguous") if "unavailable" in report["systems"].get(n, {})
+    ]
     return 1 if bad else 0
 
 

@@ -85,8 +85,16 @@ def variant(kind: str, authored_src: str, stub_src: str, chapter: str) -> str:
     raise ValueError(kind)
 
 
-KINDS = [("authored", 55), ("stub", 15), ("wrong", 10), ("raises", 6), ("cheat", 6), ("flood", 4),
-         ("loop", 2), ("exit", 2)]
+KINDS = [
+    ("authored", 55),
+    ("stub", 15),
+    ("wrong", 10),
+    ("raises", 6),
+    ("cheat", 6),
+    ("flood", 4),
+    ("loop", 2),
+    ("exit", 2),
+]
 
 
 def make_submissions(out: Path, n: int, chapters: list[str], seed: int = 0) -> list[str]:
@@ -114,7 +122,9 @@ def main(argv=None) -> int:
     p.add_argument("-n", type=int, default=500, help="submissions to grade (default 500)")
     p.add_argument("--jobs", type=int, default=4, help="submissions graded at a time (default 4)")
     p.add_argument("--timeout", type=float, default=10.0, help="per-cell timeout in seconds (default 10)")
-    p.add_argument("--budget", type=float, default=120.0, help="per-submission budget in seconds (default 120)")
+    p.add_argument(
+        "--budget", type=float, default=120.0, help="per-submission budget in seconds (default 120)"
+    )
     p.add_argument("--chapters", default="ch01,ch02,ch04,ch05,ch06")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = p.parse_args(argv)
@@ -137,8 +147,15 @@ def main(argv=None) -> int:
 
         authored = load_authored()
         t0 = time.monotonic()
-        results = grade_many(paths, authored, timeout=args.timeout, jobs=args.jobs, budget=args.budget,
-                             isolation=iso, on_result=save)
+        results = grade_many(
+            paths,
+            authored,
+            timeout=args.timeout,
+            jobs=args.jobs,
+            budget=args.budget,
+            isolation=iso,
+            on_result=save,
+        )
         wall = time.monotonic() - t0
         rows = sum(1 for _ in csv_path.open()) - 1
     grader_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB (Linux)
@@ -149,14 +166,23 @@ def main(argv=None) -> int:
     flagged = sum(1 for r in results if any(f.endswith("]") for f in r.flags))
     errors = sum(1 for r in results if r.error)
     figures = {
-        "submissions": args.n, "jobs": args.jobs, "chapters": chapters, "cpus": os.cpu_count(),
-        "wall_s": round(wall, 1), "submissions_per_minute": round(60 * args.n / wall, 1),
+        "submissions": args.n,
+        "jobs": args.jobs,
+        "chapters": chapters,
+        "cpus": os.cpu_count(),
+        "wall_s": round(wall, 1),
+        "submissions_per_minute": round(60 * args.n / wall, 1),
         "grader_peak_rss_mib": round(grader_rss),
-        "csv_rows": rows, "flagged": flagged, "errors": errors, "scores": dict(sorted(hist.items())),
+        "csv_rows": rows,
+        "flagged": flagged,
+        "errors": errors,
+        "scores": dict(sorted(hist.items())),
         "isolation": iso.describe(),
     }
-    print(f"graded {args.n} submissions in {wall:.0f} s with --jobs {args.jobs} on {os.cpu_count()} CPUs: "
-          f"{figures['submissions_per_minute']} submissions/minute")
+    print(
+        f"graded {args.n} submissions in {wall:.0f} s with --jobs {args.jobs} on {os.cpu_count()} CPUs: "
+        f"{figures['submissions_per_minute']} submissions/minute"
+    )
     print(f"peak memory of the grader: {figures['grader_peak_rss_mib']} MiB RSS")
     print(f"CSV rows: {rows}; flagged by the scan: {flagged}; could not be graded: {errors}")
     print("scores:", ", ".join(f"{k}: {v}" for k, v in figures["scores"].items()))

@@ -87,15 +87,28 @@ def parse_args(argv=None):
     p.add_argument("--sweep-batch", type=int, default=64, help="batch of the block-size sweep")
     p.add_argument("--sweep-context", type=int, default=4096, help="context of the block-size sweep")
     p.add_argument("--quick", action="store_true", help="a smaller sweep (batches 8,64; contexts 1k,4k)")
-    p.add_argument("--figure", default=None,
-                   help="where to write the figure (default figures/kernel_bench.png on a GPU; '' = none)")
+    p.add_argument(
+        "--figure",
+        default=None,
+        help="where to write the figure (default figures/kernel_bench.png on a GPU; '' = none)",
+    )
     p.add_argument("--json", default="", help="write the results as JSON to this path")
-    p.add_argument("--dry-run", action="store_true",
-                   help="run the GPU code path on the CPU with tiny shapes (checks the script; timings meaningless)")
-    p.add_argument("--tune", action="store_true",
-                   help="also time the decode kernel's launch options at the target shapes")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="seconds after which the tuning sweep stops (default: no limit)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run the GPU code path on the CPU with tiny shapes (checks the script; timings meaningless)",
+    )
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        help="also time the decode kernel's launch options at the target shapes",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="seconds after which the tuning sweep stops (default: no limit)",
+    )
     return p.parse_args(argv)
 
 
@@ -153,7 +166,10 @@ def cpu_sanity() -> dict:
         q, k, v, bt, sl = make_decode_inputs(3, 40, 8, 4, 2, 64, dtype, "cpu")
         sl = torch.tensor([1, 17, 40], dtype=torch.int32)
         want = paged_attention_ref(q.float(), k.float(), v.float(), bt, sl)
-        for name, kw in (("decode_v1", dict(use_v2=False)), ("decode_v2", dict(use_v2=True, partition_size=16))):
+        for name, kw in (
+            ("decode_v1", dict(use_v2=False)),
+            ("decode_v2", dict(use_v2=True, partition_size=16)),
+        ):
             out = paged_attention_decode(q, k, v, bt, sl, block_n=16, **kw)
             results[f"{name}_{str(dtype).split('.')[-1]}"] = (out.float() - want).abs().max().item()
         cu = torch.tensor([0, 1, 9, 29], dtype=torch.int32)
@@ -213,7 +229,9 @@ def gpu_benchmark(args, device: str = "cuda") -> dict:
         if kc_in is not None:
             vc_in = v.reshape(-1, block_size, KVH, D)
             bt_in = torch.arange(bt.numel(), dtype=torch.int32, device=device).reshape(bt.shape)
-            row["inorder_ms"] = bench(lambda: paged_attention_decode(q, kc_in, vc_in, bt_in, sl, max_seq_len=context))
+            row["inorder_ms"] = bench(
+                lambda: paged_attention_decode(q, kc_in, vc_in, bt_in, sl, max_seq_len=context)
+            )
         qs = q[:, :, None, :]  # [B, H, 1, D]
         ks, vs = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()  # [B, KVH, L, D]
         row["sdpa_ms"] = bench(lambda: sdpa_gqa(qs, ks, vs))  # torch's own choice of backend
@@ -252,8 +270,10 @@ def gpu_benchmark(args, device: str = "cuda") -> dict:
     print(f"\nGPU: {name}   dtype {args.dtype}   heads {H}/{KVH} kv   head_dim {D}")
     print(f"peak HBM (data sheet): {peak / 1e9:.0f} GB/s" if peak else "peak HBM: unknown for this GPU")
     print(f"measured copy bandwidth: {measured_peak / 1e9:.0f} GB/s\n")
-    head = (f"{'batch':>5} {'ctx':>6} {'paged ms':>9} {'inorder':>8} {'sdpa ms':>8} {'flash ms':>9} "
-            f"{'paged/contig':>12} {'GB/s':>7} {'% peak':>7}")
+    head = (
+        f"{'batch':>5} {'ctx':>6} {'paged ms':>9} {'inorder':>8} {'sdpa ms':>8} {'flash ms':>9} "
+        f"{'paged/contig':>12} {'GB/s':>7} {'% peak':>7}"
+    )
     print(head)
     print("-" * len(head))
     nan = float("nan")
@@ -268,7 +288,9 @@ def gpu_benchmark(args, device: str = "cuda") -> dict:
     print(f"\nblock-size sweep at batch {args.sweep_batch} x context {args.sweep_context} (paper Fig. 18a)")
     print(f"{'block':>5} {'paged ms':>9} {'vs bs16':>8} {'GB/s':>7}")
     for r in blocks:
-        print(f"{r['block_size']:>5} {r['paged_ms']:>9.3f} {r['paged_ms'] / base:>8.2f} {r['paged_GBps']:>7.0f}")
+        print(
+            f"{r['block_size']:>5} {r['paged_ms']:>9.3f} {r['paged_ms'] / base:>8.2f} {r['paged_GBps']:>7.0f}"
+        )
     print("\n" + format_targets(targets))
 
     if args.figure:
@@ -369,9 +391,11 @@ def format_targets(t: dict) -> str:
     ratio = "-" if t["paged_over_contiguous"] is None else f"{t['paged_over_contiguous']:.2f}x"
     pct = "unknown peak" if t["pct_peak"] is None else f"{t['pct_peak']:.0f}% of peak"
     note = f" ({t['note']})" if t.get("note") else ""
-    return (f"targets at {t['shape']}, block_size 16: paged/contiguous {ratio} (target <= {t['ratio_target']}x: "
-            f"{met(t['ratio_met'])}); bandwidth {pct} (target >= {t['pct_peak_target']:.0f}%: "
-            f"{met(t['pct_peak_met'])}); worst ratio over the sweep {t['paged_over_contiguous_worst']}{note}")
+    return (
+        f"targets at {t['shape']}, block_size 16: paged/contiguous {ratio} (target <= {t['ratio_target']}x: "
+        f"{met(t['ratio_met'])}); bandwidth {pct} (target >= {t['pct_peak_target']:.0f}%: "
+        f"{met(t['pct_peak_met'])}); worst ratio over the sweep {t['paged_over_contiguous_worst']}{note}"
+    )
 
 
 def tune_decode(args, device: str = "cuda", budget_s=None) -> dict:
@@ -396,8 +420,12 @@ def tune_decode(args, device: str = "cuda", budget_s=None) -> dict:
         v2_grid = [dict(partition_size=16, block_n=16), dict(partition_size=32, block_n=16)]
         v2_batch = 1
     else:
-        v1_grid = [dict(block_n=n, num_warps=w, num_stages=st)
-                   for n in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2, 3)]
+        v1_grid = [
+            dict(block_n=n, num_warps=w, num_stages=st)
+            for n in (32, 64, 128)
+            for w in (2, 4, 8)
+            for st in (1, 2, 3)
+        ]
         v2_grid = [dict(partition_size=p, block_n=n) for p in (256, 512, 1024) for n in (32, 64)]
         v2_batch = 8
     rows, stopped = [], None
@@ -433,8 +461,10 @@ def tune_decode(args, device: str = "cuda", budget_s=None) -> dict:
     print(f"\ntuning sweep ({len(rows)} configs{'; ' + stopped if stopped else ''}):")
     for kind, r in best.items():
         cfg = {k: v for k, v in r.items() if k not in ("kernel", "ms", "GBps", "batch", "context")}
-        print(f"  fastest {kind} at batch {r['batch']} x {r['context']}: {r['ms']:.3f} ms, "
-              f"{r['GBps']:.0f} GB/s with {cfg}")
+        print(
+            f"  fastest {kind} at batch {r['batch']} x {r['context']}: {r['ms']:.3f} ms, "
+            f"{r['GBps']:.0f} GB/s with {cfg}"
+        )
     return {"rows": rows, "best": best, "stopped": stopped, "seconds": round(time.perf_counter() - start, 1)}
 
 
@@ -447,8 +477,12 @@ def write_figure(path, sweep, blocks, gpu_name):
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for batch in sorted({r["batch"] for r in sweep}):
         rows = [r for r in sweep if r["batch"] == batch]
-        ax1.plot([r["context"] for r in rows], [r["paged_over_contiguous"] for r in rows], marker="o",
-                 label=f"batch {batch}")
+        ax1.plot(
+            [r["context"] for r in rows],
+            [r["paged_over_contiguous"] for r in rows],
+            marker="o",
+            label=f"batch {batch}",
+        )
     ax1.axhline(1.0, color="gray", lw=0.8)
     ax1.axhline(1.2, color="gray", lw=0.8, ls="--")
     ax1.set_xscale("log", base=2)

@@ -22,8 +22,18 @@ import random
 import statistics
 import time
 
-PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a big", "Tom and Sue",
-           "The sun was", "A small bird", "Max found a", "In the park,", "The cat said"]
+PROMPTS = [
+    "Once upon a time",
+    "The little dog",
+    "Lily wanted to",
+    "One day, a big",
+    "Tom and Sue",
+    "The sun was",
+    "A small bird",
+    "Max found a",
+    "In the park,",
+    "The cat said",
+]
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -48,8 +58,14 @@ async def run_rate(url: str, model: str, rate: float, args, seed: int) -> dict:
         t0 = time.perf_counter()
         last = None
         stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         async for ch in stream:
             now = time.perf_counter()
             if ch.usage is not None:
@@ -72,8 +88,11 @@ async def run_rate(url: str, model: str, rate: float, args, seed: int) -> dict:
     elapsed = time.perf_counter() - start
     await client.close()
     return {
-        "rate": rate, "requests": args.num_requests, "seconds": elapsed,
-        "req_per_s": args.num_requests / elapsed, "tok_per_s": sum(out_tokens) / elapsed,
+        "rate": rate,
+        "requests": args.num_requests,
+        "seconds": elapsed,
+        "req_per_s": args.num_requests / elapsed,
+        "tok_per_s": sum(out_tokens) / elapsed,
         "ttft": [percentile(ttft, q) for q in (50, 90, 99)],
         "itl": [percentile(itl, q) for q in (50, 90, 99)],
         "itl_mean": statistics.fmean(itl) if itl else float("nan"),
@@ -110,15 +129,23 @@ def main(argv=None) -> int:
         url = args.url.rstrip("/")
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     try:
-        print(f"minipaged serve load: {model} at {url}, {args.num_requests} streaming requests "
-              f"per rate, max_tokens {args.min_tokens}..{args.max_tokens}")
-        print(f"{'rate':>6} {'req/s':>7} {'tok/s':>8} | {'TTFT p50':>9} {'p90':>7} {'p99':>7} "
-              f"| {'ITL p50':>8} {'p90':>7} {'p99':>7}  (seconds)")
+        print(
+            f"minipaged serve load: {model} at {url}, {args.num_requests} streaming requests "
+            f"per rate, max_tokens {args.min_tokens}..{args.max_tokens}"
+        )
+        print(
+            f"{'rate':>6} {'req/s':>7} {'tok/s':>8} | {'TTFT p50':>9} {'p90':>7} {'p99':>7} "
+            f"| {'ITL p50':>8} {'p90':>7} {'p99':>7}  (seconds)"
+        )
         for i, rate in enumerate(rates):
             r = asyncio.run(run_rate(url, model, rate, args, args.seed + i))
-            print(f"{r['rate']:>6.1f} {r['req_per_s']:>7.2f} {r['tok_per_s']:>8.1f} | "
-                  + " ".join(f"{x:>{w}.3f}" for x, w in zip(r["ttft"], (9, 7, 7))) + " | "
-                  + " ".join(f"{x:>{w}.3f}" for x, w in zip(r["itl"], (8, 7, 7))), flush=True)
+            print(
+                f"{r['rate']:>6.1f} {r['req_per_s']:>7.2f} {r['tok_per_s']:>8.1f} | "
+                + " ".join(f"{x:>{w}.3f}" for x, w in zip(r["ttft"], (9, 7, 7)))
+                + " | "
+                + " ".join(f"{x:>{w}.3f}" for x, w in zip(r["itl"], (8, 7, 7))),
+                flush=True,
+            )
     finally:
         if server is not None:
             server.stop()

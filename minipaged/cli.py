@@ -21,8 +21,10 @@ COMMANDS = {
     "sharing": ("minipaged.sim.sharing", "blocks saved by sharing (paper Fig. 15)"),
     "simulate": ("minipaged.sim.cli", "paper-scale serving experiments on a cost model"),
     "bench": ("minipaged.bench.serving", "real serving benchmark on CPU/GPU"),
-    "serve": ("minipaged.entrypoints.openai.api_server",
-              "an OpenAI-compatible streaming server with a live view of the block tables"),
+    "serve": (
+        "minipaged.entrypoints.openai.api_server",
+        "an OpenAI-compatible streaming server with a live view of the block tables",
+    ),
     "figures": ("minipaged.viz.figures", "regenerate every PNG in figures/"),
     "exercises": ("minipaged.checks.exercises", "write student copies of the exercise notebooks"),
     "grade": ("minipaged.checks.grade", "grade exercise submissions"),

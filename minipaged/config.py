@@ -144,9 +144,7 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
                 raise ValueError(f"{name} must be None or a positive int, got {v!r}")
-        if self.num_cpu_blocks is not None and (
-            not _is_int(self.num_cpu_blocks) or self.num_cpu_blocks < 0
-        ):
+        if self.num_cpu_blocks is not None and (not _is_int(self.num_cpu_blocks) or self.num_cpu_blocks < 0):
             raise ValueError(f"num_cpu_blocks must be None or an int >= 0, got {self.num_cpu_blocks!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
@@ -190,7 +188,10 @@ class EngineConfig:
         return n
 
     def check_cache_fits(
-        self, num_blocks: int, bytes_per_block: int, device_free: Optional[int] = None,
+        self,
+        num_blocks: int,
+        bytes_per_block: int,
+        device_free: Optional[int] = None,
         host_free: Optional[int] = None,
     ) -> None:
         """``ValueError`` if the device pool, or the host's share (the CPU swap pool, and the

@@ -58,11 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from minipaged.cli import non_negative_int
 
     parser.add_argument("--out-dir", default="demo_out", help="folder for the two pictures")
-    parser.add_argument("--steps", type=non_negative_int, default=0, help="print only the first N steps (0 = all)")
+    parser.add_argument(
+        "--steps", type=non_negative_int, default=0, help="print only the first N steps (0 = all)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for lengths and sampling")
     parser.add_argument("--no-pictures", action="store_true", help="skip writing the PNGs")
     parser.add_argument(
-        "--threads", type=non_negative_int, default=1,
+        "--threads",
+        type=non_negative_int,
+        default=1,
         help="torch CPU threads (default 1: the course model is too small to gain from more)",
     )
 
@@ -103,8 +107,10 @@ def run_engine_with_arrivals(engine, requests, on_step=None):
 
 def format_step(trace, rec) -> str:
     """One step as text: who ran (prefill/decode), block tables, preemptions, free blocks."""
-    lines = [f"step {rec.step:3d}  tokens {sum(rec.scheduled.values()):3d}/{trace.max_num_batched_tokens}"
-             f"  free blocks {rec.num_free_blocks:2d}/{trace.num_blocks}"]
+    lines = [
+        f"step {rec.step:3d}  tokens {sum(rec.scheduled.values()):3d}/{trace.max_num_batched_tokens}"
+        f"  free blocks {rec.num_free_blocks:2d}/{trace.num_blocks}"
+    ]
     for rid in sorted(set(rec.scheduled) | set(rec.block_tables), key=int):
         n = rec.scheduled.get(rid)
         what = "idle" if n is None else ("decode" if rid in rec.decode_ids else f"prefill {n}")
@@ -114,9 +120,14 @@ def format_step(trace, rec) -> str:
         held_s = f"{held:3d} tok" if held is not None else "       "
         lines.append(f"    req {rid}  {what:<11s} {held_s}  blocks {table_s}")
     events = []
-    for label, ids in (("arrived", rec.arrived_ids), ("preempted", rec.preempted_ids),
-                       ("swapped out", rec.swapped_out_ids), ("swapped in", rec.swapped_in_ids),
-                       ("finished", rec.finished_ids), ("waiting", rec.waiting_ids)):
+    for label, ids in (
+        ("arrived", rec.arrived_ids),
+        ("preempted", rec.preempted_ids),
+        ("swapped out", rec.swapped_out_ids),
+        ("swapped in", rec.swapped_in_ids),
+        ("finished", rec.finished_ids),
+        ("waiting", rec.waiting_ids),
+    ):
         if ids:
             events.append(f"{label}: {' '.join(ids)}")
     if events:
@@ -193,7 +204,9 @@ def run(args) -> int:
     print("\nThe whole run (the picture in timeline.png):")
     print(viz.timeline_text(trace))
     shown = busiest_step(trace)
-    why = "a preemption" if (trace[shown].preempted_ids or trace[shown].swapped_out_ids) else "the fullest pool"
+    why = (
+        "a preemption" if (trace[shown].preempted_ids or trace[shown].swapped_out_ids) else "the fullest pool"
+    )
     print(f"\nStep {shown}, {why}, as text (the picture in block_tables.png):")
     print(viz.step_text(trace, shown))
     print("\nGenerated texts:")

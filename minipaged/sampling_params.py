@@ -110,9 +110,7 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, 1)
         _check_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
-            )
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _check_int("seed", self.seed, -(2**63), allow_none=True)
         # NOTE: the ranges are vLLM's (SamplingParams._verify_args).
         _check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
@@ -145,11 +143,7 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 def verify_sampling_params(
@@ -176,9 +170,7 @@ def verify_sampling_params(
         raise ValueError(f"{name}.stop: stop strings need a tokenizer, and this engine has none")
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
-        raise ValueError(
-            f"{name}.stop_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab_size})"
-        )
+        raise ValueError(f"{name}.stop_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab_size})")
     if params.logprobs is not None and params.logprobs > min(MAX_LOGPROBS, vocab_size):
         raise ValueError(
             f"{name}.logprobs={params.logprobs} exceeds the maximum "
@@ -197,9 +189,7 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
-            raise ValueError(
-                f"early_stopping must be False, True or 'never', got {self.early_stopping!r}"
-            )
+            raise ValueError(f"early_stopping must be False, True or 'never', got {self.early_stopping!r}")
         _check_int("beam_width", self.beam_width, 1)
         _check_int("max_tokens", self.max_tokens, 1)
         _check_float("length_penalty", self.length_penalty)

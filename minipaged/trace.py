@@ -19,9 +19,10 @@ and returns its ``EngineTrace`` (``RuntimeError`` after ``max_steps``).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Optional
 
 
 def count_holders(block_tables: dict[str, list[int]]) -> dict[int, int]:
@@ -88,7 +89,7 @@ class EngineTrace:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "EngineTrace":
+    def from_dict(cls, d: dict) -> EngineTrace:
         steps = []
         for s in d["steps"]:
             s = dict(s)
@@ -108,14 +109,14 @@ class EngineTrace:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_json(cls, s: str) -> "EngineTrace":
+    def from_json(cls, s: str) -> EngineTrace:
         return cls.from_dict(json.loads(s))
 
     def save(self, path) -> None:
         Path(path).write_text(self.to_json())
 
     @classmethod
-    def load(cls, path) -> "EngineTrace":
+    def load(cls, path) -> EngineTrace:
         return cls.from_json(Path(path).read_text())
 
     def check_invariants(self) -> None:
@@ -135,8 +136,7 @@ class EngineTrace:
             for b, n in holders.items():
                 if n > 1:
                     assert s.shared_blocks.get(b) == n, (
-                        f"step {i}: block {b} held by {n} tables, shared_blocks says "
-                        f"{s.shared_blocks.get(b)}"
+                        f"step {i}: block {b} held by {n} tables, shared_blocks says {s.shared_blocks.get(b)}"
                     )
             assert len(holders) + s.num_free_blocks <= self.num_blocks, (
                 f"step {i}: {len(holders)} held + {s.num_free_blocks} free > {self.num_blocks}"
@@ -196,9 +196,11 @@ def run_scheduler(
         block_size=scheduler.block_size,
         max_num_seqs=scheduler.max_num_seqs,
         max_num_batched_tokens=scheduler.max_num_batched_tokens,
-        meta={"scheduler": type(scheduler).__name__,
-              "preemption_mode": getattr(scheduler, "preemption_mode", "recompute"),
-              "enable_chunked_prefill": scheduler.enable_chunked_prefill},
+        meta={
+            "scheduler": type(scheduler).__name__,
+            "preemption_mode": getattr(scheduler, "preemption_mode", "recompute"),
+            "enable_chunked_prefill": scheduler.enable_chunked_prefill,
+        },
     )
     last_arrival = max(arrivals, default=0)
     step = 0
@@ -213,13 +215,12 @@ def run_scheduler(
                 scheduler.add_request(item)
             for req in group:
                 trace.requests[req.request_id] = {
-                    "prompt_len": req.num_prompt_tokens, "arrival_step": step,
+                    "prompt_len": req.num_prompt_tokens,
+                    "arrival_step": step,
                 }
         out = scheduler.schedule()
         sampled = {
-            r.request_id: next_token(r)
-            for r, n in out.scheduled
-            if r.num_computed_tokens + n == r.num_tokens
+            r.request_id: next_token(r) for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens
         }
         for _, child in out.fork_samples:
             sampled[child.request_id] = next_token(child)
@@ -227,8 +228,10 @@ def run_scheduler(
         trace.record(record_step(scheduler, out, step))
         for r in out.finished:
             trace.requests[r.request_id].update(
-                output_len=r.num_output_tokens, finish_step=step,
-                status=r.status.value, stop_reason=r.stop_reason,
+                output_len=r.num_output_tokens,
+                finish_step=step,
+                status=r.status.value,
+                stop_reason=r.stop_reason,
                 num_preemptions=r.num_preemptions,
             )
         step += 1

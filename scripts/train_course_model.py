@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import time
 from pathlib import Path
@@ -53,9 +52,15 @@ BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 GIRLS = ["Lily", "Mia", "Sara", "Emma", "Anna", "Lucy", "Zoe", "Amy", "Ella", "Rosa"]
 BOYS = ["Tom", "Ben", "Max", "Sam", "Leo", "Jack", "Tim", "Finn", "Noah", "Hugo"]
 ANIMALS = [  # (kind, name, pronoun)
-    ("cat", "Mittens", "she"), ("dog", "Rex", "he"), ("rabbit", "Hops", "he"),
-    ("bird", "Pip", "she"), ("fox", "Rusty", "he"), ("bear", "Bruno", "he"),
-    ("duck", "Daisy", "she"), ("mouse", "Squeak", "she"), ("frog", "Fred", "he"),
+    ("cat", "Mittens", "she"),
+    ("dog", "Rex", "he"),
+    ("rabbit", "Hops", "he"),
+    ("bird", "Pip", "she"),
+    ("fox", "Rusty", "he"),
+    ("bear", "Bruno", "he"),
+    ("duck", "Daisy", "she"),
+    ("mouse", "Squeak", "she"),
+    ("frog", "Fred", "he"),
 ]
 PLACES = [  # (where they live, where things happen)
     ("a small house near the forest", "the forest"),
@@ -67,24 +72,45 @@ PLACES = [  # (where they live, where things happen)
     ("a cozy cottage by a river", "the river"),
 ]
 OBJECTS = [  # (adjective, noun)
-    ("red", "ball"), ("shiny", "key"), ("blue", "kite"), ("little", "boat"),
-    ("old", "book"), ("yellow", "hat"), ("soft", "blanket"), ("green", "box"),
-    ("big", "drum"), ("pretty", "shell"), ("golden", "ring"), ("purple", "flower"),
+    ("red", "ball"),
+    ("shiny", "key"),
+    ("blue", "kite"),
+    ("little", "boat"),
+    ("old", "book"),
+    ("yellow", "hat"),
+    ("soft", "blanket"),
+    ("green", "box"),
+    ("big", "drum"),
+    ("pretty", "shell"),
+    ("golden", "ring"),
+    ("purple", "flower"),
 ]
 TRAITS = ["kind", "brave", "curious", "happy", "shy", "clever", "funny", "gentle"]
 LIKES = [
-    "to play outside", "to read books", "to sing songs", "to draw pictures",
-    "to climb trees", "to look at the stars", "to help her mom", "to run fast",
-    "to bake cookies", "to dance in the rain",
+    "to play outside",
+    "to read books",
+    "to sing songs",
+    "to draw pictures",
+    "to climb trees",
+    "to look at the stars",
+    "to help her mom",
+    "to run fast",
+    "to bake cookies",
+    "to dance in the rain",
 ]
 PROBLEMS = [  # what goes wrong with the object; {o} = the object noun
-    "the wind blew the {o} away", "the {o} fell into a deep hole",
-    "the {o} got stuck in a tree", "a big dog took the {o}",
-    "the {o} rolled into the water", "the {o} was lost in the tall grass",
+    "the wind blew the {o} away",
+    "the {o} fell into a deep hole",
+    "the {o} got stuck in a tree",
+    "a big dog took the {o}",
+    "the {o} rolled into the water",
+    "the {o} was lost in the tall grass",
 ]
 FIXES = [  # how the friend helps get the object back
-    "used a long stick to reach the {o}", "climbed up and got the {o}",
-    "ran very fast and found the {o}", "looked everywhere until they saw the {o}",
+    "used a long stick to reach the {o}",
+    "climbed up and got the {o}",
+    "ran very fast and found the {o}",
+    "looked everywhere until they saw the {o}",
     "asked a tall man for help, and he gave them the {o}",
 ]
 FEELINGS = ["sad", "scared", "worried", "upset"]
@@ -138,20 +164,24 @@ def make_story(rng: random.Random) -> str:
     find = rng.choice(["found", "saw", "had"])
     a_obj = ("an " if adj[0] in "aeiou" else "a ") + f"{adj} {obj}"
     s.append(f"One day, {name} {find} {a_obj} in {spot}.")
-    s.append(rng.choice([
-        f"{_cap(he)} was very happy.",
-        f"\"What a nice {obj}!\" {he} said.",
-        f"{_cap(he)} wanted to keep it forever.",
-    ]))
+    s.append(
+        rng.choice(
+            [
+                f"{_cap(he)} was very happy.",
+                f'"What a nice {obj}!" {he} said.',
+                f"{_cap(he)} wanted to keep it forever.",
+            ]
+        )
+    )
     s.append(f"But then, {rng.choice(PROBLEMS).format(o=obj)}.")
     s.append(f"{name} was {rng.choice(FEELINGS)}.")
     if rng.random() < 0.6:
-        s.append(f"\"Oh no! My {obj}!\" {he} cried.")
+        s.append(f'"Oh no! My {obj}!" {he} cried.')
     s.append(f"Then {friend} came to help.")
-    s.append(f"\"Do not worry, {name}. I will help you,\" {fhe} said.")
+    s.append(f'"Do not worry, {name}. I will help you," {fhe} said.')
     s.append(f"{_cap(fhe)} {rng.choice(FIXES).format(o=obj)}.")
     s.append(f"{name} was so happy to have the {adj} {obj} back.")
-    s.append(f"\"Thank you, {fname}!\" {he} said.")
+    s.append(f'"Thank you, {fname}!" {he} said.')
     s.append(rng.choice(ENDINGS).format(N=name, F=fname))
     s.append("The end.")
     return " ".join(s)
@@ -187,8 +217,12 @@ def train_tokenizer(stories: list[str], vocab_size: int):
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-        model_max_length=512, clean_up_tokenization_spaces=False,
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=512,
+        clean_up_tokenization_spaces=False,
     )
 
 
@@ -292,7 +326,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=700)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: bitwise reproducible; 0: torch default)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: bitwise reproducible; 0: torch default)"
+    )
     args = ap.parse_args(argv)
 
     import torch

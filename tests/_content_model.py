@@ -80,7 +80,9 @@ class ContentPagedModel:
         for req, n in output.scheduled:
             rid, start = req.request_id, req.num_computed_tokens
             tokens = req.all_token_ids
-            for pos, slot in zip(range(start, start + n), kv_cache_manager.get_slot_mapping(rid, start, start + n)):
+            for pos, slot in zip(
+                range(start, start + n), kv_cache_manager.get_slot_mapping(rid, start, start + n)
+            ):
                 self.device[slot] = (pos, tokens[pos])
             self.num_computed += n
         for req, n in output.scheduled:
@@ -92,8 +94,7 @@ class ContentPagedModel:
             for pos in range(end):
                 entry = self.device.get(table[pos // bs] * bs + pos % bs)
                 assert entry == (pos, req.all_token_ids[pos]), (
-                    f"{rid} position {pos}: the cache holds {entry}, "
-                    f"expected {(pos, req.all_token_ids[pos])}"
+                    f"{rid} position {pos}: the cache holds {entry}, expected {(pos, req.all_token_ids[pos])}"
                 )
                 seen.append(entry[1])
             rows[rid] = seen

@@ -25,8 +25,16 @@ def _token(request) -> int:
     return 3 + hashlib.sha256(key).digest()[0] % 60
 
 
-def _workload(seed: int, num_requests: int, prompt_range, output_range, span: int,
-              group_every: int = 0, shared_prefix: int = 0, eos: bool = False):
+def _workload(
+    seed: int,
+    num_requests: int,
+    prompt_range,
+    output_range,
+    span: int,
+    group_every: int = 0,
+    shared_prefix: int = 0,
+    eos: bool = False,
+):
     """{arrival step: [Request | [Request, ...] (a group)]}, seeded."""
     from minipaged.core import Request
     from minipaged.sampling_params import SamplingParams
@@ -39,52 +47,140 @@ def _workload(seed: int, num_requests: int, prompt_range, output_range, span: in
         prompt = prefix + [rng.randint(3, 62) for _ in range(rng.randint(*prompt_range))]
         params = SamplingParams(max_tokens=rng.randint(*output_range), ignore_eos=not eos)
         n = 1 + (k % 3 == 0) * 2 if group_every and k % group_every == 0 else 1
-        seqs = [Request(f"R{k:02d}" + (f".{j}" if n > 1 else ""), prompt, params,
-                        eos_token_id=7 if eos else None) for j in range(n)]
+        seqs = [
+            Request(f"R{k:02d}" + (f".{j}" if n > 1 else ""), prompt, params, eos_token_id=7 if eos else None)
+            for j in range(n)
+        ]
         arrivals.setdefault(at, []).append(seqs if n > 1 else seqs[0])
     return arrivals
 
 
 # name -> (scheduler kwargs, workload kwargs). kind "static" is the static baseline.
 SCHEDULER_CASES = {
-    "recompute": ({"num_blocks": 14, "block_size": 4, "max_num_seqs": 4,
-                   "max_num_batched_tokens": 16},
-                  {"seed": 1, "num_requests": 12, "prompt_range": (3, 20),
-                   "output_range": (3, 14), "span": 10}),
-    "recompute_v1_admission": ({"num_blocks": 20, "block_size": 4, "max_num_seqs": 6,
-                                "max_num_batched_tokens": 12, "watermark": None},
-                               {"seed": 2, "num_requests": 14, "prompt_range": (2, 24),
-                                "output_range": (2, 16), "span": 8, "eos": True}),
-    "no_chunking": ({"num_blocks": 28, "block_size": 2, "max_num_seqs": 5,
-                     "max_num_batched_tokens": 20, "enable_chunked_prefill": False},
-                    {"seed": 3, "num_requests": 12, "prompt_range": (2, 18),
-                     "output_range": (2, 12), "span": 12}),
-    "swap": ({"num_blocks": 20, "block_size": 4, "max_num_seqs": 6,
-              "max_num_batched_tokens": 16, "preemption_mode": "swap", "num_cpu_blocks": 12},
-             {"seed": 4, "num_requests": 14, "prompt_range": (3, 20),
-              "output_range": (4, 18), "span": 6}),
-    "groups": ({"num_blocks": 20, "block_size": 4, "max_num_seqs": 8,
-                "max_num_batched_tokens": 16},
-               {"seed": 5, "num_requests": 10, "prompt_range": (3, 18),
-                "output_range": (3, 14), "span": 8, "group_every": 2, "eos": True}),
-    "groups_swap": ({"num_blocks": 26, "block_size": 4, "max_num_seqs": 8,
-                     "max_num_batched_tokens": 16, "preemption_mode": "swap",
-                     "num_cpu_blocks": 16},
-                    {"seed": 6, "num_requests": 10, "prompt_range": (3, 18),
-                     "output_range": (4, 16), "span": 5, "group_every": 2}),
-    "prefix_caching": ({"num_blocks": 16, "block_size": 4, "max_num_seqs": 6,
-                        "max_num_batched_tokens": 16, "enable_prefix_caching": True},
-                       {"seed": 7, "num_requests": 12, "prompt_range": (1, 10),
-                        "output_range": (2, 12), "span": 10, "shared_prefix": 9}),
-    "prefix_caching_groups": ({"num_blocks": 30, "block_size": 4, "max_num_seqs": 8,
-                               "max_num_batched_tokens": 16, "enable_prefix_caching": True},
-                              {"seed": 8, "num_requests": 10, "prompt_range": (1, 10),
-                               "output_range": (2, 12), "span": 6, "shared_prefix": 8,
-                               "group_every": 2}),
-    "static": ({"kind": "static", "num_blocks": 40, "block_size": 4, "max_num_seqs": 4,
-                "max_num_batched_tokens": 32},
-               {"seed": 9, "num_requests": 10, "prompt_range": (2, 16),
-                "output_range": (2, 12), "span": 6, "eos": True}),
+    "recompute": (
+        {"num_blocks": 14, "block_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 16},
+        {"seed": 1, "num_requests": 12, "prompt_range": (3, 20), "output_range": (3, 14), "span": 10},
+    ),
+    "recompute_v1_admission": (
+        {
+            "num_blocks": 20,
+            "block_size": 4,
+            "max_num_seqs": 6,
+            "max_num_batched_tokens": 12,
+            "watermark": None,
+        },
+        {
+            "seed": 2,
+            "num_requests": 14,
+            "prompt_range": (2, 24),
+            "output_range": (2, 16),
+            "span": 8,
+            "eos": True,
+        },
+    ),
+    "no_chunking": (
+        {
+            "num_blocks": 28,
+            "block_size": 2,
+            "max_num_seqs": 5,
+            "max_num_batched_tokens": 20,
+            "enable_chunked_prefill": False,
+        },
+        {"seed": 3, "num_requests": 12, "prompt_range": (2, 18), "output_range": (2, 12), "span": 12},
+    ),
+    "swap": (
+        {
+            "num_blocks": 20,
+            "block_size": 4,
+            "max_num_seqs": 6,
+            "max_num_batched_tokens": 16,
+            "preemption_mode": "swap",
+            "num_cpu_blocks": 12,
+        },
+        {"seed": 4, "num_requests": 14, "prompt_range": (3, 20), "output_range": (4, 18), "span": 6},
+    ),
+    "groups": (
+        {"num_blocks": 20, "block_size": 4, "max_num_seqs": 8, "max_num_batched_tokens": 16},
+        {
+            "seed": 5,
+            "num_requests": 10,
+            "prompt_range": (3, 18),
+            "output_range": (3, 14),
+            "span": 8,
+            "group_every": 2,
+            "eos": True,
+        },
+    ),
+    "groups_swap": (
+        {
+            "num_blocks": 26,
+            "block_size": 4,
+            "max_num_seqs": 8,
+            "max_num_batched_tokens": 16,
+            "preemption_mode": "swap",
+            "num_cpu_blocks": 16,
+        },
+        {
+            "seed": 6,
+            "num_requests": 10,
+            "prompt_range": (3, 18),
+            "output_range": (4, 16),
+            "span": 5,
+            "group_every": 2,
+        },
+    ),
+    "prefix_caching": (
+        {
+            "num_blocks": 16,
+            "block_size": 4,
+            "max_num_seqs": 6,
+            "max_num_batched_tokens": 16,
+            "enable_prefix_caching": True,
+        },
+        {
+            "seed": 7,
+            "num_requests": 12,
+            "prompt_range": (1, 10),
+            "output_range": (2, 12),
+            "span": 10,
+            "shared_prefix": 9,
+        },
+    ),
+    "prefix_caching_groups": (
+        {
+            "num_blocks": 30,
+            "block_size": 4,
+            "max_num_seqs": 8,
+            "max_num_batched_tokens": 16,
+            "enable_prefix_caching": True,
+        },
+        {
+            "seed": 8,
+            "num_requests": 10,
+            "prompt_range": (1, 10),
+            "output_range": (2, 12),
+            "span": 6,
+            "shared_prefix": 8,
+            "group_every": 2,
+        },
+    ),
+    "static": (
+        {
+            "kind": "static",
+            "num_blocks": 40,
+            "block_size": 4,
+            "max_num_seqs": 4,
+            "max_num_batched_tokens": 32,
+        },
+        {
+            "seed": 9,
+            "num_requests": 10,
+            "prompt_range": (2, 16),
+            "output_range": (2, 12),
+            "span": 6,
+            "eos": True,
+        },
+    ),
 }
 
 SIM_CASES = {  # name -> simulate() kwargs (the paper-scale simulator, small pools)
@@ -127,17 +223,16 @@ def sim_trace(name: str) -> dict:
         t += rng.expovariate(40.0)
         reqs.append(TraceRequest(f"S{k:02d}", t, rng.randint(20, 600), rng.randint(10, 400)))
     cm = CostModel(gpu_memory_utilization=0.76)  # a small KV pool: ~5000 token slots
-    res = simulate(reqs, cost_model=cm, block_size=16, max_num_seqs=16, record_trace=True,
-                   check=True, **SIM_CASES[name])
+    res = simulate(
+        reqs, cost_model=cm, block_size=16, max_num_seqs=16, record_trace=True, check=True, **SIM_CASES[name]
+    )
     steps = res.trace.to_dict()["steps"]
     for s in steps:
         s["time"] = round(s["time"], 9)
     # NOTE: thousands of steps: a short digest per step keeps the file small and still
     # names the first step that differs.
-    digests = [hashlib.sha256(json.dumps(s, sort_keys=True).encode()).hexdigest()[:10]
-               for s in steps]
-    metrics = {k: (round(v, 9) if isinstance(v, float) else v)
-               for k, v in res.metrics.to_dict().items()}
+    digests = [hashlib.sha256(json.dumps(s, sort_keys=True).encode()).hexdigest()[:10] for s in steps]
+    metrics = {k: (round(v, 9) if isinstance(v, float) else v) for k, v in res.metrics.to_dict().items()}
     return {"steps": digests, "metrics": metrics}
 
 

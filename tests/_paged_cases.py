@@ -16,8 +16,19 @@ TOL = {
 }
 
 
-def make_paged(seq_lens, block_size, num_kv_heads, head_dim, *, dtype=torch.float32, seed=0,
-               extra_cols=0, pad_value=0, spare_blocks=3, device="cpu"):
+def make_paged(
+    seq_lens,
+    block_size,
+    num_kv_heads,
+    head_dim,
+    *,
+    dtype=torch.float32,
+    seed=0,
+    extra_cols=0,
+    pad_value=0,
+    spare_blocks=3,
+    device="cpu",
+):
     """Random caches and shuffled block tables holding ``seq_lens`` tokens per sequence.
 
     -> (k_cache, v_cache, block_tables [B, width] int32 padded with ``pad_value``, seq_lens)."""

@@ -38,9 +38,16 @@ def tiny(tmp_path_factory):
     torch.manual_seed(0)
     torch.set_num_threads(1)
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POS,
-        bos_token_id=1, eos_token_id=EOS, pad_token_id=0,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POS,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=0,
     )
     hf = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -241,10 +248,17 @@ def _check_completion(c, p: SamplingParams, prompt_len: int, max_model_len: int,
             assert all(d[t].rank == 1 for t, d in zip(ids, c.logprobs))
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                   HealthCheck.too_slow])
-@given(engine_args=ENGINE_ARGS, params_args=st.lists(PARAMS, min_size=1, max_size=3), prompts=PROMPTS,
-       one_params=st.booleans())
+@settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    engine_args=ENGINE_ARGS,
+    params_args=st.lists(PARAMS, min_size=1, max_size=3),
+    prompts=PROMPTS,
+    one_params=st.booleans(),
+)
 def test_random_api_calls_succeed_or_raise_value_error_naming_an_argument(
     preloaded, engine_args, params_args, prompts, one_params
 ):

@@ -59,8 +59,10 @@ def test_trace_file_errors(tmp_path):
     with pytest.raises(ValueError, match="output_len"):
         load_trace(p)
     p = tmp_path / "t.json"
-    p.write_text('[{"arrival_time": 1.0, "prompt_len": 4, "output_len": 2}, '
-                 '{"arrival_time": 0.5, "prompt_len": 3, "output_len": 1}]')
+    p.write_text(
+        '[{"arrival_time": 1.0, "prompt_len": 4, "output_len": 2}, '
+        '{"arrival_time": 0.5, "prompt_len": 3, "output_len": 1}]'
+    )
     got = load_trace(p)  # unsorted files are sorted by arrival
     assert [r.prompt_len for r in got] == [3, 4]
     with pytest.raises(ValueError, match=".json or .csv"):

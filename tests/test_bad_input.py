@@ -170,8 +170,9 @@ def test_stop_string_from_the_table(llm):
     p = SamplingParams(temperature=0.0, max_tokens=12)
     base = llm.generate("Once upon a time", p, use_tqdm=False)[0].outputs[0]
     assert " a" in base.text  # ", there was a kind little boy ..."
-    c = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=12, stop=[" a"]),
-                     use_tqdm=False)[0].outputs[0]
+    c = llm.generate(
+        "Once upon a time", SamplingParams(temperature=0.0, max_tokens=12, stop=[" a"]), use_tqdm=False
+    )[0].outputs[0]
     assert c.text == base.text[: base.text.index(" a")]
     assert c.finish_reason == "stop" and c.stop_reason == " a"
     assert base.token_ids[: len(c.token_ids)] == c.token_ids
@@ -231,8 +232,22 @@ def _strict(text: str):
 def test_json_output_is_strict(capsys):
     assert dumps_json({"a": [math.inf, -math.inf, math.nan, 1.5]}) == '{"a": [null, null, null, 1.5]}'
     # a threshold below every latency: no policy sustains any rate, the ratios are undefined
-    argv = ["simulate", "--quick", "--json", "--no-figures", "--workload", "sharegpt",
-            "--num-requests", "10", "--block-sizes", "none", "--jobs", "1", "--threshold", "1e-9"]
+    argv = [
+        "simulate",
+        "--quick",
+        "--json",
+        "--no-figures",
+        "--workload",
+        "sharegpt",
+        "--num-requests",
+        "10",
+        "--block-sizes",
+        "none",
+        "--jobs",
+        "1",
+        "--threshold",
+        "1e-9",
+    ]
     assert main(argv) == 0
     report = _strict(capsys.readouterr().out)
     assert report["headline"]["sharegpt"]["paged/orca-oracle"] is None

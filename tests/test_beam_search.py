@@ -30,9 +30,17 @@ def tiny(tmp_path_factory):
 
     torch.manual_seed(100)
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=96,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
     )
     hf = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -50,9 +58,16 @@ def hf_beams(hf, prompt, k, max_new, length_penalty, early_stopping=False, pad=0
     ids = torch.tensor([prompt])
     with torch.no_grad():
         o = hf.generate(
-            ids, attention_mask=torch.ones_like(ids), num_beams=k, num_return_sequences=k,
-            max_new_tokens=max_new, do_sample=False, length_penalty=length_penalty,
-            early_stopping=early_stopping, pad_token_id=pad, return_dict_in_generate=True,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            num_beams=k,
+            num_return_sequences=k,
+            max_new_tokens=max_new,
+            do_sample=False,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            pad_token_id=pad,
+            return_dict_in_generate=True,
             output_scores=True,
         )
     out = []

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.cli import main
 from minipaged.bench import hf_baselines
-from minipaged.bench.serving import format_report, run_benchmark, scaled_workload, workload_prompts
 from minipaged.bench.hf_baselines import static_batches
+from minipaged.bench.serving import format_report, run_benchmark, scaled_workload, workload_prompts
+from minipaged.cli import main
 
 QUICK = dict(model="tiny-llama", num_requests=8, workload_max_len=128, warmup=False)
 
@@ -82,7 +82,9 @@ def test_quick_run_all_four_systems(quick_report):
     assert c["kv_token_slots_peak"] <= slots and sum(c["batch_sizes"]) == 8
     batches = static_batches(lengths, slots, r["max_num_seqs"])
     assert c["batch_sizes"] == [len(b) for b in batches]
-    assert c["steps"] == sum(max(lengths[i][1] for i in b) for b in batches)  # every row runs to the batch's max
+    assert c["steps"] == sum(
+        max(lengths[i][1] for i in b) for b in batches
+    )  # every row runs to the batch's max
     d = r["systems"]["hf-continuous-batching"]
     if "unavailable" not in d:
         assert d["kv_token_slots"] >= slots  # transformers rounds up to whole sectors, never down
@@ -110,13 +112,15 @@ def test_request_equals_transformers_generate_alone(tmp_path):
     o = lengths[0][1]
     hf.generation_config.eos_token_id = None  # NOTE: as ignore_eos: exactly max_new_tokens tokens
     with torch.inference_mode():
-        ref = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=o, do_sample=False,
-                          pad_token_id=2)[0, len(prompts[0]):].tolist()
+        ref = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=o, do_sample=False, pad_token_id=2)[
+            0, len(prompts[0]) :
+        ].tolist()
     assert len(ref) == o
     res = hf_baselines.hf_generate_static(hf, prompts[:3], [k for _, k in lengths[:3]], 10_000, 3)
     assert len(res.token_ids[0]) == o and res.token_ids[0] == ref  # padded with its batch-mates
     out = LLM(model=path, num_blocks=64).generate(
-        [prompts[0]], SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True), use_tqdm=False)
+        [prompts[0]], SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True), use_tqdm=False
+    )
     assert out[0].outputs[0].token_ids == ref
 
 

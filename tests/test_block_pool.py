@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.core.kv.block_pool import BlockPool
 from minipaged.core.kv.block import hash_block_tokens
+from minipaged.core.kv.block_pool import BlockPool
 
 
 def snapshot(pool):
@@ -141,8 +141,7 @@ def test_cache_block_first_writer_wins_and_noop_without_caching():
     num_blocks=st.integers(1, 10),
     caching=st.booleans(),
     ops=st.lists(
-        st.tuples(st.sampled_from(["get", "free", "fork", "touch_free", "cache", "bad"]),
-                  st.integers(0, 12)),
+        st.tuples(st.sampled_from(["get", "free", "fork", "touch_free", "cache", "bad"]), st.integers(0, 12)),
         max_size=50,
     ),
 )
@@ -187,8 +186,9 @@ def test_random_ops_match_reference(num_blocks, caching, ops):
         elif op == "cache" and holders:
             held = holders[k % len(holders)]
             counter += 1
-            pool.cache_block(pool.blocks[held[0]] if held else pool.blocks[0],
-                             hash_block_tokens(None, [counter]))
+            pool.cache_block(
+                pool.blocks[held[0]] if held else pool.blocks[0], hash_block_tokens(None, [counter])
+            )
         elif op == "bad":
             zero = [i for i in range(num_blocks) if ref_cnt[i] == 0]
             if zero:

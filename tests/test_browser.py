@@ -29,8 +29,14 @@ import pytest
 CHROMIUM = os.environ.get("MINIPAGED_CHROMIUM", "/usr/bin/chromium")
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "00_overview.ipynb"
 CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 LABEL = re.compile(r"^step (\d+) / (\d+)$")
 
@@ -84,9 +90,17 @@ def lab(tmp_path):
     nb_settings.mkdir(parents=True)
     (nb_settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
     cmd = [
-        sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-        f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-        "--ServerApp.port_retries=0", "--expose-app-in-browser", "--allow-root",
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        "--no-browser",
+        "--ip=127.0.0.1",
+        f"--port={port}",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}",
+        "--ServerApp.port_retries=0",
+        "--expose-app-in-browser",
+        "--allow-root",
         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
     ]
     log = open(tmp_path / "lab.log", "w")

@@ -33,8 +33,7 @@ def loop_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
         v_cache[slot // block_size, slot % block_size] = value[t]
 
 
-def make(num_tokens, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32, seed=0,
-         num_pad=0):
+def make(num_tokens, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32, seed=0, num_pad=0):
     g = torch.Generator().manual_seed(seed)
     key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype)
     value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype)
@@ -74,8 +73,9 @@ def test_reshape_and_cache_writes_slot_and_skips_padding():
 def test_reshape_and_cache_matches_loop(block_size, num_blocks, num_kv_heads, head_dim, frac, num_pad, seed):
     num_tokens = int(frac * num_blocks * block_size)
     num_pad = min(num_pad, num_tokens)
-    key, value, k_cache, v_cache, slots = make(num_tokens, num_blocks, block_size, num_kv_heads, head_dim,
-                                               seed=seed, num_pad=num_pad)
+    key, value, k_cache, v_cache, slots = make(
+        num_tokens, num_blocks, block_size, num_kv_heads, head_dim, seed=seed, num_pad=num_pad
+    )
     k_want, v_want = k_cache.clone(), v_cache.clone()
     loop_reshape_and_cache(key, value, k_want, v_want, slots)
     reshape_and_cache(key, value, k_cache, v_cache, slots)
@@ -86,8 +86,9 @@ def test_reshape_and_cache_matches_loop(block_size, num_blocks, num_kv_heads, he
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size,num_kv_heads,head_dim", [(1, 1, 8), (16, 2, 80), (4, 3, 96)])
 def test_triton_reshape_and_cache_equals_torch(dtype, block_size, num_kv_heads, head_dim):
-    key, value, k_cache, v_cache, slots = make(9, 10, block_size, num_kv_heads, head_dim, dtype=dtype,
-                                               seed=block_size, num_pad=2)
+    key, value, k_cache, v_cache, slots = make(
+        9, 10, block_size, num_kv_heads, head_dim, dtype=dtype, seed=block_size, num_pad=2
+    )
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     reshape_and_cache(key, value, k_ref, v_ref, slots)
     reshape_and_cache_triton(key, value, k_cache, v_cache, slots.to(torch.int32))

@@ -13,7 +13,6 @@ import io
 import json
 import random
 from contextlib import redirect_stdout
-from pathlib import Path
 
 import nbformat
 import pytest
@@ -135,13 +134,28 @@ MUTANTS = [
     ("ex2.2", "block = queue._head.next_free_block", "block = queue._tail.prev_free_block"),
     ("ex2.3", "return None", "return []"),
     ("ex2.4", "block_table[i // block_size] * block_size", "(i // block_size) * block_size"),
-    ("ex3.1", "block_table.long()[positions // block_size]", "block_table.long()[positions % block_table.numel()]"),
+    (
+        "ex3.1",
+        "block_table.long()[positions // block_size]",
+        "block_table.long()[positions % block_table.numel()]",
+    ),
     ("ex3.2", "* scale  # [H, L]", "# [H, L]"),
     ("ex3.3", "acc = acc * alpha + ", "acc = acc + "),
-    ("ex3.4", "weights = exp_sums * torch.exp(max_logits - global_max)", "weights = exp_sums + 0 * max_logits"),
-    ("ex4.1", "min(request.num_tokens - request.num_computed_tokens, token_budget)",
-     "request.num_tokens - request.num_computed_tokens"),
-    ("ex4.2", "if request.num_output_tokens >= params.max_tokens:", "if request.num_output_tokens > params.max_tokens:"),
+    (
+        "ex3.4",
+        "weights = exp_sums * torch.exp(max_logits - global_max)",
+        "weights = exp_sums + 0 * max_logits",
+    ),
+    (
+        "ex4.1",
+        "min(request.num_tokens - request.num_computed_tokens, token_budget)",
+        "request.num_tokens - request.num_computed_tokens",
+    ),
+    (
+        "ex4.2",
+        "if request.num_output_tokens >= params.max_tokens:",
+        "if request.num_output_tokens > params.max_tokens:",
+    ),
     ("ex4.3", "scheduler.kv_cache_manager.free(request)", "pass"),
     ("ex5.1", "if enable_chunked_prefill or n > max_num_batched_tokens:", "if enable_chunked_prefill:"),
     ("ex5.2", "return max(running,", "return min(running,"),
@@ -178,7 +192,9 @@ def test_wrong_solution_fails_with_a_case(exercise_id, old, new):
 def test_failure_names_the_smallest_case_and_expected_vs_got():
     # slot mapping that ignores the block table: the first case in size order that breaks it
     _, cells = _exercise_cells("ch02")
-    wrong = cells["ex2.4"][0].replace("block_table[i // block_size] * block_size", "(i // block_size) * block_size")
+    wrong = cells["ex2.4"][0].replace(
+        "block_table[i // block_size] * block_size", "(i // block_size) * block_size"
+    )
     with pytest.raises(ExerciseFailure) as info:
         _run_exercise("ch02", "ex2.4", wrong)
     msg = str(info.value)
@@ -249,9 +265,12 @@ def test_stub_source_keeps_signatures_and_indentation():
         'def f(x):\n    """doc"""\n    raise NotImplementedError\n\n'
         "class C:\n    def g(self):\n        raise NotImplementedError\n"
     )
-    for bad, why in [("x = 1\n", "no ### BEGIN"), ("### BEGIN SOLUTION\n", "without ### END"),
-                     ("### END SOLUTION\n", "without ### BEGIN"),
-                     ("### BEGIN SOLUTION\n### BEGIN SOLUTION\n", "inside another")]:
+    for bad, why in [
+        ("x = 1\n", "no ### BEGIN"),
+        ("### BEGIN SOLUTION\n", "without ### END"),
+        ("### END SOLUTION\n", "without ### BEGIN"),
+        ("### BEGIN SOLUTION\n### BEGIN SOLUTION\n", "inside another"),
+    ]:
         with pytest.raises(ValueError, match=why):
             stub_source(bad)
 
@@ -296,8 +315,13 @@ def test_read_submission_gives_one_line_reasons(tmp_path):
         "badcell.ipynb": json.dumps({"cells": [{"cell_type": "weird", "source": ""}], "nbformat": 4}),
         "badsrc.ipynb": json.dumps({"cells": [{"cell_type": "code", "source": 5}], "nbformat": 4}),
     }
-    expect = {"trunc.ipynb": "invalid JSON", "list.ipynb": "no list of cells", "v3.ipynb": "version-4",
-              "badcell.ipynb": "no valid cell_type", "badsrc.ipynb": "no text source"}
+    expect = {
+        "trunc.ipynb": "invalid JSON",
+        "list.ipynb": "no list of cells",
+        "v3.ipynb": "version-4",
+        "badcell.ipynb": "no valid cell_type",
+        "badsrc.ipynb": "no text source",
+    }
     for name, text in cases.items():
         (tmp_path / name).write_text(text)
         with pytest.raises(MalformedNotebook, match=expect[name]):

@@ -27,8 +27,7 @@ def snapshot(alloc):
 
 
 def test_next_power_of_two():
-    assert [next_power_of_two(n) for n in (1, 2, 3, 4, 5, 17, 1024, 1025)] == [
-        1, 2, 4, 4, 8, 32, 1024, 2048]
+    assert [next_power_of_two(n) for n in (1, 2, 3, 4, 5, 17, 1024, 1025)] == [1, 2, 4, 4, 8, 32, 1024, 2048]
 
 
 def test_reservation_sizes():
@@ -72,8 +71,14 @@ def test_append_and_usage():
     a.append_tokens("x", 50)
     a.append_tokens(Request("x", prompt_token_ids=[1]))
     u = a.usage()
-    assert u == ContiguousUsage(num_slots=4096, num_token_slots=151, num_future_slots=149,
-                                num_reserved_slots=512, num_free_slots=3584, largest_hole=3584)
+    assert u == ContiguousUsage(
+        num_slots=4096,
+        num_token_slots=151,
+        num_future_slots=149,
+        num_reserved_slots=512,
+        num_free_slots=3584,
+        largest_hole=3584,
+    )
     assert u.internal_fragmentation == 212
     assert u.token_fraction == pytest.approx(151 / 512)
     assert a.get_slot_mapping("x", 149, 151) == [149, 150]
@@ -144,8 +149,9 @@ def reference_holes(owner):
 
 
 class ContiguousMachine(RuleBasedStateMachine):
-    @initialize(num_slots=st.integers(1, 48), max_model_len=st.integers(1, 24),
-                policy=st.sampled_from(POLICIES))
+    @initialize(
+        num_slots=st.integers(1, 48), max_model_len=st.integers(1, 24), policy=st.sampled_from(POLICIES)
+    )
     def init(self, num_slots, max_model_len, policy):
         self.alloc = ContiguousAllocator(num_slots, max_model_len, policy)
         self.owner = [None] * num_slots  # the reference
@@ -166,8 +172,14 @@ class ContiguousMachine(RuleBasedStateMachine):
     def allocate(self, rid, n, extra):
         final = n + extra
         before = snapshot(self.alloc)
-        if n <= 0 or final <= 0 or extra < 0 or final > self.alloc.max_model_len \
-                or rid in self.tokens or self.ref_size(final) > len(self.owner):
+        if (
+            n <= 0
+            or final <= 0
+            or extra < 0
+            or final > self.alloc.max_model_len
+            or rid in self.tokens
+            or self.ref_size(final) > len(self.owner)
+        ):
             with pytest.raises(ValueError):
                 self.alloc.allocate(rid, n, final)
             assert snapshot(self.alloc) == before
@@ -217,7 +229,7 @@ class ContiguousMachine(RuleBasedStateMachine):
         assert a.get_holes() == reference_holes(self.owner)
         for rid, (n, final) in self.tokens.items():
             r = a.get_region(rid)
-            assert self.owner[r.start: r.start + r.size] == [rid] * r.size
+            assert self.owner[r.start : r.start + r.size] == [rid] * r.size
             assert self.owner.count(rid) == r.size
             assert (r.num_tokens, r.final_len) == (n, final)
             assert a.get_slot_mapping(rid, 0, n) == list(range(r.start, r.start + n))
@@ -226,10 +238,10 @@ class ContiguousMachine(RuleBasedStateMachine):
         assert u.num_future_slots == sum(f - n for n, f in self.tokens.values())
         assert u.num_reserved_slots == len(self.owner) - self.owner.count(None)
         assert u.num_free_slots == self.owner.count(None)
-        assert u.internal_fragmentation == sum(
-            self.ref_size(f) - f for _, f in self.tokens.values())
-        assert (u.num_token_slots + u.num_future_slots + u.internal_fragmentation
-                + u.num_free_slots) == u.num_slots
+        assert u.internal_fragmentation == sum(self.ref_size(f) - f for _, f in self.tokens.values())
+        assert (
+            u.num_token_slots + u.num_future_slots + u.internal_fragmentation + u.num_free_slots
+        ) == u.num_slots
 
 
 TestContiguousMachine = ContiguousMachine.TestCase

@@ -98,8 +98,13 @@ pair = st.tuples(st.integers(0, 2048), st.integers(0, 2048))
 
 
 @settings(max_examples=200, deadline=None)
-@given(batch=st.lists(pair, max_size=40), extra=pair, i=st.integers(0, 39), dq=st.integers(0, 64),
-       dc=st.integers(0, 512))
+@given(
+    batch=st.lists(pair, max_size=40),
+    extra=pair,
+    i=st.integers(0, 39),
+    dq=st.integers(0, 64),
+    dc=st.integers(0, 512),
+)
 def test_step_time_monotonic(batch, extra, i, dq, dc):
     cm = CostModel()
     t = cm.step_time(batch)

@@ -38,8 +38,13 @@ def ours():
 
 def test_checkpoint_files_and_size():
     names = {p.name for p in COURSE_MODEL_DIR.iterdir()}
-    for required in ("config.json", "model.safetensors", "generation_config.json",
-                     "tokenizer.json", "tokenizer_config.json"):
+    for required in (
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
         assert required in names, f"{required} missing from {COURSE_MODEL_DIR}"
     size = sum(p.stat().st_size for p in COURSE_MODEL_DIR.iterdir() if p.is_file())
     assert size <= MAX_BYTES, f"course model is {size / 2**20:.1f} MiB > 20 MiB"
@@ -62,7 +67,10 @@ def test_load_model_default_is_course_model(ours, hf):
     model, tok = ours
     ref, _ = hf
     assert model.num_layers == ref.config.num_hidden_layers
-    assert (model.num_heads, model.num_kv_heads) == (ref.config.num_attention_heads, ref.config.num_key_value_heads)
+    assert (model.num_heads, model.num_kv_heads) == (
+        ref.config.num_attention_heads,
+        ref.config.num_key_value_heads,
+    )
     assert model.vocab_size == ref.config.vocab_size == len(tok)
     assert model.max_model_len == ref.config.max_position_embeddings
     assert model.eos_token_id == tok.eos_token_id
@@ -111,13 +119,15 @@ def test_greedy_continuation_equals_transformers(continuations, hf, prompt):
     prompt_ids = tok(prompt).input_ids
     with torch.no_grad():
         expected = ref.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-    expected = expected[0, len(prompt_ids):].tolist()
+    expected = expected[0, len(prompt_ids) :].tolist()
     got = continuations[prompt]
     assert got == expected, f"{prompt!r}: {tok.decode(got)!r} != {tok.decode(expected)!r}"
 
 
 def _corpus_words() -> set[str]:
-    spec = importlib.util.spec_from_file_location("train_course_model", REPO / "scripts" / "train_course_model.py")
+    spec = importlib.util.spec_from_file_location(
+        "train_course_model", REPO / "scripts" / "train_course_model.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return {w for s in mod.make_corpus(500, seed=0) for w in re.findall(r"[A-Za-z]+", s)}

@@ -6,7 +6,9 @@ from minipaged.demo import DEMO_ARRIVALS, DEMO_PROMPTS, busiest_step, demo_reque
 
 def test_demo_requests_are_seeded():
     a, b = demo_requests(0), demo_requests(0)
-    assert [(r[0], r[1], r[2].max_tokens, r[3]) for r in a] == [(r[0], r[1], r[2].max_tokens, r[3]) for r in b]
+    assert [(r[0], r[1], r[2].max_tokens, r[3]) for r in a] == [
+        (r[0], r[1], r[2].max_tokens, r[3]) for r in b
+    ]
     assert len(a) == len(DEMO_PROMPTS) == len(DEMO_ARRIVALS) == 8
 
 

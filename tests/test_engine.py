@@ -146,8 +146,8 @@ def test_refused_request_leaves_the_others_unchanged():
 
 def test_model_runner_prepare_by_hand():
     """Slots, positions and tables of a mixed batch, computed by hand."""
-    from minipaged.core.sched.request import Request
     from minipaged.core import EngineScheduler
+    from minipaged.core.sched.request import Request
 
     sched = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
     a = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4))
@@ -180,7 +180,9 @@ def test_model_runner_prepare_by_hand():
 
 
 def test_abort_frees_blocks_and_returns_nothing():
-    engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 16, num_blocks=20, block_size=4), model=CountingModel())
+    engine = LLMEngine(
+        EngineConfig(kv_cache_memory=1 << 16, num_blocks=20, block_size=4), model=CountingModel()
+    )
     engine.add_request("x", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=50))
     engine.add_request("y", [4, 5], SamplingParams(temperature=0.0, max_tokens=5))
     engine.step()
@@ -197,7 +199,9 @@ def test_abort_frees_blocks_and_returns_nothing():
 
 
 def test_trace_round_trips_through_json():
-    engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 16, num_blocks=10, block_size=4), model=CountingModel())
+    engine = LLMEngine(
+        EngineConfig(kv_cache_memory=1 << 16, num_blocks=10, block_size=4), model=CountingModel()
+    )
     run_engine(engine, _prompts(2, 4, max_len=10), SamplingParams(temperature=0.0, max_tokens=6))
     t = engine.trace
     back = EngineTrace.from_json(t.to_json())
@@ -243,9 +247,16 @@ def _tiny_config(kind):
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=96,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     if kind == "llama":  # GQA: 4 query heads share 2 kv heads; untied embeddings
         return LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
@@ -253,8 +264,9 @@ def _tiny_config(kind):
         return MistralConfig(**common, sliding_window=None, rope_theta=1e6)
     if kind == "qwen2":  # qkv bias, tied embeddings
         return Qwen2Config(**common, tie_word_embeddings=True)
-    return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=96,
-                      bos_token_id=1, eos_token_id=2)
+    return GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=96, bos_token_id=1, eos_token_id=2
+    )
 
 
 @pytest.fixture(scope="module")
@@ -282,10 +294,13 @@ def hf_greedy(hf, prompt, max_new_tokens):
     with torch.no_grad():
         ids = torch.tensor([prompt])
         out = hf.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-            do_sample=False, pad_token_id=hf.config.eos_token_id,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=hf.config.eos_token_id,
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 HF_PROMPTS = _prompts(7, 6, max_len=20, V=VOCAB)

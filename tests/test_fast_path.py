@@ -106,9 +106,16 @@ def test_plan_reads_each_block_of_each_decode_once():
 def llama_pair(tmp_path_factory):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        attention_bias=True, mlp_bias=True)
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_bias=True,
+        mlp_bias=True,
+    )
     hf = transformers.LlamaForCausalLM(config).eval()
     path = tmp_path_factory.mktemp("llama_fused")
     hf.save_pretrained(path)
@@ -142,8 +149,13 @@ def test_a_missing_shard_is_refused(llama_pair):
 def test_rotary_equals_transformers_bit_for_bit():
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=300, rope_theta=500.0)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=300,
+        rope_theta=500.0,
+    )
     g = torch.Generator().manual_seed(1)
     positions = torch.randint(0, 300, (23,), generator=g)
     q = torch.randn(23, 4, 16, generator=g)
@@ -157,9 +169,15 @@ def test_rotary_equals_transformers_bit_for_bit():
 
 def test_model_input_to_drops_the_plan():
     inp = ModelInput(
-        input_ids=torch.tensor([1]), positions=torch.tensor([0]), slot_mapping=torch.tensor([0]),
-        block_tables=torch.zeros(1, 1, dtype=torch.int32), seq_lens=torch.tensor([1], dtype=torch.int32),
-        cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), logits_indices=torch.tensor([0]),
-        max_query_len=1, max_seq_len=1)
+        input_ids=torch.tensor([1]),
+        positions=torch.tensor([0]),
+        slot_mapping=torch.tensor([0]),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        seq_lens=torch.tensor([1], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+        logits_indices=torch.tensor([0]),
+        max_query_len=1,
+        max_seq_len=1,
+    )
     inp.attn_metadata = build_attn_metadata(inp.block_tables, inp.cu_seqlens_q, inp.seq_lens, 4)
     assert inp.to("cpu").attn_metadata is None

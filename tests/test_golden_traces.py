@@ -4,7 +4,6 @@ step (``tests/_golden_traces.py`` records them; see its docstring to regenerate)
 import json
 
 import pytest
-
 from _golden_traces import GOLDEN, SCHEDULER_CASES, SIM_CASES, scheduler_trace, sim_trace
 
 _golden = json.loads(GOLDEN.read_text())

@@ -28,8 +28,14 @@ def run_check(out_dir, *extra, total_s=None):
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHON=sys.executable)
     if total_s is not None:
         env["GPU_CHECK_TOTAL_S"] = str(total_s)
-    return subprocess.run(["bash", str(SCRIPT), str(out_dir), *extra], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        ["bash", str(SCRIPT), str(out_dir), *extra],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def results_listing():
@@ -73,8 +79,15 @@ def test_dry_run_report_holds_every_figure(dry_run):
     assert kc["ok"] and kc["counts"].get("fail", 0) == 0 and kc["counts"].get("error", 0) == 0
     assert kc["rejected_block_sizes"] == [3, 512]  # not a power of two / above 256
     ops = {c["op"] for c in kc["cases"] if c["status"] == "pass"}
-    assert ops == {"decode_v1", "decode_v2", "prefill", "reshape_and_cache", "reshape_and_cache_triton",
-                   "copy_blocks", "swap_blocks"}
+    assert ops == {
+        "decode_v1",
+        "decode_v2",
+        "prefill",
+        "reshape_and_cache",
+        "reshape_and_cache_triton",
+        "copy_blocks",
+        "swap_blocks",
+    }
     assert {c["dtype"] for c in kc["cases"] if c["status"] == "pass"} == {"float32", "float16", "bfloat16"}
     assert {c["block_size"] for c in kc["cases"] if c["status"] == "pass"} >= {1, 16, 256}
 
@@ -87,8 +100,12 @@ def test_dry_run_report_holds_every_figure(dry_run):
     assert (out / "cpu-dry-run_kernels.png").stat().st_size > 0
 
     sv = report["serving"]
-    assert set(sv["systems"]) == {"continuous+paged", "static+contiguous", "hf-continuous-batching",
-                                  "hf-generate-static"}
+    assert set(sv["systems"]) == {
+        "continuous+paged",
+        "static+contiguous",
+        "hf-continuous-batching",
+        "hf-generate-static",
+    }
     n = sv["workload"]["num_requests"]
     for name, m in sv["systems"].items():
         if name == "hf-continuous-batching" and "unavailable" in m:
@@ -121,8 +138,11 @@ def test_usage_errors():
 
 
 def test_report_from_missing_and_broken_files(tmp_path):
-    (tmp_path / "env.json").write_text(json.dumps({"device": "NVIDIA H200", "slug": "nvidia-h200", "mode": "gpu",
-                                                   "packages": {"torch": "2.9"}}))
+    (tmp_path / "env.json").write_text(
+        json.dumps(
+            {"device": "NVIDIA H200", "slug": "nvidia-h200", "mode": "gpu", "packages": {"torch": "2.9"}}
+        )
+    )
     (tmp_path / "kernels.json").write_text("{not json")
     (tmp_path / "steps.tsv").write_text("env\tok\t0\t3\t\nserving\ttimeout\t124\t200\tkilled\n")
     report = gpu_report.combine(str(tmp_path), copy_to=str(tmp_path / "results"))
@@ -140,20 +160,23 @@ def test_slug():
     assert gpu_report.slug("  ") == "unknown-device"
 
 
-@pytest.mark.parametrize("name,peak", [
-    ("NVIDIA H200", 4.8e12),
-    ("NVIDIA GH200 480GB", 4.0e12),
-    ("NVIDIA H100 80GB HBM3", 3.35e12),
-    ("NVIDIA H100 PCIe", 2.0e12),
-    ("NVIDIA A100-SXM4-80GB", 2.039e12),
-    ("NVIDIA A100-SXM4-40GB", 1.555e12),
-    ("NVIDIA L40S", 0.864e12),
-    ("NVIDIA L40", 0.864e12),
-    ("NVIDIA L4", 0.3e12),
-    ("Tesla T4", 0.32e12),
-    ("NVIDIA H20", None),
-    ("NVIDIA GeForce GTX 1080", None),
-])
+@pytest.mark.parametrize(
+    "name,peak",
+    [
+        ("NVIDIA H200", 4.8e12),
+        ("NVIDIA GH200 480GB", 4.0e12),
+        ("NVIDIA H100 80GB HBM3", 3.35e12),
+        ("NVIDIA H100 PCIe", 2.0e12),
+        ("NVIDIA A100-SXM4-80GB", 2.039e12),
+        ("NVIDIA A100-SXM4-40GB", 1.555e12),
+        ("NVIDIA L40S", 0.864e12),
+        ("NVIDIA L40", 0.864e12),
+        ("NVIDIA L4", 0.3e12),
+        ("Tesla T4", 0.32e12),
+        ("NVIDIA H20", None),
+        ("NVIDIA GeForce GTX 1080", None),
+    ],
+)
 def test_peak_bandwidth_table(name, peak):
     assert kernel_bench.peak_bandwidth(name) == peak
 
@@ -175,9 +198,23 @@ def test_decode_kernel_compiles_for_a_hopper_gpu_without_one(tmp_path):
     """Triton's own compiler (not the interpreter) builds the engine's decode kernel for sm_90."""
     env = dict(os.environ, PYTHONPATH=str(REPO), TRITON_DEFAULT_FP_FUSION="1")
     out = tmp_path / "aot.json"
-    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_aot_check.py"), "--arch", "90",
-                          "--only", "decode_v1:bf16", "--json", str(out)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "gpu_aot_check.py"),
+            "--arch",
+            "90",
+            "--only",
+            "decode_v1:bf16",
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     (row,) = json.loads(out.read_text())
     assert row["status"] == "ok" and 0 < row["shared"] <= 227 * 1024 and row["num_stages"] == 3
@@ -187,9 +224,22 @@ def test_serving_stops_each_system_when_its_time_share_is_spent(tmp_path):
     """A zero budget: every system stops at once and says so; the step still succeeds."""
     out = tmp_path / "serving.json"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_serving.py"), "--dry-run",
-                          "--budget-s", "0", "--json", str(out)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "gpu_serving.py"),
+            "--dry-run",
+            "--budget-s",
+            "0",
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     sv = json.loads(out.read_text())
     for name in ("continuous+paged", "static+contiguous", "hf-generate-static"):

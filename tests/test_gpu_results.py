@@ -13,16 +13,40 @@ def bench(mode="gpu", gpu="NVIDIA H200"):
         dict(batch=64, context=4096, paged_over_contiguous=1.25, paged_GBps=3500.0, paged_pct_peak=72.9),
         dict(batch=64, context=1024, paged_over_contiguous=1.4, paged_GBps=3000.0, paged_pct_peak=None),
     ]
-    targets = dict(shape="batch 64 x context 4096", paged_over_contiguous=1.25, paged_over_contiguous_worst=1.4,
-                   ratio_target=1.2, ratio_met=False, pct_peak=72.9, pct_peak_target=70.0, pct_peak_met=True)
-    return dict(mode=mode, gpu=gpu, dtype="bfloat16", num_heads=32, num_kv_heads=8, head_dim=128,
-                flash_attn=False, sweep=rows, targets=targets)
+    targets = dict(
+        shape="batch 64 x context 4096",
+        paged_over_contiguous=1.25,
+        paged_over_contiguous_worst=1.4,
+        ratio_target=1.2,
+        ratio_met=False,
+        pct_peak=72.9,
+        pct_peak_target=70.0,
+        pct_peak_met=True,
+    )
+    return dict(
+        mode=mode,
+        gpu=gpu,
+        dtype="bfloat16",
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        flash_attn=False,
+        sweep=rows,
+        targets=targets,
+    )
 
 
 def report(mode="gpu"):
-    return {"mode": mode, "env": {"date_utc": "2026-12-01 10:00"}, "kernel_bench": bench(mode),
-            "serving": {"ratios": {"a/b": 2.5, "a/c": 3.1}, "model": {"params_m": 1100.0, "dtype": "bfloat16"},
-                        "workload": {"num_requests": 256}}}
+    return {
+        "mode": mode,
+        "env": {"date_utc": "2026-12-01 10:00"},
+        "kernel_bench": bench(mode),
+        "serving": {
+            "ratios": {"a/b": 2.5, "a/c": 3.1},
+            "model": {"params_m": 1100.0, "dtype": "bfloat16"},
+            "workload": {"num_requests": 256},
+        },
+    }
 
 
 def test_no_results_prints_the_old_sentence(tmp_path):
@@ -36,13 +60,16 @@ def test_no_results_prints_the_old_sentence(tmp_path):
 
 def test_measured_ratios_beside_the_paper(tmp_path):
     (tmp_path / "nvidia-h200.json").write_text(json.dumps(report()))
-    (tmp_path / "kernels_a100.json").write_text(json.dumps(bench(gpu="NVIDIA A100-SXM4-80GB")))  # kernels.py --json
+    (tmp_path / "kernels_a100.json").write_text(
+        json.dumps(bench(gpu="NVIDIA A100-SXM4-80GB"))
+    )  # kernels.py --json
     (tmp_path / "notes.json").write_text("[1, 2]")
     runs = load_gpu_results(tmp_path)
     assert [name for name, _, _ in runs] == ["kernels_a100.json", "nvidia-h200.json"]
     text = price_of_paging_text(tmp_path)
-    assert text.splitlines()[0] == ("paper (vLLM, section 7.1): paged kernel 20%-26% slower than a contiguous one "
-                                    "(1.20-1.26x)")
+    assert text.splitlines()[0] == (
+        "paper (vLLM, section 7.1): paged kernel 20%-26% slower than a contiguous one (1.20-1.26x)"
+    )
     assert "NVIDIA H200 (2026-12-01): bfloat16, heads 32/8 kv, head_dim 128" in text
     lines = text.splitlines()
     assert "    8    1024             1.10x    better   2100     44%" in lines

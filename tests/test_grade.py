@@ -94,8 +94,12 @@ def test_hang_and_kernel_death_do_not_stop_the_rest(graded):
     # after the kernel was killed (ex2.3 ignored the interrupt), ex2.4 still ran and passed
     cells = graded["ch02_hanging.ipynb"].cells
     statuses = [(c.kind, c.exercise, c.status) for c in cells if c.kind == "check"]
-    assert statuses == [("check", "ex2.1", "timeout"), ("check", "ex2.2", "ok"),
-                        ("check", "ex2.3", "hung"), ("check", "ex2.4", "ok")]
+    assert statuses == [
+        ("check", "ex2.1", "timeout"),
+        ("check", "ex2.2", "ok"),
+        ("check", "ex2.3", "hung"),
+        ("check", "ex2.4", "ok"),
+    ]
     cells = graded["ch02_crashing.ipynb"].cells
     assert [c.status for c in cells if c.kind == "check"] == ["ok", "ok", "died", "error"]
 
@@ -140,9 +144,16 @@ def test_cli_malformed_and_unknown_files_get_a_message_not_a_traceback(tmp_path,
     (tmp_path / "empty.ipynb").write_text("")
     (tmp_path / "other.ipynb").write_text(json.dumps(nbformat.v4.new_notebook()))
     csv_path = tmp_path / "out.csv"
-    argv = ["grade", str(SUBMISSIONS / "ch02_malformed.ipynb"), str(tmp_path / "notes.ipynb"),
-            str(tmp_path / "empty.ipynb"), str(tmp_path / "other.ipynb"), str(tmp_path / "missing.ipynb"),
-            "--csv", str(csv_path)]
+    argv = [
+        "grade",
+        str(SUBMISSIONS / "ch02_malformed.ipynb"),
+        str(tmp_path / "notes.ipynb"),
+        str(tmp_path / "empty.ipynb"),
+        str(tmp_path / "other.ipynb"),
+        str(tmp_path / "missing.ipynb"),
+        "--csv",
+        str(csv_path),
+    ]
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert "Traceback" not in captured.out + captured.err
@@ -156,10 +167,20 @@ def test_cli_malformed_and_unknown_files_get_a_message_not_a_traceback(tmp_path,
     assert main(["grade", "x.ipynb", "--source", str(tmp_path / "none")]) == 2
 
 
-@pytest.mark.parametrize("argv", [
-    ["--timeout", "0"], ["--timeout", "nan"], ["--timeout", "inf"], ["--timeout", "-1"], ["--timeout", "abc"],
-    ["--budget", "nan"], ["--jobs", "0"], ["--jobs", "two"], ["--csv", "/no/such/dir/x.csv"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--timeout", "0"],
+        ["--timeout", "nan"],
+        ["--timeout", "inf"],
+        ["--timeout", "-1"],
+        ["--timeout", "abc"],
+        ["--budget", "nan"],
+        ["--jobs", "0"],
+        ["--jobs", "two"],
+        ["--csv", "/no/such/dir/x.csv"],
+    ],
+)
 def test_cli_bad_options_are_argparse_errors_before_grading(argv, capsys):
     from minipaged.cli import main
 
@@ -173,7 +194,7 @@ def test_cli_bad_options_are_argparse_errors_before_grading(argv, capsys):
 
 def test_student_copies_fail_at_every_exercise_and_nowhere_else(tmp_path):
     paths = []
-    for chapter, authored in sorted(AUTHORED.items()):
+    for _chapter, authored in sorted(AUTHORED.items()):
         path = tmp_path / authored.name
         nbformat.write(make_student_copy(authored.nb), path)
         paths.append(str(path))
@@ -181,9 +202,12 @@ def test_student_copies_fail_at_every_exercise_and_nowhere_else(tmp_path):
     for r, (chapter, authored) in zip(results, sorted(AUTHORED.items())):
         assert r.error is None and r.chapter == chapter
         assert list(r.exercises) == authored.exercises
-        assert all(not e.passed and "not implemented yet" in e.reason for e in r.exercises.values()), r.exercises
+        assert all(not e.passed and "not implemented yet" in e.reason for e in r.exercises.values()), (
+            r.exercises
+        )
         assert [c.status for c in r.cells if c.kind == "student"] == ["ok"] * sum(
-            c.kind == "student" for c in r.cells), "a setup or stub cell failed"
+            c.kind == "student" for c in r.cells
+        ), "a setup or stub cell failed"
         assert all(c.status == "error" for c in r.cells if c.kind == "check")
 
 
@@ -192,8 +216,14 @@ def test_student_copies_fail_at_every_exercise_and_nowhere_else(tmp_path):
 
 def _grade_cheat(name, scan=True):
     e = CHEAT_EXPECTED[name]
-    return grade_submission(CHEATS / name, AUTHORED, timeout=e.get("timeout", 20.0),
-                            budget=e.get("budget", 300.0), isolation=ISOLATION, scan=scan)
+    return grade_submission(
+        CHEATS / name,
+        AUTHORED,
+        timeout=e.get("timeout", 20.0),
+        budget=e.get("budget", 300.0),
+        isolation=ISOLATION,
+        scan=scan,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -213,8 +243,9 @@ def test_cheat_fixtures_are_up_to_date(tmp_path):
         sys.path.remove(str(CHEATS))
     assert make_cheats.build(tmp_path) == CHEAT_EXPECTED
     for name in CHEAT_EXPECTED:
-        assert (tmp_path / name).read_text() == (CHEATS / name).read_text(), \
+        assert (tmp_path / name).read_text() == (CHEATS / name).read_text(), (
             f"{name} is stale: run python {CHEATS / 'make_cheats.py'}"
+        )
 
 
 @pytest.mark.parametrize("name", list(CHEAT_EXPECTED))
@@ -268,9 +299,13 @@ def test_a_poisoned_submission_changes_nothing_for_others_now_or_later():
     assert scores["ch02_poison.ipynb"] == CHEAT_EXPECTED["ch02_poison.ipynb"]["scores"]
     assert _package_digest() == before  # the package and the authored notebooks are untouched
     later = grade_many(honest, AUTHORED, timeout=20, jobs=1, isolation=ISOLATION)  # a later run
-    assert [{ex: int(x.passed) for ex, x in r.exercises.items()} for r in later] == \
-        [scores["ch02_honest.ipynb"], scores["ch02_wrong.ipynb"]]
-    stub = grade_many([str(CHEATS / "ch02_printed_ticks.ipynb")], AUTHORED, timeout=20, isolation=ISOLATION)[0]
+    assert [{ex: int(x.passed) for ex, x in r.exercises.items()} for r in later] == [
+        scores["ch02_honest.ipynb"],
+        scores["ch02_wrong.ipynb"],
+    ]
+    stub = grade_many([str(CHEATS / "ch02_printed_ticks.ipynb")], AUTHORED, timeout=20, isolation=ISOLATION)[
+        0
+    ]
     assert stub.score == 0  # nothing the poison tried was left behind for a later stub
 
 
@@ -317,7 +352,9 @@ def test_output_is_capped_per_cell(tmp_path):
     runner = KernelRunner(cwd=str(tmp_path), timeout=300, isolation=ISOLATION)
     runner.start()
     try:
-        run = runner.run('for _ in range(30):\n    print("x" * 1_000_000)\nfor i in range(2000):\n    display(i)')
+        run = runner.run(
+            'for _ in range(30):\n    print("x" * 1_000_000)\nfor i in range(2000):\n    display(i)'
+        )
         assert run.status == "ok", (run.status, run.error)
         after = runner.run("print('still here')")
     finally:
@@ -363,30 +400,33 @@ def test_scan_passes_every_authored_solution_and_setup():
         assert scan_cells(cells, chapter) == [[] for _ in cells], chapter
 
 
-@pytest.mark.parametrize("src,rule", [
-    ("import contextlib\ncontextlib.redirect_stdout = print", "patch"),
-    ("import importlib\nimportlib.import_module('minipaged.' + 'checks')", "banned-module"),
-    ("__import__('minipaged.checks')", "banned-builtin"),
-    ("m = __builtins__", "dunder-name"),
-    ("getattr(q, name)", "getattr"),
-    ("getattr(q, '__class__')", "dunder-attribute"),
-    ("def f(q):\n    type(q).popleft(q)", "type-attribute"),
-    ("def f(q):\n    super(type(q), q).popleft()", "super-args"),
-    ("def f(q):\n    return type(q).mro()[1]", "frame-attribute"),
-    ("import sys\nsys.meta_path.insert(0, None)", "sys-internals"),
-    ("import sys\nsys.modules['minipaged.checks'] = None", "sys-internals"),
-    ("get_ipython().events.register('pre_run_cell', print)", "ipython-hook"),
-    ("!cat /etc/passwd", "ipython-hook"),
-    ("%load notebooks/exercises/ch02_block_tables.ipynb", "ipython-magic"),
-    ("import builtins\nbuiltins.print = None", "banned-module"),
-    ("import os\nos.system('ls')", "files-processes"),
-    ("from minipaged.core import KVCacheManager as K\nK.allocate_slots(m, 'r', 1)", "reference"),
-    ("import minipaged.core as c\nx = c.KVCacheManager.allocate_slots", "reference"),
-    ("from minipaged.core import KVCacheManager\nclass M(KVCacheManager): pass", "reference"),
-    ("import torch\ntorch.allclose = lambda *a, **k: True", "patch"),
-    ("import sys\nsys.stdout = open", "patch"),
-    ("import sys\nsys.stdout.write = len", "patch"),
-])
+@pytest.mark.parametrize(
+    "src,rule",
+    [
+        ("import contextlib\ncontextlib.redirect_stdout = print", "patch"),
+        ("import importlib\nimportlib.import_module('minipaged.' + 'checks')", "banned-module"),
+        ("__import__('minipaged.checks')", "banned-builtin"),
+        ("m = __builtins__", "dunder-name"),
+        ("getattr(q, name)", "getattr"),
+        ("getattr(q, '__class__')", "dunder-attribute"),
+        ("def f(q):\n    type(q).popleft(q)", "type-attribute"),
+        ("def f(q):\n    super(type(q), q).popleft()", "super-args"),
+        ("def f(q):\n    return type(q).mro()[1]", "frame-attribute"),
+        ("import sys\nsys.meta_path.insert(0, None)", "sys-internals"),
+        ("import sys\nsys.modules['minipaged.checks'] = None", "sys-internals"),
+        ("get_ipython().events.register('pre_run_cell', print)", "ipython-hook"),
+        ("!cat /etc/passwd", "ipython-hook"),
+        ("%load notebooks/exercises/ch02_block_tables.ipynb", "ipython-magic"),
+        ("import builtins\nbuiltins.print = None", "banned-module"),
+        ("import os\nos.system('ls')", "files-processes"),
+        ("from minipaged.core import KVCacheManager as K\nK.allocate_slots(m, 'r', 1)", "reference"),
+        ("import minipaged.core as c\nx = c.KVCacheManager.allocate_slots", "reference"),
+        ("from minipaged.core import KVCacheManager\nclass M(KVCacheManager): pass", "reference"),
+        ("import torch\ntorch.allclose = lambda *a, **k: True", "patch"),
+        ("import sys\nsys.stdout = open", "patch"),
+        ("import sys\nsys.stdout.write = len", "patch"),
+    ],
+)
 def test_scan_finds_banned_constructs(src, rule):
     from minipaged.checks.scan import scan_source
 
@@ -397,13 +437,15 @@ def test_scan_finds_banned_constructs(src, rule):
 def test_scan_allows_what_solutions_need():
     from minipaged.checks.scan import scan_cells
 
-    cells = ["from minipaged.core import FreeKVCacheBlockQueue, KVCacheBlock, KVCacheManager, cdiv",
-             "%time x = 1\nimport sys\nprint('debug', file=sys.stderr)",
-             "def remove(queue: FreeKVCacheBlockQueue, block: KVCacheBlock) -> None:\n"
-             "    assert isinstance(queue, FreeKVCacheBlockQueue)\n"
-             "    block.prev_free_block.next_free_block = block.next_free_block\n"
-             "    queue.num_free_blocks -= 1\n"
-             "    print(type(block).__name__, getattr(block, 'block_id', None))"]
+    cells = [
+        "from minipaged.core import FreeKVCacheBlockQueue, KVCacheBlock, KVCacheManager, cdiv",
+        "%time x = 1\nimport sys\nprint('debug', file=sys.stderr)",
+        "def remove(queue: FreeKVCacheBlockQueue, block: KVCacheBlock) -> None:\n"
+        "    assert isinstance(queue, FreeKVCacheBlockQueue)\n"
+        "    block.prev_free_block.next_free_block = block.next_free_block\n"
+        "    queue.num_free_blocks -= 1\n"
+        "    print(type(block).__name__, getattr(block, 'block_id', None))",
+    ]
     assert scan_cells(cells, "ch02") == [[], [], []]
 
 
@@ -439,8 +481,13 @@ def test_nbgrader_round_trip_scores_solved_and_unsolved(tmp_path):
     name = AUTHORED["ch02"].name
 
     def nbgrader(*args):
-        r = subprocess.run([sys.executable, "-m", "nbgrader", *args, "--course-dir", str(course)],
-                           cwd=course, capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [sys.executable, "-m", "nbgrader", *args, "--course-dir", str(course)],
+            cwd=course,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
     nbgrader("generate_assignment", "minipaged")
@@ -454,6 +501,8 @@ def test_nbgrader_round_trip_scores_solved_and_unsolved(tmp_path):
     from nbgrader.api import Gradebook
 
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
-        scores = {s: (gb.find_submission("minipaged", s).score, gb.find_submission("minipaged", s).max_score)
-                  for s in ("solved", "unsolved")}
+        scores = {
+            s: (gb.find_submission("minipaged", s).score, gb.find_submission("minipaged", s).max_score)
+            for s in ("solved", "unsolved")
+        }
     assert scores == {"solved": (4.0, 4.0), "unsolved": (0.0, 4.0)}

@@ -76,7 +76,7 @@ def test_no_import_cycle():
         stack.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                cycle = stack[stack.index(n):] + [n]
+                cycle = stack[stack.index(n) :] + [n]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if n not in state:
                 visit(n)

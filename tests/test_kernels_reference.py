@@ -13,10 +13,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _paged_cases import TOL, cu_from, make_paged
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _paged_cases import TOL, cu_from, make_paged
 from minipaged.kernels import reference
 from minipaged.kernels.reference import (
     contiguous_attention,
@@ -105,7 +105,9 @@ def test_contiguous_attention_matches_sdpa(causal):
     v = torch.randn(2, 6, 2, 16, generator=g)
     out = contiguous_attention(q, k, v, causal=causal)
     want = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2), v.repeat_interleave(2, 2).transpose(1, 2),
+        q.transpose(1, 2),
+        k.repeat_interleave(2, 2).transpose(1, 2),
+        v.repeat_interleave(2, 2).transpose(1, 2),
         is_causal=causal,
     ).transpose(1, 2)
     torch.testing.assert_close(out, want, **TOL[torch.float32])
@@ -174,13 +176,16 @@ def test_torch_mixed_batch_matches_ref(dtype):
     extra_cols=st.integers(0, 2),
     seed=st.integers(0, 2**16),
 )
-def test_torch_vectorized_matches_loop_reference(block_size, kv_heads_and_group, head_dim, seqs,
-                                                 extra_cols, seed):
+def test_torch_vectorized_matches_loop_reference(
+    block_size, kv_heads_and_group, head_dim, seqs, extra_cols, seed
+):
     num_kv_heads, group = kv_heads_and_group
     seq_lens = [s for s, _ in seqs]
     q_lens = [min(s, max(1, ql)) for s, ql in seqs]
     k, v, bt, sl = make_paged(seq_lens, block_size, num_kv_heads, head_dim, seed=seed, extra_cols=extra_cols)
-    q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=torch.Generator().manual_seed(seed))
+    q = torch.randn(
+        sum(q_lens), num_kv_heads * group, head_dim, generator=torch.Generator().manual_seed(seed)
+    )
     cu = cu_from(q_lens)
     out = paged_attention_torch(q, k, v, bt, cu, sl, max(q_lens), max(seq_lens))
     want = paged_attention_prefill_ref(q, k, v, bt, cu, sl)
@@ -207,14 +212,30 @@ def test_torch_bucketed_decode_with_very_different_lengths_matches_ref(num_heads
 def test_torch_bucketed_mixed_prefill_decode_with_very_different_lengths_matches_ref():
     g = torch.Generator().manual_seed(22)
     seqs = [  # (seq_len, q_len): decodes short and long, prompts, chunks over a cached prefix
-        (300, 1), (5, 1), (120, 1), (1, 1), (451, 1), (33, 1), (64, 64), (200, 1),
-        (7, 7), (260, 20), (90, 90), (2, 1), (400, 1), (48, 0), (130, 2), (17, 1),
+        (300, 1),
+        (5, 1),
+        (120, 1),
+        (1, 1),
+        (451, 1),
+        (33, 1),
+        (64, 64),
+        (200, 1),
+        (7, 7),
+        (260, 20),
+        (90, 90),
+        (2, 1),
+        (400, 1),
+        (48, 0),
+        (130, 2),
+        (17, 1),
     ]
     seq_lens = [s for s, _ in seqs]
     q_lens = [ql for _, ql in seqs]
     k, v, bt, sl = make_paged(seq_lens, 8, 2, 16, seed=23)
     cu = cu_from(q_lens)
-    assert len(reference._length_buckets(cu.tolist(), seq_lens, 8, 4 * 16)) >= 3  # decodes + 2 prefill buckets
+    assert (
+        len(reference._length_buckets(cu.tolist(), seq_lens, 8, 4 * 16)) >= 3
+    )  # decodes + 2 prefill buckets
     q = torch.randn(sum(q_lens), 4, 16, generator=g)
     out = paged_attention_torch(q, k, v, bt, cu, sl, max(q_lens), max(seq_lens), scale=0.25)
     want = paged_attention_prefill_ref(q, k, v, bt, cu, sl, scale=0.25)
@@ -246,7 +267,8 @@ def test_length_buckets_cover_each_sequence_once_and_only_cut_when_it_pays(seqs,
         whole = padded_work(bucket, q_lens, seq_lens, block_size)
         for cut in range(1, len(bucket)):  # no cut left that would pay for another call
             parts = padded_work(bucket[:cut], q_lens, seq_lens, block_size) + padded_work(
-                bucket[cut:], q_lens, seq_lens, block_size)
+                bucket[cut:], q_lens, seq_lens, block_size
+            )
             assert parts >= whole - cost, f"cutting {bucket} at {cut} saves more than a bucket costs"
 
 

@@ -10,8 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from minipaged.core.kv.kv_cache_manager import KVCacheManager, KVCacheUsage
 from minipaged.core.kv.block import cdiv
+from minipaged.core.kv.kv_cache_manager import KVCacheManager, KVCacheUsage
 from minipaged.core.sched.request import Request
 
 
@@ -49,8 +49,7 @@ def test_hand_checked_slot_mapping():
     assert mgr.get_slot_mapping("A", 7, 9) == [7, 24]
     assert mgr.get_slot_mapping("A", 3, 3) == []
     u = mgr.usage()
-    assert u == KVCacheUsage(num_slots=48, num_token_slots=18, num_reserved_slots=24,
-                             num_free_slots=24)
+    assert u == KVCacheUsage(num_slots=48, num_token_slots=18, num_reserved_slots=24, num_free_slots=24)
     assert u.internal_fragmentation == 6 and u.token_fraction == 0.75
     mgr.check_invariants()
 
@@ -145,8 +144,11 @@ class ManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.tokens: dict[str, int] = {}  # reference: tokens allocated per request
 
-    @initialize(num_blocks=st.integers(1, 16), block_size=st.sampled_from([1, 2, 4, 16]),
-                num_cpu_blocks=st.integers(0, 8))
+    @initialize(
+        num_blocks=st.integers(1, 16),
+        block_size=st.sampled_from([1, 2, 4, 16]),
+        num_cpu_blocks=st.integers(0, 8),
+    )
     def init(self, num_blocks, block_size, num_cpu_blocks):
         self.num_blocks, self.bs, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
         self.mgr = KVCacheManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks)
@@ -193,7 +195,7 @@ class ManagerMachine(RuleBasedStateMachine):
             del self.tokens[rid]
             # freed tail first: they sit at the back of the free queue in reverse order
             tail = [b.block_id for b in self.mgr.block_pool.free_block_queue.get_all_free_blocks()]
-            assert tail[len(tail) - len(held):] == held[::-1]
+            assert tail[len(tail) - len(held) :] == held[::-1]
         else:
             before = snapshot(self.mgr)
             with pytest.raises(ValueError, match="unknown request"):
@@ -288,7 +290,9 @@ class ManagerMachine(RuleBasedStateMachine):
         assert set(mgr.cpu_block_tables) == set(self.swapped)
         cpu_held = 0
         for rid, n in self.swapped.items():
-            assert len(mgr.get_cpu_block_ids(rid)) == cdiv(n, bs) and mgr.cpu_block_tables[rid].num_tokens == n
+            assert (
+                len(mgr.get_cpu_block_ids(rid)) == cdiv(n, bs) and mgr.cpu_block_tables[rid].num_tokens == n
+            )
             cpu_held += cdiv(n, bs)
         assert mgr.get_num_free_cpu_blocks() == self.num_cpu_blocks - cpu_held
 

@@ -84,8 +84,9 @@ def test_bookkeeping_errors_leave_queue_unchanged():
 @settings(max_examples=150, deadline=None)
 @given(
     n=st.integers(min_value=0, max_value=12),
-    ops=st.lists(st.tuples(st.sampled_from(["popleft", "remove", "append"]), st.integers(0, 11)),
-                 max_size=60),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["popleft", "remove", "append"]), st.integers(0, 11)), max_size=60
+    ),
 )
 def test_queue_matches_list_reference(n, ops):
     blocks, q = make_queue(n)

@@ -26,9 +26,16 @@ def tiny_llama(tmp_path_factory):
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POS,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POS,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     hf = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -84,7 +91,9 @@ def test_prompt_forms_and_output_structure(llm):
     one_str = llm.generate(texts[0], greedy(), use_tqdm=False)
     one_ids = llm.generate(PROMPTS[0], greedy(), use_tqdm=False)
     assert len(one_str) == len(one_ids) == 1
-    assert one_str[0].outputs[0].token_ids == one_ids[0].outputs[0].token_ids == by_ids[0].outputs[0].token_ids
+    assert (
+        one_str[0].outputs[0].token_ids == one_ids[0].outputs[0].token_ids == by_ids[0].outputs[0].token_ids
+    )
     assert llm.generate([], greedy(), use_tqdm=False) == []
 
 
@@ -224,10 +233,12 @@ def test_seeded_sampling_ignores_batch_mates_and_preemption(tiny_llama):
     params = SamplingParams(temperature=1.0, top_k=40, max_tokens=12, seed=1234, ignore_eos=True)
     alone = roomy.generate([target], params, use_tqdm=False)[0].outputs[0].token_ids
     mates = [PROMPTS[0], PROMPTS[3], target, PROMPTS[1]]
-    mate_params = [SamplingParams(temperature=0.9, max_tokens=9, ignore_eos=True),
-                   SamplingParams(temperature=0.0, max_tokens=5),
-                   params,
-                   SamplingParams(temperature=1.2, top_p=0.8, max_tokens=12, seed=5)]
+    mate_params = [
+        SamplingParams(temperature=0.9, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=5),
+        params,
+        SamplingParams(temperature=1.2, top_p=0.8, max_tokens=12, seed=5),
+    ]
     batched = roomy.generate(mates, mate_params, use_tqdm=False)
     assert batched[2].outputs[0].token_ids == alone
     # a pool so small that requests are preempted and recomputed: same texts

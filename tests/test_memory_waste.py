@@ -23,15 +23,13 @@ def test_contiguous_replay_by_hand():
     #         tokens 3, reserved (future) 2 + 3 = 5, free 0.  grow: r0 3, r1 2
     # step 1: loaded; tokens 5, reserved 3.                  grow: r0 4 (done), r1 3
     # step 2: admit r2 (3 of 4) where r0 was; nobody waits -> not loaded. r1, r2 finish.
-    s = replay_contiguous([(2, 2), (1, 3), (3, 1)], num_slots=8, max_model_len=4,
-                          policy="max", check=True)
+    s = replay_contiguous([(2, 2), (1, 3), (3, 1)], num_slots=8, max_model_len=4, policy="max", check=True)
     assert (s.num_steps, s.num_loaded_steps, s.peak_running) == (3, 2, 2)
     assert s.token_states == pytest.approx((3 / 8 + 5 / 8) / 2)
     assert s.reserved == pytest.approx((5 / 8 + 3 / 8) / 2)
     assert s.internal_fragmentation == s.external_fragmentation == s.free == 0
     # Oracle reserves exactly the final lengths 3 + 2 + 3 = 8: all three run at once
-    o = replay_contiguous([(2, 1), (1, 1), (2, 1)], num_slots=8, max_model_len=4,
-                          policy="oracle", check=True)
+    o = replay_contiguous([(2, 1), (1, 1), (2, 1)], num_slots=8, max_model_len=4, policy="oracle", check=True)
     assert (o.num_steps, o.num_loaded_steps, o.peak_running) == (1, 0, 3)
 
 
@@ -50,8 +48,7 @@ def test_paged_replay_by_hand_with_preemption():
 
 
 def test_small_run_invariants_and_determinism():
-    kw = dict(workload="alpaca", num_requests=150, seed=3, num_slots=1024, block_size=8,
-              max_model_len=256)
+    kw = dict(workload="alpaca", num_requests=150, seed=3, num_slots=1024, block_size=8, max_model_len=256)
     r = run_memory_experiment(**kw, check=True)  # check_invariants() after every step
     assert list(r.policies) == ["paged", "max", "pow2", "oracle"]
     for s in r.policies.values():

@@ -23,20 +23,33 @@ VOCAB = 96
 
 
 def _configs():
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     return {
         "llama": transformers.LlamaConfig(
-            **common, num_attention_heads=4, num_key_value_heads=2, rope_theta=500.0,
-            tie_word_embeddings=False),
+            **common,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_theta=500.0,
+            tie_word_embeddings=False,
+        ),
         "mistral": transformers.MistralConfig(
-            **common, num_attention_heads=4, num_key_value_heads=1, head_dim=24,
-            tie_word_embeddings=True),
+            **common, num_attention_heads=4, num_key_value_heads=1, head_dim=24, tie_word_embeddings=True
+        ),
         "qwen2": transformers.Qwen2Config(
-            **common, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+            **common, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True
+        ),
         "gpt2": transformers.GPT2Config(
-            vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-            bos_token_id=1, eos_token_id=2),
+            vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2
+        ),
     }
 
 
@@ -68,7 +81,7 @@ def shuffled_tables(num_seqs: int, blocks_each: int, seed: int = 0) -> list[list
     """Disjoint, shuffled block tables (physical block ids in no particular order)."""
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
-    return [perm[i * blocks_each:(i + 1) * blocks_each] for i in range(num_seqs)]
+    return [perm[i * blocks_each : (i + 1) * blocks_each] for i in range(num_seqs)]
 
 
 def build_input(chunks, tables) -> ModelInput:
@@ -127,8 +140,9 @@ def test_prefill_then_decode_matches_transformers(pair):
     assert logits.shape == (1, VOCAB) and logits.dtype == torch.float32
     generated = []
     for step in range(num_new):
-        torch.testing.assert_close(logits[0], hf_last_logits(hf, ids), atol=ATOL, rtol=0,
-                                   msg=lambda m: f"{name} step {step}: {m}")
+        torch.testing.assert_close(
+            logits[0], hf_last_logits(hf, ids), atol=ATOL, rtol=0, msg=lambda m: f"{name} step {step}: {m}"
+        )
         tok = int(logits[0].argmax())
         generated.append(tok)
         if step < num_new - 1:  # decode: one new token, the rest read from the cache
@@ -216,8 +230,14 @@ def test_triton_backend_matches_torch(tmp_path):
         pytest.skip("triton is not installed")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     ref, _ = load_model(str(tmp_path), attention_backend="torch")
     tri, _ = load_model(str(tmp_path), attention_backend="triton")
@@ -260,7 +280,9 @@ def test_unknown_path_raises_value_error():
 
 
 def test_unsupported_architecture_raises_value_error(tmp_path):
-    transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(tmp_path)
+    transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(
+        tmp_path
+    )
     with pytest.raises(ValueError, match="not supported"):
         load_model(str(tmp_path))
 

@@ -18,11 +18,11 @@ if not torch.cuda.is_available():  # before triton is imported through the packa
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from _paged_cases import TOL, cu_from  # noqa: E402
+from _paged_cases import make_paged as _make_paged  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from _paged_cases import TOL, cu_from  # noqa: E402
-from _paged_cases import make_paged as _make_paged  # noqa: E402
 import minipaged.kernels.paged_attention as pa  # noqa: E402
 from minipaged.kernels import (  # noqa: E402
     HAS_TRITON,
@@ -41,7 +41,6 @@ SMALL = dict(block_n=16)  # several K/V tiles even for short sequences
 def make_paged(*args, **kw):
     kw.setdefault("spare_blocks", 2)
     return _make_paged(*args, device=DEVICE, **kw)
-
 
 
 def rand_q(rows, num_heads, head_dim, dtype=torch.float32, seed=1):
@@ -278,7 +277,10 @@ def test_wrappers_raise_value_error_naming_the_problem():
         bad[1, 0] = 99
         cases += [
             ("block_tables", lambda: paged_attention_decode(q, k, v, bad, sl)),
-            ("seq_lens", lambda: paged_attention_decode(q, k, v, bt, torch.tensor([5, 99], dtype=torch.int32))),
+            (
+                "seq_lens",
+                lambda: paged_attention_decode(q, k, v, bt, torch.tensor([5, 99], dtype=torch.int32)),
+            ),
             ("query rows", lambda: paged_attention_prefill(rand_q(7, 4, 16), k, v, bt, cu_from([6, 1]), sl)),
         ]
     for name, call in cases:
@@ -309,8 +311,18 @@ def test_launch_options_are_accepted_and_checked():
     q = rand_q(2, 4, 16, seed=51)
     for use_v2 in (False, True):
         check_decode(q, k, v, bt, sl, use_v2=use_v2, partition_size=16, block_n=16, num_warps=2, num_stages=1)
-    check_prefill(rand_q(11, 4, 16, seed=52), k, v, bt, cu_from([5, 6]), sl, block_m=16, block_n=16,
-                  num_warps=8, num_stages=2)
+    check_prefill(
+        rand_q(11, 4, 16, seed=52),
+        k,
+        v,
+        bt,
+        cu_from([5, 6]),
+        sl,
+        block_m=16,
+        block_n=16,
+        num_warps=8,
+        num_stages=2,
+    )
     with pytest.raises(ValueError, match="num_warps"):
         paged_attention_decode(q, k, v, bt, sl, num_warps=3)
     with pytest.raises(ValueError, match="num_stages"):

@@ -13,12 +13,12 @@ from __future__ import annotations
 import random
 
 import pytest
+from _content_model import ContentPagedModel, drive, reference_outputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _content_model import ContentPagedModel, drive, reference_outputs
 from minipaged import SamplingParams
-from minipaged.core import KVCacheManager, Request, RequestStatus, EngineScheduler, hash_block_tokens
+from minipaged.core import EngineScheduler, KVCacheManager, Request, RequestStatus, hash_block_tokens
 
 
 def _req(rid, tokens, max_tokens=4):
@@ -125,14 +125,25 @@ def _prefix_workload(rng, block_size):
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10**6), num_blocks=st.integers(6, 40), block_size=st.sampled_from([1, 2, 4]),
-       mode=st.sampled_from(["recompute", "swap"]), budget=st.sampled_from([5, 16, 64]))
+@given(
+    seed=st.integers(0, 10**6),
+    num_blocks=st.integers(6, 40),
+    block_size=st.sampled_from([1, 2, 4]),
+    mode=st.sampled_from(["recompute", "swap"]),
+    budget=st.sampled_from([5, 16, 64]),
+)
 def test_caching_on_equals_off_and_plain_loop(seed, num_blocks, block_size, mode, budget):
     results = {}
     for caching in (False, True):
         arrivals, reqs = _prefix_workload(random.Random(seed), block_size)
-        s = EngineScheduler(num_blocks, block_size, max_num_batched_tokens=budget, preemption_mode=mode,
-                      num_cpu_blocks=10 if mode == "swap" else 0, enable_prefix_caching=caching)
+        s = EngineScheduler(
+            num_blocks,
+            block_size,
+            max_num_batched_tokens=budget,
+            preemption_mode=mode,
+            num_cpu_blocks=10 if mode == "swap" else 0,
+            enable_prefix_caching=caching,
+        )
         model = ContentPagedModel(block_size)
         drive(s, arrivals, model)
         for r in reqs:
@@ -154,9 +165,16 @@ def tiny_llama(tmp_path_factory):
 
     torch.manual_seed(1)
     cfg = LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     hf = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # peakier logits: no near-ties in argmax
@@ -172,10 +190,13 @@ FEW_SHOT = [3 + (7 * i) % 90 for i in range(13)]  # a 13-token shared prefix
 PROMPTS = [FEW_SHOT + q for q in ([40, 41], [50], [60, 61, 62], [40, 41], [70, 71, 72, 73, 74])]
 
 
-@pytest.mark.parametrize("variant", [
-    dict(block_size=4, num_blocks=64),
-    dict(block_size=2, num_blocks=26, max_num_batched_tokens=12),  # preemption + chunks
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(block_size=4, num_blocks=64),
+        dict(block_size=2, num_blocks=26, max_num_batched_tokens=12),  # preemption + chunks
+    ],
+)
 def test_engine_greedy_same_with_and_without_caching(tiny_llama, variant):
     from minipaged import LLM
 
@@ -189,7 +210,9 @@ def test_engine_greedy_same_with_and_without_caching(tiny_llama, variant):
         got[caching] = [o.outputs[0].token_ids for o in outs]
         assert [o.outputs[0].token_ids for o in outs2] == got[caching]
         llm.trace.check_invariants()
-        prefill[caching] = sum(n for s in llm.trace.steps for r, n in s.scheduled.items() if r in s.prefill_ids)
+        prefill[caching] = sum(
+            n for s in llm.trace.steps for r, n in s.scheduled.items() if r in s.prefill_ids
+        )
         if variant["num_blocks"] == 26:
             assert any(s.preempted_ids for s in llm.trace.steps)
         eng = llm.llm_engine

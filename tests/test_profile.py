@@ -27,8 +27,15 @@ def tiny_llama(tmp_path_factory):
     from minipaged.model import load_model
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     path = tmp_path_factory.mktemp("tiny")
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return load_model(str(path))[0]

@@ -224,14 +224,31 @@ def _cases():
     return [
         ("Once upon a time", SamplingParams(temperature=0.9, seed=1, max_tokens=MAX)),
         ("The cat sat", SamplingParams(n=2, temperature=1.0, seed=2, max_tokens=MAX)),
-        ("Tom had a red ball", SamplingParams(temperature=0.0, max_tokens=MAX, repetition_penalty=1.3,
-                                              presence_penalty=0.5, frequency_penalty=0.3)),
+        (
+            "Tom had a red ball",
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=MAX,
+                repetition_penalty=1.3,
+                presence_penalty=0.5,
+                frequency_penalty=0.3,
+            ),
+        ),
         ("The sun", SamplingParams(temperature=0.0, max_tokens=10, min_tokens=8)),
-        ("One day, a little girl", SamplingParams(temperature=0.0, max_tokens=MAX, logprobs=3,
-                                                   include_stop_str_in_output=True)),
-        ("The sun", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, skip_special_tokens=False)),
-        ("Tom had a red ball", SamplingParams(temperature=0.7, seed=3, max_tokens=MAX, min_p=0.2, logprobs=1,
-                                              stop_token_ids=[16])),
+        (
+            "One day, a little girl",
+            SamplingParams(temperature=0.0, max_tokens=MAX, logprobs=3, include_stop_str_in_output=True),
+        ),
+        (
+            "The sun",
+            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, skip_special_tokens=False),
+        ),
+        (
+            "Tom had a red ball",
+            SamplingParams(
+                temperature=0.7, seed=3, max_tokens=MAX, min_p=0.2, logprobs=1, stop_token_ids=[16]
+            ),
+        ),
     ]
 
 
@@ -288,9 +305,15 @@ def references(course):
     pen = out
     # case 3: min_tokens, transformers' generate(min_new_tokens=...)
     ids3 = tok(cases[3][0])["input_ids"]
-    g = hf.generate(torch.tensor([ids3]), do_sample=False, max_new_tokens=10, min_new_tokens=8,
-                    attention_mask=torch.ones(1, len(ids3), dtype=torch.long), pad_token_id=2)
-    mint = g[0, len(ids3):].tolist()
+    g = hf.generate(
+        torch.tensor([ids3]),
+        do_sample=False,
+        max_new_tokens=10,
+        min_new_tokens=8,
+        attention_mask=torch.ones(1, len(ids3), dtype=torch.long),
+        pad_token_id=2,
+    )
+    mint = g[0, len(ids3) :].tolist()
     if eos in mint:
         mint = mint[: mint.index(eos) + 1]
     return dict(base=base, pen=pen, min_tokens=mint, hf_logits=hf_logits)
@@ -326,8 +349,9 @@ def test_sampling_params_under_every_scheduling_variant(course, references, vari
     for i in (0, 1, 4):
         sp = cases[i][1]
         for j, c in enumerate(outs[i].outputs):
-            ids, text, hit = _expected_stop(tok, base[i].outputs[j].token_ids, stops[i],
-                                            sp.include_stop_str_in_output)
+            ids, text, hit = _expected_stop(
+                tok, base[i].outputs[j].token_ids, stops[i], sp.include_stop_str_in_output
+            )
             assert c.token_ids == ids, (i, j)
             assert c.text == text, (i, j)
             if hit:
@@ -352,7 +376,9 @@ def test_sampling_params_under_every_scheduling_variant(course, references, vari
             assert lp.logprob == pytest.approx(float(row[k]), abs=1e-4)
             assert lp.decoded_token == tok.decode([k])
         assert d[tid].rank == 1  # greedy
-    assert c4.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(c4.token_ids, c4.logprobs)))
+    assert c4.cumulative_logprob == pytest.approx(
+        sum(d[t].logprob for t, d in zip(c4.token_ids, c4.logprobs))
+    )
     # skip_special_tokens=False: the EOS the model emits (ignore_eos) is in the text
     c5 = outs[5].outputs[0]
     assert c5.text == tok.decode(c5.token_ids, skip_special_tokens=False)

@@ -11,18 +11,17 @@ from __future__ import annotations
 import math
 
 import pytest
+from _fake_paged_model import FakePagedModel, reference_outputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _fake_paged_model import FakePagedModel, reference_outputs
 from minipaged.core import (
+    EngineScheduler,
     Request,
     RequestStatus,
-    EngineScheduler,
     Scheduler,
     SchedulerOutput,
 )
-from minipaged.core.sched.request import get_max_num_kv_tokens
 from minipaged.sampling_params import SamplingParams
 from minipaged.trace import EngineTrace, record_step, run_scheduler
 
@@ -40,7 +39,7 @@ def const_token(tok=7):
     return lambda r: tok
 
 
-def drive(sched, arrivals, next_token=const_token(), max_steps=1000):
+def drive(sched, arrivals, next_token=const_token(), max_steps=1000):  # noqa: B008 (a stateless token function)
     """Run to completion; per step: scheduled {id: n}, preempted, swapped out/in, finished."""
     log = []
     step = 0
@@ -52,9 +51,7 @@ def drive(sched, arrivals, next_token=const_token(), max_steps=1000):
         out = sched.schedule()
         sched.check_invariants()
         sampled = {
-            r.request_id: next_token(r)
-            for r, n in out.scheduled
-            if r.num_computed_tokens + n == r.num_tokens
+            r.request_id: next_token(r) for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens
         }
         fin = sched.update_from_output(out, sampled)
         sched.check_invariants()
@@ -101,7 +98,12 @@ def test_recompute_preemption_by_hand():
     a, b = req("A", 3, 4), req("B", 3, 4)
     log = drive(s, {0: [a, b]})
     assert [e["scheduled"] for e in log] == [
-        {"A": 3, "B": 3}, {"A": 1, "B": 1}, {"A": 1}, {"A": 1}, {"B": 5}, {"B": 1},
+        {"A": 3, "B": 3},
+        {"A": 1, "B": 1},
+        {"A": 1},
+        {"A": 1},
+        {"B": 5},
+        {"B": 1},
     ]
     assert [e["preempted"] for e in log] == [[], [], ["B"], [], [], []]
     assert log[1]["tables"] == {"A": [0, 1], "B": [2, 3]}
@@ -117,12 +119,23 @@ def test_recompute_preemption_by_hand():
 def test_swap_preemption_by_hand():
     # The same workload with swapping: B's two blocks go to CPU blocks 0 and 1 and come
     # back into device blocks 2 and 3; B then only decodes (no 5-token re-prefill).
-    s = EngineScheduler(num_blocks=4, block_size=2, max_num_seqs=4, max_num_batched_tokens=16,
-                  preemption_mode="swap", num_cpu_blocks=4)
+    s = EngineScheduler(
+        num_blocks=4,
+        block_size=2,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        preemption_mode="swap",
+        num_cpu_blocks=4,
+    )
     a, b = req("A", 3, 4), req("B", 3, 4)
     log = drive(s, {0: [a, b]})
     assert [e["scheduled"] for e in log] == [
-        {"A": 3, "B": 3}, {"A": 1, "B": 1}, {"A": 1}, {"A": 1}, {"B": 1}, {"B": 1},
+        {"A": 3, "B": 3},
+        {"A": 1, "B": 1},
+        {"A": 1},
+        {"A": 1},
+        {"B": 1},
+        {"B": 1},
     ]
     assert [e["swapped_out"] for e in log] == [[], [], ["B"], [], [], []]
     assert [e["swapped_in"] for e in log] == [[], [], [], [], ["B"], []]
@@ -135,8 +148,14 @@ def test_swap_preemption_by_hand():
 
 
 def test_swap_falls_back_to_recompute_when_cpu_pool_is_full():
-    s = EngineScheduler(num_blocks=4, block_size=2, max_num_seqs=4, max_num_batched_tokens=16,
-                  preemption_mode="swap", num_cpu_blocks=1)
+    s = EngineScheduler(
+        num_blocks=4,
+        block_size=2,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        preemption_mode="swap",
+        num_cpu_blocks=1,
+    )
     a, b = req("A", 3, 4), req("B", 3, 4)
     log = drive(s, {0: [a, b]})
     assert log[2]["preempted"] == ["B"] and log[2]["swapped_out"] == []
@@ -170,8 +189,9 @@ def test_victim_is_latest_arrival_not_latest_admitted():
         victims = [r.request_id for r in out.preempted]
         n_preempt += len(victims)
         assert victims == before[::-1][: len(victims)]
-        s.update_from_output(out, {r.request_id: 7 for r, n in out.scheduled
-                                   if r.num_computed_tokens + n == r.num_tokens})
+        s.update_from_output(
+            out, {r.request_id: 7 for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
+        )
         s.check_invariants()
         step += 1
     assert n_preempt > 0
@@ -188,8 +208,9 @@ def test_max_num_seqs_and_token_budget_bound_the_batch():
 
 
 def test_chunking_off_prompt_waits_for_budget_whole():
-    s = EngineScheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
-                  enable_chunked_prefill=False)
+    s = EngineScheduler(
+        num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, enable_chunked_prefill=False
+    )
     a, b = req("A", 6, 3), req("B", 4, 2)
     log = drive(s, {0: [a, b]})
     # B's 4 tokens do not fit the 2 left at step 0 and must not be split
@@ -200,8 +221,9 @@ def test_chunking_off_prompt_waits_for_budget_whole():
 def test_chunking_off_recomputed_request_longer_than_budget_is_chunked():
     # B is preempted at step 5 with prompt 4 + 5 outputs = 9 tokens > budget 8. With
     # chunking off it still resumes, in chunks of 8 + 1, or it could never run again.
-    s = EngineScheduler(num_blocks=8, block_size=2, max_num_seqs=4, max_num_batched_tokens=8,
-                  enable_chunked_prefill=False)
+    s = EngineScheduler(
+        num_blocks=8, block_size=2, max_num_seqs=4, max_num_batched_tokens=8, enable_chunked_prefill=False
+    )
     a, b = req("A", 4, 10), req("B", 4, 10)
     log = drive(s, {0: [a, b]})
     assert [e["preempted"] for e in log].index(["B"]) == 5
@@ -309,15 +331,17 @@ def test_prompt_over_budget_with_chunking_off_is_refused():
 
 
 def test_abort_in_every_state_frees_blocks():
-    s = EngineScheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16,
-                  preemption_mode="swap", num_cpu_blocks=4)
+    s = EngineScheduler(
+        num_blocks=4, block_size=2, max_num_batched_tokens=16, preemption_mode="swap", num_cpu_blocks=4
+    )
     a, b, c = req("A", 3, 4), req("B", 3, 4), req("C", 2, 2)
     for r in (a, b, c):
         s.add_request(r)
     for _ in range(3):  # step 2 swaps B out; C is still waiting
         out = s.schedule()
-        s.update_from_output(out, {r.request_id: 7 for r, n in out.scheduled
-                                   if r.num_computed_tokens + n == r.num_tokens})
+        s.update_from_output(
+            out, {r.request_id: 7 for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
+        )
     assert [r.request_id for r in s.swapped] == ["B"] and list(s.waiting) == [c]
     s.abort_request("B")  # swapped
     s.abort_request("C")  # waiting
@@ -366,11 +390,11 @@ def test_record_step_and_run_scheduler_trace():
     trace.check_invariants()
     assert trace.steps[0].scheduled == {"A": 3} and trace.steps[0].arrived_ids == ["A"]
     assert trace.steps[1].arrived_ids == ["B"]
-    assert sum(len(st.preempted_ids) for st in trace.steps) >= 1
-    for st in trace.steps:
-        assert set(st.block_tables) == set(st.num_tokens)
-        for rid, table in st.block_tables.items():
-            assert len(table) == math.ceil(st.num_tokens[rid] / 2)
+    assert sum(len(step.preempted_ids) for step in trace.steps) >= 1
+    for step in trace.steps:
+        assert set(step.block_tables) == set(step.num_tokens)
+        for rid, table in step.block_tables.items():
+            assert len(table) == math.ceil(step.num_tokens[rid] / 2)
     assert trace.requests["B"]["finish_step"] == len(trace) - 1
     again = EngineTrace.from_json(trace.to_json())
     assert again.to_dict() == trace.to_dict()
@@ -471,8 +495,9 @@ def run_property(sched_cls, c, specs, chunking):
         assert r.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
         ref, kind = reference_outputs(r, c["max_model_len"])
         assert r.output_token_ids == ref, r
-        assert r.status == (RequestStatus.FINISHED_LENGTH if kind == "length"
-                            else RequestStatus.FINISHED_STOPPED)
+        assert r.status == (
+            RequestStatus.FINISHED_LENGTH if kind == "length" else RequestStatus.FINISHED_STOPPED
+        )
     # FCFS: first admissions happen in arrival order
     first = list(dict.fromkeys(admitted_order))
     served = [r.request_id for r in order if r.status != RequestStatus.FINISHED_IGNORED]
@@ -510,8 +535,7 @@ def test_v1_scheduler_equals_engine_scheduler_with_layers_off():
         reqs = [(rng.randint(0, 6), rng.randint(1, 20), rng.randint(1, 12)) for _ in range(10)]
         traces = []
         for cls, extra in ((Scheduler, {}), (EngineScheduler, {"watermark": None})):
-            s = cls(num_blocks=10, block_size=4,
-                    max_num_seqs=4, max_num_batched_tokens=12, **extra)
+            s = cls(num_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=12, **extra)
             arrivals = {}
             for i, (at, plen, mt) in enumerate(reqs):
                 arrivals.setdefault(at, []).append(req(f"r{i}", plen, mt))
@@ -534,10 +558,16 @@ def test_scheduler_under_heavy_pressure_preempts_and_finishes(
     # a pool just big enough for the largest request: preemption is the common case, and a
     # small CPU pool makes swap fall back to recompute
     need = max(-(-(plen + mt - 1) // block_size) for _, plen, mt, _, _ in specs)
-    c = dict(block_size=block_size, num_blocks=need + extra_blocks, max_num_seqs=6,
-             max_num_batched_tokens=24, enable_chunked_prefill=chunking,
-             preemption_mode="swap" if swap else "recompute",
-             num_cpu_blocks=num_cpu_blocks if swap else 0, max_model_len=None)
+    c = dict(
+        block_size=block_size,
+        num_blocks=need + extra_blocks,
+        max_num_seqs=6,
+        max_num_batched_tokens=24,
+        enable_chunked_prefill=chunking,
+        preemption_mode="swap" if swap else "recompute",
+        num_cpu_blocks=num_cpu_blocks if swap else 0,
+        max_model_len=None,
+    )
     run_property(EngineScheduler, c, specs, chunking)
 
 
@@ -600,8 +630,7 @@ def _drive_checked(sched, arrivals, max_steps=2000):
             assert out.scheduled or out.preempted or out.swapped_out or out.refused, (
                 f"step {step}: nothing scheduled, preempted or refused"
             )
-        sampled = {r.request_id: 7 for r, n in out.scheduled
-                   if r.num_computed_tokens + n == r.num_tokens}
+        sampled = {r.request_id: 7 for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
         sampled.update({c.request_id: 7 for _, c in out.fork_samples})
         sched.update_from_output(out, sampled)
         sched.check_invariants()
@@ -616,8 +645,14 @@ def test_group_reprefill_over_budget_with_chunking_off_is_split():
     # re-prefills the 8-token prompt, the others fork, and each must re-prefill its 17
     # outputs: 68 tokens > max_num_batched_tokens 64. Chunking is off, yet the group must
     # be split (17 + 17 + 17 + 13, then the last 4), or it would never run again.
-    s = EngineScheduler(num_blocks=24, block_size=4, max_num_seqs=16, max_num_batched_tokens=64,
-                  enable_chunked_prefill=False, max_model_len=256)
+    s = EngineScheduler(
+        num_blocks=24,
+        block_size=4,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        enable_chunked_prefill=False,
+        max_model_len=256,
+    )
     old = req("old", 8, 60, ignore_eos=True)
     group = _group("g", 4, 8, 20)
     outs = _drive_checked(s, {0: [old, group]})
@@ -640,8 +675,7 @@ def test_livelock_guard_raises_instead_of_an_empty_step(monkeypatch):
         s.schedule()
 
 
-group_spec = st.tuples(st.integers(1, 4), st.integers(1, 12), st.integers(1, 12),
-                       st.integers(0, 6))
+group_spec = st.tuples(st.integers(1, 4), st.integers(1, 12), st.integers(1, 12), st.integers(0, 6))
 
 
 @settings(max_examples=120, deadline=None)
@@ -666,10 +700,16 @@ def test_no_livelock_with_groups_small_budgets_and_tight_pools(
         arrivals.setdefault(at, []).append(seqs if n > 1 else seqs[0])
         reqs.extend(seqs)
     need = max(-(-(plen + mt - 1) // block_size) * n for n, plen, mt, _ in groups)
-    s = EngineScheduler(num_blocks=need + extra_blocks, block_size=block_size, max_num_seqs=6,
-                  max_num_batched_tokens=budget, enable_chunked_prefill=chunking,
-                  preemption_mode="swap" if swap else "recompute",
-                  num_cpu_blocks=8 if swap else 0, watermark=watermark)
+    s = EngineScheduler(
+        num_blocks=need + extra_blocks,
+        block_size=block_size,
+        max_num_seqs=6,
+        max_num_batched_tokens=budget,
+        enable_chunked_prefill=chunking,
+        preemption_mode="swap" if swap else "recompute",
+        num_cpu_blocks=8 if swap else 0,
+        watermark=watermark,
+    )
     _drive_checked(s, arrivals)
     for r in reqs:
         assert r.is_finished
@@ -716,8 +756,7 @@ def test_watermark_none_is_vllm_v1_first_chunk_admission():
     # 2 more blocks: B, the latest arrival, is preempted and its 14 tokens are lost.
     # The cycle repeats as A grows (preempted again at steps 6 and 9): 42 tokens wasted,
     # and B still starts for good only at step 10.
-    s = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
-                  watermark=None)
+    s = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, watermark=None)
     a, b = req("A", 8, 10, ignore_eos=True), req("B", 24, 2, ignore_eos=True)
     log = drive(s, {0: [a, b]})
     cycle = [{"A": 1, "B": 7}, {"A": 1, "B": 7}, {"A": 1}]
@@ -734,13 +773,16 @@ def test_watermark_keeps_blocks_free_but_never_blocks_an_idle_engine():
     # free: admitted with A. C (12 tokens, 3 blocks) would leave 10 - 3 - 3 = 4 < 5: it
     # waits for A and B to finish. D (36 tokens, 9 blocks > 10 - 5) is admitted when
     # nothing runs, or it could never run.
-    s = EngineScheduler(num_blocks=10, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                  watermark=0.5)
+    s = EngineScheduler(num_blocks=10, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, watermark=0.5)
     a, b = req("A", 8, 2, ignore_eos=True), req("B", 4, 2, ignore_eos=True)
     c, d = req("C", 12, 1, ignore_eos=True), req("D", 36, 2, ignore_eos=True)
     log = drive(s, {0: [a, b, c, d]})
     assert [[r.request_id for r in e["out"].admitted] for e in log] == [
-        ["A", "B"], [], ["C"], ["D"], [],
+        ["A", "B"],
+        [],
+        ["C"],
+        ["D"],
+        [],
     ]
     assert all(not e["preempted"] for e in log)
     assert all(r.is_finished and r.num_preemptions == 0 for r in (a, b, c, d))

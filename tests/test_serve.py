@@ -68,8 +68,11 @@ def wait_idle(server, timeout=30.0):
     engine = server.serving.engine
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (not server.serving.async_engine.streams and not engine.has_unfinished_requests()
-                and engine.kv_cache_manager.get_num_free_blocks() == engine.num_blocks):
+        if (
+            not server.serving.async_engine.streams
+            and not engine.has_unfinished_requests()
+            and engine.kv_cache_manager.get_num_free_blocks() == engine.num_blocks
+        ):
             return
         time.sleep(0.05)
     raise AssertionError(
@@ -100,8 +103,9 @@ def test_models(server, client):
 def test_completion_equals_offline(llm, server, client):
     ref = offline(llm, PROMPTS, temperature=0.0, max_tokens=16)
     for prompt, want in zip(PROMPTS, ref):
-        r = client.completions.create(model=server.serving.model_name, prompt=prompt,
-                                      max_tokens=16, temperature=0.0)
+        r = client.completions.create(
+            model=server.serving.model_name, prompt=prompt, max_tokens=16, temperature=0.0
+        )
         c = want.outputs[0]
         assert r.choices[0].text == c.text
         assert r.choices[0].finish_reason == c.finish_reason
@@ -113,9 +117,16 @@ def test_completion_equals_offline(llm, server, client):
 def test_streaming_completion_equals_offline(llm, server, client):
     ref = offline(llm, PROMPTS, temperature=0.0, max_tokens=24)
     for prompt, want in zip(PROMPTS, ref):
-        chunks = list(client.completions.create(
-            model=server.serving.model_name, prompt=prompt, max_tokens=24, temperature=0.0,
-            stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            client.completions.create(
+                model=server.serving.model_name,
+                prompt=prompt,
+                max_tokens=24,
+                temperature=0.0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         text_chunks = [ch for ch in chunks if ch.choices]
         assert len(text_chunks) > 2, "the completion did not stream"
         assert "".join(ch.choices[0].text for ch in text_chunks) == want.outputs[0].text
@@ -127,25 +138,29 @@ def test_streaming_completion_equals_offline(llm, server, client):
 def test_prompt_as_token_ids(llm, server, client):
     ids = llm.get_tokenizer()("The little dog")["input_ids"]
     want = offline(llm, [ids], temperature=0.0, max_tokens=8)[0].outputs[0].text
-    r = client.completions.create(model=server.serving.model_name, prompt=ids, max_tokens=8,
-                                  temperature=0.0)
+    r = client.completions.create(model=server.serving.model_name, prompt=ids, max_tokens=8, temperature=0.0)
     assert r.choices[0].text == want
 
 
 def test_chat_equals_offline_on_template(llm, server, client):
-    messages = [{"role": "system", "content": "You tell short stories."},
-                {"role": "user", "content": "Tell me about a cat."}]
+    messages = [
+        {"role": "system", "content": "You tell short stories."},
+        {"role": "user", "content": "Tell me about a cat."},
+    ]
     prompt = render_chat([ChatMessage(**m) for m in messages], llm.get_tokenizer())
     assert prompt == "System: You tell short stories.\nUser: Tell me about a cat.\nAssistant:"
     want = offline(llm, [prompt], temperature=0.0, max_tokens=20)[0].outputs[0]
-    r = client.chat.completions.create(model=server.serving.model_name, messages=messages,
-                                       max_tokens=20, temperature=0.0)
+    r = client.chat.completions.create(
+        model=server.serving.model_name, messages=messages, max_tokens=20, temperature=0.0
+    )
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == want.text
     assert r.usage.completion_tokens == len(want.token_ids)
-    chunks = list(client.chat.completions.create(
-        model=server.serving.model_name, messages=messages, max_tokens=20, temperature=0.0,
-        stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=server.serving.model_name, messages=messages, max_tokens=20, temperature=0.0, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want.text
     assert chunks[-1].choices[0].finish_reason == want.finish_reason
@@ -154,15 +169,22 @@ def test_chat_equals_offline_on_template(llm, server, client):
 def test_seeded_sampling_equals_offline(llm, server, client):
     kw = dict(temperature=0.8, top_p=0.9, seed=1234, max_tokens=12)
     want = offline(llm, ["Lily wanted to"], n=2, top_k=20, **kw)[0]
-    r = client.completions.create(model=server.serving.model_name, prompt="Lily wanted to", n=2,
-                                  extra_body={"top_k": 20}, **kw)
+    r = client.completions.create(
+        model=server.serving.model_name, prompt="Lily wanted to", n=2, extra_body={"top_k": 20}, **kw
+    )
     got = sorted((c.index, c.text) for c in r.choices)
     assert got == [(c.index, c.text) for c in want.outputs]
     assert r.usage.completion_tokens == sum(len(c.token_ids) for c in want.outputs)
     # streamed, the same two texts
     texts = ["", ""]
-    for ch in client.completions.create(model=server.serving.model_name, prompt="Lily wanted to",
-                                        n=2, stream=True, extra_body={"top_k": 20}, **kw):
+    for ch in client.completions.create(
+        model=server.serving.model_name,
+        prompt="Lily wanted to",
+        n=2,
+        stream=True,
+        extra_body={"top_k": 20},
+        **kw,
+    ):
         for c in ch.choices:
             texts[c.index] += c.text
     assert texts == [c.text for c in want.outputs]
@@ -174,20 +196,30 @@ def test_stop_strings(llm, server, client):
     stop = full.split()[3]  # a word in the middle of the greedy text
     want = offline(llm, ["Once upon a time"], temperature=0.0, max_tokens=24, stop=[stop])[0]
     assert stop not in want.outputs[0].text and want.outputs[0].finish_reason == "stop"
-    r = client.completions.create(model=server.serving.model_name, prompt="Once upon a time",
-                                  max_tokens=24, temperature=0.0, stop=stop)
+    r = client.completions.create(
+        model=server.serving.model_name, prompt="Once upon a time", max_tokens=24, temperature=0.0, stop=stop
+    )
     assert r.choices[0].text == want.outputs[0].text
     streamed = "".join(
-        ch.choices[0].text for ch in client.completions.create(
-            model=server.serving.model_name, prompt="Once upon a time", max_tokens=24,
-            temperature=0.0, stop=[stop], stream=True) if ch.choices)
+        ch.choices[0].text
+        for ch in client.completions.create(
+            model=server.serving.model_name,
+            prompt="Once upon a time",
+            max_tokens=24,
+            temperature=0.0,
+            stop=[stop],
+            stream=True,
+        )
+        if ch.choices
+    )
     assert streamed == want.outputs[0].text
 
 
 @needs_field("logprobs")
 def test_logprobs(llm, server, client):
-    r = client.completions.create(model=server.serving.model_name, prompt="Once upon a time",
-                                  max_tokens=6, temperature=0.0, logprobs=2)
+    r = client.completions.create(
+        model=server.serving.model_name, prompt="Once upon a time", max_tokens=6, temperature=0.0, logprobs=2
+    )
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == r.usage.completion_tokens == 6
     assert "".join(lp.tokens) == r.choices[0].text
@@ -252,8 +284,9 @@ def test_100mb_body_is_413_and_others_are_unaffected(llm, server, client):
     assert r.status_code == 413, r.text[:200]
     assert "over the limit" in r.json()["error"]["message"]
     want = offline(llm, ["The little dog"], temperature=0.0, max_tokens=8)[0].outputs[0].text
-    r = client.completions.create(model=server.serving.model_name, prompt="The little dog",
-                                  max_tokens=8, temperature=0.0)
+    r = client.completions.create(
+        model=server.serving.model_name, prompt="The little dog", max_tokens=8, temperature=0.0
+    )
     assert r.choices[0].text == want
     wait_idle(server)
     assert server.serving.async_engine.errors == []
@@ -261,11 +294,16 @@ def test_100mb_body_is_413_and_others_are_unaffected(llm, server, client):
 
 # -- disconnects, metrics, the trace ---------------------------------------------------------
 def test_disconnect_mid_stream_frees_blocks(server, client):
-    before = metrics(server).get('vllm:request_success_total{abort}', 0.0)
-    stream = client.completions.create(model=server.serving.model_name, prompt="Once upon a time",
-                                       max_tokens=400, temperature=0.0, stream=True)
+    before = metrics(server).get("vllm:request_success_total{abort}", 0.0)
+    stream = client.completions.create(
+        model=server.serving.model_name,
+        prompt="Once upon a time",
+        max_tokens=400,
+        temperature=0.0,
+        stream=True,
+    )
     n = 0
-    for ch in stream:
+    for _ch in stream:
         n += 1
         if n == 3:
             break
@@ -274,16 +312,18 @@ def test_disconnect_mid_stream_frees_blocks(server, client):
     stream.close()  # the client goes away mid-stream
     wait_idle(server)
     m = metrics(server)
-    assert m['vllm:request_success_total{abort}'] == before + 1
+    assert m["vllm:request_success_total{abort}"] == before + 1
     assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0.0
 
 
 def test_disconnect_while_waiting_for_a_non_streaming_answer(server):
     body = json.dumps({"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0.0}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
     engine = server.serving.engine
-    before = metrics(server).get('vllm:request_success_total{abort}', 0.0)
+    before = metrics(server).get("vllm:request_success_total{abort}", 0.0)
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(head + body)
         deadline = time.monotonic() + 30
@@ -292,20 +332,29 @@ def test_disconnect_while_waiting_for_a_non_streaming_answer(server):
             time.sleep(0.02)
     # the socket is closed before any answer: the request is aborted, its blocks freed
     wait_idle(server)
-    assert metrics(server)['vllm:request_success_total{abort}'] == before + 1
+    assert metrics(server)["vllm:request_success_total{abort}"] == before + 1
 
 
 def test_metrics_use_vllm_names(server, client):
-    client.completions.create(model=server.serving.model_name, prompt="Once upon a time",
-                              max_tokens=5, temperature=0.0)
+    client.completions.create(
+        model=server.serving.model_name, prompt="Once upon a time", max_tokens=5, temperature=0.0
+    )
     wait_idle(server)
     m = metrics(server)
-    for name in ["vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
-                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                 "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
-                 "vllm:e2e_request_latency_seconds_count", "minipaged:engine_errors_total"]:
+    for name in [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "minipaged:engine_errors_total",
+    ]:
         assert name in m, name
     assert m["vllm:time_to_first_token_seconds_count"] >= 1
     assert m["vllm:inter_token_latency_seconds_count"] >= 4  # 5 tokens, 4 gaps at least
@@ -320,8 +369,7 @@ def test_trace_streams_steps(server, client):
     events = []
 
     def read():
-        with httpx.stream("GET", server.url + "/trace?history=0",
-                          timeout=httpx.Timeout(10, read=30)) as r:
+        with httpx.stream("GET", server.url + "/trace?history=0", timeout=httpx.Timeout(10, read=30)) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(json.loads(line[6:]))
@@ -335,8 +383,9 @@ def test_trace_streams_steps(server, client):
         time.sleep(0.02)
     assert events and events[0]["type"] == "config"
     assert events[0]["num_blocks"] == server.serving.engine.num_blocks
-    r = client.completions.create(model=server.serving.model_name, prompt="The little dog",
-                                  max_tokens=6, temperature=0.0)
+    r = client.completions.create(
+        model=server.serving.model_name, prompt="The little dog", max_tokens=6, temperature=0.0
+    )
     t.join(30)
     steps = [e for e in events if e["type"] == "step"]
     assert steps, "no step arrived on /trace"
@@ -403,9 +452,21 @@ def test_cli_serve_subprocess(tmp_path):
     port = _free_port()
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "minipaged.cli", "serve", "--port", str(port), "--max-num-seqs", "8",
-         "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "minipaged.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--max-num-seqs",
+            "8",
+            "--log-level",
+            "warning",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -417,9 +478,11 @@ def test_cli_serve_subprocess(tmp_path):
                 assert time.monotonic() < deadline, "minipaged serve did not start"
                 time.sleep(0.3)
         assert r.json()["data"][0]["id"] == "minipaged-course-model"
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                       json={"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0.0},
-                       timeout=60)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0.0},
+            timeout=60,
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     finally:
         proc.terminate()
@@ -435,14 +498,16 @@ def test_attach_stepper_follows_the_server(server, client):
     pytest.importorskip("ipywidgets")
     from minipaged.entrypoints.openai.live import attach_stepper
 
-    client.completions.create(model=server.serving.model_name, prompt="Max found a",
-                              max_tokens=4, temperature=0.0)
+    client.completions.create(
+        model=server.serving.model_name, prompt="Max found a", max_tokens=4, temperature=0.0
+    )
     w = attach_stepper(server.url, history=8)
     try:
         start = w.slider.max
         assert start >= 1
-        client.completions.create(model=server.serving.model_name, prompt="The sun was",
-                                  max_tokens=6, temperature=0.0)
+        client.completions.create(
+            model=server.serving.model_name, prompt="The sun was", max_tokens=6, temperature=0.0
+        )
         deadline = time.monotonic() + 30
         while w.slider.max < start + 6 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -455,16 +520,29 @@ def test_attach_stepper_follows_the_server(server, client):
         w.follower.stop()
 
 
-PASSTHROUGH_CASES = {"stop": ["."], "logprobs": 1, "min_tokens": 2, "presence_penalty": 0.5,
-                     "frequency_penalty": 0.5, "repetition_penalty": 1.2}
+PASSTHROUGH_CASES = {
+    "stop": ["."],
+    "logprobs": 1,
+    "min_tokens": 2,
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.5,
+    "repetition_penalty": 1.2,
+}
 
 
 @pytest.mark.parametrize("name", list(PASSTHROUGH_CASES))
 def test_vllm_fields_pass_through_or_are_refused_by_name(server, name):
     """Each field reaches SamplingParams under vLLM's name where the engine has it; where it
     does not (yet), the request is a 400 that names the field, never silently ignored."""
-    r = _post(server, json={"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0.0,
-                            name: PASSTHROUGH_CASES[name]})
+    r = _post(
+        server,
+        json={
+            "prompt": "Once upon a time",
+            "max_tokens": 4,
+            "temperature": 0.0,
+            name: PASSTHROUGH_CASES[name],
+        },
+    )
     if name in SP_FIELDS:
         assert r.status_code == 200, r.text
     else:
@@ -510,15 +588,19 @@ def test_prefix_cache_metrics_count_the_cached_tokens(llm):
     e = llm.llm_engine
     config = dataclasses.replace(e.config, enable_prefix_caching=True)
     engine = LLMEngine(config, model=e.model, tokenizer=e.tokenizer)
-    prompt = ("Once upon a time, there was a little girl named Lily. She loved to play in the "
-              "park with her dog Max. One day, they found a big red ball.")
+    prompt = (
+        "Once upon a time, there was a little girl named Lily. She loved to play in the "
+        "park with her dog Max. One day, they found a big red ball."
+    )
     ids = e.tokenizer(prompt)["input_ids"]
     bs = config.block_size
     assert len(ids) > 2 * bs
     with BackgroundServer(engine, check_invariants=True) as srv:
         body = {"prompt": prompt, "max_tokens": 4, "temperature": 0.0}
-        texts = [httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
-                 ["choices"][0]["text"] for _ in range(2)]
+        texts = [
+            httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+            for _ in range(2)
+        ]
         assert texts[0] == texts[1]
         m = metrics(srv)
         assert m["vllm:prefix_cache_queries_total"] == 2 * len(ids)
@@ -528,16 +610,28 @@ def test_prefix_cache_metrics_count_the_cached_tokens(llm):
 @needs_field("logprobs")
 def test_chat_logprobs_and_streamed_logprobs(server, client):
     messages = [{"role": "user", "content": "Tell me about a dog."}]
-    r = client.chat.completions.create(model=server.serving.model_name, messages=messages,
-                                       max_tokens=5, temperature=0.0, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model=server.serving.model_name,
+        messages=messages,
+        max_tokens=5,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 5
     assert "".join(t.token for t in content) == r.choices[0].message.content
     for t in content:
         assert len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob)
     streamed = []
-    for ch in client.completions.create(model=server.serving.model_name, prompt="The little dog",
-                                        max_tokens=5, temperature=0.0, logprobs=1, stream=True):
+    for ch in client.completions.create(
+        model=server.serving.model_name,
+        prompt="The little dog",
+        max_tokens=5,
+        temperature=0.0,
+        logprobs=1,
+        stream=True,
+    ):
         if ch.choices and ch.choices[0].logprobs:
             streamed += ch.choices[0].logprobs.token_logprobs
     assert len(streamed) == 5 and all(lp <= 0.0 for lp in streamed)

@@ -22,8 +22,14 @@ pytest.importorskip("fastapi", reason="fastapi is not installed")
 
 CHROMIUM = os.environ.get("MINIPAGED_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 
 
@@ -45,8 +51,8 @@ def test_live_page_follows_the_server(tmp_path):
             page = browser.new_page(viewport={"width": 1400, "height": 900})
             page.goto(srv.url + "/")
             page.wait_for_function(
-                "() => document.getElementById('status').textContent.startsWith('connected')",
-                timeout=30_000)
+                "() => document.getElementById('status').textContent.startsWith('connected')", timeout=30_000
+            )
             assert page.locator("#pool rect").count() == engine.num_blocks
             before = page.locator("#pool").screenshot()
             assert page.evaluate("document.body.dataset.used") is None  # no step drawn yet
@@ -54,8 +60,11 @@ def test_live_page_follows_the_server(tmp_path):
             replies = []
 
             def send(k: int) -> None:
-                r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
-                    "prompt": f"Once upon a time, {k}", "max_tokens": 300, "temperature": 0.0})
+                r = httpx.post(
+                    srv.url + "/v1/completions",
+                    timeout=120,
+                    json={"prompt": f"Once upon a time, {k}", "max_tokens": 300, "temperature": 0.0},
+                )
                 replies.append(r.status_code)
 
             senders = [threading.Thread(target=send, args=(k,)) for k in range(4)]
@@ -65,7 +74,8 @@ def test_live_page_follows_the_server(tmp_path):
             page.wait_for_function(
                 "() => Number(document.body.dataset.used || 0) >= 4"
                 " && document.querySelectorAll('#seqs g[data-seq]').length >= 2",
-                timeout=60_000)
+                timeout=60_000,
+            )
             during = page.locator("#pool").screenshot()
             deadline = time.monotonic() + 20
             while during == before and time.monotonic() < deadline:
@@ -74,12 +84,14 @@ def test_live_page_follows_the_server(tmp_path):
             assert during != before, "the block picture did not change"
             fills = page.evaluate(
                 "Array.from(document.querySelectorAll('#pool rect[data-owner]'))"
-                ".map(r => r.getAttribute('fill'))")
+                ".map(r => r.getAttribute('fill'))"
+            )
             palette = {owner_color(k) for k in range(21)}
             assert fills and set(fills) <= palette, set(fills) - palette
             states = page.evaluate(
                 "Array.from(document.querySelectorAll('#seqs g[data-seq]'))"
-                ".map(g => g.getAttribute('data-state'))")
+                ".map(g => g.getAttribute('data-state'))"
+            )
             assert set(states) <= {"prefill", "decode", "running", "waiting"}
             (tmp_path / "during.png").write_bytes(during)
             (tmp_path / "page.png").write_bytes(page.screenshot())
@@ -90,10 +102,12 @@ def test_live_page_follows_the_server(tmp_path):
             page.wait_for_function(
                 "() => document.body.dataset.used === '0'"
                 " && document.querySelectorAll('#seqs g[data-seq]').length === 0",
-                timeout=60_000)
+                timeout=60_000,
+            )
             free = page.evaluate(
                 "Array.from(document.querySelectorAll('#pool rect'))"
-                ".every(r => r.getAttribute('fill') === '" + FREE_GREY + "')")
+                ".every(r => r.getAttribute('fill') === '" + FREE_GREY + "')"
+            )
             assert free
         finally:
             browser.close()

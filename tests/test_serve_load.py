@@ -25,8 +25,18 @@ from minipaged import LLM, SamplingParams  # noqa: E402
 from minipaged.entrypoints.openai.api_server import BackgroundServer  # noqa: E402
 
 NUM_REQUESTS, NUM_CLIENTS, NUM_DISCONNECTS = 200, 32, 20
-STARTS = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a big", "Tom and Sue",
-          "The sun was", "A small bird", "Max found a", "In the park,", "The cat said"]
+STARTS = [
+    "Once upon a time",
+    "The little dog",
+    "Lily wanted to",
+    "One day, a big",
+    "Tom and Sue",
+    "The sun was",
+    "A small bird",
+    "Max found a",
+    "In the park,",
+    "The cat said",
+]
 MAX_TOKENS = [8, 28]
 
 
@@ -65,7 +75,8 @@ def test_load_with_disconnects():
                     return
                 prompt, max_tokens = plan[i]
                 stream = await client.completions.create(
-                    model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True)
+                    model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True
+                )
                 text, reason, n = "", None, 0
                 async for ch in stream:
                     if i in quitters and n == quitters[i]:
@@ -84,8 +95,7 @@ def test_load_with_disconnects():
                     await asyncio.sleep(0.25)
 
         async def main() -> None:
-            client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
-                                        timeout=300)
+            client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
             queue: asyncio.Queue = asyncio.Queue()
             for i in range(NUM_REQUESTS):
                 queue.put_nowait(i)
@@ -102,8 +112,7 @@ def test_load_with_disconnects():
 
         # every completed greedy output equals the offline one
         assert len(results) == NUM_REQUESTS - NUM_DISCONNECTS
-        wrong = [(i, plan[i], results[i][0], ref[plan[i]]) for i in results
-                 if results[i][0] != ref[plan[i]]]
+        wrong = [(i, plan[i], results[i][0], ref[plan[i]]) for i in results if results[i][0] != ref[plan[i]]]
         assert not wrong, wrong[:3]
         assert all(reason in ("stop", "length") for _, reason in results.values())
         # /v1/models answered throughout
@@ -121,7 +130,9 @@ def test_load_with_disconnects():
 
         fams = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)}
         preemptions = fams["vllm:num_preemptions"].samples[0].value
-        print(f"\n{NUM_REQUESTS} requests, {NUM_CLIENTS} clients, {NUM_DISCONNECTS} hang-ups: "
-              f"{steps} steps, {preemptions:.0f} preemptions in {elapsed:.1f} s")
+        print(
+            f"\n{NUM_REQUESTS} requests, {NUM_CLIENTS} clients, {NUM_DISCONNECTS} hang-ups: "
+            f"{steps} steps, {preemptions:.0f} preemptions in {elapsed:.1f} s"
+        )
         assert preemptions > 0, "the pool was meant to be small enough to force preemptions"
     assert steps > 0

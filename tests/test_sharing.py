@@ -19,13 +19,13 @@ from __future__ import annotations
 import random
 
 import pytest
+from _content_model import ContentPagedModel, drive, reference_outputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from _content_model import ContentPagedModel, drive, reference_outputs
 from minipaged import SamplingParams
-from minipaged.core import KVCacheManager, Request, RequestStatus, EngineScheduler, cdiv
+from minipaged.core import EngineScheduler, KVCacheManager, Request, RequestStatus, cdiv
 
 # ----------------------------------------------------------------------------- manager, by hand
 
@@ -127,8 +127,11 @@ SEQ_IDS = [f"s{i}" for i in range(6)]
 class SharingMachine(RuleBasedStateMachine):
     """Allocate, fork, step (several sequences write, copies done at once), free, swap."""
 
-    @initialize(num_blocks=st.integers(2, 14), block_size=st.integers(1, 4),
-                num_cpu_blocks=st.sampled_from([0, 6, 16]))
+    @initialize(
+        num_blocks=st.integers(2, 14),
+        block_size=st.integers(1, 4),
+        num_cpu_blocks=st.sampled_from([0, 6, 16]),
+    )
     def init(self, num_blocks, block_size, num_cpu_blocks):
         self.bs = block_size
         self.num_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
@@ -357,17 +360,28 @@ def _workload(rng, n_groups, block_size):
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10**6), mode=st.sampled_from(["recompute", "swap"]),
-       num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 2, 4]),
-       chunked=st.booleans(), caching=st.booleans(), budget=st.sampled_from([6, 16, 64]))
-def test_groups_equal_plain_loop_under_pressure(seed, mode, num_blocks, block_size, chunked,
-                                               caching, budget):
+@given(
+    seed=st.integers(0, 10**6),
+    mode=st.sampled_from(["recompute", "swap"]),
+    num_blocks=st.integers(8, 40),
+    block_size=st.sampled_from([1, 2, 4]),
+    chunked=st.booleans(),
+    caching=st.booleans(),
+    budget=st.sampled_from([6, 16, 64]),
+)
+def test_groups_equal_plain_loop_under_pressure(seed, mode, num_blocks, block_size, chunked, caching, budget):
     rng = random.Random(seed)
     arrivals, seqs = _workload(rng, rng.randint(1, 6), block_size)
-    s = EngineScheduler(num_blocks, block_size, max_num_seqs=rng.choice([4, 8]),
-                  max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
-                  preemption_mode=mode, num_cpu_blocks=12 if mode == "swap" else 0,
-                  enable_prefix_caching=caching)
+    s = EngineScheduler(
+        num_blocks,
+        block_size,
+        max_num_seqs=rng.choice([4, 8]),
+        max_num_batched_tokens=budget,
+        enable_chunked_prefill=chunked,
+        preemption_mode=mode,
+        num_cpu_blocks=12 if mode == "swap" else 0,
+        enable_prefix_caching=caching,
+    )
     model = ContentPagedModel(block_size)
     drive(s, arrivals, model)
     for r in seqs:
@@ -409,9 +423,16 @@ def tiny_llama(tmp_path_factory):
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     hf = LlamaForCausalLM(cfg).eval()
     path = tmp_path_factory.mktemp("sharing_llama")
@@ -422,16 +443,24 @@ def tiny_llama(tmp_path_factory):
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20] * 9, [33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43]]
 
 
-@pytest.mark.parametrize("variant", [
-    dict(block_size=4, num_blocks=64, parallel_sampling="fork"),
-    # preemption (recompute)
-    dict(block_size=2, num_blocks=30, max_num_batched_tokens=16, parallel_sampling="fork"),
-    dict(block_size=2, num_blocks=30, max_num_batched_tokens=16, preemption_mode="swap",
-         parallel_sampling="fork"),
-    # vLLM v1: n child requests sharing the prompt through prefix caching (the default)
-    dict(block_size=4, num_blocks=64, enable_prefix_caching=True),
-    dict(block_size=2, num_blocks=30, max_num_batched_tokens=16, enable_prefix_caching=True),
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(block_size=4, num_blocks=64, parallel_sampling="fork"),
+        # preemption (recompute)
+        dict(block_size=2, num_blocks=30, max_num_batched_tokens=16, parallel_sampling="fork"),
+        dict(
+            block_size=2,
+            num_blocks=30,
+            max_num_batched_tokens=16,
+            preemption_mode="swap",
+            parallel_sampling="fork",
+        ),
+        # vLLM v1: n child requests sharing the prompt through prefix caching (the default)
+        dict(block_size=4, num_blocks=64, enable_prefix_caching=True),
+        dict(block_size=2, num_blocks=30, max_num_batched_tokens=16, enable_prefix_caching=True),
+    ],
+)
 def test_engine_n_samples_equal_unshared_baseline(tiny_llama, variant):
     """n > 1 with sharing (fork or prefix caching) == the static baseline (no sharing),
     seed for seed."""
@@ -478,7 +507,7 @@ def test_parallel_sampling_block_steps_match_a_formula():
     extra = sample_requests("sharegpt", num * n, 5, MAX_MODEL_LEN)
     without = with_ = copies = 0
     for i, (p, _) in enumerate(reqs):
-        lens = [min(o, MAX_MODEL_LEN - p) for _, o in extra[i * n:(i + 1) * n]]
+        lens = [min(o, MAX_MODEL_LEN - p) for _, o in extra[i * n : (i + 1) * n]]
         without += n * cdiv(p, bs)
         with_ += cdiv(p, bs)
         for t in range(1, max(lens)):

@@ -96,9 +96,11 @@ def test_idle_clock_jumps_to_next_arrival():
 
 
 def test_compute_metrics_by_hand():
-    recs = [RequestRecord("a", 0.0, 5, 4, first_token_time=1.0, finish_time=4.0),
-            RequestRecord("b", 1.0, 5, 1, first_token_time=3.0, finish_time=3.0),
-            RequestRecord("c", 2.0, 5, 9, refused=True)]
+    recs = [
+        RequestRecord("a", 0.0, 5, 4, first_token_time=1.0, finish_time=4.0),
+        RequestRecord("b", 1.0, 5, 1, first_token_time=3.0, finish_time=3.0),
+        RequestRecord("c", 2.0, 5, 9, refused=True),
+    ]
     m = compute_metrics(recs)
     assert m.num_requests == 2 and m.num_refused == 1
     assert m.normalized_latency == pytest.approx((4 / 4 + 2 / 1) / 2)
@@ -133,16 +135,16 @@ def test_every_request_finishes_under_memory_pressure(policy):
         assert res.metrics.num_preemptions > 0  # the scenario does exercise preemption
     if policy.startswith("orca"):
         # a contiguous pool never holds more than it has: free slots >= 0, tokens fit
-        assert all(0 <= s.num_free_blocks <= 256 and sum(s.num_tokens.values()) <= 256
-                   for s in tr.steps)
+        assert all(0 <= s.num_free_blocks <= 256 and sum(s.num_tokens.values()) <= 256 for s in tr.steps)
 
 
 def test_swap_preemption_finishes_and_costs_time():
     reqs = _random_requests(30, rate=2.0, seed=2)
     rec = simulate(reqs, "paged", CostModel(), block_size=16)  # sanity on the real model
     assert rec.metrics.num_requests == 30
-    res = simulate(reqs, "paged", UnitCost(256), block_size=4, preemption_mode="swap",
-                   num_cpu_blocks=64, check=True)
+    res = simulate(
+        reqs, "paged", UnitCost(256), block_size=4, preemption_mode="swap", num_cpu_blocks=64, check=True
+    )
     assert res.metrics.num_requests == 30
 
 
@@ -172,8 +174,9 @@ def test_contiguous_scheduler_direct():
     from minipaged.core.sched.request import Request
     from minipaged.sampling_params import SamplingParams
 
-    s = OrcaScheduler(num_slots=10, max_model_len=10, policy="oracle", max_num_seqs=4,
-                            max_num_batched_tokens=16)
+    s = OrcaScheduler(
+        num_slots=10, max_model_len=10, policy="oracle", max_num_seqs=4, max_num_batched_tokens=16
+    )
     r1 = Request("r1", [1] * 4, SamplingParams(max_tokens=2, ignore_eos=True))
     r2 = Request("r2", [1] * 4, SamplingParams(max_tokens=3, ignore_eos=True))
     s.add_request(r1, 6)
@@ -238,8 +241,9 @@ def test_parallel_sampling_by_hand(policy):
     # n=2 samples of A (prompt 3, output 2): step 0 prefills (paged: once, then forks;
     # the others: two independent prompts) and gives both samples their 1st token at t=1;
     # step 1 decodes both: done at t=2.
-    res = simulate([TraceRequest("A", 0.0, 3, 2)], policy, UnitCost(), n=2, block_size=4,
-                   check=True, record_trace=True)
+    res = simulate(
+        [TraceRequest("A", 0.0, 3, 2)], policy, UnitCost(), n=2, block_size=4, check=True, record_trace=True
+    )
     (a,) = res.records
     assert (a.first_token_time, a.finish_time) == (1.0, 2.0)
     first = res.trace.steps[0].scheduled

@@ -8,12 +8,11 @@ done, and each member holds its max-length reservation the whole time.
 
 from __future__ import annotations
 
-import pytest
+import test_scheduler as ts
+from _fake_paged_model import FakePagedModel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import test_scheduler as ts
-from _fake_paged_model import FakePagedModel
 from minipaged.core import EngineScheduler, RequestStatus, StaticBatchScheduler
 from minipaged.trace import run_scheduler
 
@@ -28,15 +27,26 @@ def test_static_batches_by_hand():
     a, b, c = req("A", 3, 4), req("B", 5, 5), req("C", 2, 2)
     log = ts.drive(s, {0: [a, b, c]})
     assert [e["scheduled"] for e in log] == [
-        {"A": 3, "B": 5}, {"A": 1, "B": 1}, {"A": 1, "B": 1}, {"A": 1, "B": 1},
-        {"B": 1}, {"C": 2}, {"C": 1},
+        {"A": 3, "B": 5},
+        {"A": 1, "B": 1},
+        {"A": 1, "B": 1},
+        {"A": 1, "B": 1},
+        {"B": 1},
+        {"C": 2},
+        {"C": 1},
     ]
     assert log[0]["tables"] == {"A": [0, 1], "B": [2, 3, 4]}
     assert log[3]["finished"] == ["A"] and log[4]["finished"] == ["B"]
     # freed tail first: 5 was never used, then A's 1, 0, then B's 4, 3, 2
     assert log[5]["tables"] == {"C": [5]}
     assert [[r.request_id for r in e["out"].admitted] for e in log] == [
-        ["A", "B"], [], [], [], [], ["C"], [],
+        ["A", "B"],
+        [],
+        [],
+        [],
+        [],
+        ["C"],
+        [],
     ]
     assert s.kv_cache_manager.get_num_free_blocks() == 6
 
@@ -67,8 +77,9 @@ def test_prompt_waits_for_budget_and_is_never_chunked():
 
 
 def test_static_refuses_what_can_never_fit():
-    s = StaticBatchScheduler(num_blocks=4, block_size=4, max_num_batched_tokens=8,
-                             enable_chunked_prefill=True)  # ignored: static never chunks
+    s = StaticBatchScheduler(
+        num_blocks=4, block_size=4, max_num_batched_tokens=8, enable_chunked_prefill=True
+    )  # ignored: static never chunks
     big_kv, big_prompt, ok = req("kv", 4, 20), req("prompt", 9, 1), req("ok", 4, 4)
     log = ts.drive(s, {0: [big_kv, big_prompt, ok]})
     assert big_kv.status == big_prompt.status == RequestStatus.FINISHED_IGNORED

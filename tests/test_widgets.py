@@ -110,10 +110,13 @@ def test_render_cache_is_bounded(trace):
     assert sorted(s._pngs) == [2, 3]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"start": -1}, "start"),
-    ({"start": 10_000}, "start"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"start": -1}, "start"),
+        ({"start": 10_000}, "start"),
+    ],
+)
 def test_bad_arguments(trace, kwargs, match):
     with pytest.raises(ValueError, match=match):
         viz.stepper(trace, **kwargs)

@@ -5,8 +5,9 @@ import pytest
 from minipaged.sim.workloads import WORKLOADS, sample_requests
 
 
-@pytest.mark.parametrize("workload, mean_in, mean_out", [("sharegpt", 161.31, 337.99),
-                                                          ("alpaca", 19.31, 58.45)])
+@pytest.mark.parametrize(
+    "workload, mean_in, mean_out", [("sharegpt", 161.31, 337.99), ("alpaca", 19.31, 58.45)]
+)
 def test_means_match_the_paper(workload, mean_in, mean_out):
     reqs = sample_requests(workload, 4000, seed=0)
     assert sum(p for p, _ in reqs) / len(reqs) == pytest.approx(mean_in, rel=0.05)
@@ -28,11 +29,14 @@ def test_seeded():
     assert sample_requests("alpaca", 3, seed=0) == sample_requests("alpaca", 3, seed=0)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(workload="dolly", num_requests=3, seed=0), "workload"),
-    (dict(workload="alpaca", num_requests=0, seed=0), "num_requests"),
-    (dict(workload="alpaca", num_requests=3, seed=0, max_model_len=1), "max_model_len"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(workload="dolly", num_requests=3, seed=0), "workload"),
+        (dict(workload="alpaca", num_requests=0, seed=0), "num_requests"),
+        (dict(workload="alpaca", num_requests=3, seed=0, max_model_len=1), "max_model_len"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         sample_requests(**kwargs)

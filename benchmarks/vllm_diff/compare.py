@@ -40,22 +40,39 @@ KEYS = ("scheduled", "admitted", "preempted", "finished")
 
 # Causes of the differences still seen against vLLM 0.32, all with prefix caching on, all
 # in minipaged/core (to be fixed there; then empty KNOWN_DIFFERENCES):
-SAME_STEP = ("SAME_STEP: vLLM caches a request's full blocks when allocate_slots gives "
-             "them (in schedule()), so a request admitted later in the same step hits "
-             "them; minipaged caches them in update_from_output, after the step")
-DUPLICATE = ("DUPLICATE: vLLM also caches a block whose hash is already cached (both stay "
-             "hittable until evicted); minipaged's BlockPool.cache_block keeps the first "
-             "only, so the prefix is lost when that one is evicted though a copy lives on")
-LIFO = ("LIFO: vLLM's BlockPool.free_blocks puts freed blocks without a hash at the FRONT "
-        "of the free queue (reused first), hashed ones at the back (LRU); minipaged "
-        "appends all at the back, so it evicts cached blocks sooner")
+SAME_STEP = (
+    "SAME_STEP: vLLM caches a request's full blocks when allocate_slots gives "
+    "them (in schedule()), so a request admitted later in the same step hits "
+    "them; minipaged caches them in update_from_output, after the step"
+)
+DUPLICATE = (
+    "DUPLICATE: vLLM also caches a block whose hash is already cached (both stay "
+    "hittable until evicted); minipaged's BlockPool.cache_block keeps the first "
+    "only, so the prefix is lost when that one is evicted though a copy lives on"
+)
+LIFO = (
+    "LIFO: vLLM's BlockPool.free_blocks puts freed blocks without a hash at the FRONT "
+    "of the free queue (reused first), hashed ones at the back (LRU); minipaged "
+    "appends all at the back, so it evicts cached blocks sooner"
+)
 # workload id -> its causes (each fixed in isolation on a patched minipaged: with all three
 # fixed, 0:400 x 3 admission rules were identical). A subset may differ per admission rule.
 KNOWN_DIFFERENCES: dict[str, tuple[str, ...]] = {
-    "same-step-hit": (SAME_STEP,), "duplicate-block": (DUPLICATE,), "lifo-free": (LIFO,),
-    "6": (LIFO,), "7": (LIFO,), "18": (SAME_STEP,), "35": (LIFO,), "43": (SAME_STEP, LIFO),
-    "58": (LIFO,), "62": (LIFO,), "67": (SAME_STEP, LIFO), "70": (SAME_STEP, LIFO),
-    "72": (LIFO,), "80": (SAME_STEP,), "94": (SAME_STEP, LIFO),
+    "same-step-hit": (SAME_STEP,),
+    "duplicate-block": (DUPLICATE,),
+    "lifo-free": (LIFO,),
+    "6": (LIFO,),
+    "7": (LIFO,),
+    "18": (SAME_STEP,),
+    "35": (LIFO,),
+    "43": (SAME_STEP, LIFO),
+    "58": (LIFO,),
+    "62": (LIFO,),
+    "67": (SAME_STEP, LIFO),
+    "70": (SAME_STEP, LIFO),
+    "72": (LIFO,),
+    "80": (SAME_STEP,),
+    "94": (SAME_STEP, LIFO),
 }
 
 
@@ -69,9 +86,22 @@ def run_vllm(vllm_python: str, ids: str, admissions=ADMISSIONS) -> dict:
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, PYTHONPATH="", VLLM_LOGGING_LEVEL="ERROR")
         proc = subprocess.run(
-            [vllm_python, os.path.join(HERE, "run_vllm.py"), "--ids", ids, "--out", out,
-             "--admission", *admissions],
-            capture_output=True, text=True, env=env, cwd=REPO, check=False)
+            [
+                vllm_python,
+                os.path.join(HERE, "run_vllm.py"),
+                "--ids",
+                ids,
+                "--out",
+                out,
+                "--admission",
+                *admissions,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+            check=False,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"run_vllm.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         runs: dict = {}
@@ -123,27 +153,37 @@ def compare(vllm_runs: dict, mp_runs: dict) -> dict:
         with_pre += pre > 0
         with_hits += hits > 0
     unexpected = [wid for wid in diffs if wid not in KNOWN_DIFFERENCES]
-    return {"n": len(vllm_runs), "identical": len(vllm_runs) - len(diffs), "diffs": diffs,
-            "unexpected": unexpected, "with_preemption": with_pre, "with_prefix_hit": with_hits}
+    return {
+        "n": len(vllm_runs),
+        "identical": len(vllm_runs) - len(diffs),
+        "diffs": diffs,
+        "unexpected": unexpected,
+        "with_preemption": with_pre,
+        "with_prefix_hit": with_hits,
+    }
 
 
 def describe(wid: str, run: dict, d) -> str:
     step, key, v, m = d
     w = run["workload"]
     causes = KNOWN_DIFFERENCES.get(wid)
-    return (f"workload {wid}: step {step} differs in {key}\n"
-            f"  vLLM:      {v}\n  minipaged: {m}\n"
-            f"  config: {w['config']}, {len(w['requests'])} requests\n"
-            + ("".join(f"  known: {c}\n" for c in causes) if causes
-               else "  NOT a known difference\n"))
+    return (
+        f"workload {wid}: step {step} differs in {key}\n"
+        f"  vLLM:      {v}\n  minipaged: {m}\n"
+        f"  config: {w['config']}, {len(w['requests'])} requests\n"
+        + ("".join(f"  known: {c}\n" for c in causes) if causes else "  NOT a known difference\n")
+    )
 
 
 def summary_line(admission: str, s: dict) -> str:
     known = len(s["diffs"]) - len(s["unexpected"])
-    return (f"[{admission}] {s['n']} workloads, {s['identical']} identical "
-            f"({s['with_preemption']} with recompute preemptions, {s['with_prefix_hit']} "
-            f"with prefix-cache hits; {known} known differences"
-            + (f"; UNEXPECTED: {s['unexpected']}" if s["unexpected"] else "") + ")")
+    return (
+        f"[{admission}] {s['n']} workloads, {s['identical']} identical "
+        f"({s['with_preemption']} with recompute preemptions, {s['with_prefix_hit']} "
+        f"with prefix-cache hits; {known} known differences"
+        + (f"; UNEXPECTED: {s['unexpected']}" if s["unexpected"] else "")
+        + ")"
+    )
 
 
 def main(argv=None) -> int:

@@ -60,8 +60,8 @@ class MinipagedSide:
 
         params = SamplingParams(temperature=0.0, max_tokens=r["max_tokens"])
         self.scheduler.add_request(
-            Request(r["request_id"], list(r["prompt_token_ids"]), params,
-                    eos_token_id=EOS_TOKEN_ID))
+            Request(r["request_id"], list(r["prompt_token_ids"]), params, eos_token_id=EOS_TOKEN_ID)
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -71,15 +71,19 @@ class MinipagedSide:
         out = sched.schedule()
         sched.check_invariants()
         scheduled = {r.request_id: [r.num_computed_tokens, n] for r, n in out.scheduled}
-        admitted = {r.request_id: out.num_cached_tokens.get(r.request_id, 0)
-                    for r in out.admitted}
-        sampled = {r.request_id: fake_token(r.request_id, r.num_tokens)
-                   for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
+        admitted = {r.request_id: out.num_cached_tokens.get(r.request_id, 0) for r in out.admitted}
+        sampled = {
+            r.request_id: fake_token(r.request_id, r.num_tokens)
+            for r, n in out.scheduled
+            if r.num_computed_tokens + n == r.num_tokens
+        }
         finished = sched.update_from_output(out, sampled)
         sched.check_invariants()
         if out.refused:
-            raise RuntimeError(f"refused {[r.request_id for r in out.refused]}: the "
-                               "workload generator promises every request fits")
+            raise RuntimeError(
+                f"refused {[r.request_id for r in out.refused]}: the "
+                "workload generator promises every request fits"
+            )
         return {
             "scheduled": scheduled,
             "admitted": admitted,

@@ -69,8 +69,8 @@ class VllmSide:
         mml = config["max_model_len"]
         if mml not in _MODEL_CONFIGS:
             _MODEL_CONFIGS[mml] = ModelConfig(
-                model=COURSE_MODEL, dtype="float32", seed=0, max_model_len=mml,
-                skip_tokenizer_init=True)
+                model=COURSE_MODEL, dtype="float32", seed=0, max_model_len=mml, skip_tokenizer_init=True
+            )
         scheduler_config = SchedulerConfig(
             max_num_seqs=config["max_num_seqs"],
             max_num_batched_tokens=config["max_num_batched_tokens"],
@@ -84,32 +84,48 @@ class VllmSide:
             watermark=watermark,
         )
         cache_config = CacheConfig(
-            block_size=bs, cache_dtype="auto",
-            enable_prefix_caching=config["enable_prefix_caching"])
+            block_size=bs, cache_dtype="auto", enable_prefix_caching=config["enable_prefix_caching"]
+        )
         vllm_config = VllmConfig(
-            scheduler_config=scheduler_config, model_config=_MODEL_CONFIGS[mml],
-            cache_config=cache_config)
+            scheduler_config=scheduler_config, model_config=_MODEL_CONFIGS[mml], cache_config=cache_config
+        )
         # VllmConfig's platform hook may rewrite the block size; the scheduler must use ours.
         vllm_config.cache_config.block_size = bs
         vllm_config.cache_config.num_gpu_blocks = num_blocks
         kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks,
             kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(
-                ["layer"], FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1,
-                                             dtype=torch.float32))],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    ["layer"],
+                    FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype=torch.float32),
+                )
+            ],
         )
         self.scheduler = Scheduler(
-            vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=bs, log_stats=False)
+            block_size=bs,
+            log_stats=False,
+        )
         # NOTE: VllmConfig's platform hooks may rewrite settings; fail if they did
-        got = (self.scheduler.kv_cache_manager.enable_caching, self.scheduler.block_size,
-               vllm_config.scheduler_config.enable_chunked_prefill,
-               vllm_config.scheduler_config.max_num_batched_tokens,
-               vllm_config.scheduler_config.max_num_seqs, self.scheduler.max_model_len)
-        want = (config["enable_prefix_caching"], bs, config["enable_chunked_prefill"],
-                config["max_num_batched_tokens"], config["max_num_seqs"], mml)
+        got = (
+            self.scheduler.kv_cache_manager.enable_caching,
+            self.scheduler.block_size,
+            vllm_config.scheduler_config.enable_chunked_prefill,
+            vllm_config.scheduler_config.max_num_batched_tokens,
+            vllm_config.scheduler_config.max_num_seqs,
+            self.scheduler.max_model_len,
+        )
+        want = (
+            config["enable_prefix_caching"],
+            bs,
+            config["enable_chunked_prefill"],
+            config["max_num_batched_tokens"],
+            config["max_num_seqs"],
+            mml,
+        )
         if got != want:
             raise RuntimeError(f"vLLM changed the config: got {got}, asked for {want}")
         init_none_hash(sha256)
@@ -123,8 +139,12 @@ class VllmSide:
         params = SamplingParams(temperature=0.0, max_tokens=r["max_tokens"])
         params.update_from_generation_config({}, eos_token_id=EOS_TOKEN_ID)  # as the engine does
         request = Request(
-            request_id=r["request_id"], prompt_token_ids=list(r["prompt_token_ids"]),
-            sampling_params=params, pooling_params=None, block_hasher=self.block_hasher)
+            request_id=r["request_id"],
+            prompt_token_ids=list(r["prompt_token_ids"]),
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=self.block_hasher,
+        )
         self.requests[request.request_id] = request  # vLLM forgets finished requests
         self.scheduler.add_request(request)
 
@@ -142,32 +162,41 @@ class VllmSide:
         scheduled = {}
         for rid, n in out.num_scheduled_tokens.items():
             scheduled[rid] = [sched.requests[rid].num_computed_tokens - n, n]
-        admitted = {rid: scheduled[rid][0] for rid in scheduled
-                    if before[rid] in (RequestStatus.WAITING, RequestStatus.PREEMPTED)}
-        preempted = sorted(rid for rid, s in before.items() if s == RequestStatus.RUNNING
-                           and sched.requests[rid].status == RequestStatus.PREEMPTED)
+        admitted = {
+            rid: scheduled[rid][0]
+            for rid in scheduled
+            if before[rid] in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        }
+        preempted = sorted(
+            rid
+            for rid, s in before.items()
+            if s == RequestStatus.RUNNING and sched.requests[rid].status == RequestStatus.PREEMPTED
+        )
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in req_ids:
             r = sched.requests[rid]
             done = r.num_computed_tokens >= r.num_tokens  # its prefill completes this step
             sampled.append([fake_token(rid, r.num_tokens)] if done else [])
-        mro = ModelRunnerOutput(req_ids=req_ids,
-                                req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                                sampled_token_ids=sampled)
+        mro = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
         engine_outputs = sched.update_from_output(out, mro)
-        finished = {o.request_id: self.requests[o.request_id].num_output_tokens
-                    for eco in engine_outputs.values() for o in eco.outputs
-                    if o.finish_reason is not None}
-        return {"scheduled": scheduled, "admitted": admitted, "preempted": preempted,
-                "finished": finished}
+        finished = {
+            o.request_id: self.requests[o.request_id].num_output_tokens
+            for eco in engine_outputs.values()
+            for o in eco.outputs
+            if o.finish_reason is not None
+        }
+        return {"scheduled": scheduled, "admitted": admitted, "preempted": preempted, "finished": finished}
 
 
 def run_one(wid, admission: str) -> dict:
     workload = make_workload(wid)
     side = VllmSide(workload["config"], admission)
-    return {"workload": workload, "admission": admission,
-            "steps": run_workload(side, workload)}
+    return {"workload": workload, "admission": admission, "steps": run_workload(side, workload)}
 
 
 def main(argv=None) -> None:

@@ -115,20 +115,23 @@ def _random_workload(seed: int) -> dict:
         prompt_len = rng.randint(1, min(max_model_len - 1, capacity, rng.choice([8, 24, 64])))
         if rng.random() < 0.6:
             prefix = rng.choice(prefixes)[:prompt_len]
-            prompt = prefix + [rng.randrange(FIRST_TOKEN, VOCAB_SIZE)
-                               for _ in range(prompt_len - len(prefix))]
+            prompt = prefix + [
+                rng.randrange(FIRST_TOKEN, VOCAB_SIZE) for _ in range(prompt_len - len(prefix))
+            ]
         else:
             prompt = [rng.randrange(FIRST_TOKEN, VOCAB_SIZE) for _ in range(prompt_len)]
         max_tokens = rng.randint(1, 40)
         # the KV it may hold, min(prompt + max_tokens - 1, max_model_len - 1), fits the pool
         if min(prompt_len + max_tokens - 1, max_model_len - 1) > capacity:
             max_tokens = capacity + 1 - prompt_len
-        requests.append({
-            "request_id": f"r{i}",
-            "arrival_step": rng.randint(0, last_arrival),
-            "prompt_token_ids": prompt,
-            "max_tokens": max_tokens,
-        })
+        requests.append(
+            {
+                "request_id": f"r{i}",
+                "arrival_step": rng.randint(0, last_arrival),
+                "prompt_token_ids": prompt,
+                "max_tokens": max_tokens,
+            }
+        )
     requests.sort(key=lambda r: (r["arrival_step"], int(r["request_id"][1:])))
     return {
         "seed": str(seed),
@@ -149,12 +152,18 @@ def _case(block_size, num_blocks, prompts, max_num_seqs=1, max_num_batched_token
     """A hand-made workload: ``prompts`` all arrive at step 0, in order, max_tokens 1."""
     return {
         "config": {
-            "block_size": block_size, "num_blocks": num_blocks, "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens, "enable_prefix_caching": True,
-            "enable_chunked_prefill": True, "max_model_len": MAX_MODEL_LEN,
+            "block_size": block_size,
+            "num_blocks": num_blocks,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "enable_prefix_caching": True,
+            "enable_chunked_prefill": True,
+            "max_model_len": MAX_MODEL_LEN,
         },
-        "requests": [{"request_id": f"r{i}", "arrival_step": 0, "prompt_token_ids": p,
-                      "max_tokens": 1} for i, p in enumerate(prompts)],
+        "requests": [
+            {"request_id": f"r{i}", "arrival_step": 0, "prompt_token_ids": p, "max_tokens": 1}
+            for i, p in enumerate(prompts)
+        ],
     }
 
 

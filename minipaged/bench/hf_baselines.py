@@ -58,12 +58,22 @@ from minipaged.bench.result import ServeResult
 RANDOM_LLAMAS = {
     # 6 x (0.66M attention + 2.36M MLP) + 2.1M embedding = 20.2M parameters
     "random-llama-20m": dict(
-        hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=64, vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=4096,
     ),
     "tiny-llama": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
     ),
 }
 
@@ -75,8 +85,13 @@ def make_random_llama(name: str, out_dir: str, seed: int = 0) -> str:
     if name not in RANDOM_LLAMAS:
         raise ValueError(f"name must be one of {sorted(RANDOM_LLAMAS)}, got {name!r}")
     config = LlamaConfig(
-        **RANDOM_LLAMAS[name], max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=True,
-        bos_token_id=0, eos_token_id=1, pad_token_id=2,
+        **RANDOM_LLAMAS[name],
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -112,7 +127,9 @@ def static_batches(lengths: list[tuple[int, int]], kv_token_slots: int, max_num_
     max_p = max_o = 0
     for i, (p, o) in enumerate(lengths):
         if p + o - 1 > kv_token_slots:
-            raise ValueError(f"request {i} needs {p + o - 1} KV slots, more than kv_token_slots={kv_token_slots}")
+            raise ValueError(
+                f"request {i} needs {p + o - 1} KV slots, more than kv_token_slots={kv_token_slots}"
+            )
         mp, mo = max(max_p, p), max(max_o, o)
         if cur and ((len(cur) + 1) * (mp + mo - 1) > kv_token_slots or len(cur) >= max_num_seqs):
             batches.append(cur)
@@ -140,7 +157,9 @@ def hf_generate_static(
 ) -> ServeResult:
     """(c): left-padded greedy ``generate`` batches that fit ``kv_token_slots`` (see the module docstring)."""
     pad = hf_model.config.pad_token_id if hf_model.config.pad_token_id is not None else 0
-    batches = static_batches([(len(p), o) for p, o in zip(prompts, output_lens)], kv_token_slots, max_num_seqs)
+    batches = static_batches(
+        [(len(p), o) for p, o in zip(prompts, output_lens)], kv_token_slots, max_num_seqs
+    )
     n = len(prompts)
     tokens: list[list[int]] = [[] for _ in range(n)]
     first, last = [0.0] * n, [0.0] * n
@@ -157,14 +176,24 @@ def hf_generate_static(
             ids = torch.full((len(batch), max_p), pad, dtype=torch.long)  # [B, P] left-padded
             mask = torch.zeros((len(batch), max_p), dtype=torch.long)  # [B, P]
             for row, i in enumerate(batch):
-                ids[row, max_p - len(prompts[i]):] = torch.tensor(prompts[i])
-                mask[row, max_p - len(prompts[i]):] = 1
-            gen = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_o, min_new_tokens=0,
-                                   eos_token_id=None, pad_token_id=pad)
+                ids[row, max_p - len(prompts[i]) :] = torch.tensor(prompts[i])
+                mask[row, max_p - len(prompts[i]) :] = 1
+            gen = GenerationConfig(
+                do_sample=False,
+                num_beams=1,
+                max_new_tokens=max_o,
+                min_new_tokens=0,
+                eos_token_id=None,
+                pad_token_id=pad,
+            )
             clock = TokenClock()
             with torch.inference_mode():
-                out = hf_model.generate(input_ids=ids, attention_mask=mask, generation_config=gen,
-                                        stopping_criteria=StoppingCriteriaList([clock]))  # [B, P + max_o]
+                out = hf_model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    generation_config=gen,
+                    stopping_criteria=StoppingCriteriaList([clock]),
+                )  # [B, P + max_o]
             if len(clock.times) != max_o:
                 raise RuntimeError(f"generate stopped after {len(clock.times)} of {max_o} new tokens")
             steps += max_o
@@ -176,27 +205,53 @@ def hf_generate_static(
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     finally:
         hf_model.generation_config.eos_token_id = saved_eos
-    peak = max(len(b) * (max(len(prompts[i]) for i in b) + max(output_lens[i] for i in b) - 1) for b in batches)
+    peak = max(
+        len(b) * (max(len(prompts[i]) for i in b) + max(output_lens[i] for i in b) - 1) for b in batches
+    )
     return ServeResult(
-        token_ids=tokens, wall_s=wall, cpu_s=cpu, first_token_s=first, last_token_s=last, steps=steps,
-        info={"batches": len(batches), "batch_sizes": [len(b) for b in batches], "kv_token_slots_peak": peak,
-              "generated_tokens": sum(len(b) * max(output_lens[i] for i in b) for b in batches)},
+        token_ids=tokens,
+        wall_s=wall,
+        cpu_s=cpu,
+        first_token_s=first,
+        last_token_s=last,
+        steps=steps,
+        info={
+            "batches": len(batches),
+            "batch_sizes": [len(b) for b in batches],
+            "kv_token_slots_peak": peak,
+            "generated_tokens": sum(len(b) * max(output_lens[i] for i in b) for b in batches),
+        },
     )
 
 
 def hf_continuous_batching(
-    hf_model, prompts: list[list[int]], output_lens: list[int], *, block_size: int, num_blocks: int,
-    max_num_batched_tokens: int, max_num_seqs: int, seed: int = 0, timeout_s: Optional[float] = None,
+    hf_model,
+    prompts: list[list[int]],
+    output_lens: list[int],
+    *,
+    block_size: int,
+    num_blocks: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    seed: int = 0,
+    timeout_s: Optional[float] = None,
 ) -> ServeResult:
     """(d): transformers' ``ContinuousBatchingManager`` with a paged cache of ``num_blocks`` x ``block_size``."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     cfg = hf_model.config
-    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=cfg.pad_token_id, max_new_tokens=max(output_lens))
+    gen = GenerationConfig(
+        do_sample=False, eos_token_id=-1, pad_token_id=cfg.pad_token_id, max_new_tokens=max(output_lens)
+    )
     cb = ContinuousBatchingConfig(
-        page_size=block_size, num_blocks=num_blocks, max_batch_tokens=max_num_batched_tokens,
-        max_requests_per_batch=max_num_seqs, allow_block_sharing=False, use_cuda_graph=False,
-        use_async_batching=False, seed=seed,
+        page_size=block_size,
+        num_blocks=num_blocks,
+        max_batch_tokens=max_num_batched_tokens,
+        max_requests_per_batch=max_num_seqs,
+        allow_block_sharing=False,
+        use_cuda_graph=False,
+        use_async_batching=False,
+        seed=seed,
     )
     manager = hf_model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     phases = {"prepare_next_batch": 0.0, "generation_step": 0.0, "update_batch": 0.0}
@@ -204,8 +259,15 @@ def hf_continuous_batching(
         manager.warmup()  # NOTE: on CPU no graphs to capture; it builds the batch processor (and the cache) now
         bp = manager.batch_processor
         cache = bp.cache
-        _time_methods(bp, phases, {"prepare_next_batch": "prepare_next_batch",
-                                   "_generation_step": "generation_step", "update_batch": "update_batch"})
+        _time_methods(
+            bp,
+            phases,
+            {
+                "prepare_next_batch": "prepare_next_batch",
+                "_generation_step": "generation_step",
+                "update_batch": "update_batch",
+            },
+        )
         counts = {"q": 0, "k": 0}
         step_fn = bp._generation_step
 
@@ -213,7 +275,9 @@ def hf_continuous_batching(
             io = bp.inputs_and_outputs
             q = int(getattr(io, "num_q_tokens", 0))
             counts["q"] += q  # tokens through the model this step
-            counts["k"] += int(getattr(io, "max_kv_read", 0)) + q  # keys every query of the step is masked against
+            counts["k"] += (
+                int(getattr(io, "max_kv_read", 0)) + q
+            )  # keys every query of the step is masked against
             return step_fn(*args, **kwargs)
 
         bp._generation_step = counted_step
@@ -222,7 +286,9 @@ def hf_continuous_batching(
         results = {}
         t0, c0 = time.perf_counter(), time.process_time()
         for i, (p, o) in enumerate(zip(prompts, output_lens)):
-            manager.add_request(list(p), request_id=str(i), max_new_tokens=o, eos_token_id=-1, record_timestamps=True)
+            manager.add_request(
+                list(p), request_id=str(i), max_new_tokens=o, eos_token_id=-1, record_timestamps=True
+            )
         deadline = None if timeout_s is None else t0 + timeout_s
         while len(results) < n:
             r = manager.get_result(timeout=1)
@@ -246,16 +312,25 @@ def hf_continuous_batching(
     last = [results[str(i)].timestamps[-1] - t0 for i in range(n)]
     total = sum(phases.values()) or 1.0
     return ServeResult(
-        token_ids=tokens, wall_s=wall, cpu_s=cpu, first_token_s=first, last_token_s=last, steps=steps,
-        info={"kv_token_slots": slots, "max_batch_tokens": max_batch_tokens, "computed_tokens": counts["q"],
-              # NOTE: the sdpa path packs the batch into one sequence with a block-diagonal mask,
-              # so each query is scored against every key of the batch
-              "mean_keys_per_query": round(counts["k"] / steps, 1) if steps else None,
-              "attn_implementation": str(hf_model.config._attn_implementation),
-              # NOTE: prepare_next_batch = scheduling + block allocation + input tensors;
-              # generation_step = forward + logits processing + sampling; update_batch = bookkeeping
-              "step_time_split": {k: round(v / total, 3) for k, v in phases.items()},
-              "overhead_fraction": round(1 - phases["generation_step"] / total, 3)},
+        token_ids=tokens,
+        wall_s=wall,
+        cpu_s=cpu,
+        first_token_s=first,
+        last_token_s=last,
+        steps=steps,
+        info={
+            "kv_token_slots": slots,
+            "max_batch_tokens": max_batch_tokens,
+            "computed_tokens": counts["q"],
+            # NOTE: the sdpa path packs the batch into one sequence with a block-diagonal mask,
+            # so each query is scored against every key of the batch
+            "mean_keys_per_query": round(counts["k"] / steps, 1) if steps else None,
+            "attn_implementation": str(hf_model.config._attn_implementation),
+            # NOTE: prepare_next_batch = scheduling + block allocation + input tensors;
+            # generation_step = forward + logits processing + sampling; update_batch = bookkeeping
+            "step_time_split": {k: round(v / total, 3) for k, v in phases.items()},
+            "overhead_fraction": round(1 - phases["generation_step"] / total, 3),
+        },
     )
 
 

@@ -78,15 +78,21 @@ NAMED_MODELS = ("course", "random-llama-20m", "tiny-llama")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from minipaged.cli import non_negative_int, positive_int
 
-    parser.add_argument("--model", action="append", default=None,
-                        help=f"one of {', '.join(NAMED_MODELS)} or a checkpoint dir; repeat for "
-                             "several runs (default: course)")
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help=f"one of {', '.join(NAMED_MODELS)} or a checkpoint dir; repeat for "
+        "several runs (default: course)",
+    )
     parser.add_argument("--workload", default="sharegpt", choices=["sharegpt", "alpaca"])
     parser.add_argument("--num-requests", type=positive_int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument(
-        "--num-blocks", type=positive_int, default=None,
+        "--num-blocks",
+        type=positive_int,
+        default=None,
         help="KV pool size shared by all systems (default: a quarter of the workload's tokens)",
     )
     parser.add_argument("--max-num-seqs", type=positive_int, default=64)
@@ -94,19 +100,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
     parser.add_argument(
-        "--threads", type=non_negative_int, default=1,
+        "--threads",
+        type=non_negative_int,
+        default=1,
         help="torch CPU threads for all systems (default 1: steady numbers on a shared "
-             "machine; 0 = torch's default)",
+        "machine; 0 = torch's default)",
     )
-    parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
-                        help="preemption of the continuous system")
+    parser.add_argument(
+        "--preemption-mode",
+        default="recompute",
+        choices=["recompute", "swap"],
+        help="preemption of the continuous system",
+    )
     parser.add_argument("--systems", default="a,b,c,d", help="which systems to run, e.g. a,b (default all)")
-    parser.add_argument("--repeats", type=positive_int, default=1,
-                        help="runs per system, alternating order; the fastest of each is reported")
-    parser.add_argument("--quick", action="store_true",
-                        help="8 requests, lengths scaled to a 128-token context (for tests)")
-    parser.add_argument("--profile", action="store_true",
-                        help="also profile one step at --max-num-seqs running sequences")
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=1,
+        help="runs per system, alternating order; the fastest of each is reported",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="8 requests, lengths scaled to a 128-token context (for tests)"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="also profile one step at --max-num-seqs running sequences"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -163,14 +181,20 @@ def _serve(engine, prompts, params_list) -> tuple[ServeResult, dict]:
             outs[o.request_id] = o
             last[o.request_id] = now
         # NOTE: a token exists once the step that sampled it is over: TTFT at step granularity.
-        for rid in [r for r in pending if r not in engine.groups or engine.groups[r].seqs[0].num_output_tokens]:
+        for rid in [
+            r for r in pending if r not in engine.groups or engine.groups[r].seqs[0].num_output_tokens
+        ]:
             first[rid] = now
             pending.discard(rid)
     wall, cpu = clock() - t0, time.process_time() - c0
     ids = [str(i) for i in range(len(prompts))]
     return ServeResult(
-        token_ids=[list(outs[r].outputs[0].token_ids) for r in ids], wall_s=wall, cpu_s=cpu,
-        first_token_s=[first[r] for r in ids], last_token_s=[last[r] for r in ids], steps=len(engine.trace),
+        token_ids=[list(outs[r].outputs[0].token_ids) for r in ids],
+        wall_s=wall,
+        cpu_s=cpu,
+        first_token_s=[first[r] for r in ids],
+        last_token_s=[last[r] for r in ids],
+        steps=len(engine.trace),
     ), outs
 
 
@@ -256,7 +280,9 @@ def run_benchmark(
     if not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads must be >= 0 (0 = torch's default), got {threads!r}")
     if dtype != "float32":
-        raise ValueError(f"dtype must be 'float32' (greedy outputs are compared across systems), got {dtype!r}")
+        raise ValueError(
+            f"dtype must be 'float32' (greedy outputs are compared across systems), got {dtype!r}"
+        )
     names = _parse_systems(systems)
     prev_threads = torch.get_num_threads()
     if threads > 0:
@@ -265,38 +291,69 @@ def run_benchmark(
         with tempfile.TemporaryDirectory(prefix="minipaged-bench-") as tmp:
             label, path = _resolve_model(model, tmp, seed)
             return _measure(
-                label, path, names, workload=workload, num_requests=num_requests, seed=seed,
-                block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens, device=device,
-                attention_backend=attention_backend, preemption_mode=preemption_mode, repeats=repeats,
-                warmup=warmup, workload_max_len=workload_max_len, profile=profile,
+                label,
+                path,
+                names,
+                workload=workload,
+                num_requests=num_requests,
+                seed=seed,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                device=device,
+                attention_backend=attention_backend,
+                preemption_mode=preemption_mode,
+                repeats=repeats,
+                warmup=warmup,
+                workload_max_len=workload_max_len,
+                profile=profile,
                 profile_steps=profile_steps,
             )
     finally:
         torch.set_num_threads(prev_threads)  # NOTE: leave the caller's process as it was
 
 
-def _measure(label, path, names, *, workload, num_requests, seed, block_size, num_blocks, max_num_seqs,
-             max_num_batched_tokens, device, attention_backend, preemption_mode, repeats, warmup,
-             workload_max_len, profile, profile_steps) -> dict:
+def _measure(
+    label,
+    path,
+    names,
+    *,
+    workload,
+    num_requests,
+    seed,
+    block_size,
+    num_blocks,
+    max_num_seqs,
+    max_num_batched_tokens,
+    device,
+    attention_backend,
+    preemption_mode,
+    repeats,
+    warmup,
+    workload_max_len,
+    profile,
+    profile_steps,
+) -> dict:
     """The runs themselves (see ``run_benchmark``)."""
     import torch
 
     from minipaged import SamplingParams
+    from minipaged.bench import hf_baselines
     from minipaged.config import EngineConfig
     from minipaged.core.kv.block import cdiv
-    from minipaged.bench import hf_baselines
     from minipaged.engine.llm_engine import LLMEngine, load_model_checked
     from minipaged.model.loader import resolve_model_path
 
-    base = EngineConfig(model=path, block_size=block_size, device=device, attention_backend=attention_backend,
-                        seed=seed)
+    base = EngineConfig(
+        model=path, block_size=block_size, device=device, attention_backend=attention_backend, seed=seed
+    )
     model_obj, tokenizer = load_model_checked(base)
     max_len = int(model_obj.max_model_len)
     wl_len = min(max_len, workload_max_len or max_len)
     lengths, prompts = workload_prompts(workload, num_requests, seed, wl_len, int(model_obj.vocab_size))
     output_lens = [o for _, o in lengths]
-    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in output_lens]
+    [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in output_lens]
     demand = [cdiv(p + o - 1, block_size) for p, o in lengths]  # blocks at full length
     if num_blocks is None:
         num_blocks = max(max(demand), sum(demand) // 4)
@@ -310,23 +367,38 @@ def _measure(label, path, names, *, workload, num_requests, seed, block_size, nu
     def engine_for(scheduling: str) -> LLMEngine:
         kw = {"preemption_mode": preemption_mode} if scheduling == "continuous" else {}
         cfg = EngineConfig(
-            model=path, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, device=device,
-            attention_backend=attention_backend, seed=seed, scheduling=scheduling, **kw,
+            model=path,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            device=device,
+            attention_backend=attention_backend,
+            seed=seed,
+            scheduling=scheduling,
+            **kw,
         )
         return LLMEngine(cfg, model=model_obj, tokenizer=tokenizer)
 
     def run_one(name: str, p, o) -> tuple[ServeResult, dict]:
         if name in MINIPAGED:
             engine = engine_for(MINIPAGED[name])
-            res, outs = _serve(engine, p, [SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True) for k in o])
+            res, outs = _serve(
+                engine, p, [SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True) for k in o]
+            )
             return res, _minipaged_metrics(engine, outs)
         if name == "hf-generate-static":
             res = hf_baselines.hf_generate_static(hf_model, p, o, slots, max_num_seqs)
         else:
             res = hf_baselines.hf_continuous_batching(
-                hf_model, p, o, block_size=block_size, num_blocks=num_blocks,
-                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, seed=seed,
+                hf_model,
+                p,
+                o,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                seed=seed,
             )
         return res, dict(res.info)
 
@@ -372,15 +444,18 @@ def _measure(label, path, names, *, workload, num_requests, seed, block_size, nu
     ran = [n for n in names if n in results]
     equal, matching, divergence = {}, {}, {}
     for i, x in enumerate(ran):
-        for y in ran[i + 1:]:
+        for y in ran[i + 1 :]:
             key = f"{SYSTEMS[x][0]}={SYSTEMS[y][0]}"
             same = [tx == ty for tx, ty in zip(tokens[x], tokens[y])]
             equal[key] = all(same)
             matching[key] = f"{sum(same)}/{len(same)}"
             firsts = [_first_diff(tx, ty) for tx, ty, s in zip(tokens[x], tokens[y], same) if not s]
             if firsts:
-                divergence[key] = {"requests": len(firsts), "first_divergent_token_min": min(firsts),
-                                   "first_divergent_token_mean": round(sum(firsts) / len(firsts), 1)}
+                divergence[key] = {
+                    "requests": len(firsts),
+                    "first_divergent_token_min": min(firsts),
+                    "first_divergent_token_mean": round(sum(firsts) / len(firsts), 1),
+                }
     ratios, cpu_ratios, step_ratios = {}, {}, {}
     if "continuous+paged" in results:
         a = results["continuous+paged"]
@@ -408,8 +483,12 @@ def _measure(label, path, names, *, workload, num_requests, seed, block_size, nu
         "model_params_m": round(num_params / 1e6, 2),
         "device": device,
         "torch_threads": torch.get_num_threads(),
-        "kv_cache": {"num_blocks": num_blocks, "block_size": block_size, "token_slots": slots,
-                     "bytes": num_blocks * model_obj.kv_cache_bytes_per_block(block_size)},
+        "kv_cache": {
+            "num_blocks": num_blocks,
+            "block_size": block_size,
+            "token_slots": slots,
+            "bytes": num_blocks * model_obj.kv_cache_bytes_per_block(block_size),
+        },
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
         "preemption_mode": preemption_mode,
@@ -424,15 +503,25 @@ def _measure(label, path, names, *, workload, num_requests, seed, block_size, nu
         "median_ratios": median_ratios,
     }
     if profile:
-        report["profile"] = profile_step(model_obj, tokenizer, prompts, path=path, block_size=block_size,
-                                         num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                         device=device, attention_backend=attention_backend, steps=profile_steps)
+        report["profile"] = profile_step(
+            model_obj,
+            tokenizer,
+            prompts,
+            path=path,
+            block_size=block_size,
+            num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            device=device,
+            attention_backend=attention_backend,
+            steps=profile_steps,
+        )
     return report
 
 
 def _median_ratios(systems: dict) -> dict:
     """a/x tokens/s ratios from each system's *median* wall time over its runs (every run of a
     system produces the same tokens, so tokens/s ratios are inverse wall-time ratios)."""
+
     def median_tps(m):
         walls = sorted(m["wall_s_all_runs"])
         return m["output_tokens"] / walls[len(walls) // 2]
@@ -440,8 +529,11 @@ def _median_ratios(systems: dict) -> dict:
     a = systems.get("continuous+paged", {})
     if "wall_s_all_runs" not in a:
         return {}
-    return {f"a/{m['label']}": round(median_tps(a) / median_tps(m), 2)
-            for name, m in systems.items() if name != "continuous+paged" and m.get("wall_s_all_runs")}
+    return {
+        f"a/{m['label']}": round(median_tps(a) / median_tps(m), 2)
+        for name, m in systems.items()
+        if name != "continuous+paged" and m.get("wall_s_all_runs")
+    }
 
 
 def _first_diff(x: list[int], y: list[int]) -> int:
@@ -452,12 +544,28 @@ def _first_diff(x: list[int], y: list[int]) -> int:
 
 
 # -- profile of one step --------------------------------------------------------------
-_BLOCK_FILES = ("core/kv/kv_cache_manager.py", "core/kv/block_pool.py", "core/kv/block.py", "core/kv/block_table.py")
+_BLOCK_FILES = (
+    "core/kv/kv_cache_manager.py",
+    "core/kv/block_pool.py",
+    "core/kv/block.py",
+    "core/kv/block_table.py",
+)
 
 
-def profile_step(model_obj, tokenizer, prompts, *, path=None, block_size=16, num_seqs=64,
-                 max_num_batched_tokens=512, device="cpu", attention_backend="torch", steps=20,
-                 warm_steps=32) -> dict:
+def profile_step(
+    model_obj,
+    tokenizer,
+    prompts,
+    *,
+    path=None,
+    block_size=16,
+    num_seqs=64,
+    max_num_batched_tokens=512,
+    device="cpu",
+    attention_backend="torch",
+    steps=20,
+    warm_steps=32,
+) -> dict:
     """Time decode steps with ``num_seqs`` sequences running; split them by phase.
 
     ``num_seqs`` requests (the workload's prompts, cycled) share a pool big enough for all
@@ -479,13 +587,26 @@ def profile_step(model_obj, tokenizer, prompts, *, path=None, block_size=16, num
     reqs = [prompts[i % len(prompts)][: max_len // 2] for i in range(num_seqs)]
     new = min(warm_steps + 2 * steps + 4, max_len - max(len(p) for p in reqs))
     pool = sum(cdiv(len(p) + new, block_size) for p in reqs)
-    engine = LLMEngine(EngineConfig(
-        model=path, block_size=block_size, num_blocks=pool, max_num_seqs=num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, device=device, attention_backend=attention_backend,
-    ), model=model_obj, tokenizer=tokenizer)
+    engine = LLMEngine(
+        EngineConfig(
+            model=path,
+            block_size=block_size,
+            num_blocks=pool,
+            max_num_seqs=num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            device=device,
+            attention_backend=attention_backend,
+        ),
+        model=model_obj,
+        tokenizer=tokenizer,
+    )
     for i, p in enumerate(reqs):
         engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
-    while not engine.trace.steps or engine.trace.steps[-1].prefill_ids or len(engine.scheduler.running) < num_seqs:
+    while (
+        not engine.trace.steps
+        or engine.trace.steps[-1].prefill_ids
+        or len(engine.scheduler.running) < num_seqs
+    ):
         engine.step()
         if len(engine.trace) > 10 * num_seqs:
             raise RuntimeError("profile: the sequences never all reached decode")
@@ -517,7 +638,9 @@ def profile_step(model_obj, tokenizer, prompts, *, path=None, block_size=16, num
     block = 0.0
     for f, (_, _, _, _, callers) in st.items():
         if f[0].replace("\\", "/").endswith(_BLOCK_FILES):
-            block += sum(v[3] for c, v in callers.items() if not c[0].replace("\\", "/").endswith(_BLOCK_FILES))
+            block += sum(
+                v[3] for c, v in callers.items() if not c[0].replace("\\", "/").endswith(_BLOCK_FILES)
+            )
 
     ms = {k: round(1e3 * v, 3) for k, v in laps.items()}
     overhead = laps["schedule"] + laps["prepare"]
@@ -533,8 +656,11 @@ def profile_step(model_obj, tokenizer, prompts, *, path=None, block_size=16, num
         "sched_block_prepare_fraction": round(overhead / step_s, 3),
         # all of it outside the model: + update_from_output, trace record, outputs
         "non_model_fraction": round((overhead + laps["update"]) / step_s, 3),
-        "cprofile_fraction": {k: round(v / total, 3) for k, v in sorted(children.items(), key=lambda kv: -kv[1])
-                              if v / total >= 0.001},
+        "cprofile_fraction": {
+            k: round(v / total, 3)
+            for k, v in sorted(children.items(), key=lambda kv: -kv[1])
+            if v / total >= 0.001
+        },
         "cprofile_block_management_fraction": round(block / total, 3),
     }
 
@@ -623,8 +749,12 @@ def forward_breakdown(model, inp, kv_caches, calls: int = 10, repeats: int = 5) 
 
     def matmuls(mats):
         # NOTE: the LM head sees one row per sequence (the logits rows), the others every token
-        xs = [torch.randn(inp.num_seqs if name.endswith("lm_head") else rows, w.shape[1], generator=gen,
-                          dtype=w.dtype) for name, w, _ in mats]
+        xs = [
+            torch.randn(
+                inp.num_seqs if name.endswith("lm_head") else rows, w.shape[1], generator=gen, dtype=w.dtype
+            )
+            for name, w, _ in mats
+        ]
 
         def run():
             for x, (_, w, b) in zip(xs, mats):
@@ -645,11 +775,22 @@ def forward_breakdown(model, inp, kv_caches, calls: int = 10, repeats: int = 5) 
         spent["attention"] += time.process_time() - spent["t0"]
 
     with torch.inference_mode():
-        ms = _cpu_ms({"floor": matmuls(_weight_matrices(model)), "forward": forward,
-                      "floor_unfused": matmuls(_weight_matrices(model, unfused=True))}, calls, repeats)
+        ms = _cpu_ms(
+            {
+                "floor": matmuls(_weight_matrices(model)),
+                "forward": forward,
+                "floor_unfused": matmuls(_weight_matrices(model, unfused=True)),
+            },
+            calls,
+            repeats,
+        )
         floor, fwd, floor_unfused = ms["floor"], ms["forward"], ms["floor_unfused"]
-        hooks = [h for m in model.modules() if isinstance(m, PagedAttention)
-                 for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+        hooks = [
+            h
+            for m in model.modules()
+            if isinstance(m, PagedAttention)
+            for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))
+        ]
         try:
             t0 = time.process_time()
             for _ in range(calls * repeats):
@@ -706,9 +847,11 @@ def plot_forward_breakdown(runs: dict, ax=None):
         raise ValueError("runs must hold at least one breakdown")
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 1.6 + 0.8 * len(runs)))
-    parts = (("floor_ms", "weight matmuls (the floor)", "#4c72b0"),
-             ("attention_ms", "attention", "#dd8452"),
-             ("other_ms", "everything else", "#8c8c8c"))
+    parts = (
+        ("floor_ms", "weight matmuls (the floor)", "#4c72b0"),
+        ("attention_ms", "attention", "#dd8452"),
+        ("other_ms", "everything else", "#8c8c8c"),
+    )
     labels = list(runs)[::-1]  # first label on top
     for y, label in enumerate(labels):
         b, left = runs[label], 0.0
@@ -758,15 +901,19 @@ def format_report(r: dict) -> str:
     lines.append("")
     c = r["systems"].get("hf-generate-static", {})
     if "batches" in c:
-        lines.append(f"(c) {c['batches']} padded batches, sizes {min(c['batch_sizes'])}..{max(c['batch_sizes'])}, "
-                     f"peak {c['kv_token_slots_peak']} of {kv['token_slots']} slots; {c['generated_tokens']} tokens "
-                     f"generated for {c['output_tokens']} kept")
+        lines.append(
+            f"(c) {c['batches']} padded batches, sizes {min(c['batch_sizes'])}..{max(c['batch_sizes'])}, "
+            f"peak {c['kv_token_slots_peak']} of {kv['token_slots']} slots; {c['generated_tokens']} tokens "
+            f"generated for {c['output_tokens']} kept"
+        )
     d = r["systems"].get("hf-continuous-batching", {})
     if "kv_token_slots" in d:
-        lines.append(f"(d) paged cache {d['kv_token_slots']} token slots (transformers rounds up to whole "
-                     f"sectors), max_batch_tokens {d['max_batch_tokens']}, attention {d['attn_implementation']}; "
-                     f"step split {d['step_time_split']}; keys per query {d['mean_keys_per_query']} "
-                     f"(the batch packed into one masked sequence)")
+        lines.append(
+            f"(d) paged cache {d['kv_token_slots']} token slots (transformers rounds up to whole "
+            f"sectors), max_batch_tokens {d['max_batch_tokens']}, attention {d['attn_implementation']}; "
+            f"step split {d['step_time_split']}; keys per query {d['mean_keys_per_query']} "
+            f"(the batch packed into one masked sequence)"
+        )
     lines += [
         "TTFT/latency include queueing (every request arrives at t=0); TPOT = (last - first token) / "
         "(tokens - 1); computed = tokens through the model (prompts, outputs, recomputation after "
@@ -775,22 +922,37 @@ def format_report(r: dict) -> str:
     ]
     if r["ratios"]:
         lines.append(
-            "ratios (tokens/s): " + ", ".join(f"{k} {v:.2f}x" for k, v in r["ratios"].items())
-            + ("; by CPU time: " + ", ".join(f"{k} {v:.2f}x" for k, v in r["cpu_ratios"].items())
-               if r["cpu_ratios"] else "")
-            + ("; by steps: " + ", ".join(f"{k} {v:.2f}x" for k, v in r["step_ratios"].items())
-               if r["step_ratios"] else "")
+            "ratios (tokens/s): "
+            + ", ".join(f"{k} {v:.2f}x" for k, v in r["ratios"].items())
+            + (
+                "; by CPU time: " + ", ".join(f"{k} {v:.2f}x" for k, v in r["cpu_ratios"].items())
+                if r["cpu_ratios"]
+                else ""
+            )
+            + (
+                "; by steps: " + ", ".join(f"{k} {v:.2f}x" for k, v in r["step_ratios"].items())
+                if r["step_ratios"]
+                else ""
+            )
         )
     if r.get("median_ratios") and r["repeats"] > 1:
-        lines.append(f"ratios (tokens/s, median of {r['repeats']} runs per system): "
-                     + ", ".join(f"{k} {v:.2f}x" for k, v in r["median_ratios"].items()))
+        lines.append(
+            f"ratios (tokens/s, median of {r['repeats']} runs per system): "
+            + ", ".join(f"{k} {v:.2f}x" for k, v in r["median_ratios"].items())
+        )
     if r["outputs_equal"]:
-        lines.append("outputs equal (greedy, token for token): " + ", ".join(
-            f"{k} {'yes' if r['outputs_equal'][k] else 'no'} ({r['outputs_matching'][k]})" for k in r["outputs_equal"]
-        ))
+        lines.append(
+            "outputs equal (greedy, token for token): "
+            + ", ".join(
+                f"{k} {'yes' if r['outputs_equal'][k] else 'no'} ({r['outputs_matching'][k]})"
+                for k in r["outputs_equal"]
+            )
+        )
     for k, d in r.get("outputs_divergence", {}).items():
-        lines.append(f"  {k}: {d['requests']} request(s) diverge, first divergent token at index "
-                     f">= {d['first_divergent_token_min']} (mean {d['first_divergent_token_mean']})")
+        lines.append(
+            f"  {k}: {d['requests']} request(s) diverge, first divergent token at index "
+            f">= {d['first_divergent_token_min']} (mean {d['first_divergent_token_mean']})"
+        )
     if "profile" in r:
         lines += ["", format_profile(r["profile"])]
     return "\n".join(lines)
@@ -803,26 +965,38 @@ def _s(v, spec: str) -> str:
 def format_profile(p: dict) -> str:
     laps = ", ".join(f"{k} {v:.2f} ms ({p['laps_fraction'][k]:.1%})" for k, v in p["laps_ms"].items())
     prof = ", ".join(f"{k} {v:.1%}" for k, v in p["cprofile_fraction"].items())
-    return "\n".join([
-        f"profile: one decode step at {p['running_seqs']} running sequences, mean of {p['steps_timed']} steps: "
-        f"{p['step_ms']:.2f} ms",
-        f"  stopwatch laps: {laps}",
-        f"  scheduling + block management + input preparation (schedule + prepare): "
-        f"{p['sched_block_prepare_fraction']:.1%} of the step (target < 20%); with update/trace/outputs: "
-        f"{p['non_model_fraction']:.1%}",
-        f"  cProfile (inflates Python-heavy parts) of the engine's direct calls: {prof}; "
-        f"block management (KVCacheManager/BlockPool, all callers): {p['cprofile_block_management_fraction']:.1%}",
-    ] + ([format_forward_breakdown(p["forward_breakdown"])] if "forward_breakdown" in p else []))
+    return "\n".join(
+        [
+            f"profile: one decode step at {p['running_seqs']} running sequences, mean of {p['steps_timed']} steps: "
+            f"{p['step_ms']:.2f} ms",
+            f"  stopwatch laps: {laps}",
+            f"  scheduling + block management + input preparation (schedule + prepare): "
+            f"{p['sched_block_prepare_fraction']:.1%} of the step (target < 20%); with update/trace/outputs: "
+            f"{p['non_model_fraction']:.1%}",
+            f"  cProfile (inflates Python-heavy parts) of the engine's direct calls: {prof}; "
+            f"block management (KVCacheManager/BlockPool, all callers): {p['cprofile_block_management_fraction']:.1%}",
+        ]
+        + ([format_forward_breakdown(p["forward_breakdown"])] if "forward_breakdown" in p else [])
+    )
 
 
 def run(args) -> int:
     models = args.model or ["course"]
     kw = dict(
-        workload=args.workload, num_requests=args.num_requests, seed=args.seed, block_size=args.block_size,
-        num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
-        attention_backend=args.attention_backend, threads=args.threads, preemption_mode=args.preemption_mode,
-        systems=args.systems, repeats=args.repeats, profile=args.profile,
+        workload=args.workload,
+        num_requests=args.num_requests,
+        seed=args.seed,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        threads=args.threads,
+        preemption_mode=args.preemption_mode,
+        systems=args.systems,
+        repeats=args.repeats,
+        profile=args.profile,
     )
     if args.quick:
         kw.update(num_requests=min(args.num_requests, 8), workload_max_len=128, profile_steps=3)

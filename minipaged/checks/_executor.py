@@ -143,8 +143,11 @@ class KernelRunner:
                 pw = pwd.getpwnam(iso.user)
                 os.chown(self._rundir, pw.pw_uid, pw.pw_gid)
             os.chmod(self._rundir, 0o700)
-            kwargs.update(transport="ipc", ip=os.path.join(self._rundir, "s"),
-                          connection_file=os.path.join(self._rundir, "kernel.json"))
+            kwargs.update(
+                transport="ipc",
+                ip=os.path.join(self._rundir, "s"),
+                connection_file=os.path.join(self._rundir, "kernel.json"),
+            )
             env = iso.env(self.env)
             cwd = self._rundir if iso.bwrap else self.cwd
             if iso.user and not iso.bwrap:
@@ -215,9 +218,12 @@ class KernelRunner:
             if remaining <= 0:
                 if interrupted:  # the interrupt did not stop it: kill the kernel
                     self.shutdown()
-                    return CellRun("hung", "".join(stdout),
-                                   f"did not finish within {limit:g} s and ignored the interrupt",
-                                   outputs)
+                    return CellRun(
+                        "hung",
+                        "".join(stdout),
+                        f"did not finish within {limit:g} s and ignored the interrupt",
+                        outputs,
+                    )
                 self.km.interrupt_kernel()
                 interrupted = True
                 deadline = time.monotonic() + self.interrupt_grace
@@ -227,8 +233,12 @@ class KernelRunner:
             except queue.Empty:
                 if not self.km.is_alive():
                     self.shutdown()
-                    return CellRun("died", "".join(stdout),
-                                   "the kernel died (os._exit, a crash, or out of memory)", outputs)
+                    return CellRun(
+                        "died",
+                        "".join(stdout),
+                        "the kernel died (os._exit, a crash, or out of memory)",
+                        outputs,
+                    )
                 # NOTE: an output message over MAX_MESSAGE_BYTES makes ZeroMQ drop the IOPub
                 # connection, with the "idle" status and every later output; the execute
                 # reply on the shell channel still says the cell is done. The kernel is then
@@ -239,9 +249,13 @@ class KernelRunner:
                         early_reply, quiet_since = r, time.monotonic()
                 elif early_reply is not None and time.monotonic() - quiet_since > IOPUB_LOST_AFTER:
                     self.shutdown()
-                    return CellRun("died", "".join(stdout),
-                                   f"its output came in one message over {MAX_MESSAGE_BYTES // 2**20} MiB, "
-                                   "which the grader drops; the kernel was restarted", outputs)
+                    return CellRun(
+                        "died",
+                        "".join(stdout),
+                        f"its output came in one message over {MAX_MESSAGE_BYTES // 2**20} MiB, "
+                        "which the grader drops; the kernel was restarted",
+                        outputs,
+                    )
                 continue
             quiet_since = time.monotonic()
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
@@ -258,7 +272,9 @@ class KernelRunner:
                     if content.get("name") == "stdout":
                         stdout.append(text)
             elif kind == "error":
-                outputs.append({"output_type": "error", "ename": content["ename"], "evalue": content["evalue"]})
+                outputs.append(
+                    {"output_type": "error", "ename": content["ename"], "evalue": content["evalue"]}
+                )
                 error = _first_lines(f"{content['ename']}: {content['evalue']}")
             elif kind in ("execute_result", "display_data", "update_display_data"):
                 if kept < cap:
@@ -275,8 +291,9 @@ class KernelRunner:
         elif error:
             status = "error"
         if interrupted:
-            return CellRun("timeout", "".join(stdout), f"did not finish within {limit:g} s (interrupted)",
-                           outputs)
+            return CellRun(
+                "timeout", "".join(stdout), f"did not finish within {limit:g} s (interrupted)", outputs
+            )
         return CellRun(status, "".join(stdout), error, outputs)
 
     def _shell_reply(self, msg_id: str):

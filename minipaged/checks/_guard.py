@@ -51,13 +51,37 @@ _len = builtins.len
 _list = builtins.list
 _dict = builtins.dict
 _type = builtins.type
-_PLAIN_MODULES = ("builtins", "contextlib", "io", "sys", "math", "random", "functools", "itertools",
-                  "collections", "operator", "torch", "torch.nn.functional", "numpy", "triton",
-                  "triton.language")
+_PLAIN_MODULES = (
+    "builtins",
+    "contextlib",
+    "io",
+    "sys",
+    "math",
+    "random",
+    "functools",
+    "itertools",
+    "collections",
+    "operator",
+    "torch",
+    "torch.nn.functional",
+    "numpy",
+    "triton",
+    "triton.language",
+)
 # set by ipykernel / IPython themselves on every execution: never put back, never reported
-_KERNEL_MANAGED = {("builtins", "input"), ("builtins", "raw_input"), ("builtins", "_"), ("sys", "excepthook"),
-                   ("sys", "last_value"), ("sys", "last_type"), ("sys", "last_traceback"), ("sys", "last_exc"),
-                   ("sys", "ps1"), ("sys", "ps2"), ("sys", "displayhook")}
+_KERNEL_MANAGED = {
+    ("builtins", "input"),
+    ("builtins", "raw_input"),
+    ("builtins", "_"),
+    ("sys", "excepthook"),
+    ("sys", "last_value"),
+    ("sys", "last_type"),
+    ("sys", "last_traceback"),
+    ("sys", "last_exc"),
+    ("sys", "ps1"),
+    ("sys", "ps2"),
+    ("sys", "displayhook"),
+}
 _STRICT_MODULES = ("builtins", "contextlib", "io")  # new names here are removed too
 
 
@@ -84,13 +108,16 @@ def _snapshot():
             modules[name] = (mod, _dict(mod.__dict__))
             for v in _list(mod.__dict__.values()):
                 if _isinstance(v, type) and (_getattr(v, "__module__", "") or "").startswith(
-                        ("minipaged", "contextlib", "io", "_io")):
+                    ("minipaged", "contextlib", "io", "_io")
+                ):
                     classes[id(v)] = (v, _dict(v.__dict__))
     torch = sys.modules.get("torch")
     if torch is not None and _isinstance(_getattr(torch, "Tensor", None), type):
         classes[id(torch.Tensor)] = (torch.Tensor, _dict(torch.Tensor.__dict__))
-    lists = {"meta_path": (sys.meta_path, _list(sys.meta_path)),
-             "path_hooks": (sys.path_hooks, _list(sys.path_hooks))}
+    lists = {
+        "meta_path": (sys.meta_path, _list(sys.meta_path)),
+        "path_hooks": (sys.path_hooks, _list(sys.path_hooks)),
+    }
     return modules, classes, lists
 
 
@@ -105,8 +132,11 @@ def _restore(snap) -> list:
         d = mod.__dict__
         if name.startswith("minipaged") or name in _STRICT_MODULES:
             for k in _list(d):
-                if k not in saved and not (k.startswith("__") and k.endswith("__")) \
-                        and (name, k) not in _KERNEL_MANAGED:
+                if (
+                    k not in saved
+                    and not (k.startswith("__") and k.endswith("__"))
+                    and (name, k) not in _KERNEL_MANAGED
+                ):
                     # a submodule imported later is fine; anything else is a student's addition
                     if not _isinstance(d[k], _type(sys)):
                         del d[k]
@@ -154,8 +184,10 @@ def _ipython_hooks():
     ip = get_ipython()
     if ip is None:
         return None
-    return ip, {k: (_getattr(ip, k, None), _list(_getattr(ip, k, None) or []))
-                for k in ("input_transformers_cleanup", "input_transformers_post", "ast_transformers")}
+    return ip, {
+        k: (_getattr(ip, k, None), _list(_getattr(ip, k, None) or []))
+        for k in ("input_transformers_cleanup", "input_transformers_post", "ast_transformers")
+    }
 
 
 def arm(chapter: str, exercise_ids) -> None:
@@ -168,8 +200,14 @@ def arm(chapter: str, exercise_ids) -> None:
     if box.get("armed"):
         raise RuntimeError("already armed")
     tokens = {ex: os.urandom(16).hex() for ex in exercise_ids}
-    box.update(armed=True, registry=_dict(registry), tokens=tokens, chapter=chapter,
-               snapshot=_snapshot(), hooks=_ipython_hooks())
+    box.update(
+        armed=True,
+        registry=_dict(registry),
+        tokens=tokens,
+        chapter=chapter,
+        snapshot=_snapshot(),
+        hooks=_ipython_hooks(),
+    )
     _print("MPTOKENS " + json.dumps(tokens), flush=True)
 
 
@@ -187,7 +225,12 @@ def _hooks_changed(saved) -> list:
 
 def _package_object(obj) -> bool:
     """True if ``obj`` is the package's own code, not something the student wrote."""
-    for o in (obj, _getattr(obj, "fn", None), _getattr(obj, "__wrapped__", None), _getattr(obj, "func", None)):
+    for o in (
+        obj,
+        _getattr(obj, "fn", None),
+        _getattr(obj, "__wrapped__", None),
+        _getattr(obj, "func", None),
+    ):
         if o is None:
             continue
         mod = _getattr(o, "__module__", None)
@@ -206,12 +249,16 @@ def graded_check(exercise_id: str, *objects) -> None:
     changed = _restore(box["snapshot"])
     hooks = _hooks_changed(box["hooks"])
     if hooks:
-        raise ExerciseFailure(f"{exercise_id}: the submission changed IPython's {', '.join(hooks)}; "
-                              "the check cell may have been rewritten, so it does not count")
+        raise ExerciseFailure(
+            f"{exercise_id}: the submission changed IPython's {', '.join(hooks)}; "
+            "the check cell may have been rewritten, so it does not count"
+        )
     for o in objects:
         if _package_object(o):
-            raise ExerciseFailure(f"{exercise_id}: the object handed to the check is the package's own "
-                                  f"{_getattr(o, '__qualname__', _type(o).__name__)}, not your code")
+            raise ExerciseFailure(
+                f"{exercise_id}: the object handed to the check is the package's own "
+                f"{_getattr(o, '__qualname__', _type(o).__name__)}, not your code"
+            )
     fn = box["registry"].get(exercise_id)
     if fn is None:
         raise ExerciseFailure(f"{exercise_id}: no checker armed for this exercise")
@@ -223,6 +270,8 @@ def graded_check(exercise_id: str, *objects) -> None:
         raise ExerciseFailure(f"{exercise_id}: this exercise was already checked once in this kernel")
     _restore(box["snapshot"])
     if changed:
-        _print(f"(the grader put back what the submission had changed: {', '.join(sorted(set(changed))[:8])})")
+        _print(
+            f"(the grader put back what the submission had changed: {', '.join(sorted(set(changed))[:8])})"
+        )
     _print(buf.getvalue(), end="")
     _print(f"MPV {token} {exercise_id}", flush=True)

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import io
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any, Optional
 
 # NOTE: the harness's own references, bound when it is imported (the grader imports it
 # before any student cell runs), so a cell that rebinds contextlib.redirect_stdout,
@@ -128,8 +129,7 @@ def run_cases(
         except Exception as e:  # the student's code crashed (or broke an invariant)
             if is_not_implemented(e):
                 raise ExerciseFailure(
-                    f"{exercise_id}: not implemented yet (replace `raise NotImplementedError` "
-                    "with your code)"
+                    f"{exercise_id}: not implemented yet (replace `raise NotImplementedError` with your code)"
                 ) from None
             raise ExerciseFailure(
                 f"{exercise_id} failed on case {i + 1} of {n} (cases run smallest first):\n"
@@ -166,8 +166,10 @@ def _student_eq(value: Any, depth: int = 0) -> Optional[str]:
 def expect_equal(what: str, expected: Any, got: Any) -> None:
     fake = _student_eq(got)
     if fake:
-        raise Mismatch(f"{what}: your code returned an object of your own class {fake} that defines "
-                       "== itself; return plain values (lists, ints, the objects you were given)")
+        raise Mismatch(
+            f"{what}: your code returned an object of your own class {fake} that defines "
+            "== itself; return plain values (lists, ints, the objects you were given)"
+        )
     try:
         same = bool(expected == got)
     except Exception:  # e.g. a tensor compared with a list
@@ -193,8 +195,7 @@ def expect_raises(what: str, exc_type: type, thunk: Callable[[], Any]) -> None:
         if is_not_implemented(e):
             raise
         raise Mismatch(
-            f"{what}: expected {exc_type.__name__}, but your code raised "
-            f"{type(e).__name__}: {e}"
+            f"{what}: expected {exc_type.__name__}, but your code raised {type(e).__name__}: {e}"
         ) from None
     raise Mismatch(f"{what}: expected {exc_type.__name__}, but your code returned {result!r}")
 

@@ -18,9 +18,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Optional
 
-from minipaged.core import Request, RequestStatus
+from minipaged.core import EngineScheduler, Request, RequestStatus
 from minipaged.core.kv.block import cdiv
-from minipaged.core import EngineScheduler
 from minipaged.sampling_params import SamplingParams
 
 EOS = 2  # the eos token id of every request that has one
@@ -45,10 +44,14 @@ class ReqSpec:
             kind = "decoding" if decoding else "prefilling"
             extra = f", {kind}, computed={self.num_computed}"
         if self.stop_token_ids or self.ignore_eos or not self.eos:
-            extra += (f", eos={'none' if not self.eos else EOS}{' (ignored)' if self.ignore_eos else ''}"
-                      f", stop={list(self.stop_token_ids)}")
-        return (f"{self.request_id}({self.state}, prompt={self.prompt_len}, out={self.num_output}, "
-                f"max_tokens={self.max_tokens}{extra})")
+            extra += (
+                f", eos={'none' if not self.eos else EOS}{' (ignored)' if self.ignore_eos else ''}"
+                f", stop={list(self.stop_token_ids)}"
+            )
+        return (
+            f"{self.request_id}({self.state}, prompt={self.prompt_len}, out={self.num_output}, "
+            f"max_tokens={self.max_tokens}{extra})"
+        )
 
 
 @dataclass
@@ -62,10 +65,13 @@ class Recipe:
     requests: list = field(default_factory=list)  # ReqSpec, in arrival order
 
     def describe(self) -> str:
-        head = (f"EngineScheduler(num_blocks={self.num_blocks}, block_size={self.block_size}, "
-                f"max_num_seqs={self.max_num_seqs}, max_num_batched_tokens={self.max_num_batched_tokens}"
-                + ("" if self.enable_chunked_prefill else ", enable_chunked_prefill=False")
-                + ("" if self.max_model_len is None else f", max_model_len={self.max_model_len}") + ")")
+        head = (
+            f"EngineScheduler(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"max_num_seqs={self.max_num_seqs}, max_num_batched_tokens={self.max_num_batched_tokens}"
+            + ("" if self.enable_chunked_prefill else ", enable_chunked_prefill=False")
+            + ("" if self.max_model_len is None else f", max_model_len={self.max_model_len}")
+            + ")"
+        )
         return head + "\n  requests in arrival order: " + ", ".join(map(repr, self.requests))
 
     @property
@@ -80,16 +86,27 @@ def _tokens(rid: str, n: int, start: int = 10) -> list[int]:
 
 
 def build(recipe: Recipe, cls=EngineScheduler) -> EngineScheduler:
-    s = cls(recipe.num_blocks, recipe.block_size, max_num_seqs=recipe.max_num_seqs,
-            max_num_batched_tokens=recipe.max_num_batched_tokens,
-            enable_chunked_prefill=recipe.enable_chunked_prefill, max_model_len=recipe.max_model_len,
-            watermark=None)  # NOTE: the exercises teach vLLM v1's first-chunk admission
+    s = cls(
+        recipe.num_blocks,
+        recipe.block_size,
+        max_num_seqs=recipe.max_num_seqs,
+        max_num_batched_tokens=recipe.max_num_batched_tokens,
+        enable_chunked_prefill=recipe.enable_chunked_prefill,
+        max_model_len=recipe.max_model_len,
+        watermark=None,
+    )  # NOTE: the exercises teach vLLM v1's first-chunk admission
     reqs = []
     for i, spec in enumerate(recipe.requests):
-        params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos,
-                                stop_token_ids=list(spec.stop_token_ids))
-        r = Request(spec.request_id, _tokens(spec.request_id, spec.prompt_len), sampling_params=params,
-                    eos_token_id=EOS if spec.eos else None, arrival_time=float(i))
+        params = SamplingParams(
+            max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos, stop_token_ids=list(spec.stop_token_ids)
+        )
+        r = Request(
+            spec.request_id,
+            _tokens(spec.request_id, spec.prompt_len),
+            sampling_params=params,
+            eos_token_id=EOS if spec.eos else None,
+            arrival_time=float(i),
+        )
         s.add_request(r)
         reqs.append(r)
     assert len(s.waiting) == len(reqs), "checker bug: a recipe request was refused"
@@ -115,10 +132,11 @@ def snapshot(s: EngineScheduler) -> dict:
         "running": [r.request_id for r in s.running],
         "waiting": [r.request_id for r in s.waiting],
         "finished": sorted(s.finished),
-        "requests": {rid: (r.status.name, r.num_computed_tokens, r.num_output_tokens, r.num_preemptions)
-                     for rid, r in sorted(s.requests.items())},
-        "block_tables": {rid: (t.num_tokens, t.block_ids())
-                         for rid, t in sorted(kv.block_tables.items())},
+        "requests": {
+            rid: (r.status.name, r.num_computed_tokens, r.num_output_tokens, r.num_preemptions)
+            for rid, r in sorted(s.requests.items())
+        },
+        "block_tables": {rid: (t.num_tokens, t.block_ids()) for rid, t in sorted(kv.block_tables.items())},
         "free_queue": [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()],
     }
 
@@ -133,9 +151,14 @@ SNAPSHOT_WHAT = {
 }
 
 
-def random_recipe(rng: random.Random, running: tuple[int, int] = (0, 4), preempted: tuple[int, int] = (0, 2),
-                  waiting: tuple[int, int] = (0, 4), chunked: Optional[bool] = True,
-                  stops: bool = False) -> Recipe:
+def random_recipe(
+    rng: random.Random,
+    running: tuple[int, int] = (0, 4),
+    preempted: tuple[int, int] = (0, 2),
+    waiting: tuple[int, int] = (0, 4),
+    chunked: Optional[bool] = True,
+    stops: bool = False,
+) -> Recipe:
     block_size = rng.choice([1, 2, 4])
     num_blocks = rng.randint(2, 12)
     max_num_seqs = rng.randint(1, 6)
@@ -182,7 +205,11 @@ def random_recipe(rng: random.Random, running: tuple[int, int] = (0, 4), preempt
 
     n_run = rng.randint(*running)
     n_run = min(n_run, max_num_seqs)
-    for state, n in (("running", n_run), ("preempted", rng.randint(*preempted)), ("waiting", rng.randint(*waiting))):
+    for state, n in (
+        ("running", n_run),
+        ("preempted", rng.randint(*preempted)),
+        ("waiting", rng.randint(*waiting)),
+    ):
         for _ in range(n):
             spec = new_spec(state)
             if spec is not None:

@@ -41,18 +41,24 @@ CONCEPTS = ("data", "addressing", "scheduling")
 # statement id -> (statement, concept). Printed by the exercise notebook's setup cell.
 STATEMENTS = {
     "s1": ("It holds, per layer, a key and a value vector for every token seen so far.", "data"),
-    "s2": ("Token i of a request lives in slot block_table[i // block_size] * block_size + i % block_size.",
-           "addressing"),
+    "s2": (
+        "Token i of a request lives in slot block_table[i // block_size] * block_size + i % block_size.",
+        "addressing",
+    ),
     "s3": ("Every step, the batch is rebuilt from the running and the waiting requests.", "scheduling"),
     "s4": ("OPT-13B needs 800 KiB of it per token.", "data"),
     "s5": ("A request's blocks may be anywhere in the pool; they need not be contiguous.", "addressing"),
     "s6": ("max_num_batched_tokens caps how many tokens one step computes.", "scheduling"),
     "s7": ("When no block is free, a running request is preempted and recomputed later.", "scheduling"),
     "s8": ("Its entries never change once written, because attention is causal.", "data"),
-    "s9": ("Two requests with the same prompt can point at the same physical block (ref_cnt 2).",
-           "addressing"),
-    "s10": ("A waiting request is admitted only if there is a free seat, token budget and blocks.",
-            "scheduling"),
+    "s9": (
+        "Two requests with the same prompt can point at the same physical block (ref_cnt 2).",
+        "addressing",
+    ),
+    "s10": (
+        "A waiting request is admitted only if there is a free seat, token budget and blocks.",
+        "scheduling",
+    ),
     "s11": ("The attention kernel looks up block_tables[b, n // block_size] inside its loop.", "addressing"),
     "s12": ("It grows by one token per running request per decode step.", "data"),
 }
@@ -75,8 +81,10 @@ def check_sort_statements(sort_statements) -> None:
         if got not in CONCEPTS:
             raise Mismatch(f"{sid}: the answer must be one of {CONCEPTS}, got {got!r}")
         if got != STATEMENTS[sid][1]:
-            raise Mismatch(f"{sid}: {got!r} is not the concept this statement is about (think again: "
-                           "what is stored, where it is, or who runs?)")
+            raise Mismatch(
+                f"{sid}: {got!r} is not the concept this statement is about (think again: "
+                "what is stored, where it is, or who runs?)"
+            )
 
     run_cases("ex0.1", cases, run_one, describe=lambda sid: f"{sid}: {STATEMENTS[sid][0]}")
 
@@ -117,19 +125,26 @@ def check_predict_tables(predict_tables) -> None:
     def run_one(i):
         got = predict_tables()
         if not isinstance(got, list) or len(got) != len(EVENTS):
-            raise Mismatch(f"predict_tables() must return a list of {len(EVENTS)} dicts, one per event, "
-                           f"got {got!r}")
+            raise Mismatch(
+                f"predict_tables() must return a list of {len(EVENTS)} dicts, one per event, got {got!r}"
+            )
         state = got[i]
         if not isinstance(state, dict):
             raise Mismatch(f"after event {i}: expected a dict request id -> block ids, got {state!r}")
         norm = {str(k): list(v) for k, v in state.items() if v}
         if norm != states[i]:
-            raise Mismatch(f"after event {i} ({_event_text(EVENTS[i])}):\n    expected {states[i]!r}\n"
-                           f"    got      {norm!r}\n  the engine's picture after this event:\n"
-                           + "\n".join("    " + ln for ln in pictures[i].splitlines()))
+            raise Mismatch(
+                f"after event {i} ({_event_text(EVENTS[i])}):\n    expected {states[i]!r}\n"
+                f"    got      {norm!r}\n  the engine's picture after this event:\n"
+                + "\n".join("    " + ln for ln in pictures[i].splitlines())
+            )
 
-    run_cases("ex0.2", range(len(EVENTS)), run_one,
-              describe=lambda i: f"events 0..{i}: " + "; ".join(_event_text(e) for e in EVENTS[: i + 1]))
+    run_cases(
+        "ex0.2",
+        range(len(EVENTS)),
+        run_one,
+        describe=lambda i: f"events 0..{i}: " + "; ".join(_event_text(e) for e in EVENTS[: i + 1]),
+    )
 
 
 # -- ex0.3 / ex0.4: the cost model -----------------------------------------------------------
@@ -147,16 +162,26 @@ def ref_decode_step_time(model, gpu, batch_size, context_len, mfu=0.5, mbu=0.8, 
 def _cost_cases(rng: random.Random, n: int):
     cases = [("OPT-13B", "A100-40GB", 1, 400, 0.5, 0.8, 0.003)]
     for _ in range(n):
-        cases.append((rng.choice(sorted(MODELS)), rng.choice(sorted(GPUS)), rng.choice([1, 2, 8, 32, 64, 200]),
-                      rng.choice([0, 1, 100, 400, 2000]), rng.choice([0.3, 0.5, 1.0]),
-                      rng.choice([0.6, 0.8, 1.0]), rng.choice([0.0, 0.003])))
+        cases.append(
+            (
+                rng.choice(sorted(MODELS)),
+                rng.choice(sorted(GPUS)),
+                rng.choice([1, 2, 8, 32, 64, 200]),
+                rng.choice([0, 1, 100, 400, 2000]),
+                rng.choice([0.3, 0.5, 1.0]),
+                rng.choice([0.6, 0.8, 1.0]),
+                rng.choice([0.0, 0.003]),
+            )
+        )
     return cases
 
 
 def _describe_cost(c) -> str:
     m, g, b, ctx, mfu, mbu, ovh = c
-    return (f"decode_step_time(MODELS[{m!r}], GPUS[{g!r}], batch_size={b}, context_len={ctx}, "
-            f"mfu={mfu}, mbu={mbu}, overhead_s={ovh})")
+    return (
+        f"decode_step_time(MODELS[{m!r}], GPUS[{g!r}], batch_size={b}, context_len={ctx}, "
+        f"mfu={mfu}, mbu={mbu}, overhead_s={ovh})"
+    )
 
 
 @exercise(CHECKS, "ex0.3", "the time of one decode step, from bytes and FLOPs")
@@ -182,7 +207,9 @@ def check_decode_step_time(decode_step_time) -> None:
         if not ok:
             raise Mismatch(f"step time in seconds:\n    expected {expected!r}\n    got      {got!r}")
 
-    run_cases("ex0.3", cases, run_one, size=lambda c: (c[2] < 1 or c[3] < 0, c[2], c[3]), describe=_describe_cost)
+    run_cases(
+        "ex0.3", cases, run_one, size=lambda c: (c[2] < 1 or c[3] < 0, c[2], c[3]), describe=_describe_cost
+    )
 
 
 def ref_ridge_batch(model, gpu, context_len, mfu=0.5, mbu=0.8):
@@ -211,8 +238,15 @@ def check_ridge_batch(ridge_batch) -> None:
     rng = random.Random("ex0.4")
     cases = [("OPT-13B", "A100-40GB", 0, 0.5, 0.8), ("OPT-13B", "A100-40GB", 400, 0.5, 0.8)]
     for _ in range(40):
-        cases.append((rng.choice(sorted(MODELS)), rng.choice(sorted(GPUS)), rng.choice([0, 1, 16, 64, 100, 400]),
-                      rng.choice([0.3, 0.5, 1.0]), rng.choice([0.6, 0.8, 1.0])))
+        cases.append(
+            (
+                rng.choice(sorted(MODELS)),
+                rng.choice(sorted(GPUS)),
+                rng.choice([0, 1, 16, 64, 100, 400]),
+                rng.choice([0.3, 0.5, 1.0]),
+                rng.choice([0.6, 0.8, 1.0]),
+            )
+        )
     cases.append(("Llama-7B", "H200", -5, 0.5, 0.8))
 
     def run_one(c):
@@ -238,11 +272,21 @@ def check_ridge_batch(ridge_batch) -> None:
 CONCEPT_KEY = {
     "q1": ("blocks a 100-token request holds with block_size 16", 7, 0.0),
     "q2": ("slots of those blocks that hold no token", 12, 0.0),
-    "q3": ("which idea decides where a token's K/V lives: 'data', 'addressing' or 'scheduling'",
-           "addressing", "choice"),
-    "q4": ("decode of OPT-13B on an A100-40GB at batch 1: 'memory'-bound or 'compute'-bound", "memory", "choice"),
-    "q5": ("the course cost model's decode step for OPT-13B, A100-40GB, batch 1, context 400, in ms",
-           round(CostModel().step_time([(1, 400)]) * 1e3, 3), 0.01),
+    "q3": (
+        "which idea decides where a token's K/V lives: 'data', 'addressing' or 'scheduling'",
+        "addressing",
+        "choice",
+    ),
+    "q4": (
+        "decode of OPT-13B on an A100-40GB at batch 1: 'memory'-bound or 'compute'-bound",
+        "memory",
+        "choice",
+    ),
+    "q5": (
+        "the course cost model's decode step for OPT-13B, A100-40GB, batch 1, context 400, in ms",
+        round(CostModel().step_time([(1, 400)]) * 1e3, 3),
+        0.01,
+    ),
 }
 
 

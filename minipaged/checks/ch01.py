@@ -21,9 +21,9 @@ import random
 from minipaged.checks._harness import (
     ExerciseFailure,
     Mismatch,
+    exercise,
     expect_equal,
     expect_raises,
-    exercise,
     require_callable,
     run_cases,
 )
@@ -36,15 +36,11 @@ CHECKS: dict = {}
 REAL_CONFIGS = {
     "Llama-2-7B": dict(num_hidden_layers=32, num_attention_heads=32, hidden_size=4096),
     "Llama-2-13B": dict(num_hidden_layers=40, num_attention_heads=40, hidden_size=5120),
-    "Llama-3-8B": dict(
-        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096
-    ),
+    "Llama-3-8B": dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096),
     "Qwen2.5-0.5B": dict(
         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, hidden_size=896
     ),
-    "SmolLM2-135M": dict(
-        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576
-    ),
+    "SmolLM2-135M": dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576),
     "Gemma-7B": dict(
         num_hidden_layers=28,
         num_attention_heads=16,

@@ -21,11 +21,11 @@ import random
 
 from minipaged.checks._harness import (
     Mismatch,
+    exercise,
     expect_equal,
     expect_invariants,
     expect_raises,
     expect_true,
-    exercise,
     require_callable,
     run_cases,
 )
@@ -49,22 +49,27 @@ def _walk(queue: FreeKVCacheBlockQueue, limit: int) -> tuple[list[int], list[int
     fwd, b = [], queue._head.next_free_block
     while b is not queue._tail:
         if b is None or len(fwd) > limit:
-            raise Mismatch("the forward links (next_free_block) are broken: "
-                           f"walked {[*fwd[:limit]]} then hit {'None' if b is None else 'a cycle'}")
+            raise Mismatch(
+                "the forward links (next_free_block) are broken: "
+                f"walked {[*fwd[:limit]]} then hit {'None' if b is None else 'a cycle'}"
+            )
         fwd.append(b.block_id)
         b = b.next_free_block
     bwd, b = [], queue._tail.prev_free_block
     while b is not queue._head:
         if b is None or len(bwd) > limit:
-            raise Mismatch("the backward links (prev_free_block) are broken: "
-                           f"walked {[*bwd[:limit]]} then hit {'None' if b is None else 'a cycle'}")
+            raise Mismatch(
+                "the backward links (prev_free_block) are broken: "
+                f"walked {[*bwd[:limit]]} then hit {'None' if b is None else 'a cycle'}"
+            )
         bwd.append(b.block_id)
         b = b.prev_free_block
     return fwd, bwd[::-1]
 
 
-def _compare_queues(step: str, ref: FreeKVCacheBlockQueue, stu: FreeKVCacheBlockQueue,
-                    stu_blocks: list[KVCacheBlock]) -> None:
+def _compare_queues(
+    step: str, ref: FreeKVCacheBlockQueue, stu: FreeKVCacheBlockQueue, stu_blocks: list[KVCacheBlock]
+) -> None:
     ref_ids = [b.block_id for b in ref.get_all_free_blocks()]
     fwd, bwd = _walk(stu, len(stu_blocks) + 1)
     expect_equal(f"after {step}: free queue, front to back", ref_ids, fwd)
@@ -147,12 +152,18 @@ def check_remove(remove) -> None:
                 result = remove(stu, stu_blocks[b])
                 expect_equal(f"{step}: return value of remove", None, result)
             else:
-                expect_raises(f"{step}: block {b} is not in the queue", RuntimeError,
-                              lambda: remove(stu, stu_blocks[b]))
+                expect_raises(
+                    f"{step}: block {b} is not in the queue", RuntimeError, lambda: remove(stu, stu_blocks[b])
+                )
             _compare_queues(step, ref, stu, stu_blocks)
 
-    run_cases("ex2.1", _queue_cases("ex2.1", "remove", 300), run_one,
-              size=lambda c: (len(c[2]), c[0]), describe=_describe_queue_case)
+    run_cases(
+        "ex2.1",
+        _queue_cases("ex2.1", "remove", 300),
+        run_one,
+        size=lambda c: (len(c[2]), c[0]),
+        describe=_describe_queue_case,
+    )
 
 
 @exercise(CHECKS, "ex2.2", "popleft: hand out the least recently freed block")
@@ -172,15 +183,25 @@ def check_popleft(popleft) -> None:
             else:
                 expected = ref.popleft()
                 got = popleft(stu)
-                expect_true(f"{step}: popleft must return a KVCacheBlock",
-                            isinstance(got, KVCacheBlock), f"got {got!r}")
+                expect_true(
+                    f"{step}: popleft must return a KVCacheBlock",
+                    isinstance(got, KVCacheBlock),
+                    f"got {got!r}",
+                )
                 expect_equal(f"{step}: id of the block popleft returned", expected.block_id, got.block_id)
-                expect_true(f"{step}: popleft returned a block that is not one of the queue's blocks",
-                            got is stu_blocks[got.block_id])
+                expect_true(
+                    f"{step}: popleft returned a block that is not one of the queue's blocks",
+                    got is stu_blocks[got.block_id],
+                )
             _compare_queues(step, ref, stu, stu_blocks)
 
-    run_cases("ex2.2", _queue_cases("ex2.2", "popleft", 300), run_one,
-              size=lambda c: (len(c[2]), c[0]), describe=_describe_queue_case)
+    run_cases(
+        "ex2.2",
+        _queue_cases("ex2.2", "popleft", 300),
+        run_one,
+        size=lambda c: (len(c[2]), c[0]),
+        describe=_describe_queue_case,
+    )
 
 
 class _StudentManager(KVCacheManager):
@@ -242,23 +263,29 @@ def check_allocate_slots(allocate_slots) -> None:
             else:
                 got = allocate_slots(stu, rid, n)
                 if expected is None:
-                    expect_equal(f"{step}: the pool cannot supply the blocks, so the return value",
-                                 None, got)
+                    expect_equal(f"{step}: the pool cannot supply the blocks, so the return value", None, got)
                 else:
-                    expect_true(f"{step}: allocate_slots must return the list of new KVCacheBlocks",
-                                isinstance(got, list) and all(isinstance(b, KVCacheBlock) for b in got),
-                                f"got {got!r}")
-                    expect_equal(f"{step}: ids of the new blocks", [b.block_id for b in expected],
-                                 [b.block_id for b in got])
-            expect_equal(f"after {step}: {{request: (num_tokens, block table)}}",
-                         _manager_state(ref), _manager_state(stu))
+                    expect_true(
+                        f"{step}: allocate_slots must return the list of new KVCacheBlocks",
+                        isinstance(got, list) and all(isinstance(b, KVCacheBlock) for b in got),
+                        f"got {got!r}",
+                    )
+                    expect_equal(
+                        f"{step}: ids of the new blocks",
+                        [b.block_id for b in expected],
+                        [b.block_id for b in got],
+                    )
+            expect_equal(
+                f"after {step}: {{request: (num_tokens, block table)}}",
+                _manager_state(ref),
+                _manager_state(stu),
+            )
             expect_invariants(f"after {step}", stu)
 
     def describe(case):
         num_blocks, block_size, ops = case
         steps = "; ".join(
-            f"free({rid!r})" if op == "free" else f"allocate_slots(m, {rid!r}, {n})"
-            for op, rid, n in ops
+            f"free({rid!r})" if op == "free" else f"allocate_slots(m, {rid!r}, {n})" for op, rid, n in ops
         )
         return f"m = KVCacheManager(num_blocks={num_blocks}, block_size={block_size}); then: {steps}"
 
@@ -294,8 +321,11 @@ def check_slot_mapping(slot_mapping) -> None:
         try:
             expected = ref_slot_mapping(table, block_size, start, end)
         except ValueError:
-            expect_raises("a token span outside the block table", ValueError,
-                          lambda: slot_mapping(list(table), block_size, start, end))
+            expect_raises(
+                "a token span outside the block table",
+                ValueError,
+                lambda: slot_mapping(list(table), block_size, start, end),
+            )
             return
         got = slot_mapping(list(table), block_size, start, end)
         if not isinstance(got, list):

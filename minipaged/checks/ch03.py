@@ -39,8 +39,16 @@ CHECKS: dict = {}
 ATOL, RTOL = 1e-5, 1e-4
 
 
-def _make_case(seed: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
-               block_size: int, seq_lens: list[int], device: str = "cpu") -> dict:
+def _make_case(
+    seed: int,
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    seq_lens: list[int],
+    device: str = "cpu",
+) -> dict:
     """Random q and caches; each sequence gets random, non-contiguous physical blocks."""
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
@@ -63,18 +71,32 @@ def _make_case(seed: int, num_seqs: int, num_heads: int, num_kv_heads: int, head
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
 
 
-def _random_cases(exercise_id: str, n: int, block_sizes=(1, 2, 4, 8), head_dims=(4, 8, 16),
-                  max_len: int = 40, max_seqs: int = 4) -> list[dict]:
+def _random_cases(
+    exercise_id: str,
+    n: int,
+    block_sizes=(1, 2, 4, 8),
+    head_dims=(4, 8, 16),
+    max_len: int = 40,
+    max_seqs: int = 4,
+) -> list[dict]:
     rng = random.Random(exercise_id)
     cases = []
-    for i in range(n):
+    for _i in range(n):
         num_kv_heads = rng.choice([1, 2])
         num_heads = num_kv_heads * rng.choice([1, 2, 4])
         num_seqs = rng.randint(1, max_seqs)
         seq_lens = [rng.randint(1, max_len) for _ in range(num_seqs)]
-        cases.append(dict(seed=rng.randrange(2**31), num_seqs=num_seqs, num_heads=num_heads,
-                          num_kv_heads=num_kv_heads, head_dim=rng.choice(head_dims),
-                          block_size=rng.choice(block_sizes), seq_lens=seq_lens))
+        cases.append(
+            dict(
+                seed=rng.randrange(2**31),
+                num_seqs=num_seqs,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=rng.choice(head_dims),
+                block_size=rng.choice(block_sizes),
+                seq_lens=seq_lens,
+            )
+        )
     return cases
 
 
@@ -83,15 +105,22 @@ def _size(c: dict):
 
 
 def _describe(c: dict) -> str:
-    return (f"num_seqs={c['num_seqs']}, num_heads={c['num_heads']}, num_kv_heads={c['num_kv_heads']}, "
-            f"head_dim={c['head_dim']}, block_size={c['block_size']}, seq_lens={c['seq_lens']} "
-            f"(tensors from torch seed {c['seed']}; see minipaged/checks/ch03.py)")
+    return (
+        f"num_seqs={c['num_seqs']}, num_heads={c['num_heads']}, num_kv_heads={c['num_kv_heads']}, "
+        f"head_dim={c['head_dim']}, block_size={c['block_size']}, seq_lens={c['seq_lens']} "
+        f"(tensors from torch seed {c['seed']}; see minipaged/checks/ch03.py)"
+    )
 
 
 def _expect_close(what: str, expected: torch.Tensor, got) -> None:
-    expect_true(f"{what}: expected a torch.Tensor", isinstance(got, torch.Tensor), f"got {type(got).__name__}")
-    expect_true(f"{what}: wrong shape", tuple(got.shape) == tuple(expected.shape),
-                f"expected {tuple(expected.shape)}, got {tuple(got.shape)}")
+    expect_true(
+        f"{what}: expected a torch.Tensor", isinstance(got, torch.Tensor), f"got {type(got).__name__}"
+    )
+    expect_true(
+        f"{what}: wrong shape",
+        tuple(got.shape) == tuple(expected.shape),
+        f"expected {tuple(expected.shape)}, got {tuple(got.shape)}",
+    )
     got = got.detach().to("cpu", torch.float32)
     expected = expected.detach().to("cpu", torch.float32)
     if not torch.allclose(got, expected, atol=ATOL, rtol=RTOL, equal_nan=False):
@@ -121,16 +150,26 @@ def check_gather_kv(gather_kv) -> None:
         k_ref = torch.stack([t["k_cache"][ids[i], i % bs] for i in range(seq_len)])  # [L, KVH, D]
         v_ref = torch.stack([t["v_cache"][ids[i], i % bs] for i in range(seq_len)])  # [L, KVH, D]
         got = gather_kv(t["k_cache"], t["v_cache"], block_table.clone(), seq_len)
-        expect_true("gather_kv must return a pair (k, v)", isinstance(got, (tuple, list)) and len(got) == 2,
-                    f"got {type(got).__name__}")
+        expect_true(
+            "gather_kv must return a pair (k, v)",
+            isinstance(got, (tuple, list)) and len(got) == 2,
+            f"got {type(got).__name__}",
+        )
         for name, ref, x in (("k", k_ref, got[0]), ("v", v_ref, got[1])):
-            expect_true(f"{name}: expected a torch.Tensor", isinstance(x, torch.Tensor), f"got {type(x).__name__}")
-            expect_true(f"{name}: wrong shape", tuple(x.shape) == tuple(ref.shape),
-                        f"expected {tuple(ref.shape)} = [seq_len, num_kv_heads, head_dim], got {tuple(x.shape)}")
+            expect_true(
+                f"{name}: expected a torch.Tensor", isinstance(x, torch.Tensor), f"got {type(x).__name__}"
+            )
+            expect_true(
+                f"{name}: wrong shape",
+                tuple(x.shape) == tuple(ref.shape),
+                f"expected {tuple(ref.shape)} = [seq_len, num_kv_heads, head_dim], got {tuple(x.shape)}",
+            )
             if not torch.equal(x, ref):
                 bad = next(i for i in range(seq_len) if not torch.equal(x[i], ref[i]))
-                raise Mismatch(f"{name}: token {bad} is wrong: it lives in physical block {ids[bad]} "
-                               f"(logical block {bad // bs}), offset {bad % bs}")
+                raise Mismatch(
+                    f"{name}: token {bad} is wrong: it lives in physical block {ids[bad]} "
+                    f"(logical block {bad // bs}), offset {bad % bs}"
+                )
 
     run_cases("ex3.1", cases, run_one, size=_size, describe=_describe)
 
@@ -140,16 +179,26 @@ def check_gather_kv(gather_kv) -> None:
 
 @exercise(CHECKS, "ex3.2", "decode attention through block tables, by hand in torch")
 def check_paged_decode_attention(paged_decode_attention) -> None:
-    require_callable("ex3.2", paged_decode_attention,
-                     "paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)")
+    require_callable(
+        "ex3.2",
+        paged_decode_attention,
+        "paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)",
+    )
     cases = _random_cases("ex3.2", 60)
 
     def run_one(c):
         t = _make_case(**c)
-        expected = paged_attention_ref(t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["seq_lens"],
-                                       scale=t["scale"])
-        got = paged_decode_attention(t["q"].clone(), t["k_cache"], t["v_cache"], t["block_tables"].clone(),
-                                     t["seq_lens"].clone(), t["scale"])
+        expected = paged_attention_ref(
+            t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["seq_lens"], scale=t["scale"]
+        )
+        got = paged_decode_attention(
+            t["q"].clone(),
+            t["k_cache"],
+            t["v_cache"],
+            t["block_tables"].clone(),
+            t["seq_lens"].clone(),
+            t["scale"],
+        )
         _expect_close("attention output [num_seqs, num_heads, head_dim]", expected, got)
 
     run_cases("ex3.2", cases, run_one, size=_size, describe=_describe)
@@ -162,14 +211,18 @@ def _triton_device() -> str:
     try:
         import triton  # noqa: F401
     except ImportError:
-        raise ExerciseFailure("ex3.3 needs Triton, which is not installed here (Linux x86-64 only); "
-                              "skip this exercise on this machine") from None
+        raise ExerciseFailure(
+            "ex3.3 needs Triton, which is not installed here (Linux x86-64 only); "
+            "skip this exercise on this machine"
+        ) from None
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return "cpu"
     if torch.cuda.is_available():
         return "cuda"
-    raise ExerciseFailure("ex3.3: no GPU and TRITON_INTERPRET is not 1; run the setup cell first "
-                          "(it imports minipaged.kernels, which turns the interpreter on)")
+    raise ExerciseFailure(
+        "ex3.3: no GPU and TRITON_INTERPRET is not 1; run the setup cell first "
+        "(it imports minipaged.kernels, which turns the interpreter on)"
+    )
 
 
 def launch_decode_kernel(kernel, q, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
@@ -178,12 +231,24 @@ def launch_decode_kernel(kernel, q, k_cache, v_cache, block_tables, seq_lens, sc
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)  # [B, H, D]
     kernel[(num_seqs, num_heads)](
-        out, q, k_cache, v_cache, block_tables, seq_lens, scale,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        QUERIES_PER_KV=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        out.stride(0),
+        out.stride(1),
+        QUERIES_PER_KV=num_heads // num_kv_heads,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
     )
     return out
 
@@ -192,16 +257,26 @@ def launch_decode_kernel(kernel, q, k_cache, v_cache, block_tables, seq_lens, sc
 def check_paged_decode_kernel(paged_decode_kernel) -> None:
     device = _triton_device()
     if not hasattr(paged_decode_kernel, "__getitem__"):
-        raise ExerciseFailure("ex3.3: paged_decode_kernel must be a Triton kernel (decorated with @triton.jit)")
+        raise ExerciseFailure(
+            "ex3.3: paged_decode_kernel must be a Triton kernel (decorated with @triton.jit)"
+        )
     # Few, small cases: the interpreter runs each program in numpy, one after another.
     cases = _random_cases("ex3.3", 8, block_sizes=(2, 4, 8), head_dims=(8, 16), max_len=24, max_seqs=3)
 
     def run_one(c):
         t = _make_case(**c, device=device)
-        expected = paged_attention_ref(t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["seq_lens"],
-                                       scale=t["scale"])
-        got = launch_decode_kernel(paged_decode_kernel, t["q"], t["k_cache"], t["v_cache"],
-                                   t["block_tables"], t["seq_lens"], t["scale"])
+        expected = paged_attention_ref(
+            t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["seq_lens"], scale=t["scale"]
+        )
+        got = launch_decode_kernel(
+            paged_decode_kernel,
+            t["q"],
+            t["k_cache"],
+            t["v_cache"],
+            t["block_tables"],
+            t["seq_lens"],
+            t["scale"],
+        )
         _expect_close("kernel output [num_seqs, num_heads, head_dim]", expected, got)
 
     run_cases("ex3.3", cases, run_one, size=_size, describe=_describe)
@@ -238,7 +313,9 @@ def split_kv_partials(t: dict, partition_size: int):
                 e = torch.exp(sp - m)
                 max_logits[b, h, p] = m
                 exp_sums[b, h, p] = e.sum()
-                tmp_out[b, h, p] = (e / e.sum()) @ v[p * partition_size : (p + 1) * partition_size, h // group]
+                tmp_out[b, h, p] = (e / e.sum()) @ v[
+                    p * partition_size : (p + 1) * partition_size, h // group
+                ]
     return tmp_out, max_logits, exp_sums
 
 
@@ -254,8 +331,9 @@ def check_combine_partitions(combine_partitions) -> None:
         c = dict(c)
         partition_size = c.pop("partition_size")
         t = _make_case(**c)
-        expected = paged_attention_ref(t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["seq_lens"],
-                                       scale=t["scale"])
+        expected = paged_attention_ref(
+            t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["seq_lens"], scale=t["scale"]
+        )
         tmp_out, max_logits, exp_sums = split_kv_partials(t, partition_size)
         got = combine_partitions(tmp_out.clone(), max_logits.clone(), exp_sums.clone())
         _expect_close("combined output [num_seqs, num_heads, head_dim]", expected, got)

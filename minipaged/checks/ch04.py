@@ -21,9 +21,9 @@ from __future__ import annotations
 import random
 
 from minipaged.checks._harness import (
+    exercise,
     expect_equal,
     expect_true,
-    exercise,
     require_callable,
     run_cases,
 )
@@ -35,8 +35,7 @@ from minipaged.checks._scheduler_cases import (
     random_recipe,
     snapshot,
 )
-from minipaged.core import Request, RequestStatus
-from minipaged.core import EngineScheduler
+from minipaged.core import EngineScheduler, Request, RequestStatus
 
 CHECKS: dict = {}
 
@@ -101,8 +100,11 @@ def check_schedule_waiting(schedule_waiting) -> None:
             stu.kv_cache_manager.allocate_slots(r.request_id, n)
         budget = recipe.max_num_batched_tokens - sum(n for _, n in first_phase)
         got = schedule_waiting(stu, budget)
-        expect_true("schedule_waiting must return a list of (request, num_new_tokens) pairs",
-                    isinstance(got, list), f"got {type(got).__name__}")
+        expect_true(
+            "schedule_waiting must return a list of (request, num_new_tokens) pairs",
+            isinstance(got, list),
+            f"got {type(got).__name__}",
+        )
         expect_equal(f"admitted (request id, tokens) with token_budget={budget}", expected, _pairs(got))
         compare_snapshots("after admission", ref, stu)
 
@@ -122,23 +124,26 @@ def _stop_cases(n: int) -> list[dict]:
         prompt = rng.randint(1, 6)
         num_output = rng.randint(1, 6)
         last = rng.choice([EOS, 3, 4, 17, 17])
-        cases.append(dict(
-            prompt=prompt,
-            outputs=[17 + i for i in range(num_output - 1)] + [last],
-            max_tokens=rng.randint(num_output, num_output + 2),
-            eos=rng.choice([EOS, EOS, None]),
-            ignore_eos=rng.random() < 0.25,
-            stop_token_ids=rng.sample([3, 4, 5], rng.randint(0, 2)),
-            max_model_len=rng.choice([None, None, prompt + num_output, prompt + num_output + 1]),
-        ))
+        cases.append(
+            dict(
+                prompt=prompt,
+                outputs=[17 + i for i in range(num_output - 1)] + [last],
+                max_tokens=rng.randint(num_output, num_output + 2),
+                eos=rng.choice([EOS, EOS, None]),
+                ignore_eos=rng.random() < 0.25,
+                stop_token_ids=rng.sample([3, 4, 5], rng.randint(0, 2)),
+                max_model_len=rng.choice([None, None, prompt + num_output, prompt + num_output + 1]),
+            )
+        )
     return cases
 
 
 def _stop_request(c: dict) -> Request:
     from minipaged.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=c["max_tokens"], ignore_eos=c["ignore_eos"],
-                            stop_token_ids=list(c["stop_token_ids"]))
+    params = SamplingParams(
+        max_tokens=c["max_tokens"], ignore_eos=c["ignore_eos"], stop_token_ids=list(c["stop_token_ids"])
+    )
     r = Request("r", list(range(10, 10 + c["prompt"])), sampling_params=params, eos_token_id=c["eos"])
     r.output_token_ids.extend(c["outputs"])
     r.status = RequestStatus.RUNNING
@@ -157,19 +162,31 @@ def check_check_stop(check_stop) -> None:
         expect_equal("return value (finished?)", expected, got)
         expect_equal("request.status afterwards", ref_req.status.name, stu_req.status.name)
         if expected:
-            expect_true("request.stop_reason must say why it finished (a non-empty string)",
-                        isinstance(stu_req.stop_reason, str) and bool(stu_req.stop_reason),
-                        f"got {stu_req.stop_reason!r}")
-        expect_equal("request.output_token_ids (check_stop must not change them)",
-                     ref_req.output_token_ids, stu_req.output_token_ids)
+            expect_true(
+                "request.stop_reason must say why it finished (a non-empty string)",
+                isinstance(stu_req.stop_reason, str) and bool(stu_req.stop_reason),
+                f"got {stu_req.stop_reason!r}",
+            )
+        expect_equal(
+            "request.output_token_ids (check_stop must not change them)",
+            ref_req.output_token_ids,
+            stu_req.output_token_ids,
+        )
 
     def describe(c):
-        return (f"prompt of {c['prompt']} tokens, output_token_ids={c['outputs']}, max_tokens={c['max_tokens']}, "
-                f"eos_token_id={c['eos']}, ignore_eos={c['ignore_eos']}, stop_token_ids={c['stop_token_ids']}, "
-                f"max_model_len={c['max_model_len']}")
+        return (
+            f"prompt of {c['prompt']} tokens, output_token_ids={c['outputs']}, max_tokens={c['max_tokens']}, "
+            f"eos_token_id={c['eos']}, ignore_eos={c['ignore_eos']}, stop_token_ids={c['stop_token_ids']}, "
+            f"max_model_len={c['max_model_len']}"
+        )
 
-    run_cases("ex4.2", _stop_cases(200), run_one, size=lambda c: (c["prompt"] + len(c["outputs"]),),
-              describe=describe)
+    run_cases(
+        "ex4.2",
+        _stop_cases(200),
+        run_one,
+        size=lambda c: (c["prompt"] + len(c["outputs"]),),
+        describe=describe,
+    )
 
 
 # -- ex4.3 -------------------------------------------------------------------------------
@@ -178,15 +195,20 @@ def check_check_stop(check_stop) -> None:
 def _sampled(recipe: Recipe, scheduled, seed: int) -> dict:
     """The fake model's tokens for every request whose prefill completes this step."""
     rng = random.Random(seed)
-    return {r.request_id: rng.choice([EOS, 3, 4, 21, 22, 23])
-            for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens}
+    return {
+        r.request_id: rng.choice([EOS, 3, 4, 21, 22, 23])
+        for r, n in scheduled
+        if r.num_computed_tokens + n == r.num_tokens
+    }
 
 
 def _update_cases(n: int) -> list[tuple[Recipe, int]]:
     rng = random.Random("ex4.3")
     cases = []
     while len(cases) < n:
-        recipe = random_recipe(rng, running=(1, 4), preempted=(0, 1), waiting=(0, 3), chunked=True, stops=True)
+        recipe = random_recipe(
+            rng, running=(1, 4), preempted=(0, 1), waiting=(0, 3), chunked=True, stops=True
+        )
         ref = build(recipe)
         if not ref.schedule().scheduled:
             continue
@@ -196,7 +218,9 @@ def _update_cases(n: int) -> list[tuple[Recipe, int]]:
 
 @exercise(CHECKS, "ex4.3", "update_from_output: advance, append, finish, free")
 def check_update_from_output(update_from_output) -> None:
-    require_callable("ex4.3", update_from_output, "update_from_output(scheduler, scheduled, sampled_token_ids)")
+    require_callable(
+        "ex4.3", update_from_output, "update_from_output(scheduler, scheduled, sampled_token_ids)"
+    )
 
     def run_one(case):
         recipe, seed = case
@@ -208,10 +232,16 @@ def check_update_from_output(update_from_output) -> None:
         assert _pairs(stu_out.scheduled) == _pairs(out.scheduled), "checker bug: twins diverged"
         expected = [r.request_id for r in ref.update_from_output(out, dict(sampled))]
         got = update_from_output(stu, list(stu_out.scheduled), dict(sampled))
-        expect_true("update_from_output must return the list of finished requests",
-                    isinstance(got, list), f"got {type(got).__name__}")
-        expect_equal("finished request ids (in batch order)", expected,
-                     [r.request_id if isinstance(r, Request) else r for r in got])
+        expect_true(
+            "update_from_output must return the list of finished requests",
+            isinstance(got, list),
+            f"got {type(got).__name__}",
+        )
+        expect_equal(
+            "finished request ids (in batch order)",
+            expected,
+            [r.request_id if isinstance(r, Request) else r for r in got],
+        )
         compare_snapshots("after update_from_output", ref, stu)
         for rid, r in ref.requests.items():
             expect_equal(f"{rid}.output_token_ids", r.output_token_ids, stu.requests[rid].output_token_ids)
@@ -221,8 +251,11 @@ def check_update_from_output(update_from_output) -> None:
         ref = build(recipe)
         out = ref.schedule()
         sampled = _sampled(recipe, out.scheduled, seed)
-        return (recipe.describe() + f"\n  scheduled this step: {_pairs(out.scheduled)}"
-                + f"\n  sampled_token_ids: {sampled} (eos is {EOS})")
+        return (
+            recipe.describe()
+            + f"\n  scheduled this step: {_pairs(out.scheduled)}"
+            + f"\n  sampled_token_ids: {sampled} (eos is {EOS})"
+        )
 
     run_cases("ex4.3", _update_cases(150), run_one, size=lambda c: c[0].size, describe=describe)
 

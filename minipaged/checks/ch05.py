@@ -23,17 +23,16 @@ import random
 
 from minipaged.checks._harness import (
     Mismatch,
+    exercise,
     expect_equal,
     expect_true,
-    exercise,
     require_callable,
     run_cases,
 )
 from minipaged.checks._scheduler_cases import Recipe, build, random_recipe
 from minipaged.checks.ch04 import _pairs, compare_snapshots
-from minipaged.core import Request
+from minipaged.core import EngineScheduler, Request
 from minipaged.core.sched.output import SchedulerOutput
-from minipaged.core import EngineScheduler
 
 CHECKS: dict = {}
 
@@ -51,8 +50,11 @@ class _NoPreempt(EngineScheduler):
 
 @exercise(CHECKS, "ex5.1", "the token budget: how many tokens a request gets this step")
 def check_num_new_tokens(num_new_tokens) -> None:
-    require_callable("ex5.1", num_new_tokens,
-                     "num_new_tokens(request, token_budget, enable_chunked_prefill, max_num_batched_tokens)")
+    require_callable(
+        "ex5.1",
+        num_new_tokens,
+        "num_new_tokens(request, token_budget, enable_chunked_prefill, max_num_batched_tokens)",
+    )
     rng = random.Random("ex5.1")
     cases = []
     for _ in range(300):
@@ -60,8 +62,16 @@ def check_num_new_tokens(num_new_tokens) -> None:
         prompt = rng.randint(1, 3 * mnbt)
         num_output = rng.choice([0, 0, rng.randint(1, 2 * mnbt)])
         computed = rng.choice([0, 0, rng.randint(0, prompt + num_output - 1)])
-        cases.append(dict(prompt=prompt, num_output=num_output, computed=computed,
-                          budget=rng.randint(1, mnbt), chunked=rng.random() < 0.5, mnbt=mnbt))
+        cases.append(
+            dict(
+                prompt=prompt,
+                num_output=num_output,
+                computed=computed,
+                budget=rng.randint(1, mnbt),
+                chunked=rng.random() < 0.5,
+                mnbt=mnbt,
+            )
+        )
 
     def make(c) -> Request:
         r = Request("r", list(range(10, 10 + c["prompt"])))
@@ -77,12 +87,15 @@ def check_num_new_tokens(num_new_tokens) -> None:
 
     def describe(c):
         left = c["prompt"] + c["num_output"] - c["computed"]
-        return (f"request with prompt={c['prompt']}, {c['num_output']} output tokens, num_computed_tokens="
-                f"{c['computed']} ({left} left to compute); token_budget={c['budget']}, "
-                f"enable_chunked_prefill={c['chunked']}, max_num_batched_tokens={c['mnbt']}")
+        return (
+            f"request with prompt={c['prompt']}, {c['num_output']} output tokens, num_computed_tokens="
+            f"{c['computed']} ({left} left to compute); token_budget={c['budget']}, "
+            f"enable_chunked_prefill={c['chunked']}, max_num_batched_tokens={c['mnbt']}"
+        )
 
-    run_cases("ex5.1", cases, run_one, size=lambda c: (c["mnbt"], c["prompt"] + c["num_output"]),
-              describe=describe)
+    run_cases(
+        "ex5.1", cases, run_one, size=lambda c: (c["mnbt"], c["prompt"] + c["num_output"]), describe=describe
+    )
 
 
 # -- ex5.2 -------------------------------------------------------------------------------
@@ -107,19 +120,27 @@ def check_pick_victim(pick_victim) -> None:
         expected = max(running, key=lambda r: arrival_seq[r.request_id])
         before = list(running)
         got = pick_victim(running, dict(arrival_seq))
-        expect_true("pick_victim must return one of the Request objects in running",
-                    any(got is r for r in before), f"got {got!r}")
+        expect_true(
+            "pick_victim must return one of the Request objects in running",
+            any(got is r for r in before),
+            f"got {got!r}",
+        )
         expect_equal("the victim's request_id", expected.request_id, got.request_id)
-        expect_equal("running afterwards (pick_victim only chooses; it must not change the list)",
-                     [r.request_id for r in before], [r.request_id for r in running])
+        expect_equal(
+            "running afterwards (pick_victim only chooses; it must not change the list)",
+            [r.request_id for r in before],
+            [r.request_id for r in running],
+        )
         # The package agrees: its running list is in arrival order and it pops the last one.
         sched_order = sorted(before, key=lambda r: arrival_seq[r.request_id])
         if sched_order[-1] is not expected:
             raise RuntimeError("checker bug: reference disagrees with Scheduler._preempt")
 
     def describe(case):
-        return (f"running (batch order) = {[rid for rid, _ in case]}, "
-                f"arrival_seq = {{{', '.join(f'{rid!r}: {s}' for rid, s in case)}}}")
+        return (
+            f"running (batch order) = {[rid for rid, _ in case]}, "
+            f"arrival_seq = {{{', '.join(f'{rid!r}: {s}' for rid, s in case)}}}"
+        )
 
     run_cases("ex5.2", cases, run_one, size=len, describe=describe)
 
@@ -186,10 +207,14 @@ def check_schedule_running(schedule_running) -> None:
         if not (isinstance(got, tuple) and len(got) == 2):
             raise Mismatch(f"schedule_running must return (scheduled, preempted), got {got!r}")
         scheduled, preempted = got
-        expect_equal("scheduled (request id, tokens) in batch order", _pairs(out.scheduled), _pairs(scheduled))
-        expect_equal("preempted request ids, in the order they were preempted",
-                     [r.request_id for r in out.preempted],
-                     [r.request_id if isinstance(r, Request) else r for r in preempted])
+        expect_equal(
+            "scheduled (request id, tokens) in batch order", _pairs(out.scheduled), _pairs(scheduled)
+        )
+        expect_equal(
+            "preempted request ids, in the order they were preempted",
+            [r.request_id for r in out.preempted],
+            [r.request_id if isinstance(r, Request) else r for r in preempted],
+        )
         compare_snapshots("after the running phase", ref, stu)
 
     run_cases("ex5.4", _running_cases(150), run_one, size=lambda r: r.size, describe=Recipe.describe)

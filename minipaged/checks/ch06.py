@@ -28,11 +28,11 @@ from typing import Optional
 
 from minipaged.checks._harness import (
     Mismatch,
+    exercise,
     expect_equal,
     expect_invariants,
     expect_raises,
     expect_true,
-    exercise,
     require_callable,
     run_cases,
 )
@@ -127,8 +127,10 @@ class _StudentManager(KVCacheManager):
         raise RuntimeError("kv_cache_manager.fork() is switched off in this check: write it yourself")
 
     def allocate_slots(self, *args, **kwargs):
-        raise RuntimeError("kv_cache_manager.allocate_slots() is switched off in this check "
-                           "(it does copy-on-write itself): write it with the block pool")
+        raise RuntimeError(
+            "kv_cache_manager.allocate_slots() is switched off in this check "
+            "(it does copy-on-write itself): write it with the block pool"
+        )
 
 
 def _mstate(m: KVCacheManager) -> dict:
@@ -139,8 +141,11 @@ def _mstate(m: KVCacheManager) -> dict:
     }
 
 
-_MWHAT = {"tables": "{request: (num_tokens, block table)}", "ref_cnt": "ref_cnt of blocks 0, 1, 2, ...",
-          "free": "the free queue, front to back"}
+_MWHAT = {
+    "tables": "{request: (num_tokens, block table)}",
+    "ref_cnt": "ref_cnt of blocks 0, 1, 2, ...",
+    "free": "the free queue, front to back",
+}
 
 
 def _compare(step: str, ref: KVCacheManager, stu: KVCacheManager) -> None:
@@ -166,7 +171,10 @@ def _sharing_cases(exercise_id: str, n: int, focus: str) -> list:
             if not holders or r < 0.2:
                 rid = f"r{k}"
                 want = rng.randint(1, 2 * block_size + 1)
-                if m.get_num_blocks_needed(rid, want) <= m.get_num_free_blocks() and want <= num_blocks * block_size:
+                if (
+                    m.get_num_blocks_needed(rid, want) <= m.get_num_free_blocks()
+                    and want <= num_blocks * block_size
+                ):
                     m.allocate_slots(rid, want)
                     ops.append(("alloc", rid, want))
                     k += 1
@@ -176,7 +184,9 @@ def _sharing_cases(exercise_id: str, n: int, focus: str) -> list:
                 m.fork(parent, child)
                 ops.append(("fork", parent, child))
             elif r < 0.58 and focus == "fork":
-                bad = rng.choice([("fork?", f"x{k}", f"r{k + 1}"), ("fork?", rng.choice(holders), rng.choice(holders))])
+                bad = rng.choice(
+                    [("fork?", f"x{k}", f"r{k + 1}"), ("fork?", rng.choice(holders), rng.choice(holders))]
+                )
                 ops.append(bad)
             elif r < 0.9:
                 rid = rng.choice(holders)
@@ -193,11 +203,16 @@ def _sharing_cases(exercise_id: str, n: int, focus: str) -> list:
 
 def _describe_ops(case) -> str:
     num_blocks, block_size, ops = case
-    words = {"alloc": lambda o: f"allocate_slots({o[1]!r}, {o[2]})", "fork": lambda o: f"fork({o[1]!r} -> {o[2]!r})",
-             "fork?": lambda o: f"fork({o[1]!r} -> {o[2]!r}) [must raise ValueError]",
-             "append": lambda o: f"append_slot({o[1]!r})", "free": lambda o: f"free({o[1]!r})"}
-    return (f"KVCacheManager(num_blocks={num_blocks}, block_size={block_size}), then: "
-            + "; ".join(words[o[0]](o) for o in ops))
+    words = {
+        "alloc": lambda o: f"allocate_slots({o[1]!r}, {o[2]})",
+        "fork": lambda o: f"fork({o[1]!r} -> {o[2]!r})",
+        "fork?": lambda o: f"fork({o[1]!r} -> {o[2]!r}) [must raise ValueError]",
+        "append": lambda o: f"append_slot({o[1]!r})",
+        "free": lambda o: f"free({o[1]!r})",
+    }
+    return f"KVCacheManager(num_blocks={num_blocks}, block_size={block_size}), then: " + "; ".join(
+        words[o[0]](o) for o in ops
+    )
 
 
 def _replay(case, fork_fn, append_fn, ref_fork_fn=None, ref_append_fn=None):
@@ -220,36 +235,56 @@ def _replay(case, fork_fn, append_fn, ref_fork_fn=None, ref_append_fn=None):
             ref.free(op[1])
             KVCacheManager.free(stu, op[1])
         elif kind == "fork?":
-            expect_raises(f"{step}: fork from an unknown parent or onto an existing child", ValueError,
-                          lambda: fork_fn(stu, op[1], op[2]))
+            expect_raises(
+                f"{step}: fork from an unknown parent or onto an existing child",
+                ValueError,
+                lambda: fork_fn(stu, op[1], op[2]),
+            )
         elif kind == "fork":
             ref_fork_fn(ref, op[1], op[2])
             got = fork_fn(stu, op[1], op[2])
             expect_equal(f"{step}: return value of fork", None, got)
             child, parent = stu.block_tables.get(op[2]), stu.block_tables.get(op[1])
-            if child is not None and parent is not None and (child is parent or child.blocks is parent.blocks):
-                raise Mismatch(f"{step}: the child's block table is the parent's list object itself; "
-                               "give the child its own list (the tables must be able to diverge)")
+            if (
+                child is not None
+                and parent is not None
+                and (child is parent or child.blocks is parent.blocks)
+            ):
+                raise Mismatch(
+                    f"{step}: the child's block table is the parent's list object itself; "
+                    "give the child its own list (the tables must be able to diverge)"
+                )
         else:  # append
             expected = ref_append_fn(ref, op[1])
             got = append_fn(stu, op[1])
-            expect_equal(f"{step}: copies to do, [(src block, dst block)] (None = no free block)",
-                         expected, got)
+            expect_equal(
+                f"{step}: copies to do, [(src block, dst block)] (None = no free block)", expected, got
+            )
         _compare(step, ref, stu)
 
 
 @exercise(CHECKS, "ex6.1", "fork: the child shares every block of the parent")
 def check_fork(fork) -> None:
     require_callable("ex6.1", fork, "fork(kv_cache_manager, parent_id, child_id)")
-    run_cases("ex6.1", _sharing_cases("ex6.1", 250, focus="fork"), lambda c: _replay(c, fork, pkg_append_slot),
-              size=lambda c: (len(c[2]), c[0]), describe=_describe_ops)
+    run_cases(
+        "ex6.1",
+        _sharing_cases("ex6.1", 250, focus="fork"),
+        lambda c: _replay(c, fork, pkg_append_slot),
+        size=lambda c: (len(c[2]), c[0]),
+        describe=_describe_ops,
+    )
 
 
 @exercise(CHECKS, "ex6.2", "append_slot with copy-on-write")
 def check_append_slot(append_slot) -> None:
     require_callable("ex6.2", append_slot, "append_slot(kv_cache_manager, request_id)")
-    run_cases("ex6.2", _sharing_cases("ex6.2", 250, focus="append"), lambda c: _replay(c, KVCacheManager.fork, append_slot),
-              size=lambda c: (len(c[2]), c[0]), describe=_describe_ops)
+    run_cases(
+        "ex6.2",
+        _sharing_cases("ex6.2", 250, focus="append"),
+        lambda c: _replay(c, KVCacheManager.fork, append_slot),
+        size=lambda c: (len(c[2]), c[0]),
+        describe=_describe_ops,
+    )
 
 
 # -- ex6.3 -------------------------------------------------------------------------------
@@ -272,12 +307,19 @@ def check_block_hashes(block_hashes) -> None:
         expect_equal("number of hashes (one per *full* block)", len(expected), len(got))
         for j, (e, g) in enumerate(zip(expected, got)):
             if e != g:
-                raise Mismatch(f"hash of block {j} (tokens {tokens[j * bs:(j + 1) * bs]}) differs:\n"
-                               f"    expected {e.hex()[:16]}...\n    got      "
-                               f"{g.hex()[:16] + '...' if isinstance(g, bytes) else repr(g)}")
+                raise Mismatch(
+                    f"hash of block {j} (tokens {tokens[j * bs : (j + 1) * bs]}) differs:\n"
+                    f"    expected {e.hex()[:16]}...\n    got      "
+                    f"{g.hex()[:16] + '...' if isinstance(g, bytes) else repr(g)}"
+                )
 
-    run_cases("ex6.3", cases, run_one, size=lambda c: (len(c[0]), c[1]),
-              describe=lambda c: f"block_hashes(token_ids={c[0]}, block_size={c[1]})")
+    run_cases(
+        "ex6.3",
+        cases,
+        run_one,
+        size=lambda c: (len(c[0]), c[1]),
+        describe=lambda c: f"block_hashes(token_ids={c[0]}, block_size={c[1]})",
+    )
 
 
 # -- ex6.4 -------------------------------------------------------------------------------
@@ -324,8 +366,11 @@ def _build_pool(c: dict) -> KVCacheManager:
 
 
 def _pool_state(pool: BlockPool):
-    return ([b.ref_cnt for b in pool.blocks], [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
-            sorted(b.block_id for b in pool.cached_block_hash_to_block.values()))
+    return (
+        [b.ref_cnt for b in pool.blocks],
+        [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+        sorted(b.block_id for b in pool.cached_block_hash_to_block.values()),
+    )
 
 
 @exercise(CHECKS, "ex6.4", "the prefix-cache lookup")
@@ -339,22 +384,45 @@ def check_find_cached_blocks(find_cached_blocks) -> None:
             expected = [b.block_id for b in ref.get_computed_blocks(Request("q", list(q)))[0]]
             before = _pool_state(stu_pool)
             got = find_cached_blocks(stu_pool, list(q), bs)
-            expect_true("find_cached_blocks must return a list of KVCacheBlock",
-                        isinstance(got, list) and all(isinstance(b, KVCacheBlock) for b in got), f"got {got!r}")
+            expect_true(
+                "find_cached_blocks must return a list of KVCacheBlock",
+                isinstance(got, list) and all(isinstance(b, KVCacheBlock) for b in got),
+                f"got {got!r}",
+            )
             expect_equal(f"cached block ids for token_ids={q}", expected, [b.block_id for b in got])
-            expect_true("the blocks returned must be the pool's own block objects",
-                        all(b is stu_pool.blocks[b.block_id] for b in got))
-            expect_equal("the pool after the lookup (a lookup must not change ref counts, the free queue "
-                         "or the cache)", before, _pool_state(stu_pool))
+            expect_true(
+                "the blocks returned must be the pool's own block objects",
+                all(b is stu_pool.blocks[b.block_id] for b in got),
+            )
+            expect_equal(
+                "the pool after the lookup (a lookup must not change ref counts, the free queue "
+                "or the cache)",
+                before,
+                _pool_state(stu_pool),
+            )
 
     def describe(c):
         hist = "; ".join(f"{t}{' (still held)' if keep else ''}" for t, keep in c["history"])
-        return (f"BlockPool(num_blocks={c['num_blocks']}, enable_caching=True), block_size={c['block_size']}; "
-                f"earlier prompts (their full blocks cached, then freed): {hist}; lookups: {c['queries']}")
+        return (
+            f"BlockPool(num_blocks={c['num_blocks']}, enable_caching=True), block_size={c['block_size']}; "
+            f"earlier prompts (their full blocks cached, then freed): {hist}; lookups: {c['queries']}"
+        )
 
-    run_cases("ex6.4", _prefix_cases(200), run_one,
-              size=lambda c: (c["num_blocks"], sum(map(len, c["queries"]))), describe=describe)
+    run_cases(
+        "ex6.4",
+        _prefix_cases(200),
+        run_one,
+        size=lambda c: (c["num_blocks"], sum(map(len, c["queries"]))),
+        describe=describe,
+    )
 
 
-__all__ = ["CHECKS", "pkg_append_slot", "pkg_block_hashes", "ref_append_slot", "ref_block_hashes",
-           "ref_find_cached_blocks", "ref_fork"]
+__all__ = [
+    "CHECKS",
+    "pkg_append_slot",
+    "pkg_block_hashes",
+    "ref_append_slot",
+    "ref_block_hashes",
+    "ref_find_cached_blocks",
+    "ref_fork",
+]

@@ -52,8 +52,9 @@ PREDICT_KNOBS = {"max_num_batched_tokens": 8, "enable_chunked_prefill": True}
 
 def reference_run():
     reqs = make_requests([(p, o) for p, o, _ in PREDICT_REQUESTS], [t for _, _, t in PREDICT_REQUESTS])
-    return simulate(reqs, "paged", CostModel(OPT_13B, A100_40GB), record_trace=True, check=True,
-                    **PREDICT_KNOBS)
+    return simulate(
+        reqs, "paged", CostModel(OPT_13B, A100_40GB), record_trace=True, check=True, **PREDICT_KNOBS
+    )
 
 
 @exercise(CHECKS, "ex7.1", "predict which requests run, with how many tokens, step by step")
@@ -67,14 +68,18 @@ def check_predict_steps(predict_steps) -> None:
     def run_one(i):
         got = predict_steps()
         if not isinstance(got, list) or len(got) != len(expected):
-            raise Mismatch(f"predict_steps() must return a list of {len(expected)} dicts (one per step of the "
-                           f"run, until every request is done), got {got!r}")
+            raise Mismatch(
+                f"predict_steps() must return a list of {len(expected)} dicts (one per step of the "
+                f"run, until every request is done), got {got!r}"
+            )
         step = got[i]
         norm = {str(k): v for k, v in step.items() if v} if isinstance(step, dict) else step
         if norm != expected[i]:
-            raise Mismatch(f"step {i}:\n    expected {expected[i]!r}\n    got      {norm!r}\n"
-                           "  the simulator's run:\n" + "\n".join("    " + ln for ln in
-                                                                  viz.timeline_text(trace).splitlines()))
+            raise Mismatch(
+                f"step {i}:\n    expected {expected[i]!r}\n    got      {norm!r}\n"
+                "  the simulator's run:\n"
+                + "\n".join("    " + ln for ln in viz.timeline_text(trace).splitlines())
+            )
 
     run_cases("ex7.1", range(len(expected)), run_one, describe=lambda i: f"steps 0..{i} of the run")
 
@@ -94,9 +99,11 @@ def ref_sustainable_rate(rates, latencies, factor) -> float:
 def check_sustainable_rate(sustainable_rate) -> None:
     require_callable("ex7.2", sustainable_rate, "sustainable_rate")
     rng = random.Random("ex7.2")
-    cases = [([1.0, 2.0, 3.0], [0.10, 0.15, 0.30], 2.0),  # crosses 0.2 between 2 and 3: 2 + 0.05/0.15
-             ([1.0, 2.0], [0.10, 0.12], 2.0),  # never crosses: the highest rate (a lower bound)
-             ([0.5], [0.3], 2.0)]
+    cases = [
+        ([1.0, 2.0, 3.0], [0.10, 0.15, 0.30], 2.0),  # crosses 0.2 between 2 and 3: 2 + 0.05/0.15
+        ([1.0, 2.0], [0.10, 0.12], 2.0),  # never crosses: the highest rate (a lower bound)
+        ([0.5], [0.3], 2.0),
+    ]
     for _ in range(80):
         n = rng.randint(1, 8)
         rates, r = [], 0.0
@@ -108,14 +115,21 @@ def check_sustainable_rate(sustainable_rate) -> None:
             lat *= rng.choice([1.0, 1.05, 1.3, 1.8, 3.0, 0.95])
             latencies.append(round(lat, 6))
         cases.append((rates, latencies, rng.choice([1.5, 2.0, 3.0])))
-    cases += [([1.0, 2.0], [0.1], 2.0), ([2.0, 1.0], [0.1, 0.2], 2.0), ([1.0, 2.0], [0.1, 0.3], 1.0), ([], [], 2.0)]
+    cases += [
+        ([1.0, 2.0], [0.1], 2.0),
+        ([2.0, 1.0], [0.1, 0.2], 2.0),
+        ([1.0, 2.0], [0.1, 0.3], 1.0),
+        ([], [], 2.0),
+    ]
 
     def run_one(c):
         rates, latencies, factor = c
         try:
             expected = ref_sustainable_rate(rates, latencies, factor)
         except ValueError:
-            expect_raises("a caller error", ValueError, lambda: sustainable_rate(list(rates), list(latencies), factor))
+            expect_raises(
+                "a caller error", ValueError, lambda: sustainable_rate(list(rates), list(latencies), factor)
+            )
             return
         got = sustainable_rate(list(rates), list(latencies), factor)
         try:
@@ -128,8 +142,13 @@ def check_sustainable_rate(sustainable_rate) -> None:
     def describe(c):
         return f"sustainable_rate(rates={c[0]}, latencies={c[1]}, factor={c[2]})"
 
-    run_cases("ex7.2", cases, run_one, size=lambda c: (len(c[0]) != len(c[1]) or not c[0], len(c[0])),
-              describe=describe)
+    run_cases(
+        "ex7.2",
+        cases,
+        run_one,
+        size=lambda c: (len(c[0]) != len(c[1]) or not c[0], len(c[0])),
+        describe=describe,
+    )
 
 
 # -- ex7.3: why a speedup moves --------------------------------------------------------------
@@ -183,23 +202,44 @@ def check_predict_directions(predict_directions) -> None:
             measured["base"], measured["changes"] = measured_directions()
         ratio, direction = measured["changes"][case]
         if got != direction:
-            raise Mismatch(f"{case}: you predicted {got!r}; the simulator measured the ratio going from "
-                           f"{measured['base']:.2f}x to {ratio:.2f}x ({direction!r}, 'same' = within "
-                           f"{SAME_WITHIN:.0%}).\n    Why? Think about what limits each system's batch there.")
+            raise Mismatch(
+                f"{case}: you predicted {got!r}; the simulator measured the ratio going from "
+                f"{measured['base']:.2f}x to {ratio:.2f}x ({direction!r}, 'same' = within "
+                f"{SAME_WITHIN:.0%}).\n    Why? Think about what limits each system's batch there."
+            )
 
-    run_cases("ex7.3", [None] + list(CHANGES), run_one,
-              describe=lambda c: "the shape of the answer" if c is None else f"{c}: {CHANGES[c]}")
+    run_cases(
+        "ex7.3",
+        [None] + list(CHANGES),
+        run_one,
+        describe=lambda c: "the shape of the answer" if c is None else f"{c}: {CHANGES[c]}",
+    )
 
 
 # -- ex7.4: concept questions with a number or a choice ----------------------------------------
 
 CONCEPT_KEY = {
-    "q1": (("the paper's 1.7-2.7x over Orca (Oracle) is a range over: 'a' request rates of one model, "
-           "'b' three models (OPT-13B, 66B, 175B), 'c' two datasets"), "b", "choice"),
-    "q2": ("what the paper credits for vLLM's gain over Orca: 'continuous batching' or 'memory management'",
-           "memory management", "choice"),
-    "q3": (("Orca (Max) on OPT-13B / A100-40GB (14,526 KV slots, 2048 reserved per request): at most how many "
-           "requests at once"), 7, 0.0),
+    "q1": (
+        (
+            "the paper's 1.7-2.7x over Orca (Oracle) is a range over: 'a' request rates of one model, "
+            "'b' three models (OPT-13B, 66B, 175B), 'c' two datasets"
+        ),
+        "b",
+        "choice",
+    ),
+    "q2": (
+        "what the paper credits for vLLM's gain over Orca: 'continuous batching' or 'memory management'",
+        "memory management",
+        "choice",
+    ),
+    "q3": (
+        (
+            "Orca (Max) on OPT-13B / A100-40GB (14,526 KV slots, 2048 reserved per request): at most how many "
+            "requests at once"
+        ),
+        7,
+        0.0,
+    ),
     "q4": ("vLLM-like / Orca (Oracle) capacity ratio with max_num_seqs = 8", 1.0, 0.02),
 }
 

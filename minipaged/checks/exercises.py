@@ -27,16 +27,26 @@ from pathlib import Path
 
 def add_arguments(parser) -> None:
     parser.add_argument("--student", metavar="OUT", help="write student copies into folder OUT")
-    parser.add_argument("--source", metavar="DIR",
-                        help="folder of the authored exercise notebooks (default: notebooks/exercises "
-                             "of this checkout)")
-    parser.add_argument("--chapter", metavar="chNN", action="append",
-                        help="only this chapter (repeatable; default: all)")
+    parser.add_argument(
+        "--source",
+        metavar="DIR",
+        help="folder of the authored exercise notebooks (default: notebooks/exercises of this checkout)",
+    )
+    parser.add_argument(
+        "--chapter", metavar="chNN", action="append", help="only this chapter (repeatable; default: all)"
+    )
     parser.add_argument("--force", action="store_true", help="overwrite existing files in OUT")
-    parser.add_argument("--nbgrader", metavar="OUT",
-                        help="write an nbgrader source assignment into course folder OUT (OUT/source/NAME/)")
-    parser.add_argument("--assignment", metavar="NAME", default="minipaged",
-                        help="the nbgrader assignment name (default: minipaged)")
+    parser.add_argument(
+        "--nbgrader",
+        metavar="OUT",
+        help="write an nbgrader source assignment into course folder OUT (OUT/source/NAME/)",
+    )
+    parser.add_argument(
+        "--assignment",
+        metavar="NAME",
+        default="minipaged",
+        help="the nbgrader assignment name (default: minipaged)",
+    )
 
 
 def run(args) -> int:
@@ -59,8 +69,10 @@ def run(args) -> int:
     if args.chapter:
         unknown = [c for c in args.chapter if c not in authored]
         if unknown:
-            print(f"minipaged exercises: no exercises for {unknown} (known: {', '.join(chapters)})",
-                  file=sys.stderr)
+            print(
+                f"minipaged exercises: no exercises for {unknown} (known: {', '.join(chapters)})",
+                file=sys.stderr,
+            )
             return 2
         chapters = [c for c in chapters if c in args.chapter]
 
@@ -99,8 +111,7 @@ def run(args) -> int:
     targets = [(authored[ch], out / authored[ch].name) for ch in chapters]
     existing = [str(t) for _, t in targets if t.exists()]
     if existing and not args.force:
-        print(f"minipaged exercises: {', '.join(existing)} exist; pass --force to overwrite",
-              file=sys.stderr)
+        print(f"minipaged exercises: {', '.join(existing)} exist; pass --force to overwrite", file=sys.stderr)
         return 2
     for a, target in targets:
         nbformat.write(make_student_copy(a.nb), target)

@@ -104,8 +104,13 @@ def check_call(source: str) -> tuple[str, list[str]]:
     import ast
 
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "check" and node.args \
-                and isinstance(node.args[0], ast.Constant) and all(isinstance(a, ast.Name) for a in node.args[1:]):
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) == "check"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and all(isinstance(a, ast.Name) for a in node.args[1:])
+        ):
             return node.args[0].value, [a.id for a in node.args[1:]]
     raise ValueError(f"an authored check cell must call check('exN.M', name, ...): {source!r}")
 
@@ -113,14 +118,18 @@ def check_call(source: str) -> tuple[str, list[str]]:
 def grader_check_source(authored_check_source: str) -> str:
     """The cell the grader runs for a check: the armed guard, never the student's ``check``."""
     ex, names = check_call(authored_check_source)
-    return ("from minipaged.checks._guard import graded_check as _mp_graded_check\n"
-            f"_mp_graded_check({ex!r}{''.join(', ' + n for n in names)})")
+    return (
+        "from minipaged.checks._guard import graded_check as _mp_graded_check\n"
+        f"_mp_graded_check({ex!r}{''.join(', ' + n for n in names)})"
+    )
 
 
 def prelude_source(chapter: str, exercises: list[str]) -> str:
-    return ("import minipaged.checks._guard as _mp_guard\n"
-            f"_mp_guard.arm({chapter!r}, {list(exercises)!r})\n"
-            "del _mp_guard")
+    return (
+        "import minipaged.checks._guard as _mp_guard\n"
+        f"_mp_guard.arm({chapter!r}, {list(exercises)!r})\n"
+        "del _mp_guard"
+    )
 
 
 def build_plan(nb, authored) -> list[_PlanCell]:
@@ -139,7 +148,9 @@ def build_plan(nb, authored) -> list[_PlanCell]:
         src = cell_source(cell)
         if not src.strip() or src.strip() in check_texts:
             continue
-        plan.append(_PlanCell(src, "student", cell_exercise(cell) if cell_role(cell) == "solution" else None, i))
+        plan.append(
+            _PlanCell(src, "student", cell_exercise(cell) if cell_role(cell) == "solution" else None, i)
+        )
         if cell_role(cell) == "solution" and cell_exercise(cell):
             last_solution_pos[cell_exercise(cell)] = len(plan) - 1
     for cell, findings in zip(plan, scan_cells([c.source for c in plan], authored.chapter)):
@@ -173,7 +184,7 @@ def banned(plan: list[_PlanCell]) -> dict[str, str]:
         if cell.exercise:
             out.setdefault(cell.exercise, reason)
         if cell.exercise is None or any(x.tamper for x in cell.findings):
-            for later in plan[pos + 1:]:
+            for later in plan[pos + 1 :]:
                 if later.kind == "check":
                     out.setdefault(later.exercise, reason)
     return out
@@ -194,8 +205,16 @@ class _Run:
     tokens: dict
 
 
-def _run_plan(plan: list[_PlanCell], chapter: str, exercises: list[str], timeout: float, cwd: str,
-              budget: float = DEFAULT_BUDGET, isolation=None, max_restarts: int = MAX_RESTARTS) -> list[_Run]:
+def _run_plan(
+    plan: list[_PlanCell],
+    chapter: str,
+    exercises: list[str],
+    timeout: float,
+    cwd: str,
+    budget: float = DEFAULT_BUDGET,
+    isolation=None,
+    max_restarts: int = MAX_RESTARTS,
+) -> list[_Run]:
     from minipaged.checks._executor import CellRun, KernelRunner
 
     runner = KernelRunner(cwd=cwd, timeout=timeout, isolation=isolation)
@@ -228,8 +247,10 @@ def _run_plan(plan: list[_PlanCell], chapter: str, exercises: list[str], timeout
                 stop_reason = f"the submission's time budget ({budget:g} s) ran out before this cell"
             if not stop_reason and not runner.running:
                 if state["restarts"] >= max_restarts:
-                    stop_reason = (f"the kernel died or hung {state['restarts'] + 1} times; grading of this "
-                                   "submission stopped there")
+                    stop_reason = (
+                        f"the kernel died or hung {state['restarts'] + 1} times; grading of this "
+                        "submission stopped there"
+                    )
                 else:
                     state["restarts"] += 1
                     _restart_and_replay(runner, plan, pos, bad, start_kernel, left)
@@ -238,8 +259,9 @@ def _run_plan(plan: list[_PlanCell], chapter: str, exercises: list[str], timeout
             if stop_reason:
                 results.append(_Run(cell, stopped(stop_reason), dict(state["tokens"])))
                 continue
-            run = runner.run(cell.source, timeout=max(0.1, min(timeout, left())),
-                             store_history=cell.kind == "student")
+            run = runner.run(
+                cell.source, timeout=max(0.1, min(timeout, left())), store_history=cell.kind == "student"
+            )
             if not run.alive:
                 bad.add(pos)
             results.append(_Run(cell, run, dict(state["tokens"])))
@@ -274,8 +296,15 @@ def _reason(run) -> str:
     return "the check printed no verdict (the grader's check did not run to its end)"
 
 
-def grade_notebook(nb, authored, timeout: float = DEFAULT_TIMEOUT, submission: str = "",
-                   budget: float = DEFAULT_BUDGET, isolation=None, scan: bool = True) -> SubmissionResult:
+def grade_notebook(
+    nb,
+    authored,
+    timeout: float = DEFAULT_TIMEOUT,
+    submission: str = "",
+    budget: float = DEFAULT_BUDGET,
+    isolation=None,
+    scan: bool = True,
+) -> SubmissionResult:
     """Grade an in-memory notebook of ``authored.chapter``. ``scan=False`` ignores the static
     scan's findings (used by the tests to show what the other layers hold on their own)."""
     t0 = time.monotonic()
@@ -285,8 +314,9 @@ def grade_notebook(nb, authored, timeout: float = DEFAULT_TIMEOUT, submission: s
     zeroed = banned(plan) if scan else {}
     with tempfile.TemporaryDirectory(prefix="minipaged-grade-") as cwd:
         try:
-            runs = _run_plan(plan, authored.chapter, authored.exercises, timeout, cwd, budget=budget,
-                             isolation=isolation)
+            runs = _run_plan(
+                plan, authored.chapter, authored.exercises, timeout, cwd, budget=budget, isolation=isolation
+            )
         except RuntimeError as e:  # the kernel did not start
             result.error = str(e)
             result.exercises = {ex: ExerciseResult(False, str(e)) for ex in authored.exercises}
@@ -297,7 +327,9 @@ def grade_notebook(nb, authored, timeout: float = DEFAULT_TIMEOUT, submission: s
         cell, run = r.cell, r.run
         result.cells.append(CellReport(cell.index, cell.kind, cell.exercise, run.status, run.error))
         if cell.kind == "student" and cell.exercise and run.status != "ok":
-            solution_trouble.setdefault(cell.exercise, f"its solution cell (cell {cell.index}): {_reason(run)}")
+            solution_trouble.setdefault(
+                cell.exercise, f"its solution cell (cell {cell.index}): {_reason(run)}"
+            )
         if cell.kind == "check":
             token = r.tokens.get(cell.exercise)
             verdict = f"MPV {token} {cell.exercise}"
@@ -319,9 +351,15 @@ def grade_notebook(nb, authored, timeout: float = DEFAULT_TIMEOUT, submission: s
     return result
 
 
-def grade_submission(path, authored_by_chapter: dict, timeout: float = DEFAULT_TIMEOUT,
-                     chapter: Optional[str] = None, budget: float = DEFAULT_BUDGET,
-                     isolation=None, scan: bool = True) -> SubmissionResult:
+def grade_submission(
+    path,
+    authored_by_chapter: dict,
+    timeout: float = DEFAULT_TIMEOUT,
+    chapter: Optional[str] = None,
+    budget: float = DEFAULT_BUDGET,
+    isolation=None,
+    scan: bool = True,
+) -> SubmissionResult:
     """Grade one notebook file; never raises for a bad submission."""
     from minipaged.checks.notebook import (
         MalformedNotebook,
@@ -337,18 +375,36 @@ def grade_submission(path, authored_by_chapter: dict, timeout: float = DEFAULT_T
         return _zero_row(name, ch, authored_by_chapter, str(e))
     ch = chapter or identify_chapter(nb, path, set(authored_by_chapter))
     if ch is None:
-        return _zero_row(name, None, authored_by_chapter,
-                         "cannot tell which chapter this is (no minipaged metadata, no chNN in the name); "
-                         "pass --chapter")
+        return _zero_row(
+            name,
+            None,
+            authored_by_chapter,
+            "cannot tell which chapter this is (no minipaged metadata, no chNN in the name); pass --chapter",
+        )
     if ch not in authored_by_chapter:
         return _zero_row(name, None, authored_by_chapter, f"no authored exercises for chapter {ch!r}")
-    return grade_notebook(nb, authored_by_chapter[ch], timeout=timeout, submission=name, budget=budget,
-                          isolation=isolation, scan=scan)
+    return grade_notebook(
+        nb,
+        authored_by_chapter[ch],
+        timeout=timeout,
+        submission=name,
+        budget=budget,
+        isolation=isolation,
+        scan=scan,
+    )
 
 
-def grade_many(paths, authored_by_chapter: dict, timeout: float = DEFAULT_TIMEOUT,
-               chapter: Optional[str] = None, jobs: int = 1, progress: bool = False,
-               budget: float = DEFAULT_BUDGET, isolation=None, on_result=None) -> list[SubmissionResult]:
+def grade_many(
+    paths,
+    authored_by_chapter: dict,
+    timeout: float = DEFAULT_TIMEOUT,
+    chapter: Optional[str] = None,
+    jobs: int = 1,
+    progress: bool = False,
+    budget: float = DEFAULT_BUDGET,
+    isolation=None,
+    on_result=None,
+) -> list[SubmissionResult]:
     """Grade several submissions (``jobs`` at a time, one sandboxed kernel each); results in
     input order. ``on_result(results_so_far)`` is called after each submission (in input
     order of those done), e.g. to rewrite the CSV."""
@@ -363,8 +419,14 @@ def grade_many(paths, authored_by_chapter: dict, timeout: float = DEFAULT_TIMEOU
         if progress:
             print(f"grading {path} ...", file=sys.stderr, flush=True)
         try:
-            r = grade_submission(path, authored_by_chapter, timeout=timeout, chapter=chapter, budget=budget,
-                                 isolation=isolation)
+            r = grade_submission(
+                path,
+                authored_by_chapter,
+                timeout=timeout,
+                chapter=chapter,
+                budget=budget,
+                isolation=isolation,
+            )
         except Exception as e:  # never lose the rest of the class to one submission
             r = _zero_row(str(path), None, authored_by_chapter, f"the grader failed on this file: {e}")
         with lock:
@@ -504,26 +566,58 @@ def _csv_path(text: str) -> str:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("submissions", nargs="+", metavar="SUBMISSION",
-                        help="student notebooks (.ipynb) to grade")
-    parser.add_argument("--csv", metavar="FILE", type=_csv_path,
-                        help="also write the score table as CSV (rewritten after each submission)")
-    parser.add_argument("--timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT, metavar="S",
-                        help=f"seconds each cell may run before it is interrupted (default {DEFAULT_TIMEOUT:g})")
-    parser.add_argument("--budget", type=_positive_seconds, default=DEFAULT_BUDGET, metavar="S",
-                        help="seconds one submission may take in all, restarts included "
-                             f"(default {DEFAULT_BUDGET:g})")
-    parser.add_argument("--source", metavar="DIR",
-                        help="folder of the authored exercise notebooks (default: notebooks/exercises "
-                             "of this checkout)")
-    parser.add_argument("--chapter", metavar="chNN",
-                        help="grade every submission as this chapter (default: read it from the notebook)")
-    parser.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
-                        help="grade N submissions at a time, each in its own sandboxed kernel (default 1)")
-    parser.add_argument("--memory", type=_positive_int, default=None, metavar="MIB",
-                        help="address-space limit of each kernel in MiB (default 6144)")
-    parser.add_argument("--no-sandbox", action="store_true",
-                        help="run kernels without bubblewrap (say so in the printed isolation line)")
+    parser.add_argument(
+        "submissions", nargs="+", metavar="SUBMISSION", help="student notebooks (.ipynb) to grade"
+    )
+    parser.add_argument(
+        "--csv",
+        metavar="FILE",
+        type=_csv_path,
+        help="also write the score table as CSV (rewritten after each submission)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=DEFAULT_TIMEOUT,
+        metavar="S",
+        help=f"seconds each cell may run before it is interrupted (default {DEFAULT_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--budget",
+        type=_positive_seconds,
+        default=DEFAULT_BUDGET,
+        metavar="S",
+        help=f"seconds one submission may take in all, restarts included (default {DEFAULT_BUDGET:g})",
+    )
+    parser.add_argument(
+        "--source",
+        metavar="DIR",
+        help="folder of the authored exercise notebooks (default: notebooks/exercises of this checkout)",
+    )
+    parser.add_argument(
+        "--chapter",
+        metavar="chNN",
+        help="grade every submission as this chapter (default: read it from the notebook)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="grade N submissions at a time, each in its own sandboxed kernel (default 1)",
+    )
+    parser.add_argument(
+        "--memory",
+        type=_positive_int,
+        default=None,
+        metavar="MIB",
+        help="address-space limit of each kernel in MiB (default 6144)",
+    )
+    parser.add_argument(
+        "--no-sandbox",
+        action="store_true",
+        help="run kernels without bubblewrap (say so in the printed isolation line)",
+    )
     parser.add_argument("--quiet", action="store_true", help="print the table without the reasons")
 
 
@@ -531,7 +625,9 @@ def run(args) -> int:
     from minipaged.checks.notebook import load_authored
     from minipaged.checks.sandbox import Limits, probe
 
-    if not (math.isfinite(args.timeout) and args.timeout > 0) or not (math.isfinite(args.budget) and args.budget > 0):
+    if not (math.isfinite(args.timeout) and args.timeout > 0) or not (
+        math.isfinite(args.budget) and args.budget > 0
+    ):
         print("minipaged grade: --timeout and --budget must be finite and > 0", file=sys.stderr)
         return 2
     if args.jobs < 1:
@@ -543,8 +639,11 @@ def run(args) -> int:
         print(f"minipaged grade: {e}", file=sys.stderr)
         return 2
     if args.chapter is not None and args.chapter not in authored:
-        print(f"minipaged grade: no exercises for --chapter {args.chapter!r} "
-              f"(known: {', '.join(sorted(authored))})", file=sys.stderr)
+        print(
+            f"minipaged grade: no exercises for --chapter {args.chapter!r} "
+            f"(known: {', '.join(sorted(authored))})",
+            file=sys.stderr,
+        )
         return 2
     if args.csv:
         try:  # fail now, not after an hour of grading
@@ -563,8 +662,17 @@ def run(args) -> int:
         if args.csv:
             write_csv(done, args.csv)
 
-    results = grade_many(args.submissions, authored, timeout=args.timeout, chapter=args.chapter,
-                         jobs=args.jobs, progress=True, budget=args.budget, isolation=isolation, on_result=save)
+    results = grade_many(
+        args.submissions,
+        authored,
+        timeout=args.timeout,
+        chapter=args.chapter,
+        jobs=args.jobs,
+        progress=True,
+        budget=args.budget,
+        isolation=isolation,
+        on_result=save,
+    )
     print(format_table(results, details=not args.quiet), end="")
     if args.csv:
         write_csv(results, args.csv)

@@ -37,8 +37,14 @@ SCHEMA_VERSION = 3
 
 
 def _meta(grade_id: str, *, solution=False, grade=False, locked=False, points=None) -> dict:
-    m = {"grade": grade, "grade_id": grade_id, "locked": locked, "schema_version": SCHEMA_VERSION,
-         "solution": solution, "task": False}
+    m = {
+        "grade": grade,
+        "grade_id": grade_id,
+        "locked": locked,
+        "schema_version": SCHEMA_VERSION,
+        "solution": solution,
+        "task": False,
+    }
     if grade:
         m["points"] = points
     return m
@@ -58,8 +64,10 @@ def to_nbgrader(nb, chapter: str) -> nbformat.NotebookNode:
             meta = _meta(f"{slug}_check", grade=True, locked=True, points=1)
         else:
             meta = _meta(f"{chapter}_cell_{i}", locked=True)
-        if role == "solution" and sum(1 for c in out.cells if cell_role(c) == "solution"
-                                      and cell_exercise(c) == ex) > 1:
+        if (
+            role == "solution"
+            and sum(1 for c in out.cells if cell_role(c) == "solution" and cell_exercise(c) == ex) > 1
+        ):
             meta["grade_id"] = f"{slug}_solution_{i}"
         cell.metadata["nbgrader"] = meta
         if meta["locked"]:
@@ -78,8 +86,9 @@ def to_nbgrader(nb, chapter: str) -> nbformat.NotebookNode:
     return out
 
 
-def write_assignment(authored: dict, out, assignment: str = "minipaged", chapters=None,
-                     force: bool = False) -> list[Path]:
+def write_assignment(
+    authored: dict, out, assignment: str = "minipaged", chapters=None, force: bool = False
+) -> list[Path]:
     """Write ``out/source/<assignment>/<notebook>`` for each chapter; return the paths."""
     if not assignment or "/" in assignment or assignment.startswith("."):
         raise ValueError(f"assignment must be a plain folder name, got {assignment!r}")

@@ -136,7 +136,9 @@ def _stdout_text(cell) -> str:
     )
 
 
-def parse_authored(nb, path: Path, require_outputs: bool = True, require_solutions: bool = True) -> AuthoredNotebook:
+def parse_authored(
+    nb, path: Path, require_outputs: bool = True, require_solutions: bool = True
+) -> AuthoredNotebook:
     """Index and validate an authored exercise notebook (``require_solutions=False``: a
     student copy, whose solution cells hold stubs)."""
     chapter = nb.metadata.get(META_KEY, {}).get("chapter")
@@ -177,7 +179,9 @@ def parse_authored(nb, path: Path, require_outputs: bool = True, require_solutio
     return a
 
 
-def load_authored(directory: Optional[Path] = None, require_outputs: bool = True) -> dict[str, AuthoredNotebook]:
+def load_authored(
+    directory: Optional[Path] = None, require_outputs: bool = True
+) -> dict[str, AuthoredNotebook]:
     """Every authored exercise notebook in ``directory``, keyed by chapter."""
     directory = Path(directory) if directory is not None else default_authored_dir()
     if not directory.is_dir():
@@ -250,7 +254,9 @@ def read_submission(path) -> nbformat.NotebookNode:
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
-        raise MalformedNotebook(f"not a notebook: invalid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+        raise MalformedNotebook(
+            f"not a notebook: invalid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+        ) from None
     if not isinstance(raw, dict) or not isinstance(raw.get("cells"), list):
         raise MalformedNotebook("not a notebook: no list of cells")
     if raw.get("nbformat") != 4:

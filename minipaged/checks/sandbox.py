@@ -55,8 +55,14 @@ class Limits:
     file_bytes: int = 64 * 2**20  # largest file the kernel may write
 
     def prlimit_args(self) -> list[str]:
-        return [f"--as={self.memory_bytes}", f"--cpu={self.cpu_seconds}", f"--nproc={self.processes}",
-                f"--nofile={self.open_files}", f"--fsize={self.file_bytes}", "--core=0"]
+        return [
+            f"--as={self.memory_bytes}",
+            f"--cpu={self.cpu_seconds}",
+            f"--nproc={self.processes}",
+            f"--nofile={self.open_files}",
+            f"--fsize={self.file_bytes}",
+            "--core=0",
+        ]
 
 
 @dataclass
@@ -76,15 +82,19 @@ class Isolation:
     def describe(self) -> str:
         got = []
         if self.bwrap:
-            got.append("bubblewrap sandbox (own PID/network/IPC namespaces, read-only package, no "
-                       "authored notebooks or other submissions, fresh /tmp)")
+            got.append(
+                "bubblewrap sandbox (own PID/network/IPC namespaces, read-only package, no "
+                "authored notebooks or other submissions, fresh /tmp)"
+            )
         if self.user:
             got.append(f"user {self.user}")
         if self.prlimit:
             lim = self.limits
-            got.append(f"limits: memory {lim.memory_bytes // 2**20} MiB, CPU {lim.cpu_seconds} s, "
-                       f"{lim.processes} processes, {lim.open_files} open files, "
-                       f"files up to {lim.file_bytes // 2**20} MiB")
+            got.append(
+                f"limits: memory {lim.memory_bytes // 2**20} MiB, CPU {lim.cpu_seconds} s, "
+                f"{lim.processes} processes, {lim.open_files} open files, "
+                f"files up to {lim.file_bytes // 2**20} MiB"
+            )
         lines = ["isolation: " + ("; ".join(got) if got else "none")]
         lines += [f"isolation MISSING: {m}" for m in self.missing]
         return "\n".join(lines)
@@ -98,16 +108,26 @@ class Isolation:
         if self.bwrap:
             out += [self.bwrap, *_bwrap_args(self.package_dir, workdir)]
         if self.user and self.setpriv:
-            out += [self.setpriv, f"--reuid={self.user}", f"--regid={self.user}", "--clear-groups",
-                    "--no-new-privs", "--"]
+            out += [
+                self.setpriv,
+                f"--reuid={self.user}",
+                f"--regid={self.user}",
+                "--clear-groups",
+                "--no-new-privs",
+                "--",
+            ]
         return out + list(cmd)
 
     def env(self, base: dict) -> dict:
         """The kernel's environment: nothing of the grader's but what Python needs."""
         keep = {k: base[k] for k in ("PATH", "LANG", "LC_ALL", "TZ") if k in base}
-        keep.update(MPLBACKEND="Agg", PYTHONDONTWRITEBYTECODE="1", PYTHONNOUSERSITE="1",
-                    HOME="/tmp" if self.bwrap else base.get("HOME", "/tmp"),
-                    TRITON_CACHE_DIR="/tmp/.triton" if self.bwrap else base.get("TRITON_CACHE_DIR", ""))
+        keep.update(
+            MPLBACKEND="Agg",
+            PYTHONDONTWRITEBYTECODE="1",
+            PYTHONNOUSERSITE="1",
+            HOME="/tmp" if self.bwrap else base.get("HOME", "/tmp"),
+            TRITON_CACHE_DIR="/tmp/.triton" if self.bwrap else base.get("TRITON_CACHE_DIR", ""),
+        )
         if not keep["TRITON_CACHE_DIR"]:
             del keep["TRITON_CACHE_DIR"]
         if "TRITON_INTERPRET" in base:
@@ -117,8 +137,12 @@ class Isolation:
 
 
 def _python_dirs() -> list[str]:
-    dirs = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix),
-            os.path.realpath(os.path.dirname(os.path.realpath(sys.executable))), sys.prefix}
+    dirs = {
+        os.path.realpath(sys.prefix),
+        os.path.realpath(sys.base_prefix),
+        os.path.realpath(os.path.dirname(os.path.realpath(sys.executable))),
+        sys.prefix,
+    }
     out = []
     for d in sorted(dirs):
         if not any(d == s or d.startswith(s + "/") for s in ("/usr", "/lib", "/lib64", "/bin", "/etc")):
@@ -128,12 +152,27 @@ def _python_dirs() -> list[str]:
 
 
 def _bwrap_args(package_dir: str, workdir: str) -> list[str]:
-    args = ["--die-with-parent", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", "--hostname", "minipaged-sandbox",
-            # first the fresh /tmp, so a Python or a socket folder under the host's /tmp is
-            # mounted on top of it, not hidden by it
-            "--tmpfs", "/tmp", "--perms", "0777", "--dir", "/tmp/work"]
-    binds = [(p, p) for p in ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc") if os.path.exists(p)]
+    args = [
+        "--die-with-parent",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--hostname",
+        "minipaged-sandbox",
+        # first the fresh /tmp, so a Python or a socket folder under the host's /tmp is
+        # mounted on top of it, not hidden by it
+        "--tmpfs",
+        "/tmp",
+        "--perms",
+        "0777",
+        "--dir",
+        "/tmp/work",
+    ]
+    binds = [
+        (p, p) for p in ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc") if os.path.exists(p)
+    ]
     binds += [(d, d) for d in _python_dirs()]
     binds.append((package_dir, f"{PACKAGE_MOUNT}/minipaged"))
     made = {"/", "/tmp"}
@@ -171,15 +210,22 @@ def _ensure_user(name: str, create: bool) -> Optional[str]:
         return name
     if not create or os.geteuid() != 0 or not shutil.which("useradd"):
         return None
-    subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return name if _user_exists(name) else None
 
 
 def _works(cmd: list[str], env: dict) -> bool:
     try:
-        return subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60,
-                              cwd="/", env=env).returncode == 0
+        return (
+            subprocess.run(
+                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60, cwd="/", env=env
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -187,20 +233,29 @@ def _works(cmd: list[str], env: dict) -> bool:
 _PROBED: dict = {}
 
 
-def probe(user: str = GRADER_USER, create_user: bool = True, limits: Optional[Limits] = None,
-          use_bwrap: bool = True) -> Isolation:
+def probe(
+    user: str = GRADER_USER, create_user: bool = True, limits: Optional[Limits] = None, use_bwrap: bool = True
+) -> Isolation:
     """What isolation this machine gives (cached per process and arguments)."""
     key = (user, create_user, use_bwrap)
     if key in _PROBED:
         iso = _PROBED[key]
-        return Isolation(iso.bwrap, iso.user, iso.prlimit, iso.setpriv, limits or Limits(), list(iso.missing),
-                         iso.package_dir)
+        return Isolation(
+            iso.bwrap,
+            iso.user,
+            iso.prlimit,
+            iso.setpriv,
+            limits or Limits(),
+            list(iso.missing),
+            iso.package_dir,
+        )
     import minipaged
 
     iso = Isolation(limits=limits or Limits(), package_dir=str(Path(minipaged.__file__).resolve().parent))
     if sys.platform != "linux":
-        iso.missing.append(f"sandboxing needs Linux (this is {sys.platform}): kernels run as you, "
-                           "with no limits")
+        iso.missing.append(
+            f"sandboxing needs Linux (this is {sys.platform}): kernels run as you, with no limits"
+        )
         _PROBED[key] = iso
         return iso
     iso.prlimit = shutil.which("prlimit")
@@ -212,16 +267,21 @@ def probe(user: str = GRADER_USER, create_user: bool = True, limits: Optional[Li
         if name and iso.setpriv:
             iso.user = name
         else:
-            iso.missing.append(f"no unprivileged user: could not create {user!r} (useradd) or find setpriv; "
-                               "kernels would run as root")
+            iso.missing.append(
+                f"no unprivileged user: could not create {user!r} (useradd) or find setpriv; "
+                "kernels would run as root"
+            )
     else:
-        iso.missing.append(f"not running as root: kernels run as your own user "
-                           f"(uid {os.geteuid()}), not a separate one")
+        iso.missing.append(
+            f"not running as root: kernels run as your own user (uid {os.geteuid()}), not a separate one"
+        )
     bw = shutil.which("bwrap") if use_bwrap else None
     if bw is None:
-        iso.missing.append("bubblewrap (bwrap) not found: kernels can read the authored notebooks and "
-                           "other submissions, see other processes in /proc, and reach the network "
-                           "(apt-get install bubblewrap)")
+        iso.missing.append(
+            "bubblewrap (bwrap) not found: kernels can read the authored notebooks and "
+            "other submissions, see other processes in /proc, and reach the network "
+            "(apt-get install bubblewrap)"
+        )
     else:
         test = Isolation(bw, iso.user, None, iso.setpriv, iso.limits, [], iso.package_dir)
         import tempfile
@@ -232,13 +292,21 @@ def probe(user: str = GRADER_USER, create_user: bool = True, limits: Optional[Li
             if _works(cmd, test.env(dict(os.environ))):
                 iso.bwrap = bw
             else:
-                iso.missing.append("bubblewrap is installed but could not start a sandbox here "
-                                   "(user namespaces off?): no filesystem or /proc isolation")
+                iso.missing.append(
+                    "bubblewrap is installed but could not start a sandbox here "
+                    "(user namespaces off?): no filesystem or /proc isolation"
+                )
     if iso.user and not iso.bwrap:
         # without bwrap the user must reach the Python installation by itself
-        if not _works(iso.wrap([sys.executable, "-c", "import minipaged"], "/tmp"), iso.env(dict(os.environ))):
-            iso.missing.append(f"user {iso.user} cannot run {sys.executable} (its folder is not readable "
-                               "to other users): kernels run as root")
+        if not _works(
+            iso.wrap([sys.executable, "-c", "import minipaged"], "/tmp"), iso.env(dict(os.environ))
+        ):
+            iso.missing.append(
+                f"user {iso.user} cannot run {sys.executable} (its folder is not readable "
+                "to other users): kernels run as root"
+            )
             iso.user = None
     _PROBED[key] = iso
-    return Isolation(iso.bwrap, iso.user, iso.prlimit, iso.setpriv, iso.limits, list(iso.missing), iso.package_dir)
+    return Isolation(
+        iso.bwrap, iso.user, iso.prlimit, iso.setpriv, iso.limits, list(iso.missing), iso.package_dir
+    )

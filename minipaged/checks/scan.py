@@ -49,34 +49,132 @@ from dataclasses import dataclass
 from typing import Optional
 
 BANNED_MODULES = (
-    "importlib", "imp", "ctypes", "gc", "inspect", "runpy", "IPython", "ipykernel",
-    "builtins", "marshal", "code", "codeop", "pickle", "dill", "cloudpickle",
-    "subprocess", "multiprocessing", "minipaged.checks", "jupyter_client", "zmq",
+    "importlib",
+    "imp",
+    "ctypes",
+    "gc",
+    "inspect",
+    "runpy",
+    "IPython",
+    "ipykernel",
+    "builtins",
+    "marshal",
+    "code",
+    "codeop",
+    "pickle",
+    "dill",
+    "cloudpickle",
+    "subprocess",
+    "multiprocessing",
+    "minipaged.checks",
+    "jupyter_client",
+    "zmq",
 )
 BANNED_SYS = (
-    "sys.modules", "sys.meta_path", "sys.path_hooks", "sys.path_importer_cache", "sys._getframe",
-    "sys.settrace", "sys.setprofile", "sys.addaudithook", "sys.path", "sys.setrecursionlimit",
+    "sys.modules",
+    "sys.meta_path",
+    "sys.path_hooks",
+    "sys.path_importer_cache",
+    "sys._getframe",
+    "sys.settrace",
+    "sys.setprofile",
+    "sys.addaudithook",
+    "sys.path",
+    "sys.setrecursionlimit",
 )  # (sys.stdout and friends may be read, e.g. print(..., file=sys.stderr); assigning them is a patch)
 # files and processes: the exercises never need them, and they reach the authored notebooks,
 # the package's files or the grader (the sandbox blocks these too; the scan says so first)
 BANNED_OS = (
-    "os.system", "os.popen", "os.execv", "os.execve", "os.execl", "os.execlp", "os.execvp", "os.spawnl",
-    "os.spawnv", "os.posix_spawn", "os.fork", "os.kill", "os.killpg", "os.remove", "os.unlink",
-    "os.rename", "os.replace", "os.open", "os.write", "os.chmod", "os.chown", "os.symlink", "os.link",
-    "os.mkdir", "os.makedirs", "os.rmdir", "os.environ", "os.putenv", "os.getppid", "os.listdir",
-    "os.scandir", "os.walk", "os.chdir", "pathlib", "shutil", "socket", "signal", "glob", "tempfile",
-    "io.open", "io.FileIO",
+    "os.system",
+    "os.popen",
+    "os.execv",
+    "os.execve",
+    "os.execl",
+    "os.execlp",
+    "os.execvp",
+    "os.spawnl",
+    "os.spawnv",
+    "os.posix_spawn",
+    "os.fork",
+    "os.kill",
+    "os.killpg",
+    "os.remove",
+    "os.unlink",
+    "os.rename",
+    "os.replace",
+    "os.open",
+    "os.write",
+    "os.chmod",
+    "os.chown",
+    "os.symlink",
+    "os.link",
+    "os.mkdir",
+    "os.makedirs",
+    "os.rmdir",
+    "os.environ",
+    "os.putenv",
+    "os.getppid",
+    "os.listdir",
+    "os.scandir",
+    "os.walk",
+    "os.chdir",
+    "pathlib",
+    "shutil",
+    "socket",
+    "signal",
+    "glob",
+    "tempfile",
+    "io.open",
+    "io.FileIO",
 )
 FILE_METHODS = {"write_text", "write_bytes", "read_text", "read_bytes", "symlink_to", "hardlink_to"}
 BANNED_CALLS = {
-    "eval", "exec", "compile", "__import__", "globals", "locals", "vars", "setattr",
-    "delattr", "breakpoint", "open", "input", "memoryview",
+    "eval",
+    "exec",
+    "compile",
+    "__import__",
+    "globals",
+    "locals",
+    "vars",
+    "setattr",
+    "delattr",
+    "breakpoint",
+    "open",
+    "input",
+    "memoryview",
 }
-ALLOWED_DUNDERS = {"__init__", "__name__", "__doc__", "__len__", "__iter__", "__next__",
-                   "__repr__", "__str__", "__post_init__", "__qualname__"}
-FRAME_ATTRS = {"f_back", "f_globals", "f_locals", "f_builtins", "f_code", "f_trace", "tb_frame",
-               "tb_next", "gi_frame", "gi_code", "cr_frame", "cr_code", "ag_frame", "ag_code",
-               "co_consts", "co_code", "mro", "func_globals"}
+ALLOWED_DUNDERS = {
+    "__init__",
+    "__name__",
+    "__doc__",
+    "__len__",
+    "__iter__",
+    "__next__",
+    "__repr__",
+    "__str__",
+    "__post_init__",
+    "__qualname__",
+}
+FRAME_ATTRS = {
+    "f_back",
+    "f_globals",
+    "f_locals",
+    "f_builtins",
+    "f_code",
+    "f_trace",
+    "tb_frame",
+    "tb_next",
+    "gi_frame",
+    "gi_code",
+    "cr_frame",
+    "cr_code",
+    "ag_frame",
+    "ag_code",
+    "co_consts",
+    "co_code",
+    "mro",
+    "func_globals",
+}
 ALLOWED_MAGICS = {"time", "timeit", "matplotlib"}
 
 # Per chapter: the package objects whose job the exercises ask the student to do. A
@@ -202,9 +300,13 @@ class _Scanner(ast.NodeVisitor):
             return
         ref = self.reference_of(name)
         if ref and context != "import":
-            self.flag(node, "reference", f"uses the reference {name} (the exercise asks you to write "
-                      f"it; {ref.rsplit('.', 1)[-1]} may appear only in annotations and isinstance)",
-                      tamper=False)
+            self.flag(
+                node,
+                "reference",
+                f"uses the reference {name} (the exercise asks you to write "
+                f"it; {ref.rsplit('.', 1)[-1]} may appear only in annotations and isinstance)",
+                tamper=False,
+            )
 
     # -- imports and aliases ---------------------------------------------------------------
     def visit_Import(self, node: ast.Import) -> None:
@@ -250,10 +352,18 @@ class _Scanner(ast.NodeVisitor):
             self.flag(node, "files-processes", f"uses .{attr}() (files are not allowed)")
         elif attr in FRAME_ATTRS:
             self.flag(node, "frame-attribute", f"uses .{attr} (frames and code objects are not allowed)")
-        elif isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name) \
-                and node.value.func.id == "type" and attr not in ALLOWED_DUNDERS:
-            self.flag(node, "type-attribute", f"uses type(...).{attr} (reaching into the class of an "
-                      "object the check hands you is not allowed)")
+        elif (
+            isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Name)
+            and node.value.func.id == "type"
+            and attr not in ALLOWED_DUNDERS
+        ):
+            self.flag(
+                node,
+                "type-attribute",
+                f"uses type(...).{attr} (reaching into the class of an "
+                "object the check hands you is not allowed)",
+            )
         name = self.dotted(node)
         if name is not None:
             self.check_name(node, name)
@@ -271,8 +381,11 @@ class _Scanner(ast.NodeVisitor):
         if isinstance(f, ast.Name):
             if f.id in BANNED_CALLS and f.id not in self.aliases:
                 self.flag(node, "banned-builtin", f"calls {f.id}() (not allowed in a submission)")
-            elif f.id == "getattr" and not (len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
-                                           and isinstance(node.args[1].value, str)):
+            elif f.id == "getattr" and not (
+                len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+            ):
                 self.flag(node, "getattr", "calls getattr() with a computed name")
             elif f.id == "getattr":
                 attr = node.args[1].value
@@ -280,24 +393,35 @@ class _Scanner(ast.NodeVisitor):
                 ast.copy_location(fake, node)
                 self.visit_Attribute(fake)
             elif f.id == "super" and (node.args or node.keywords):
-                self.flag(node, "super-args", "calls super(...) with arguments (reaching a base class "
-                          "of an object the check hands you is not allowed)")
+                self.flag(
+                    node,
+                    "super-args",
+                    "calls super(...) with arguments (reaching a base class "
+                    "of an object the check hands you is not allowed)",
+                )
             elif f.id == "get_ipython":
                 self.flag(node, "ipython-hook", "calls get_ipython() (IPython hooks are not allowed)")
             elif f.id == "isinstance" or f.id == "issubclass":
                 for a in node.args[:1]:
                     self.visit(a)
                 return  # the class argument may name a reference
-        elif isinstance(f, ast.Attribute) and f.attr in ("run_line_magic", "run_cell_magic") \
-                and isinstance(f.value, ast.Call) and isinstance(f.value.func, ast.Name) \
-                and f.value.func.id == "get_ipython":
+        elif (
+            isinstance(f, ast.Attribute)
+            and f.attr in ("run_line_magic", "run_cell_magic")
+            and isinstance(f.value, ast.Call)
+            and isinstance(f.value.func, ast.Name)
+            and f.value.func.id == "get_ipython"
+        ):
             magic = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else None
             if magic in ALLOWED_MAGICS:
                 for a in node.args[1:]:
                     self.visit(a)
                 return
-            self.flag(node, "ipython-magic", f"uses the %{magic} magic (only %time, %timeit and "
-                      "%matplotlib are allowed)")
+            self.flag(
+                node,
+                "ipython-magic",
+                f"uses the %{magic} magic (only %time, %timeit and %matplotlib are allowed)",
+            )
             return
         self.generic_visit(node)
 

@@ -157,9 +157,12 @@ class _PromptBeams:
         for i in nxt.tolist():
             parent = self.running[parents[i]]
             child = Request(
-                f"{self.rid}.{self._next_beam}", self.prompt, self.prompt_req.sampling_params,
+                f"{self.rid}.{self._next_beam}",
+                self.prompt,
+                self.prompt_req.sampling_params,
                 output_token_ids=parent.output_token_ids + [tokens[i]],
-                num_computed_tokens=parent.num_tokens, status=RequestStatus.RUNNING,
+                num_computed_tokens=parent.num_tokens,
+                status=RequestStatus.RUNNING,
             )
             self._next_beam += 1
             scheduler.fork_request(parent, child)
@@ -174,7 +177,7 @@ class _PromptBeams:
             best_len = self.max_length - self.P
         else:
             best_len = self.cur_len - self.P
-        best_running = self.running_scores[0] / (best_len ** self.length_penalty)
+        best_running = self.running_scores[0] / (best_len**self.length_penalty)
         if bool(self.fin_done.all()):
             self.unsatisfied = self.unsatisfied and bool(best_running > self.fin_scores.min())
         stop_full = bool(self.fin_done.all()) and self.early_stopping is True
@@ -182,8 +185,9 @@ class _PromptBeams:
 
     def output(self, decode) -> BeamSearchOutput:
         seqs = []
-        for toks, cum, score, done in zip(self.fin_tokens, self.fin_cum.tolist(),
-                                          self.fin_scores.tolist(), self.fin_done.tolist()):
+        for toks, cum, score, done in zip(
+            self.fin_tokens, self.fin_cum.tolist(), self.fin_scores.tolist(), self.fin_done.tolist()
+        ):
             if not done:
                 continue
             reason = "stop" if toks and toks[-1] in self.eos else "length"
@@ -220,7 +224,9 @@ def beam_search(
     for i, (text, ids) in enumerate(tokenized):
         max_new = min(params.max_tokens, engine.max_model_len - len(ids))
         if max_new < 1:
-            raise ValueError(f"prompts[{i}] leaves no room to generate (max_model_len={engine.max_model_len})")
+            raise ValueError(
+                f"prompts[{i}] leaves no room to generate (max_model_len={engine.max_model_len})"
+            )
         st = _PromptBeams(str(i), text, ids, params, engine.eos_token_ids, max_new, early_stopping)
         if st.reservation(bs) > kv.num_blocks:
             raise ValueError(
@@ -260,8 +266,10 @@ def _run(engine, states: list[_PromptBeams]) -> None:
         trace.requests[st.rid] = {"prompt_len": st.P, "output_len": 0, "arrival_step": 0, "finish_step": None}
     step = 0
     while waiting or active:
-        while waiting and reserved + waiting[0].reservation(kv.block_size) <= kv.num_blocks and (
-            sum(s.k for s in active) + waiting[0].k <= min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        while (
+            waiting
+            and reserved + waiting[0].reservation(kv.block_size) <= kv.num_blocks
+            and (sum(s.k for s in active) + waiting[0].k <= min(cfg.max_num_seqs, cfg.max_num_batched_tokens))
         ):
             st = waiting.popleft()
             active.append(st)
@@ -293,6 +301,7 @@ def _run(engine, states: list[_PromptBeams]) -> None:
         rec.finished_ids = [st.rid for st in done]
         trace.record(rec)
         for st in done:
-            trace.requests[st.rid].update(finish_step=step, output_len=max(
-                (len(t) for t in st.fin_tokens if t is not None), default=0))
+            trace.requests[st.rid].update(
+                finish_step=step, output_len=max((len(t) for t in st.fin_tokens if t is not None), default=0)
+            )
         step += 1

@@ -34,7 +34,8 @@ Failure mode
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Optional, Union
 
 from minipaged.config import EngineConfig
 from minipaged.engine.beam_search import beam_search
@@ -124,9 +125,18 @@ class LLM:
         checked: set[int] = set()
         for i, p in enumerate(params_list):
             if id(p) not in checked:
-                name = "sampling_params" if isinstance(sampling_params, SamplingParams) else f"sampling_params[{i}]"
-                verify_sampling_params(p, int(engine.model.vocab_size), self.config.max_num_seqs, name,
-                                       has_tokenizer=engine.tokenizer is not None)
+                name = (
+                    "sampling_params"
+                    if isinstance(sampling_params, SamplingParams)
+                    else f"sampling_params[{i}]"
+                )
+                verify_sampling_params(
+                    p,
+                    int(engine.model.vocab_size),
+                    self.config.max_num_seqs,
+                    name,
+                    has_tokenizer=engine.tokenizer is not None,
+                )
                 checked.add(id(p))
         if engine.has_unfinished_requests():
             raise RuntimeError("the engine still holds requests from an interrupted call")

@@ -40,10 +40,10 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 
@@ -74,10 +74,9 @@ def normalize_prompts(prompts) -> list:
         elif isinstance(p, (list, tuple)):
             out.append(list(p))
         else:
-            raise ValueError(
-                f"prompts[{i}] must be a string or a list of token ids, got {type(p).__name__}"
-            )
+            raise ValueError(f"prompts[{i}] must be a string or a list of token ids, got {type(p).__name__}")
     return out
+
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -161,9 +160,7 @@ class LLMEngine:
         if config.max_model_len is None:
             return limit
         if config.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's context ({limit})"
-            )
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context ({limit})")
         return config.max_model_len
 
     def _make_scheduler(self):
@@ -179,9 +176,12 @@ class LLMEngine:
         )
         if c.scheduling == "static":
             return StaticBatchScheduler(**kwargs)
-        return EngineScheduler(**kwargs, preemption_mode=c.preemption_mode,
-                               num_cpu_blocks=self.num_cpu_blocks,
-                               parallel_sampling=c.parallel_sampling)
+        return EngineScheduler(
+            **kwargs,
+            preemption_mode=c.preemption_mode,
+            num_cpu_blocks=self.num_cpu_blocks,
+            parallel_sampling=c.parallel_sampling,
+        )
 
     def _new_trace(self, meta: Optional[dict] = None) -> EngineTrace:
         c = self.config
@@ -260,8 +260,12 @@ class LLMEngine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        verify_sampling_params(params, int(self.model.vocab_size), self.config.max_num_seqs,
-                               has_tokenizer=self.tokenizer is not None)
+        verify_sampling_params(
+            params,
+            int(self.model.vocab_size),
+            self.config.max_num_seqs,
+            has_tokenizer=self.tokenizer is not None,
+        )
         text, ids = _tokenized if _tokenized is not None else self.tokenize(prompt)
         group = _RequestGroup(request_id, text, ids, params)
         seq_params = dataclasses.replace(params, n=1) if params.n > 1 else params
@@ -269,9 +273,7 @@ class LLMEngine:
         # config listing more than one) stops on the others as stop tokens.
         extra_eos = [e for e in self.eos_token_ids[1:] if e not in seq_params.stop_token_ids]
         if extra_eos and not seq_params.ignore_eos:
-            seq_params = dataclasses.replace(
-                seq_params, stop_token_ids=seq_params.stop_token_ids + extra_eos
-            )
+            seq_params = dataclasses.replace(seq_params, stop_token_ids=seq_params.stop_token_ids + extra_eos)
         for j in range(params.n):
             sid = request_id if params.n == 1 else f"{request_id}.{j}"
             req = Request(
@@ -390,7 +392,9 @@ class LLMEngine:
 
     def _collect_outputs(self, finished: list[Request]) -> list[RequestOutput]:
         outputs = []
-        for group in {id(self.seq_to_group[r.request_id]): self.seq_to_group[r.request_id] for r in finished}.values():
+        for group in {
+            id(self.seq_to_group[r.request_id]): self.seq_to_group[r.request_id] for r in finished
+        }.values():
             if group.finished and group.request_id in self.groups:
                 outputs.append(self.make_output(group))
                 self._pop_group(group)

@@ -43,6 +43,7 @@ import torch
 
 from minipaged.model.input import ModelInput
 
+
 class ModelRunner:
     def __init__(
         self,

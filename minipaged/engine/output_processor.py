@@ -26,8 +26,9 @@ Failure mode
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 from minipaged.core.request import Request, RequestStatus
 from minipaged.engine.detokenizer import IncrementalDetokenizer
@@ -48,7 +49,9 @@ class OutputProcessor:
     tokenizer: object = None
     seqs: dict[str, _SeqState] = field(default_factory=dict)
 
-    def add_request(self, seqs: Sequence[Request], prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, seqs: Sequence[Request], prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
         for req in seqs:
             detok = None
             if params.stop and self.tokenizer is not None:
@@ -93,7 +96,11 @@ class OutputProcessor:
     def _logprob_dicts(self, entries: list[Logprobs]) -> list[dict[int, Logprob]]:
         out = []
         for e in entries:
-            d = {e.sampled_token_id: Logprob(e.sampled_logprob, e.sampled_rank, self._decoded(e.sampled_token_id))}
+            d = {
+                e.sampled_token_id: Logprob(
+                    e.sampled_logprob, e.sampled_rank, self._decoded(e.sampled_token_id)
+                )
+            }
             for rank, (tid, lp) in enumerate(zip(e.token_ids, e.logprobs), start=1):
                 if tid not in d:
                     d[tid] = Logprob(lp, rank, self._decoded(tid))

@@ -44,8 +44,9 @@ Failure mode
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -228,9 +229,7 @@ class Sampler:
             return out
         dev = logits.device
         rows = torch.tensor(random_rows, device=dev)  # [R]
-        temps = torch.tensor(
-            [float(params[i].temperature) for i in random_rows], device=dev
-        )  # [R]
+        temps = torch.tensor([float(params[i].temperature) for i in random_rows], device=dev)  # [R]
         x = logits.index_select(0, rows) / temps[:, None]  # [R, V]
         if any(params[i].min_p > 0.0 for i in random_rows):
             min_p = torch.tensor([float(params[i].min_p) for i in random_rows], device=dev)  # [R]

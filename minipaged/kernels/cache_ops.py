@@ -40,7 +40,8 @@ token, written like Triton's ``01-vector-add`` tutorial.
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from collections.abc import Sequence
+from typing import Union
 
 import torch
 
@@ -84,7 +85,12 @@ def _check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None
     for name, t in (("key", key), ("value", value), ("v_cache", v_cache)):
         if t.dtype != k_cache.dtype:
             raise ValueError(f"{name} dtype {t.dtype} != k_cache dtype {k_cache.dtype}")
-    for name, t in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
+    for name, t in (
+        ("value", value),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("slot_mapping", slot_mapping),
+    ):
         if t.device != key.device:
             raise ValueError(f"{name} is on {t.device} but key is on {key.device}")
     if slot_mapping.device.type == "cpu" and slot_mapping.numel() > 0:
@@ -203,9 +209,13 @@ if HAS_TRITON:
         k_cache_ptr,  # [num_blocks, block_size, KVH, D] key cache, written in place
         v_cache_ptr,  # [num_blocks, block_size, KVH, D] value cache, written in place
         slot_mapping_ptr,  # [T] slot of each token, < 0 = skip
-        stride_kt, stride_kh,  # key strides over tokens and heads (head_dim stride is 1)
-        stride_vt, stride_vh,  # value strides over tokens and heads
-        stride_cb, stride_cs, stride_ch,  # cache strides over blocks, slots, heads (shared by K and V)
+        stride_kt,
+        stride_kh,  # key strides over tokens and heads (head_dim stride is 1)
+        stride_vt,
+        stride_vh,  # value strides over tokens and heads
+        stride_cb,
+        stride_cs,
+        stride_ch,  # cache strides over blocks, slots, heads (shared by K and V)
         num_kv_heads,  # KVH
         head_dim,  # D
         block_size: tl.constexpr,  # tokens per cache block
@@ -261,11 +271,20 @@ def reshape_and_cache_triton(
     num_tokens, num_kv_heads, head_dim = key.shape
     grid = (num_tokens,)
     _reshape_and_cache_kernel[grid](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        num_kv_heads, head_dim,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        num_kv_heads,
+        head_dim,
         block_size=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),

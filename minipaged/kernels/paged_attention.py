@@ -98,8 +98,14 @@ if HAS_TRITON:
         v_cache_ptr,  # [num_blocks, block_size, KVH, D] value cache
         block_table_ptr,  # this sequence's row of block_tables: logical -> physical block
         kv_head,  # which kv head to read
-        stride_kb, stride_ks, stride_kh, stride_kd,  # key cache strides
-        stride_vb, stride_vs, stride_vh, stride_vd,  # value cache strides
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_kd,  # key cache strides
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_vd,  # value cache strides
         start,  # first token position to visit
         end,  # one past the last token position to visit
         qk_scale,  # softmax scale * log2(e)
@@ -171,13 +177,26 @@ if HAS_TRITON:
         block_tables_ptr,  # [num_seqs, max_blocks] int32
         seq_lens_ptr,  # [num_seqs] int32 context length of each sequence
         qk_scale,  # softmax scale * log2(e)
-        stride_qs, stride_qh, stride_qd,  # q strides
-        stride_os, stride_oh, stride_od,  # out strides
-        stride_kb, stride_ks, stride_kh, stride_kd,  # key cache strides
-        stride_vb, stride_vs, stride_vh, stride_vd,  # value cache strides
+        stride_qs,
+        stride_qh,
+        stride_qd,  # q strides
+        stride_os,
+        stride_oh,
+        stride_od,  # out strides
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_kd,  # key cache strides
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_vd,  # value cache strides
         stride_bt,  # block_tables stride over sequences
-        stride_ps, stride_ph,  # exp_sums / max_logits strides (sequence, head); partition stride 1
-        stride_ts, stride_th, stride_tp,  # tmp_out strides (sequence, head, partition); D stride 1
+        stride_ps,
+        stride_ph,  # exp_sums / max_logits strides (sequence, head); partition stride 1
+        stride_ts,
+        stride_th,
+        stride_tp,  # tmp_out strides (sequence, head, partition); D stride 1
         head_dim,  # D
         num_queries_per_kv,  # H // KVH: the GQA group size
         block_size: tl.constexpr,  # tokens per cache block
@@ -227,12 +246,32 @@ if HAS_TRITON:
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         m_i = tl.zeros([BLOCK_G], dtype=tl.float32) + float("-inf")
         acc, l_i, m_i = _attend_kv_range(
-            acc, l_i, m_i, q, q_pos,
-            k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, kv_head,
-            stride_kb, stride_ks, stride_kh, stride_kd,
-            stride_vb, stride_vs, stride_vh, stride_vd,
-            start, end, qk_scale, head_dim,
-            block_size, BLOCK_N, BLOCK_D, COMPUTE_DTYPE, DOT_PRECISION,
+            acc,
+            l_i,
+            m_i,
+            q,
+            q_pos,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_tables_ptr + seq * stride_bt,
+            kv_head,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_kd,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            stride_vd,
+            start,
+            end,
+            qk_scale,
+            head_dim,
+            block_size,
+            BLOCK_N,
+            BLOCK_D,
+            COMPUTE_DTYPE,
+            DOT_PRECISION,
         )
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len == 0 (padding) -> output 0
         out = acc / l_safe[:, None]  # [BLOCK_G, BLOCK_D]
@@ -241,7 +280,13 @@ if HAS_TRITON:
             p_offs = seq * stride_ps + heads * stride_ph + part
             tl.store(exp_sums_ptr + p_offs, l_i, mask=mask_g)
             tl.store(max_logits_ptr + p_offs, m_i, mask=mask_g)
-            t_ptrs = tmp_out_ptr + seq * stride_ts + heads[:, None] * stride_th + part * stride_tp + offs_d[None, :]
+            t_ptrs = (
+                tmp_out_ptr
+                + seq * stride_ts
+                + heads[:, None] * stride_th
+                + part * stride_tp
+                + offs_d[None, :]
+            )
             tl.store(t_ptrs, out, mask=q_mask)
         else:
             o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
@@ -254,9 +299,14 @@ if HAS_TRITON:
         max_logits_ptr,  # [num_seqs, H, max_parts] fp32: m of each partition (base 2)
         tmp_out_ptr,  # [num_seqs, H, max_parts, D] fp32: normalized output of each partition
         seq_lens_ptr,  # [num_seqs] int32
-        stride_os, stride_oh, stride_od,  # out strides
-        stride_ps, stride_ph,  # exp_sums / max_logits strides; partition stride 1
-        stride_ts, stride_th, stride_tp,  # tmp_out strides; D stride 1
+        stride_os,
+        stride_oh,
+        stride_od,  # out strides
+        stride_ps,
+        stride_ph,  # exp_sums / max_logits strides; partition stride 1
+        stride_ts,
+        stride_th,
+        stride_tp,  # tmp_out strides; D stride 1
         head_dim,  # D
         PARTITION_SIZE: tl.constexpr,  # tokens per partition
         BLOCK_P: tl.constexpr,  # max_parts rounded up to a power of two
@@ -287,7 +337,9 @@ if HAS_TRITON:
         w = tl.where(mask_p, l * tl.exp2(m - m_global), 0.0)  # weight of each partition
         w_sum = tl.sum(w, 0)
         w_sum = tl.where(w_sum == 0.0, 1.0, w_sum)  # seq_len == 0 -> output 0
-        t_ptrs = tmp_out_ptr + seq * stride_ts + head * stride_th + offs_p[:, None] * stride_tp + offs_d[None, :]
+        t_ptrs = (
+            tmp_out_ptr + seq * stride_ts + head * stride_th + offs_p[:, None] * stride_tp + offs_d[None, :]
+        )
         tmp = tl.load(t_ptrs, mask=mask_p[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_P, BLOCK_D]
         out = tl.sum(w[:, None] * tmp, 0) / w_sum  # [BLOCK_D]
         o_ptrs = out_ptr + seq * stride_os + head * stride_oh + offs_d * stride_od
@@ -303,10 +355,20 @@ if HAS_TRITON:
         cu_seqlens_q_ptr,  # [num_seqs + 1] int32: sequence b owns rows cu[b]:cu[b+1]
         seq_lens_ptr,  # [num_seqs] int32: context length (cached + new)
         qk_scale,  # softmax scale * log2(e)
-        stride_qt, stride_qh, stride_qd,  # q strides
-        stride_ot, stride_oh, stride_od,  # out strides
-        stride_kb, stride_ks, stride_kh, stride_kd,  # key cache strides
-        stride_vb, stride_vs, stride_vh, stride_vd,  # value cache strides
+        stride_qt,
+        stride_qh,
+        stride_qd,  # q strides
+        stride_ot,
+        stride_oh,
+        stride_od,  # out strides
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_kd,  # key cache strides
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_vd,  # value cache strides
         stride_bt,  # block_tables stride over sequences
         head_dim,  # D
         num_queries_per_kv,  # H // KVH
@@ -354,12 +416,32 @@ if HAS_TRITON:
         # Causal: no row of this tile sees past its last row's position.
         end = tl.minimum(seq_len, context_len + (tile_m + 1) * BLOCK_M)
         acc, l_i, m_i = _attend_kv_range(
-            acc, l_i, m_i, q, q_pos,
-            k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, kv_head,
-            stride_kb, stride_ks, stride_kh, stride_kd,
-            stride_vb, stride_vs, stride_vh, stride_vd,
-            0, end, qk_scale, head_dim,
-            block_size, BLOCK_N, BLOCK_D, COMPUTE_DTYPE, DOT_PRECISION,
+            acc,
+            l_i,
+            m_i,
+            q,
+            q_pos,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_tables_ptr + seq * stride_bt,
+            kv_head,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_kd,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            stride_vd,
+            0,
+            end,
+            qk_scale,
+            head_dim,
+            block_size,
+            BLOCK_N,
+            BLOCK_D,
+            COMPUTE_DTYPE,
+            DOT_PRECISION,
         )
         out = acc / l_i[:, None]  # every valid row saw key 0, so l_i > 0 there
         o_ptrs = out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od
@@ -394,7 +476,9 @@ def _check_common(name, q, k_cache, v_cache, block_tables, seq_lens, num_seqs) -
             f"got shape {tuple(k_cache.shape)}"
         )
     if v_cache.shape != k_cache.shape:
-        raise ValueError(f"{name}: v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"{name}: v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
+        )
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim:
@@ -411,13 +495,20 @@ def _check_common(name, q, k_cache, v_cache, block_tables, seq_lens, num_seqs) -
         if t.dtype != q.dtype:
             raise ValueError(f"{name}: {arg} dtype {t.dtype} != q dtype {q.dtype}")
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"{name}: block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}")
+        raise ValueError(
+            f"{name}: block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}"
+        )
     if seq_lens.shape != (num_seqs,):
         raise ValueError(f"{name}: seq_lens must be [{num_seqs}], got shape {tuple(seq_lens.shape)}")
     for arg, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
         if t.dtype not in _INT_DTYPES:
             raise ValueError(f"{name}: {arg} must be int32 or int64, got {t.dtype}")
-    for arg, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables), ("seq_lens", seq_lens)):
+    for arg, t in (
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+    ):
         if t.device != q.device:
             raise ValueError(f"{name}: {arg} is on {t.device} but q is on {q.device}")
     if not _INTERPRETED and q.device.type != "cuda":
@@ -514,7 +605,9 @@ def paged_attention_decode(
         if val < 16 or val & (val - 1):
             raise ValueError(f"paged_attention_decode: {arg} must be a power of two >= 16, got {val}")
     if block_n > partition_size:
-        raise ValueError(f"paged_attention_decode: block_n ({block_n}) must be <= partition_size ({partition_size})")
+        raise ValueError(
+            f"paged_attention_decode: block_n ({block_n}) must be <= partition_size ({partition_size})"
+        )
     _check_launch("paged_attention_decode", num_warps, num_stages)
 
     out = torch.empty_like(q)  # [B, H, D]
@@ -548,37 +641,75 @@ def paged_attention_decode(
         grid = (num_seqs, num_kv_heads)
         dummy = out  # V1 never touches the V2 buffers
         _paged_attention_decode_kernel[grid](
-            out, dummy, dummy, dummy,
-            q, k_cache, v_cache, block_tables, seq_lens,
+            out,
+            dummy,
+            dummy,
+            dummy,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
             qk_scale,
-            *q.stride(), *out.stride(), *cache_strides,
+            *q.stride(),
+            *out.stride(),
+            *cache_strides,
             block_tables.stride(0),
-            0, 0, 0, 0, 0,
-            head_dim, group,
-            PARTITION_SIZE=0, **common,
+            0,
+            0,
+            0,
+            0,
+            0,
+            head_dim,
+            group,
+            PARTITION_SIZE=0,
+            **common,
         )
         return out
 
     exp_sums = torch.empty(num_seqs, num_heads, max_num_partitions, dtype=torch.float32, device=q.device)
     max_logits = torch.empty_like(exp_sums)  # [B, H, P]
-    tmp_out = torch.empty(num_seqs, num_heads, max_num_partitions, head_dim, dtype=torch.float32, device=q.device)
+    tmp_out = torch.empty(
+        num_seqs, num_heads, max_num_partitions, head_dim, dtype=torch.float32, device=q.device
+    )
     grid = (num_seqs, num_kv_heads, max_num_partitions)
     _paged_attention_decode_kernel[grid](
-        out, exp_sums, max_logits, tmp_out,
-        q, k_cache, v_cache, block_tables, seq_lens,
+        out,
+        exp_sums,
+        max_logits,
+        tmp_out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
         qk_scale,
-        *q.stride(), *out.stride(), *cache_strides,
+        *q.stride(),
+        *out.stride(),
+        *cache_strides,
         block_tables.stride(0),
-        exp_sums.stride(0), exp_sums.stride(1),
-        tmp_out.stride(0), tmp_out.stride(1), tmp_out.stride(2),
-        head_dim, group,
-        PARTITION_SIZE=partition_size, **common,
+        exp_sums.stride(0),
+        exp_sums.stride(1),
+        tmp_out.stride(0),
+        tmp_out.stride(1),
+        tmp_out.stride(2),
+        head_dim,
+        group,
+        PARTITION_SIZE=partition_size,
+        **common,
     )
     _paged_attention_reduce_kernel[(num_seqs, num_heads)](
-        out, exp_sums, max_logits, tmp_out, seq_lens,
+        out,
+        exp_sums,
+        max_logits,
+        tmp_out,
+        seq_lens,
         *out.stride(),
-        exp_sums.stride(0), exp_sums.stride(1),
-        tmp_out.stride(0), tmp_out.stride(1), tmp_out.stride(2),
+        exp_sums.stride(0),
+        exp_sums.stride(1),
+        tmp_out.stride(0),
+        tmp_out.stride(1),
+        tmp_out.stride(2),
         head_dim,
         PARTITION_SIZE=partition_size,
         BLOCK_P=_next_pow2(max_num_partitions, at_least=1),
@@ -619,7 +750,9 @@ def paged_attention_prefill(
             f"got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}"
         )
     if cu_seqlens_q.device != q.device:
-        raise ValueError(f"paged_attention_prefill: cu_seqlens_q is on {cu_seqlens_q.device} but q is on {q.device}")
+        raise ValueError(
+            f"paged_attention_prefill: cu_seqlens_q is on {cu_seqlens_q.device} but q is on {q.device}"
+        )
     for arg, val in (("block_m", block_m), ("block_n", block_n)):
         if val < 16 or val & (val - 1):
             raise ValueError(f"paged_attention_prefill: {arg} must be a power of two >= 16, got {val}")
@@ -643,11 +776,21 @@ def paged_attention_prefill(
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one device sync
     grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
     _paged_attention_prefill_kernel[grid](
-        out, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        seq_lens,
         qk_scale,
-        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
+        *q.stride(),
+        *out.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
         block_tables.stride(0),
-        head_dim, num_heads // num_kv_heads,
+        head_dim,
+        num_heads // num_kv_heads,
         block_size=block_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

@@ -53,8 +53,8 @@ Functions
 from __future__ import annotations
 
 import math
-from itertools import accumulate
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Optional
 
 import torch
@@ -75,17 +75,13 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
             f"got shape {tuple(k_cache.shape)}"
         )
     if v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
-        )
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
     if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads}) for GQA"
-        )
+        raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads}) for GQA")
 
 
 def _gather_kv(
@@ -228,7 +224,9 @@ def _sdpa_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: to
     num_kv_heads, kv_len = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     qg = q.float().reshape(num_seqs, max_q, num_kv_heads, group, head_dim)
-    qg = qg.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group * max_q, head_dim)  # [B, KVH, G*Mq, D]
+    qg = qg.permute(0, 2, 3, 1, 4).reshape(
+        num_seqs, num_kv_heads, group * max_q, head_dim
+    )  # [B, KVH, G*Mq, D]
     mask = allowed[:, None, None].expand(num_seqs, 1, group, max_q, kv_len)
     mask = mask.reshape(num_seqs, 1, group * max_q, kv_len)  # [B, 1, G*Mq, Lk], broadcast over KVH
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [B, KVH, G*Mq, D]
@@ -286,22 +284,31 @@ def build_attn_metadata(
 
     # 2. Prefills (rows with q_len > 1): a few padded calls over length buckets (``_length_buckets``).
     buckets = []
-    for bucket in _length_buckets(cu_host, seq_lens_host, block_size, row_cost) if len(decodes) < num_seqs else []:
+    for bucket in (
+        _length_buckets(cu_host, seq_lens_host, block_size, row_cost) if len(decodes) < num_seqs else []
+    ):
         q_lens = [cu_host[b + 1] - cu_host[b] for b in bucket]
         if max(q_lens) == 1:
             continue  # the decodes' bucket: step 1 covers it
         rows = [r for b in bucket for r in range(cu_host[b], cu_host[b + 1])]
-        buckets.append((
-            torch.tensor(rows, device=device),  # [t] query rows, packed order
-            torch.tensor(bucket, device=device),  # [b] sequences
-            torch.tensor([0] + q_lens, device=device).cumsum(0),  # [b + 1]
-            max(q_lens), max(seq_lens_host[b] for b in bucket),
-        ))
+        buckets.append(
+            (
+                torch.tensor(rows, device=device),  # [t] query rows, packed order
+                torch.tensor(bucket, device=device),  # [b] sequences
+                torch.tensor([0] + q_lens, device=device).cumsum(0),  # [b + 1]
+                max(q_lens),
+                max(seq_lens_host[b] for b in bucket),
+            )
+        )
     return TorchAttnMetadata(
-        decode_rows=None if len(decodes) == num_seqs else torch.tensor(
-            [cu_host[b] for b in decodes], dtype=torch.long, device=device),
-        block_ids=block_ids, seq_of_block=seq_of_block, key_bias=key_bias,
-        num_decodes=len(decodes), prefill_buckets=buckets,
+        decode_rows=None
+        if len(decodes) == num_seqs
+        else torch.tensor([cu_host[b] for b in decodes], dtype=torch.long, device=device),
+        block_ids=block_ids,
+        seq_of_block=seq_of_block,
+        key_bias=key_bias,
+        num_decodes=len(decodes),
+        prefill_buckets=buckets,
     )
 
 
@@ -341,8 +348,9 @@ def paged_attention_torch(
         return torch.empty_like(q)
     scale = _default_scale(q.shape[2], scale)
     if metadata is None:
-        metadata = build_attn_metadata(block_tables, cu_seqlens_q, seq_lens, k_cache.shape[1],
-                                       q.shape[1] * q.shape[2])
+        metadata = build_attn_metadata(
+            block_tables, cu_seqlens_q, seq_lens, k_cache.shape[1], q.shape[1] * q.shape[2]
+        )
     rows = metadata.decode_rows
     if rows is None:  # a decode-only step: every row is a decode, in order
         return _decode_split_kv(q, k_cache, v_cache, metadata, scale).to(q.dtype)  # [B, H, D]
@@ -352,8 +360,15 @@ def paged_attention_torch(
         out[rows] = _decode_split_kv(q[rows], k_cache, v_cache, metadata, scale).to(q.dtype)
     for rows_t, idx, bucket_cu, bucket_max_q, bucket_max_seq in metadata.prefill_buckets:
         out[rows_t] = _paged_attention_padded(
-            q[rows_t], k_cache, v_cache, block_tables[idx], bucket_cu, seq_lens[idx],
-            bucket_max_q, bucket_max_seq, scale,
+            q[rows_t],
+            k_cache,
+            v_cache,
+            block_tables[idx],
+            bucket_cu,
+            seq_lens[idx],
+            bucket_max_q,
+            bucket_max_seq,
+            scale,
         )  # [t, H, D]
     return out
 
@@ -374,10 +389,22 @@ def _decode_split_kv(q, k_cache, v_cache, meta: TorchAttnMetadata, scale: float)
     seq = meta.seq_of_block  # [NB]
 
     # 1. Gather each pair's block: whole blocks, a plain row copy each.
-    k = k_cache.flatten(1).index_select(0, meta.block_ids).view(nb, block_size, num_kv_heads, head_dim).float()
-    v = v_cache.flatten(1).index_select(0, meta.block_ids).view(nb, block_size, num_kv_heads, head_dim).float()
+    k = (
+        k_cache.flatten(1)
+        .index_select(0, meta.block_ids)
+        .view(nb, block_size, num_kv_heads, head_dim)
+        .float()
+    )
+    v = (
+        v_cache.flatten(1)
+        .index_select(0, meta.block_ids)
+        .view(nb, block_size, num_kv_heads, head_dim)
+        .float()
+    )
     # 2. Each pair's query, kv-head major: the G query heads of a kv head are G rows (GQA).
-    qb = q.float().reshape(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).index_select(1, seq)  # [KVH, NB, G, D]
+    qb = (
+        q.float().reshape(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).index_select(1, seq)
+    )  # [KVH, NB, G, D]
 
     # 3. Scores against the block's keys: per kv head, one batched matmul over all pairs.
     # NOTE: k[:, :, h] is a strided view; bmm reads it in place (no copy per head).
@@ -411,8 +438,9 @@ head_dim): about 60 small torch ops, ~160 us on one CPU thread, as much as atten
 more key slots with the course model's 8 heads of 32 (measured, ``benchmarks/serving.py``)."""
 
 
-def _length_buckets(cu_host: list[int], seq_lens_host: list[int], block_size: int,
-                    row_cost: int = 1) -> list[list[int]]:
+def _length_buckets(
+    cu_host: list[int], seq_lens_host: list[int], block_size: int, row_cost: int = 1
+) -> list[list[int]]:
     """Group sequence indices so that little work is spent on padding, in few groups.
 
     Decodes (q_len 1) and prefills (q_len > 1) are bucketed apart; sequences without
@@ -448,14 +476,17 @@ def _split_bucket(bucket: list[int], q_lens: list[int], keys: list[int], cost: i
             best_cut, best_work = cut, work
     if best_cut == 0:
         return [bucket]
-    return (_split_bucket(bucket[:best_cut], q_lens, keys, cost)
-            + _split_bucket(bucket[best_cut:], q_lens, keys, cost))
+    return _split_bucket(bucket[:best_cut], q_lens, keys, cost) + _split_bucket(
+        bucket[best_cut:], q_lens, keys, cost
+    )
 
 
-def _paged_attention_padded(q, k_cache, v_cache, block_tables, cu, seq_lens, max_query_len, max_seq_len, scale):
+def _paged_attention_padded(
+    q, k_cache, v_cache, block_tables, cu, seq_lens, max_query_len, max_seq_len, scale
+):
     """The body of ``paged_attention_torch``: pad queries, one masked SDPA, unpad."""
     total_q, num_heads, head_dim = q.shape
-    num_seqs = seq_lens.shape[0]
+    seq_lens.shape[0]
     device = q.device
     block_size = k_cache.shape[1]
     num_blocks_used = max(1, min(-(-int(max_seq_len) // block_size), block_tables.shape[1]))

@@ -45,7 +45,9 @@ ATTENTION_BACKENDS = ("torch", "triton")
 class PagedAttention(nn.Module):
     """Attention over a paged KV cache. Holds no weights, only the head geometry."""
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, backend: str = "torch"):
+    def __init__(
+        self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, backend: str = "torch"
+    ):
         super().__init__()
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
@@ -73,21 +75,43 @@ class PagedAttention(nn.Module):
         if self.backend == "torch":
             if inp.attn_metadata is None:  # the step's first layer plans; the others reuse the plan
                 inp.attn_metadata = build_attn_metadata(
-                    inp.block_tables, inp.cu_seqlens_q, inp.seq_lens, k_cache.shape[1],
+                    inp.block_tables,
+                    inp.cu_seqlens_q,
+                    inp.seq_lens,
+                    k_cache.shape[1],
                     self.num_heads * self.head_dim,
                 )
             return kernels.paged_attention_torch(
-                q, k_cache, v_cache, inp.block_tables, inp.cu_seqlens_q, inp.seq_lens,
-                inp.max_query_len, inp.max_seq_len, self.scale, metadata=inp.attn_metadata,
+                q,
+                k_cache,
+                v_cache,
+                inp.block_tables,
+                inp.cu_seqlens_q,
+                inp.seq_lens,
+                inp.max_query_len,
+                inp.max_seq_len,
+                self.scale,
+                metadata=inp.attn_metadata,
             )  # [T, H, D]
         if inp.is_decode_only:
             # NOTE: decode-only means T == num_seqs, so q is already [num_seqs, H, D].
             return kernels.paged_attention_decode(
-                q, k_cache, v_cache, inp.block_tables, inp.seq_lens, self.scale,
+                q,
+                k_cache,
+                v_cache,
+                inp.block_tables,
+                inp.seq_lens,
+                self.scale,
                 max_seq_len=inp.max_seq_len,
             )  # [B, H, D]
         return kernels.paged_attention_prefill(
-            q, k_cache, v_cache, inp.block_tables, inp.cu_seqlens_q, inp.seq_lens, self.scale,
+            q,
+            k_cache,
+            v_cache,
+            inp.block_tables,
+            inp.cu_seqlens_q,
+            inp.seq_lens,
+            self.scale,
             max_query_len=inp.max_query_len,
         )  # [T, H, D]
 

@@ -134,7 +134,9 @@ class GPT2LMHeadModel(PagedCausalLM):
             if name.endswith(_CONV1D):
                 tensor = tensor.t()  # Conv1D [in, out] -> Linear [out, in]
             if params[name].shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(params[name].shape)}"
+                )
             with torch.no_grad():
                 params[name].copy_(tensor)
             missing.discard(name)

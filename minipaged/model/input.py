@@ -43,7 +43,7 @@ class ModelInput:
         """Every sequence computes exactly one token: the decode kernel applies."""
         return self.max_query_len == 1
 
-    def to(self, device) -> "ModelInput":
+    def to(self, device) -> ModelInput:
         return ModelInput(
             **{
                 k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)

@@ -98,7 +98,10 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = inv_freq.float().cpu()  # [D/2]
         self.attention_scaling = float(attention_scaling)
         self.max_positions = int(getattr(config, "max_position_embeddings", 2048))
-        freqs = torch.arange(self.max_positions, dtype=torch.float, device="cpu")[:, None] * self.inv_freq[None, :]  # [P, D/2]
+        freqs = (
+            torch.arange(self.max_positions, dtype=torch.float, device="cpu")[:, None]
+            * self.inv_freq[None, :]
+        )  # [P, D/2]
         self.cos_cache = freqs.cos() * self.attention_scaling  # [P, D/2]
         self.sin_cache = freqs.sin() * self.attention_scaling  # [P, D/2]
 
@@ -140,9 +143,14 @@ def get_act_fn(name: str):
 
 
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
 }
 
 

@@ -42,7 +42,6 @@ from minipaged.model.attention import PagedAttention
 from minipaged.model.input import ModelInput
 from minipaged.model.layers import PagedCausalLM, RMSNorm, RotaryEmbedding, get_act_fn
 
-
 # Projections fused at load time: (fused parameter, checkpoint name, shard). vLLM calls this
 # ``stacked_params_mapping``: the checkpoint keeps q/k/v and gate/up apart, the model runs one
 # matmul for each group, because one [T, hidden] x [hidden, 3 outs] matmul costs less than three.
@@ -132,8 +131,7 @@ class LlamaModel(nn.Module):
         rotary_emb = RotaryEmbedding(config, head_dim)
         self.rotary_emb = rotary_emb  # one table for all layers
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, head_dim, rotary_emb, backend)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, head_dim, rotary_emb, backend) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -29,9 +29,10 @@ import csv
 import json
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,11 +44,17 @@ class TraceRequest:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.prompt_len, int) and self.prompt_len > 0):
-            raise ValueError(f"prompt_len of {self.request_id!r} must be a positive int, got {self.prompt_len!r}")
+            raise ValueError(
+                f"prompt_len of {self.request_id!r} must be a positive int, got {self.prompt_len!r}"
+            )
         if not (isinstance(self.output_len, int) and self.output_len > 0):
-            raise ValueError(f"output_len of {self.request_id!r} must be a positive int, got {self.output_len!r}")
+            raise ValueError(
+                f"output_len of {self.request_id!r} must be a positive int, got {self.output_len!r}"
+            )
         if not (self.arrival_time >= 0 and math.isfinite(self.arrival_time)):
-            raise ValueError(f"arrival_time of {self.request_id!r} must be finite and >= 0, got {self.arrival_time!r}")
+            raise ValueError(
+                f"arrival_time of {self.request_id!r} must be finite and >= 0, got {self.arrival_time!r}"
+            )
 
 
 def poisson_arrivals(num_requests: int, request_rate: float, seed: int = 0) -> list[float]:
@@ -74,15 +81,22 @@ def make_requests(
 ) -> list[TraceRequest]:
     """Pair ``(prompt_len, output_len)`` with arrival times; ids ``r0, r1, ...``."""
     if len(lengths) != len(arrival_times):
-        raise ValueError(f"lengths ({len(lengths)}) and arrival_times ({len(arrival_times)}) differ in length")
-    reqs = [TraceRequest(f"{prefix}{i}", float(t), int(p), int(o))
-            for i, ((p, o), t) in enumerate(zip(lengths, arrival_times))]
+        raise ValueError(
+            f"lengths ({len(lengths)}) and arrival_times ({len(arrival_times)}) differ in length"
+        )
+    reqs = [
+        TraceRequest(f"{prefix}{i}", float(t), int(p), int(o))
+        for i, ((p, o), t) in enumerate(zip(lengths, arrival_times))
+    ]
     _check_sorted(reqs)
     return reqs
 
 
 def poisson_workload(
-    workload: str, num_requests: int, request_rate: float, seed: int = 0,
+    workload: str,
+    num_requests: int,
+    request_rate: float,
+    seed: int = 0,
     lengths: Optional[Sequence[tuple[int, int]]] = None,
 ) -> list[TraceRequest]:
     """``num_requests`` requests of ``workload`` ("sharegpt" / "alpaca") arriving as a
@@ -100,7 +114,9 @@ def _check_sorted(reqs: Sequence[TraceRequest]) -> None:
     ids = set()
     for a, b in zip(reqs, reqs[1:]):
         if b.arrival_time < a.arrival_time:
-            raise ValueError(f"arrival_time must be non-decreasing: {b.request_id!r} arrives before {a.request_id!r}")
+            raise ValueError(
+                f"arrival_time must be non-decreasing: {b.request_id!r} arrives before {a.request_id!r}"
+            )
     for r in reqs:
         if r.request_id in ids:
             raise ValueError(f"request_id {r.request_id!r} appears twice")
@@ -118,10 +134,14 @@ def _from_rows(rows: list[dict], source: str) -> list[TraceRequest]:
         if missing:
             raise ValueError(f"{source}: row {i} has no {', '.join(missing)}")
         try:
-            reqs.append(TraceRequest(
-                str(row.get("request_id") or f"r{i}"), float(row["arrival_time"]),
-                int(row["prompt_len"]), int(row["output_len"]),
-            ))
+            reqs.append(
+                TraceRequest(
+                    str(row.get("request_id") or f"r{i}"),
+                    float(row["arrival_time"]),
+                    int(row["prompt_len"]),
+                    int(row["output_len"]),
+                )
+            )
         except (TypeError, ValueError) as e:
             raise ValueError(f"{source}: row {i}: {e}") from None
     reqs.sort(key=lambda r: r.arrival_time)  # a trace file need not be sorted

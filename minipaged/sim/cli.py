@@ -51,20 +51,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--workload", choices=(*WORKLOADS, "both"), default="both")
     parser.add_argument("--quick", action="store_true", help="tiny runs (seconds), for tests")
-    parser.add_argument("--num-requests", type=positive_int, default=None,
-                        help="requests per run (default: 500 ShareGPT, 1000 Alpaca)")
+    parser.add_argument(
+        "--num-requests",
+        type=positive_int,
+        default=None,
+        help="requests per run (default: 500 ShareGPT, 1000 Alpaca)",
+    )
     parser.add_argument("--gpu", choices=sorted(GPUS), default="A100-40GB")
     parser.add_argument("--model", choices=sorted(MODELS), default="OPT-13B")
-    parser.add_argument("--factor", type=float_above_one, default=None,
-                        help="sustainable = latency reaches FACTOR x its light-load value (default 2)")
-    parser.add_argument("--threshold", type=positive_float, default=None,
-                        help="instead of --factor: one absolute normalized latency (s/token)")
+    parser.add_argument(
+        "--factor",
+        type=float_above_one,
+        default=None,
+        help="sustainable = latency reaches FACTOR x its light-load value (default 2)",
+    )
+    parser.add_argument(
+        "--threshold",
+        type=positive_float,
+        default=None,
+        help="instead of --factor: one absolute normalized latency (s/token)",
+    )
     parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
-    parser.add_argument("--block-sizes", type=positive_int_list, default=None,
-                        help="comma-separated block sizes for the sweep (default 8..256); 'none' to skip")
+    parser.add_argument(
+        "--block-sizes",
+        type=positive_int_list,
+        default=None,
+        help="comma-separated block sizes for the sweep (default 8..256); 'none' to skip",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--jobs", type=positive_int, default=None,
-                        help="processes for the runs (default: min(4, CPUs)); results do not depend on it")
+    parser.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=None,
+        help="processes for the runs (default: min(4, CPUs)); results do not depend on it",
+    )
     parser.add_argument("--out-dir", default="figures", help="where the PNGs go")
     parser.add_argument("--no-figures", action="store_true")
 
@@ -91,29 +111,50 @@ def build_report(args) -> dict:
         block_sizes = tuple(args.block_sizes)  # NOTE: parsed by positive_int_list (none -> ())
     report = {
         "setting": {
-            "model": cost.model.name, "gpu": cost.gpu.name, "cost_model": repr(cost),
-            "kv_cache_gib": cost.kv_cache_bytes() / 1024**3, "num_kv_tokens": cost.num_kv_tokens(),
-            "kv_bytes_per_token": cost.model.kv_bytes_per_token, "latency_factor": factor,
-            "threshold": args.threshold, "preemption_mode": args.preemption_mode,
-            "seed": args.seed, "quick": bool(args.quick), "rate_fractions": list(fractions),
+            "model": cost.model.name,
+            "gpu": cost.gpu.name,
+            "cost_model": repr(cost),
+            "kv_cache_gib": cost.kv_cache_bytes() / 1024**3,
+            "num_kv_tokens": cost.num_kv_tokens(),
+            "kv_bytes_per_token": cost.model.kv_bytes_per_token,
+            "latency_factor": factor,
+            "threshold": args.threshold,
+            "preemption_mode": args.preemption_mode,
+            "seed": args.seed,
+            "quick": bool(args.quick),
+            "rate_fractions": list(fractions),
         },
-        "workloads": {}, "block_size": {}, "headline": {},
+        "workloads": {},
+        "block_size": {},
+        "headline": {},
     }
     for wl in workloads:
         n = args.num_requests or (QUICK_NUM_REQUESTS if args.quick else DEFAULT_NUM_REQUESTS)[wl]
-        cmp_ = compare_policies(wl, n, args.seed, cost, factor=factor, threshold=args.threshold,
-                                rate_fractions=fractions, jobs=jobs,
-                                preemption_mode=args.preemption_mode)
+        cmp_ = compare_policies(
+            wl,
+            n,
+            args.seed,
+            cost,
+            factor=factor,
+            threshold=args.threshold,
+            rate_fractions=fractions,
+            jobs=jobs,
+            preemption_mode=args.preemption_mode,
+        )
         d = cmp_.to_dict()
         report["workloads"][wl] = d
         report["headline"][wl] = {k: d["ratios"][k] for k in d["ratios"]}
         if block_sizes:
             report["block_size"][wl] = block_size_sweep(
-                wl, block_sizes, n, args.seed, cost, jobs=jobs, preemption_mode=args.preemption_mode)
+                wl, block_sizes, n, args.seed, cost, jobs=jobs, preemption_mode=args.preemption_mode
+            )
     if "sharegpt" in report["headline"]:
         r = report["headline"]["sharegpt"]["paged/orca-oracle"]
-        report["target"] = {"paged/orca-oracle on sharegpt": r, "required": TARGET_RATIO,
-                            "met": math.isfinite(r) and r >= TARGET_RATIO}
+        report["target"] = {
+            "paged/orca-oracle on sharegpt": r,
+            "required": TARGET_RATIO,
+            "met": math.isfinite(r) and r >= TARGET_RATIO,
+        }
     return report
 
 
@@ -124,8 +165,13 @@ def plot_latency(workload_report: dict, ax=None):
 
     from minipaged.viz import palette as pal
 
-    colors = {"paged": pal.BLUE, "orca-oracle": pal.BLUISH_GREEN, "orca-pow2": pal.ORANGE,
-              "orca-max": pal.VERMILLION, "static": pal.REDDISH_PURPLE}
+    colors = {
+        "paged": pal.BLUE,
+        "orca-oracle": pal.BLUISH_GREEN,
+        "orca-pow2": pal.ORANGE,
+        "orca-max": pal.VERMILLION,
+        "static": pal.REDDISH_PURPLE,
+    }
     fig = None
     if ax is None:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -133,7 +179,7 @@ def plot_latency(workload_report: dict, ax=None):
     top = 0.0
     for p, sw in sweeps.items():
         lat = sw["normalized_latency"]
-        line, = ax.plot(sw["rates"], lat, marker="o", ms=3.5, label=sw["name"], color=colors.get(p))
+        (line,) = ax.plot(sw["rates"], lat, marker="o", ms=3.5, label=sw["name"], color=colors.get(p))
         s = sw["sustainable_rate"]
         if s > 0:
             ax.plot([s], [sw["latency_level"]], marker="x", ms=9, mew=2, color=line.get_color())
@@ -147,8 +193,9 @@ def plot_latency(workload_report: dict, ax=None):
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("normalized latency (s/token)")
     cfg = workload_report["config"]
-    ax.set_title(f"{workload_report['workload']}: {cfg['model']} on {cfg['gpu']} "
-                 f"({cfg['num_requests']} requests)")
+    ax.set_title(
+        f"{workload_report['workload']}: {cfg['model']} on {cfg['gpu']} ({cfg['num_requests']} requests)"
+    )
     ax.plot([], [], "x", color="grey", ms=8, mew=2, label="sustainable rate (the knee)")
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(alpha=0.3)
@@ -210,25 +257,34 @@ def format_report(report: dict) -> str:
     from minipaged.sim.simulator import POLICY_NAMES
 
     s = report["setting"]
-    level = (f"normalized latency > {s['threshold']} s/token" if s["threshold"] is not None
-             else f"normalized latency > {s['latency_factor']:g} x its light-load value")
-    lines = [f"{s['model']} on {s['gpu']}: KV cache {s['kv_cache_gib']:.2f} GiB = "
-             f"{s['num_kv_tokens']} tokens ({s['kv_bytes_per_token'] // 1024} KiB/token); "
-             f"preemption {s['preemption_mode']}",
-             f"sustainable rate: where {level}; capacity: req/s with a full queue; "
-             f"batch: sequences per step while requests wait, at the highest rate (Fig. 13)"]
+    level = (
+        f"normalized latency > {s['threshold']} s/token"
+        if s["threshold"] is not None
+        else f"normalized latency > {s['latency_factor']:g} x its light-load value"
+    )
+    lines = [
+        f"{s['model']} on {s['gpu']}: KV cache {s['kv_cache_gib']:.2f} GiB = "
+        f"{s['num_kv_tokens']} tokens ({s['kv_bytes_per_token'] // 1024} KiB/token); "
+        f"preemption {s['preemption_mode']}",
+        f"sustainable rate: where {level}; capacity: req/s with a full queue; "
+        f"batch: sequences per step while requests wait, at the highest rate (Fig. 13)",
+    ]
     for wl, d in report["workloads"].items():
         lines.append("")
         lines.append(f"== {wl} ({d['config']['num_requests']} requests, seed {d['config']['seed']}) ==")
-        lines.append(f"{'policy':28s} {'capacity':>9s} {'sustain.':>9s} {'vLLM x':>7s} {'batch':>6s}  "
-                     f"latency (s/token) at rates (req/s)")
+        lines.append(
+            f"{'policy':28s} {'capacity':>9s} {'sustain.':>9s} {'vLLM x':>7s} {'batch':>6s}  "
+            f"latency (s/token) at rates (req/s)"
+        )
         for p, sw in d["sweeps"].items():
             ratio = d["ratios"].get(f"paged/{p}")
             rs = "" if ratio is None else f"{ratio:6.2f}x" if math.isfinite(ratio) else "n/a"
             sus = f"{sw['sustainable_rate']:.3g}" + ("+" if sw["saturated"] else "")
             pts = " ".join(f"{r:.3g}:{lat:.3f}" for r, lat in zip(sw["rates"], sw["normalized_latency"]))
             batch = sw["metrics"][-1]["mean_loaded_batch_size"]
-            lines.append(f"{POLICY_NAMES[p]:28s} {sw['capacity']:9.3g} {sus:>9s} {rs:>7s} {batch:6.1f}  {pts}")
+            lines.append(
+                f"{POLICY_NAMES[p]:28s} {sw['capacity']:9.3g} {sus:>9s} {rs:>7s} {batch:6.1f}  {pts}"
+            )
     for wl, b in report["block_size"].items():
         lines.append("")
         lines.append(f"== block size sweep, paged, {wl} (latency at {b['rate']:.3g} req/s) ==")
@@ -242,8 +298,7 @@ def format_report(report: dict) -> str:
             verdict = "--quick runs are too short to measure it"
         r = t["paged/orca-oracle on sharegpt"]
         rs = f"{r:.2f}x" if math.isfinite(r) else "n/a (no policy sustains any rate)"
-        lines.append(f"paged / Orca (Oracle) on sharegpt: {rs} "
-                     f"(target >= {t['required']}: {verdict})")
+        lines.append(f"paged / Orca (Oracle) on sharegpt: {rs} (target >= {t['required']}: {verdict})")
     for p in report.get("figures", []):
         lines.append(f"wrote {p}")
     return "\n".join(lines)

@@ -59,8 +59,8 @@ Failure mode
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 GiB = 1024**3
 
@@ -83,8 +83,17 @@ class ModelConfig:
     dtype_bytes: int = 2  # fp16 / bf16
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "vocab_size", "max_model_len", "dtype_bytes"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "max_model_len",
+            "dtype_bytes",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -133,13 +142,28 @@ class GPUConfig:
 
 # NOTE: the paper's models: OPT-13B on one A100 (40 GB) is its single-GPU setting.
 OPT_13B = ModelConfig(
-    name="OPT-13B", num_layers=40, hidden_size=5120, num_heads=40, num_kv_heads=40,
-    head_dim=128, intermediate_size=20480, vocab_size=50272, max_model_len=2048,
+    name="OPT-13B",
+    num_layers=40,
+    hidden_size=5120,
+    num_heads=40,
+    num_kv_heads=40,
+    head_dim=128,
+    intermediate_size=20480,
+    vocab_size=50272,
+    max_model_len=2048,
 )
 LLAMA_7B = ModelConfig(  # Llama-2-7B
-    name="Llama-7B", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32,
-    head_dim=128, intermediate_size=11008, vocab_size=32000, max_model_len=4096,
-    gated_mlp=True, tie_word_embeddings=False,
+    name="Llama-7B",
+    num_layers=32,
+    hidden_size=4096,
+    num_heads=32,
+    num_kv_heads=32,
+    head_dim=128,
+    intermediate_size=11008,
+    vocab_size=32000,
+    max_model_len=4096,
+    gated_mlp=True,
+    tie_word_embeddings=False,
 )
 MODELS = {m.name: m for m in (OPT_13B, LLAMA_7B)}
 
@@ -147,10 +171,10 @@ A100_40GB = GPUConfig("A100-40GB", peak_flops=312e12, mem_bandwidth=1.555e12, me
 A100_80GB = GPUConfig("A100-80GB", peak_flops=312e12, mem_bandwidth=2.039e12, memory_bytes=80 * GiB)
 # NOTE: PCIe 4.0 x16 peaks at 32 GB/s (A100), PCIe 5.0 x16 at 64 GB/s (H100, H200);
 # pinned-memory copies reach roughly 80% of that.
-H100 = GPUConfig("H100", peak_flops=989e12, mem_bandwidth=3.35e12, memory_bytes=80 * GiB,
-                 pcie_bandwidth=50e9)  # SXM
-H200 = GPUConfig("H200", peak_flops=989e12, mem_bandwidth=4.8e12, memory_bytes=141e9,
-                 pcie_bandwidth=50e9)
+H100 = GPUConfig(
+    "H100", peak_flops=989e12, mem_bandwidth=3.35e12, memory_bytes=80 * GiB, pcie_bandwidth=50e9
+)  # SXM
+H200 = GPUConfig("H200", peak_flops=989e12, mem_bandwidth=4.8e12, memory_bytes=141e9, pcie_bandwidth=50e9)
 GPUS = {g.name: g for g in (A100_40GB, A100_80GB, H100, H200)}
 
 
@@ -207,9 +231,11 @@ class CostModel:
         self._eff_bw = gpu.mem_bandwidth * bandwidth_efficiency
 
     def __repr__(self) -> str:
-        return (f"CostModel({self.model.name} on {self.gpu.name}, util={self.gpu_memory_utilization}, "
-                f"mfu={self.flops_efficiency}, mbu={self.bandwidth_efficiency}, "
-                f"overhead={self.step_overhead_s * 1e3:g} ms)")
+        return (
+            f"CostModel({self.model.name} on {self.gpu.name}, util={self.gpu_memory_utilization}, "
+            f"mfu={self.flops_efficiency}, mbu={self.bandwidth_efficiency}, "
+            f"overhead={self.step_overhead_s * 1e3:g} ms)"
+        )
 
     # -- memory -------------------------------------------------------------------
     def kv_cache_bytes(self) -> float:
@@ -247,15 +273,15 @@ class CostModel:
             ctx += c
             # query j (0-based) of the chunk sees c + j + 1 keys (causal)
             attn += q * c + q * (q + 1) // 2
-        flops = (self._flops_per_token * num_tokens + self._flops_per_seq * num_seqs
-                 + self._flops_per_attn * attn)
+        flops = (
+            self._flops_per_token * num_tokens + self._flops_per_seq * num_seqs + self._flops_per_attn * attn
+        )
         nbytes = self.model.weight_bytes + self._kv_bytes * (ctx + num_tokens)
         if num_tokens == 0:  # an empty step costs only the overhead
             flops = nbytes = 0.0
         compute_s = flops / self._eff_flops
         memory_s = nbytes / self._eff_bw
-        return StepCost(flops, nbytes, compute_s, memory_s,
-                        max(compute_s, memory_s) + self.step_overhead_s)
+        return StepCost(flops, nbytes, compute_s, memory_s, max(compute_s, memory_s) + self.step_overhead_s)
 
     def step_time(self, batch: Iterable[tuple[int, int]]) -> float:
         """Seconds one engine step over ``batch`` takes."""
@@ -274,8 +300,7 @@ class CostModel:
     def decode_ridge_batch(self, context_len: int = 0) -> float:
         """Decode batch size at which compute time equals memory time (the roofline ridge),
         every sequence with ``context_len`` tokens of context."""
-        per_seq_flops = (self._flops_per_token + self._flops_per_seq
-                         + self._flops_per_attn * (context_len + 1))
+        per_seq_flops = self._flops_per_token + self._flops_per_seq + self._flops_per_attn * (context_len + 1)
         per_seq_bytes = self._kv_bytes * (context_len + 1)
         # b * f / F = (W + b * k) / B  ->  b = W / B / (f / F - k / B)
         denom = per_seq_flops / self._eff_flops - per_seq_bytes / self._eff_bw

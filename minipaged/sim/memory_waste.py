@@ -355,16 +355,31 @@ def plot_memory_waste(result: MemoryWasteResult):
     for cat in CATEGORIES:
         vals = [getattr(s, cat) * 100 for s in stats]
         ax.bar(
-            x, vals, bottom=bottom, width=0.6, color=COLORS[cat], hatch=HATCHES.get(cat),
-            edgecolor="white", linewidth=0.8, label=CATEGORY_LABELS[cat],
+            x,
+            vals,
+            bottom=bottom,
+            width=0.6,
+            color=COLORS[cat],
+            hatch=HATCHES.get(cat),
+            edgecolor="white",
+            linewidth=0.8,
+            label=CATEGORY_LABELS[cat],
         )
         for xi, (b, v) in enumerate(zip(bottom, vals)):
             if v >= 4:
                 dark = cat in ("token_states", "external_fragmentation")
                 # NOTE: a box in the segment's colour keeps the label readable over hatching
-                ax.text(xi, b + v / 2, f"{v:.1f}%", ha="center", va="center", fontsize=10,
-                        color="white" if dark else "black", fontweight="bold",
-                        bbox=dict(boxstyle="round,pad=0.2", fc=COLORS[cat], ec="none"))
+                ax.text(
+                    xi,
+                    b + v / 2,
+                    f"{v:.1f}%",
+                    ha="center",
+                    va="center",
+                    fontsize=10,
+                    color="white" if dark else "black",
+                    fontweight="bold",
+                    bbox=dict(boxstyle="round,pad=0.2", fc=COLORS[cat], ec="none"),
+                )
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xticks(list(x))
     ax.set_xticklabels([f"{s.name}\npeak {s.peak_running} requests" for s in stats], fontsize=10)
@@ -397,8 +412,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-figure", action="store_true", help="do not write the PNG")
     parser.add_argument("--num-requests", type=positive_int, default=DEFAULT_NUM_REQUESTS)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-slots", type=positive_int, default=DEFAULT_NUM_SLOTS,
-                        help="KV budget in token slots (default: OPT-13B on an A100-40GB)")
+    parser.add_argument(
+        "--num-slots",
+        type=positive_int,
+        default=DEFAULT_NUM_SLOTS,
+        help="KV budget in token slots (default: OPT-13B on an A100-40GB)",
+    )
     parser.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE)
     parser.add_argument("--max-model-len", type=positive_int, default=DEFAULT_MAX_MODEL_LEN)
 

@@ -77,13 +77,13 @@ import random
 from dataclasses import asdict, dataclass
 
 from minipaged.cli import dumps_json
-from minipaged.core.kv.kv_cache_manager import KVCacheManager
-from minipaged.core.kv.block import cdiv
-from minipaged.core.sched.request import Request
-from minipaged.trace import run_scheduler
 from minipaged.core import EngineScheduler
+from minipaged.core.kv.block import cdiv
+from minipaged.core.kv.kv_cache_manager import KVCacheManager
+from minipaged.core.sched.request import Request
 from minipaged.sampling_params import SamplingParams
 from minipaged.sim.workloads import WORKLOADS, sample_requests
+from minipaged.trace import run_scheduler
 
 MAX_MODEL_LEN = 2048
 # The paper's Fig. 15 (Alpaca) and its text (ShareGPT): % of KV blocks saved.
@@ -138,7 +138,11 @@ class _Tally:
 
 
 def measure_parallel_sampling(
-    workload: str, n: int, num_requests: int = 200, seed: int = 0, block_size: int = 16,
+    workload: str,
+    n: int,
+    num_requests: int = 200,
+    seed: int = 0,
+    block_size: int = 16,
     check: bool = False,
 ) -> SharingResult:
     """Block-steps of n-sample parallel sampling with and without sharing (see module doc)."""
@@ -169,8 +173,9 @@ def measure_parallel_sampling(
         for sid in live:
             m.free(sid)
         assert m.get_num_free_blocks() == m.num_blocks, "blocks leaked"
-    return SharingResult(workload, "parallel_sampling", n, num_requests, tally.without,
-                         tally.with_sharing, copies)
+    return SharingResult(
+        workload, "parallel_sampling", n, num_requests, tally.without, tally.with_sharing, copies
+    )
 
 
 def _gem_logprobs(rng: random.Random, k: int, concentration: float) -> list[float]:
@@ -185,8 +190,13 @@ def _gem_logprobs(rng: random.Random, k: int, concentration: float) -> list[floa
 
 
 def measure_beam_search(
-    workload: str, k: int, num_requests: int = 200, seed: int = 0, block_size: int = 16,
-    concentration: float = 1.0, check: bool = False,
+    workload: str,
+    k: int,
+    num_requests: int = 200,
+    seed: int = 0,
+    block_size: int = 16,
+    concentration: float = 1.0,
+    check: bool = False,
 ) -> SharingResult:
     """Block-steps of width-k beam search with and without sharing (see module doc)."""
     _check_args(workload, k, num_requests, block_size)
@@ -201,13 +211,9 @@ def measure_beam_search(
         beams, scores = ["b0"], [0.0]
         tally.add(m)  # the prefill step
         next_id = 1
-        for t in range(1, o):
+        for _t in range(1, o):
             # the k best continuations over all beams (each beam offers its top k)
-            cands = [
-                (s + lp, b)
-                for b, s in enumerate(scores)
-                for lp in _gem_logprobs(rng, k, concentration)
-            ]
+            cands = [(s + lp, b) for b, s in enumerate(scores) for lp in _gem_logprobs(rng, k, concentration)]
             cands.sort(key=lambda c: -c[0])
             best = cands[:k]
             new = []
@@ -229,13 +235,17 @@ def measure_beam_search(
         for rid in beams:
             m.free(rid)
         assert m.get_num_free_blocks() == m.num_blocks, "blocks leaked"
-    return SharingResult(workload, "beam_search", k, num_requests, tally.without,
-                         tally.with_sharing, copies)
+    return SharingResult(workload, "beam_search", k, num_requests, tally.without, tally.with_sharing, copies)
 
 
 def measure_prefix_caching(
-    prefix_len: int, num_requests: int = 200, seed: int = 0, block_size: int = 16,
-    num_prefixes: int = 2, arrival_every: int = 2, num_blocks: int = 2048,
+    prefix_len: int,
+    num_requests: int = 200,
+    seed: int = 0,
+    block_size: int = 16,
+    num_prefixes: int = 2,
+    arrival_every: int = 2,
+    num_blocks: int = 2048,
 ) -> dict:
     """Prompt tokens prefilled with and without prefix caching on a few-shot workload."""
     if not isinstance(prefix_len, int) or prefix_len < 0:
@@ -245,21 +255,31 @@ def measure_prefix_caching(
     prefixes = [[rng.randrange(32000) for _ in range(prefix_len)] for _ in range(num_prefixes)]
     shapes = sample_requests("alpaca", num_requests, seed, MAX_MODEL_LEN - prefix_len)
     # NOTE: request i uses prefix i % num_prefixes (round robin), then its own instruction
-    prompts = [prefixes[i % num_prefixes] + [rng.randrange(32000) for _ in range(q)]
-               for i, (q, _) in enumerate(shapes)]
+    prompts = [
+        prefixes[i % num_prefixes] + [rng.randrange(32000) for _ in range(q)]
+        for i, (q, _) in enumerate(shapes)
+    ]
     out = {"prefix_len": prefix_len, "num_requests": num_requests, "num_prefixes": num_prefixes}
     for caching in (False, True):
         arrivals: dict[int, list] = {}
         for i, (prompt, (_, o)) in enumerate(zip(prompts, shapes)):
             req = Request(f"r{i}", prompt, SamplingParams(max_tokens=o, ignore_eos=True))
             arrivals.setdefault(i * arrival_every, []).append(req)
-        s = EngineScheduler(num_blocks, block_size, max_num_seqs=64, max_num_batched_tokens=2048,
-                      enable_prefix_caching=caching)
+        s = EngineScheduler(
+            num_blocks,
+            block_size,
+            max_num_seqs=64,
+            max_num_batched_tokens=2048,
+            enable_prefix_caching=caching,
+        )
         trace = run_scheduler(s, arrivals, lambda r: 7)
         prefill = sum(n for st in trace.steps for rid, n in st.scheduled.items() if rid in st.prefill_ids)
         key = "with_caching" if caching else "without_caching"
-        out[key] = {"prefill_tokens": prefill, "cache_hit_tokens": s.prefix_cache_hits,
-                    "steps": len(trace.steps)}
+        out[key] = {
+            "prefill_tokens": prefill,
+            "cache_hit_tokens": s.prefix_cache_hits,
+            "steps": len(trace.steps),
+        }
     prompt_tokens = sum(prefix_len + q for q, _ in shapes)
     out["prompt_tokens"] = prompt_tokens
     w, wo = out["with_caching"]["prefill_tokens"], out["without_caching"]["prefill_tokens"]
@@ -268,13 +288,24 @@ def measure_prefix_caching(
 
 
 def run_sharing_experiment(
-    num_requests: int = 100, seed: int = 0, block_size: int = 16, concentration: float = 1.0,
-    widths=range(2, 7), workloads=("alpaca", "sharegpt"),
+    num_requests: int = 100,
+    seed: int = 0,
+    block_size: int = 16,
+    concentration: float = 1.0,
+    widths=range(2, 7),
+    workloads=("alpaca", "sharegpt"),
 ) -> dict:
     result = {
-        "config": {"num_requests": num_requests, "seed": seed, "block_size": block_size,
-                   "beam_concentration": concentration, "max_model_len": MAX_MODEL_LEN},
-        "parallel_sampling": {}, "beam_search": {}, "prefix_caching": [],
+        "config": {
+            "num_requests": num_requests,
+            "seed": seed,
+            "block_size": block_size,
+            "beam_concentration": concentration,
+            "max_model_len": MAX_MODEL_LEN,
+        },
+        "parallel_sampling": {},
+        "beam_search": {},
+        "prefix_caching": [],
         "paper_saved_pct": {k: {w: list(v) for w, v in d.items()} for k, d in PAPER_SAVINGS.items()},
     }
     for w in workloads:
@@ -282,8 +313,7 @@ def run_sharing_experiment(
             measure_parallel_sampling(w, n, num_requests, seed, block_size).to_dict() for n in widths
         ]
         result["beam_search"][w] = [
-            measure_beam_search(w, k, num_requests, seed, block_size, concentration).to_dict()
-            for k in widths
+            measure_beam_search(w, k, num_requests, seed, block_size, concentration).to_dict() for k in widths
         ]
     for shots, plen in FEW_SHOT_PREFIX_LENS.items():
         r = measure_prefix_caching(plen, num_requests, seed, block_size)
@@ -298,9 +328,10 @@ def format_report(result: dict) -> str:
         f"KV blocks saved by sharing (block-steps, block_size {c['block_size']}, "
         f"{c['num_requests']} requests per row, seed {c['seed']})",
     ]
-    for kind, title in (("parallel_sampling", "parallel sampling, n samples"),
-                        ("beam_search", f"beam search, width k (synthetic model, "
-                                        f"concentration {c['beam_concentration']})")):
+    for kind, title in (
+        ("parallel_sampling", "parallel sampling, n samples"),
+        ("beam_search", f"beam search, width k (synthetic model, concentration {c['beam_concentration']})"),
+    ):
         lines.append("")
         lines.append(title)
         lines.append(f"  {'workload':<9} {'n/k':>3} {'without':>11} {'with':>11} {'saved':>7}  paper")
@@ -313,7 +344,9 @@ def format_report(result: dict) -> str:
                 )
     lines.append("")
     lines.append("prefix caching, few-shot prompts (prompt tokens prefilled)")
-    lines.append(f"  {'shots':>5} {'prefix':>6} {'prompt tokens':>13} {'without':>9} {'with':>9} {'saved':>7}")
+    lines.append(
+        f"  {'shots':>5} {'prefix':>6} {'prompt tokens':>13} {'without':>9} {'with':>9} {'saved':>7}"
+    )
     for r in result["prefix_caching"]:
         lines.append(
             f"  {r['shots']:>5} {r['prefix_len']:>6} {r['prompt_tokens']:>13,} "
@@ -328,16 +361,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from minipaged.cli import positive_float, positive_int
 
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
-    parser.add_argument("--num-requests", type=positive_int, default=100, help="requests per row (default 100)")
+    parser.add_argument(
+        "--num-requests", type=positive_int, default=100, help="requests per row (default 100)"
+    )
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    parser.add_argument("--concentration", type=positive_float, default=1.0,
-                        help="beam search's synthetic model: GEM concentration (default 1.0)")
+    parser.add_argument(
+        "--concentration",
+        type=positive_float,
+        default=1.0,
+        help="beam search's synthetic model: GEM concentration (default 1.0)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     result = run_sharing_experiment(
-        num_requests=args.num_requests, seed=args.seed, block_size=args.block_size,
+        num_requests=args.num_requests,
+        seed=args.seed,
+        block_size=args.block_size,
         concentration=args.concentration,
     )
     print(dumps_json(result, indent=2) if args.json else format_report(result))

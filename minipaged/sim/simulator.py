@@ -74,15 +74,16 @@ Failure mode
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 from minipaged.core.sched import EngineScheduler, Request, RequestStatus, StaticBatchScheduler
 from minipaged.core.sched.orca import OrcaScheduler
 from minipaged.sampling_params import SamplingParams
 from minipaged.sim.arrivals import TraceRequest
 from minipaged.sim.cost_model import CostModel
-from minipaged.trace import EngineTrace, StepRecord, record_step
+from minipaged.trace import EngineTrace, record_step
 
 POLICIES = ("paged", "orca-oracle", "orca-pow2", "orca-max", "static")
 POLICY_NAMES = {
@@ -153,9 +154,13 @@ class SimMetrics:
         return asdict(self)
 
 
-def compute_metrics(records: Sequence[RequestRecord], num_steps: int = 0,
-                    num_preemptions: int = 0, mean_batch_size: float = 0.0,
-                    mean_loaded_batch_size: float = 0.0) -> SimMetrics:
+def compute_metrics(
+    records: Sequence[RequestRecord],
+    num_steps: int = 0,
+    num_preemptions: int = 0,
+    mean_batch_size: float = 0.0,
+    mean_loaded_batch_size: float = 0.0,
+) -> SimMetrics:
     """Aggregate per-request records (see ``RequestRecord`` for each quantity)."""
     done = [r for r in records if not r.refused]
     if not done:
@@ -205,9 +210,16 @@ def default_max_num_batched_tokens(max_model_len: int, max_num_seqs: int) -> int
     return max_model_len + max_num_seqs
 
 
-def make_scheduler(policy: str, cost_model: CostModel, block_size: int = 16, max_num_seqs: int = 256,
-                   max_num_batched_tokens: Optional[int] = None, enable_chunked_prefill: bool = False,
-                   preemption_mode: str = "recompute", num_cpu_blocks: int = 0):
+def make_scheduler(
+    policy: str,
+    cost_model: CostModel,
+    block_size: int = 16,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: Optional[int] = None,
+    enable_chunked_prefill: bool = False,
+    preemption_mode: str = "recompute",
+    num_cpu_blocks: int = 0,
+):
     """The scheduler of ``policy``, sized to the KV budget of ``cost_model``."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -218,11 +230,21 @@ def make_scheduler(policy: str, cost_model: CostModel, block_size: int = 16, max
         # NOTE: vLLM's default swap space is 4 GiB of pinned host memory per GPU
         num_cpu_blocks = int(4 * 1024**3 // (block_size * cost_model.model.kv_bytes_per_token))
     if policy.startswith("orca-"):
-        return OrcaScheduler(cost_model.num_kv_tokens(), max_model_len, policy[len("orca-"):],
-                                   max_num_seqs, max_num_batched_tokens)
-    kwargs = dict(num_blocks=cost_model.num_gpu_blocks(block_size), block_size=block_size,
-                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                  enable_chunked_prefill=enable_chunked_prefill, max_model_len=max_model_len)
+        return OrcaScheduler(
+            cost_model.num_kv_tokens(),
+            max_model_len,
+            policy[len("orca-") :],
+            max_num_seqs,
+            max_num_batched_tokens,
+        )
+    kwargs = dict(
+        num_blocks=cost_model.num_gpu_blocks(block_size),
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_chunked_prefill=enable_chunked_prefill,
+        max_model_len=max_model_len,
+    )
     if policy == "static":
         return StaticBatchScheduler(**kwargs)
     return EngineScheduler(**kwargs, preemption_mode=preemption_mode, num_cpu_blocks=num_cpu_blocks)
@@ -236,8 +258,13 @@ def _make_request(tr: TraceRequest, policy: str, max_model_len: int, request_id:
     else:
         params = SamplingParams(max_tokens=tr.output_len, ignore_eos=True)
     # NOTE: token ids do not matter (no prefix caching); one id for the whole prompt.
-    return Request(request_id, [OTHER_TOKEN_ID] * tr.prompt_len, params,
-                   eos_token_id=EOS_TOKEN_ID, arrival_time=tr.arrival_time)
+    return Request(
+        request_id,
+        [OTHER_TOKEN_ID] * tr.prompt_len,
+        params,
+        eos_token_id=EOS_TOKEN_ID,
+        arrival_time=tr.arrival_time,
+    )
 
 
 def simulate(
@@ -269,19 +296,30 @@ def simulate(
         raise ValueError(f"n must be an int >= 1, got {n!r}")
     cost_model = cost_model or CostModel()
     max_model_len = cost_model.model.max_model_len
-    sched = make_scheduler(policy, cost_model, block_size, max_num_seqs, max_num_batched_tokens,
-                           enable_chunked_prefill, preemption_mode, num_cpu_blocks)
+    sched = make_scheduler(
+        policy,
+        cost_model,
+        block_size,
+        max_num_seqs,
+        max_num_batched_tokens,
+        enable_chunked_prefill,
+        preemption_mode,
+        num_cpu_blocks,
+    )
     max_num_batched_tokens = sched.max_num_batched_tokens
     contiguous = isinstance(sched, OrcaScheduler)
     reqs = sorted(requests, key=lambda r: r.arrival_time)
-    records = {r.request_id: RequestRecord(r.request_id, r.arrival_time, r.prompt_len, r.output_len)
-               for r in reqs}
+    records = {
+        r.request_id: RequestRecord(r.request_id, r.arrival_time, r.prompt_len, r.output_len) for r in reqs
+    }
     if len(records) != len(reqs):
         raise ValueError("requests has duplicate request ids")
     for r in reqs:
         if r.prompt_len + r.output_len > max_model_len:
-            raise ValueError(f"request {r.request_id!r}: prompt_len {r.prompt_len} + output_len "
-                             f"{r.output_len} exceeds max_model_len {max_model_len}")
+            raise ValueError(
+                f"request {r.request_id!r}: prompt_len {r.prompt_len} + output_len "
+                f"{r.output_len} exceeds max_model_len {max_model_len}"
+            )
     owner: dict[str, RequestRecord] = {}  # sequence id -> its request's record
     remaining: dict[str, int] = {}  # request id -> samples not finished yet
     trace = None
@@ -289,9 +327,16 @@ def simulate(
         trace = EngineTrace(
             num_blocks=sched.allocator.num_slots if contiguous else sched.num_blocks,
             block_size=1 if contiguous else block_size,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            meta={"simulated": True, "policy": policy, "model": cost_model.model.name,
-                  "gpu": cost_model.gpu.name, "time_unit": "s", "n": n},
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            meta={
+                "simulated": True,
+                "policy": policy,
+                "model": cost_model.model.name,
+                "gpu": cost_model.gpu.name,
+                "time_unit": "s",
+                "n": n,
+            },
         )
     step_time = cost_model.step_time
     t = 0.0
@@ -314,8 +359,12 @@ def simulate(
             for sid in ids:
                 owner[sid] = records[tr.request_id]
                 if trace is not None:
-                    trace.requests[sid] = {"prompt_len": tr.prompt_len, "output_len": tr.output_len,
-                                           "arrival_time": tr.arrival_time, "arrival_step": step}
+                    trace.requests[sid] = {
+                        "prompt_len": tr.prompt_len,
+                        "output_len": tr.output_len,
+                        "arrival_time": tr.arrival_time,
+                        "arrival_step": step,
+                    }
             i += 1
         if not sched.has_unfinished_requests():
             t = reqs[i].arrival_time  # idle: jump to the next arrival
@@ -354,8 +403,9 @@ def simulate(
                 rec.refused = True
                 continue
             if r.num_output_tokens != rec.output_len:
-                raise RuntimeError(f"{r.request_id} finished with {r.num_output_tokens} tokens, "
-                                   f"expected {rec.output_len}")
+                raise RuntimeError(
+                    f"{r.request_id} finished with {r.num_output_tokens} tokens, expected {rec.output_len}"
+                )
             rec.num_preemptions = max(rec.num_preemptions, r.num_preemptions)
             remaining[rec.request_id] -= 1
             if remaining[rec.request_id] == 0:
@@ -372,20 +422,30 @@ def simulate(
             trace.record(rec_)
             for r in finished:
                 trace.requests[r.request_id].update(
-                    finish_step=step, finish_time=t, status=r.status.value,
-                    num_preemptions=r.num_preemptions)
+                    finish_step=step, finish_time=t, status=r.status.value, num_preemptions=r.num_preemptions
+                )
         step += 1
     recs = list(records.values())
     for rec in recs:
         if rec.refused:  # NOTE: a group is refused as a whole; Orca may refuse some samples only
             rec.finish_time = rec.first_token_time = None
-    metrics = compute_metrics(recs, num_steps=step,
-                              num_preemptions=sum(r.num_preemptions for r in recs),
-                              mean_batch_size=batch_sum / step if step else 0.0,
-                              mean_loaded_batch_size=loaded_batch_sum / loaded_steps if loaded_steps else 0.0)
-    config = {"policy": policy, "n": n, "block_size": block_size, "max_num_seqs": max_num_seqs,
-              "max_num_batched_tokens": max_num_batched_tokens, "model": cost_model.model.name,
-              "gpu": cost_model.gpu.name, "num_kv_tokens": cost_model.num_kv_tokens()}
+    metrics = compute_metrics(
+        recs,
+        num_steps=step,
+        num_preemptions=sum(r.num_preemptions for r in recs),
+        mean_batch_size=batch_sum / step if step else 0.0,
+        mean_loaded_batch_size=loaded_batch_sum / loaded_steps if loaded_steps else 0.0,
+    )
+    config = {
+        "policy": policy,
+        "n": n,
+        "block_size": block_size,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "model": cost_model.model.name,
+        "gpu": cost_model.gpu.name,
+        "num_kv_tokens": cost_model.num_kv_tokens(),
+    }
     return SimResult(policy, metrics, recs, trace, config)
 
 
@@ -437,8 +497,9 @@ class RateSweep:
             raise ValueError(f"factor must be > 1, got {factor!r}")
         return factor * self.normalized_latencies[0]
 
-    def sustainable_rate(self, factor: float = DEFAULT_LATENCY_FACTOR,
-                         threshold: Optional[float] = None) -> float:
+    def sustainable_rate(
+        self, factor: float = DEFAULT_LATENCY_FACTOR, threshold: Optional[float] = None
+    ) -> float:
         return sustainable_rate(self.rates, self.normalized_latencies, self.level(factor, threshold))
 
     def saturated(self, factor: float = DEFAULT_LATENCY_FACTOR, threshold: Optional[float] = None) -> bool:
@@ -446,13 +507,17 @@ class RateSweep:
         return self.normalized_latencies[-1] <= self.level(factor, threshold)
 
     def to_dict(self, factor: float = DEFAULT_LATENCY_FACTOR, threshold: Optional[float] = None) -> dict:
-        return {"policy": self.policy, "name": POLICY_NAMES[self.policy],
-                "capacity": self.capacity, "rates": self.rates,
-                "normalized_latency": self.normalized_latencies,
-                "latency_level": self.level(factor, threshold),
-                "sustainable_rate": self.sustainable_rate(factor, threshold),
-                "saturated": self.saturated(factor, threshold),
-                "metrics": [m.to_dict() for m in self.metrics]}
+        return {
+            "policy": self.policy,
+            "name": POLICY_NAMES[self.policy],
+            "capacity": self.capacity,
+            "rates": self.rates,
+            "normalized_latency": self.normalized_latencies,
+            "latency_level": self.level(factor, threshold),
+            "sustainable_rate": self.sustainable_rate(factor, threshold),
+            "saturated": self.saturated(factor, threshold),
+            "metrics": [m.to_dict() for m in self.metrics],
+        }
 
 
 def _at_rate(lengths: Sequence[tuple[int, int]], rate: float, seed: int) -> list[TraceRequest]:
@@ -461,8 +526,13 @@ def _at_rate(lengths: Sequence[tuple[int, int]], rate: float, seed: int) -> list
     return poisson_workload("", len(lengths), rate, seed, lengths=lengths)
 
 
-def offline_capacity(lengths: Sequence[tuple[int, int]], policy: str,
-                     cost_model: Optional[CostModel] = None, seed: int = 0, **sim_kwargs) -> float:
+def offline_capacity(
+    lengths: Sequence[tuple[int, int]],
+    policy: str,
+    cost_model: Optional[CostModel] = None,
+    seed: int = 0,
+    **sim_kwargs,
+) -> float:
     """Requests/s served while the queue is full: all of ``lengths`` arrive at once and we
     count the finishes between the 20th and 80th percentile of finish times.
 
@@ -498,19 +568,32 @@ def _capacity(args) -> float:
     return offline_capacity(lengths, policy, cost_model, seed, **sim_kwargs)
 
 
-def sweep_rates(lengths: Sequence[tuple[int, int]], policy: str, cost_model: Optional[CostModel] = None,
-                rates: Optional[Sequence[float]] = None, rate_fractions: Sequence[float] = RATE_FRACTIONS,
-                seed: int = 0, jobs: int = 1, **sim_kwargs) -> RateSweep:
+def sweep_rates(
+    lengths: Sequence[tuple[int, int]],
+    policy: str,
+    cost_model: Optional[CostModel] = None,
+    rates: Optional[Sequence[float]] = None,
+    rate_fractions: Sequence[float] = RATE_FRACTIONS,
+    seed: int = 0,
+    jobs: int = 1,
+    **sim_kwargs,
+) -> RateSweep:
     """Simulate ``policy`` on the requests ``lengths`` (``(prompt, output)`` pairs) arriving
     as a Poisson process at each rate; by default at ``rate_fractions`` of the offline
     capacity. The same seed gives the same arrival pattern at every rate."""
     return sweep_many(lengths, [policy], cost_model, rates, rate_fractions, seed, jobs, **sim_kwargs)[policy]
 
 
-def sweep_many(lengths: Sequence[tuple[int, int]], policies: Sequence[str],
-               cost_model: Optional[CostModel] = None, rates: Optional[Sequence[float]] = None,
-               rate_fractions: Sequence[float] = RATE_FRACTIONS, seed: int = 0, jobs: int = 1,
-               **sim_kwargs) -> dict[str, RateSweep]:
+def sweep_many(
+    lengths: Sequence[tuple[int, int]],
+    policies: Sequence[str],
+    cost_model: Optional[CostModel] = None,
+    rates: Optional[Sequence[float]] = None,
+    rate_fractions: Sequence[float] = RATE_FRACTIONS,
+    seed: int = 0,
+    jobs: int = 1,
+    **sim_kwargs,
+) -> dict[str, RateSweep]:
     """``sweep_rates`` for several policies, all runs spread over ``jobs`` processes."""
     cost_model = cost_model or CostModel()
     lengths = list(lengths)
@@ -518,12 +601,13 @@ def sweep_many(lengths: Sequence[tuple[int, int]], policies: Sequence[str],
         if p not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {p!r}")
     caps = _map(_capacity, [(lengths, p, cost_model, seed, sim_kwargs) for p in policies], jobs)
-    grid = {p: (list(rates) if rates is not None else [round(c * f, 4) for f in rate_fractions])
-            for p, c in zip(policies, caps)}
+    grid = {
+        p: (list(rates) if rates is not None else [round(c * f, 4) for f in rate_fractions])
+        for p, c in zip(policies, caps)
+    }
     tasks = [(lengths, r, p, cost_model, seed, sim_kwargs) for p in policies for r in grid[p]]
     results = iter(_map(_run, tasks, jobs))
-    return {p: RateSweep(p, c, grid[p], [next(results) for _ in grid[p]])
-            for p, c in zip(policies, caps)}
+    return {p: RateSweep(p, c, grid[p], [next(results) for _ in grid[p]]) for p, c in zip(policies, caps)}
 
 
 @dataclass
@@ -550,19 +634,31 @@ class PolicyComparison:
     def to_dict(self) -> dict:
         s = self.sustainable()
         others = [p for p in s if p != "paged"] if "paged" in s else []
-        return {"workload": self.workload, "latency_factor": self.factor, "threshold": self.threshold,
-                "config": self.config, "sustainable_rate": s,
-                "ratios": {f"paged/{p}": self.ratio("paged", p) for p in others},
-                "capacity_ratios": {f"paged/{p}": self.capacity_ratio("paged", p) for p in others},
-                "sweeps": {p: sw.to_dict(self.factor, self.threshold) for p, sw in self.sweeps.items()}}
+        return {
+            "workload": self.workload,
+            "latency_factor": self.factor,
+            "threshold": self.threshold,
+            "config": self.config,
+            "sustainable_rate": s,
+            "ratios": {f"paged/{p}": self.ratio("paged", p) for p in others},
+            "capacity_ratios": {f"paged/{p}": self.capacity_ratio("paged", p) for p in others},
+            "sweeps": {p: sw.to_dict(self.factor, self.threshold) for p, sw in self.sweeps.items()},
+        }
 
 
-def compare_policies(workload: str, num_requests: int = 500, seed: int = 0,
-                     cost_model: Optional[CostModel] = None, policies: Sequence[str] = POLICIES,
-                     factor: float = DEFAULT_LATENCY_FACTOR, threshold: Optional[float] = None,
-                     rate_fractions: Sequence[float] = RATE_FRACTIONS,
-                     lengths: Optional[Sequence[tuple[int, int]]] = None, jobs: int = 1,
-                     **sim_kwargs) -> PolicyComparison:
+def compare_policies(
+    workload: str,
+    num_requests: int = 500,
+    seed: int = 0,
+    cost_model: Optional[CostModel] = None,
+    policies: Sequence[str] = POLICIES,
+    factor: float = DEFAULT_LATENCY_FACTOR,
+    threshold: Optional[float] = None,
+    rate_fractions: Sequence[float] = RATE_FRACTIONS,
+    lengths: Optional[Sequence[tuple[int, int]]] = None,
+    jobs: int = 1,
+    **sim_kwargs,
+) -> PolicyComparison:
     """The paper's Fig. 12 on one workload: a rate sweep per policy, the same requests for all."""
     cost_model = cost_model or CostModel()
     if lengths is None:
@@ -570,16 +666,29 @@ def compare_policies(workload: str, num_requests: int = 500, seed: int = 0,
 
         lengths = sample_requests(workload, num_requests, seed, cost_model.model.max_model_len)
     sweeps = sweep_many(lengths, policies, cost_model, None, rate_fractions, seed, jobs, **sim_kwargs)
-    config = {"num_requests": len(lengths), "seed": seed, "model": cost_model.model.name,
-              "gpu": cost_model.gpu.name, "num_kv_tokens": cost_model.num_kv_tokens(),
-              "rate_fractions": list(rate_fractions), **sim_kwargs}
+    config = {
+        "num_requests": len(lengths),
+        "seed": seed,
+        "model": cost_model.model.name,
+        "gpu": cost_model.gpu.name,
+        "num_kv_tokens": cost_model.num_kv_tokens(),
+        "rate_fractions": list(rate_fractions),
+        **sim_kwargs,
+    }
     return PolicyComparison(workload, sweeps, factor, threshold, config)
 
 
-def block_size_sweep(workload: str, block_sizes: Sequence[int] = (8, 16, 32, 64, 128, 256),
-                     num_requests: int = 500, seed: int = 0, cost_model: Optional[CostModel] = None,
-                     rate: Optional[float] = None, lengths: Optional[Sequence[tuple[int, int]]] = None,
-                     jobs: int = 1, **sim_kwargs) -> dict:
+def block_size_sweep(
+    workload: str,
+    block_sizes: Sequence[int] = (8, 16, 32, 64, 128, 256),
+    num_requests: int = 500,
+    seed: int = 0,
+    cost_model: Optional[CostModel] = None,
+    rate: Optional[float] = None,
+    lengths: Optional[Sequence[tuple[int, int]]] = None,
+    jobs: int = 1,
+    **sim_kwargs,
+) -> dict:
     """The paper's Fig. 18b on the paged policy: per block size, the capacity and the
     normalized latency at one request rate (default: the capacity at block size 16)."""
     cost_model = cost_model or CostModel()
@@ -589,13 +698,25 @@ def block_size_sweep(workload: str, block_sizes: Sequence[int] = (8, 16, 32, 64,
         lengths = sample_requests(workload, num_requests, seed, cost_model.model.max_model_len)
     lengths = list(lengths)
     block_sizes = list(block_sizes)
-    caps = _map(_capacity, [(lengths, "paged", cost_model, seed, {**sim_kwargs, "block_size": b})
-                            for b in block_sizes], jobs)
+    caps = _map(
+        _capacity,
+        [(lengths, "paged", cost_model, seed, {**sim_kwargs, "block_size": b}) for b in block_sizes],
+        jobs,
+    )
     if rate is None:
         rate = round(caps[block_sizes.index(16)] if 16 in block_sizes else caps[0], 4)
-    ms = _map(_run, [(lengths, rate, "paged", cost_model, seed, {**sim_kwargs, "block_size": b})
-                     for b in block_sizes], jobs)
-    return {"workload": workload, "rate": rate, "block_sizes": block_sizes, "capacity": caps,
-            "normalized_latency": [m.normalized_latency for m in ms],
-            "num_preemptions": [m.num_preemptions for m in ms],
-            "num_requests": len(lengths), "seed": seed}
+    ms = _map(
+        _run,
+        [(lengths, rate, "paged", cost_model, seed, {**sim_kwargs, "block_size": b}) for b in block_sizes],
+        jobs,
+    )
+    return {
+        "workload": workload,
+        "rate": rate,
+        "block_sizes": block_sizes,
+        "capacity": caps,
+        "normalized_latency": [m.normalized_latency for m in ms],
+        "num_preemptions": [m.num_preemptions for m in ms],
+        "num_requests": len(lengths),
+        "seed": seed,
+    }

@@ -72,8 +72,12 @@ def fig_inches(fig) -> tuple[float, float]:
 def margins(fig, left=0.9, right=0.2, top=0.7, bottom=0.6) -> dict:
     """gridspec left/right/top/bottom for margins given in inches."""
     w, h = fig_inches(fig)
-    return dict(left=min(0.4, left / w), right=max(0.6, 1 - right / w),
-                top=max(0.55, 1 - top / h), bottom=min(0.4, bottom / h))
+    return dict(
+        left=min(0.4, left / w),
+        right=max(0.6, 1 - right / w),
+        top=max(0.55, 1 - top / h),
+        bottom=min(0.4, bottom / h),
+    )
 
 
 def fit_fontsize(cell_w: float, cell_h: float, nchars: int, lines: int = 1, cap=8.0) -> float:

@@ -126,9 +126,15 @@ def timeline_cells(trace: EngineTrace) -> TimelineCells:
         prefill_tokens.append(p)
         decode_tokens.append(sum(s.scheduled.values()) - p)
     return TimelineCells(
-        order=order, states=states, tokens=tokens, arrival=arrival, finish=finish,
-        running=[len(s.scheduled) for s in trace.steps], prefill_tokens=prefill_tokens,
-        decode_tokens=decode_tokens, max_num_seqs=trace.max_num_seqs,
+        order=order,
+        states=states,
+        tokens=tokens,
+        arrival=arrival,
+        finish=finish,
+        running=[len(s.scheduled) for s in trace.steps],
+        prefill_tokens=prefill_tokens,
+        decode_tokens=decode_tokens,
+        max_num_seqs=trace.max_num_seqs,
         max_num_batched_tokens=trace.max_num_batched_tokens,
     )
 
@@ -225,12 +231,16 @@ def _bars(ax, heights, bottom, color) -> None:
         ax.bar(np.arange(n), heights, width=0.9, bottom=bottom, color=color, linewidth=0)
     else:
         top = bottom + np.asarray(heights, dtype=float)
-        ax.stairs(top, np.arange(n + 1) - 0.5, baseline=bottom, fill=True, color=color,
-                  linewidth=0)
+        ax.stairs(top, np.arange(n + 1) - 0.5, baseline=bottom, fill=True, color=color, linewidth=0)
 
 
-def draw_timeline(fig, trace: EngineTrace, cursor: Optional[int] = None,
-                  cells: Optional[TimelineCells] = None, legend_cols: int = 8) -> list:
+def draw_timeline(
+    fig,
+    trace: EngineTrace,
+    cursor: Optional[int] = None,
+    cells: Optional[TimelineCells] = None,
+    legend_cols: int = 8,
+) -> list:
     """Draw the timeline into ``fig`` (a Figure or SubFigure); returns its three axes."""
     import numpy as np
     from matplotlib.colors import ListedColormap
@@ -243,17 +253,28 @@ def draw_timeline(fig, trace: EngineTrace, cursor: Optional[int] = None,
     c = cells or timeline_cells(trace)
     n, R = c.num_steps, len(c.order)
     # NOTE: the strips keep their height however many rows the grid has
-    gs = fig.add_gridspec(3, 1, height_ratios=[min(max(R, 3), 34) * 0.24, 0.62, 0.75],
-                          hspace=0.12,
-                          **_draw.margins(fig, left=0.9, right=0.15, top=0.75, bottom=0.5))
+    gs = fig.add_gridspec(
+        3,
+        1,
+        height_ratios=[min(max(R, 3), 34) * 0.24, 0.62, 0.75],
+        hspace=0.12,
+        **_draw.margins(fig, left=0.9, right=0.15, top=0.75, bottom=0.5),
+    )
     ax = fig.add_subplot(gs[0])
     ax_s = fig.add_subplot(gs[1], sharex=ax)
     ax_t = fig.add_subplot(gs[2], sharex=ax)
 
     grid = np.array([[STATES.index(st) for st in row] for row in c.states], dtype=float)
     cmap = ListedColormap([palette.STATE_COLORS[s] for s in STATES])
-    ax.imshow(grid.reshape(R, n), cmap=cmap, vmin=-0.5, vmax=len(STATES) - 0.5,
-              aspect="auto", interpolation="nearest", extent=(-0.5, n - 0.5, R - 0.5, -0.5))
+    ax.imshow(
+        grid.reshape(R, n),
+        cmap=cmap,
+        vmin=-0.5,
+        vmax=len(STATES) - 0.5,
+        aspect="auto",
+        interpolation="nearest",
+        extent=(-0.5, n - 0.5, R - 0.5, -0.5),
+    )
     # thin white lines between rows keep neighbouring requests apart
     for y in range(1, R):
         ax.axhline(y - 0.5, color="white", linewidth=0.8 if R <= 30 else 0.4)
@@ -264,19 +285,22 @@ def draw_timeline(fig, trace: EngineTrace, cursor: Optional[int] = None,
         for k in range(R):
             for j in range(n):
                 if c.states[k][j] == "prefill":
-                    ax.text(j, k, str(c.tokens[k][j]), ha="center", va="center",
-                            fontsize=fs, color="white")
+                    ax.text(j, k, str(c.tokens[k][j]), ha="center", va="center", fontsize=fs, color="white")
     # arrival and finish marks
     ms = max(1.5, min(7.0, ch * 0.55))
     arr = [(c.arrival[r] - 0.5, k) for k, r in enumerate(c.order) if r in c.arrival]
     if arr:
-        ax.plot(*zip(*arr), marker=">", color=palette.BLACK, markersize=ms, linestyle="none",
-                clip_on=False)
+        ax.plot(*zip(*arr), marker=">", color=palette.BLACK, markersize=ms, linestyle="none", clip_on=False)
     fin = [(c.finish[r] + 0.5, k) for k, r in enumerate(c.order) if r in c.finish]
     if fin:
         x_f, y_f = zip(*fin)
-        ax.vlines(x_f, [y - 0.42 for y in y_f], [y + 0.42 for y in y_f], colors=palette.BLACK,
-                  linewidth=2.0 if ch >= 4 else 1.0)
+        ax.vlines(
+            x_f,
+            [y - 0.42 for y in y_f],
+            [y + 0.42 for y in y_f],
+            colors=palette.BLACK,
+            linewidth=2.0 if ch >= 4 else 1.0,
+        )
     # label every row while rows are tall enough, else every k-th
     every = max(1, math.ceil(11.0 / max(ch, 0.1)))
     ax.set_yticks(range(0, R, every))
@@ -298,20 +322,32 @@ def draw_timeline(fig, trace: EngineTrace, cursor: Optional[int] = None,
     ax_s.set_ylim(0, c.max_num_seqs * 1.25)
     ax_s.set_ylabel("seqs", rotation=0, ha="right", va="center")
     ax_s.yaxis.set_major_locator(MaxNLocator(3, integer=True))
-    ax_s.text(1.0, c.max_num_seqs, f"max_num_seqs {c.max_num_seqs}", transform=ax_s.get_yaxis_transform(),
-              ha="right", va="bottom", fontsize=7)
+    ax_s.text(
+        1.0,
+        c.max_num_seqs,
+        f"max_num_seqs {c.max_num_seqs}",
+        transform=ax_s.get_yaxis_transform(),
+        ha="right",
+        va="bottom",
+        fontsize=7,
+    )
     ax_s.tick_params(axis="x", labelbottom=False)
 
     _bars(ax_t, c.prefill_tokens, np.zeros(n), palette.STATE_COLORS["prefill"])
-    _bars(ax_t, c.decode_tokens, np.asarray(c.prefill_tokens, dtype=float),
-          palette.STATE_COLORS["decode"])
+    _bars(ax_t, c.decode_tokens, np.asarray(c.prefill_tokens, dtype=float), palette.STATE_COLORS["decode"])
     ax_t.axhline(c.max_num_batched_tokens, color=palette.BLACK, linestyle="--", linewidth=1.0)
     ax_t.set_ylim(0, c.max_num_batched_tokens * 1.25)
     ax_t.set_ylabel("tokens", rotation=0, ha="right", va="center")
     ax_t.yaxis.set_major_locator(MaxNLocator(3, integer=True))
-    ax_t.text(1.0, c.max_num_batched_tokens,
-              f"max_num_batched_tokens {c.max_num_batched_tokens}",
-              transform=ax_t.get_yaxis_transform(), ha="right", va="bottom", fontsize=7)
+    ax_t.text(
+        1.0,
+        c.max_num_batched_tokens,
+        f"max_num_batched_tokens {c.max_num_batched_tokens}",
+        transform=ax_t.get_yaxis_transform(),
+        ha="right",
+        va="bottom",
+        fontsize=7,
+    )
     ax_t.xaxis.set_major_locator(MaxNLocator(min(n, 20), integer=True))
     ax_t.set_xlabel("engine step")
     for a in (ax_s, ax_t):
@@ -320,27 +356,54 @@ def draw_timeline(fig, trace: EngineTrace, cursor: Optional[int] = None,
 
     if cursor is not None:
         for a in (ax_s, ax_t):
-            a.axvspan(cursor - 0.5, cursor + 0.5, color=palette.BLACK, alpha=0.12, zorder=0,
-                      linewidth=0)
+            a.axvspan(cursor - 0.5, cursor + 0.5, color=palette.BLACK, alpha=0.12, zorder=0, linewidth=0)
         # NOTE: on a narrow column an outline would cover the cell it marks, so the
         # frame then spans a few columns around it and stays thin.
         pad = 0 if cw >= 8 else math.ceil(2.5 / max(cw, 0.1))
-        ax.add_patch(Rectangle((cursor - 0.5 - pad, -0.5), 1 + 2 * pad, R, fill=False,
-                               edgecolor=palette.BLACK, linewidth=2.0 if pad == 0 else 1.0,
-                               clip_on=False))
+        ax.add_patch(
+            Rectangle(
+                (cursor - 0.5 - pad, -0.5),
+                1 + 2 * pad,
+                R,
+                fill=False,
+                edgecolor=palette.BLACK,
+                linewidth=2.0 if pad == 0 else 1.0,
+                clip_on=False,
+            )
+        )
         ax.plot(cursor, -0.5, marker="v", color=palette.BLACK, markersize=8, clip_on=False)
 
-    handles = [Patch(facecolor=palette.STATE_COLORS[s], label=STATE_LABELS[s],
-                     edgecolor="#999999" if s == "running" else "none")
-               for s in STATES[1:]]
+    handles = [
+        Patch(
+            facecolor=palette.STATE_COLORS[s],
+            label=STATE_LABELS[s],
+            edgecolor="#999999" if s == "running" else "none",
+        )
+        for s in STATES[1:]
+    ]
     handles += [
         Line2D([], [], marker=">", color=palette.BLACK, linestyle="none", label="arrival"),
-        Line2D([], [], marker="|", color=palette.BLACK, linestyle="none", markersize=9,
-               markeredgewidth=2, label="finish"),
+        Line2D(
+            [],
+            [],
+            marker="|",
+            color=palette.BLACK,
+            linestyle="none",
+            markersize=9,
+            markeredgewidth=2,
+            label="finish",
+        ),
     ]
-    ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.0, 1.01),
-              ncol=min(legend_cols, len(handles)), frameon=False, handlelength=1.3,
-              columnspacing=1.0, borderaxespad=0.1)
+    ax.legend(
+        handles=handles,
+        loc="lower left",
+        bbox_to_anchor=(0.0, 1.01),
+        ncol=min(legend_cols, len(handles)),
+        frameon=False,
+        handlelength=1.3,
+        columnspacing=1.0,
+        borderaxespad=0.1,
+    )
     return [ax, ax_s, ax_t]
 
 
@@ -358,7 +421,11 @@ def timeline(trace: EngineTrace, *, cursor: Optional[int] = None, managed: bool 
         fig = _draw.new_figure(figure_size(trace), managed=managed)
         draw_timeline(fig, trace, cursor=cursor, cells=cells)
         fig.suptitle(
-            f"Active sequences per engine step ({len(cells.order)} requests, "
-            f"{cells.num_steps} steps)", x=0.01, ha="left", fontsize=11, y=0.99, va="top",
+            f"Active sequences per engine step ({len(cells.order)} requests, {cells.num_steps} steps)",
+            x=0.01,
+            ha="left",
+            fontsize=11,
+            y=0.99,
+            va="top",
         )
     return fig

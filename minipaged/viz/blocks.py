@@ -36,9 +36,7 @@ from minipaged.viz.snapshot import BlockSnapshot, snapshot
 
 def _header(snap: BlockSnapshot) -> str:
     where = (
-        "now (live KVCacheManager)"
-        if snap.step is None
-        else f"after step {snap.step} / {snap.num_steps - 1}"
+        "now (live KVCacheManager)" if snap.step is None else f"after step {snap.step} / {snap.num_steps - 1}"
     )
     new = " ".join(str(b) for b in snap.new_block_ids) or "-"
     return (
@@ -96,10 +94,7 @@ def block_tables_text(source, step: Optional[int] = None, *, columns: int = 8, *
     lw = max(len(s) for s in labels)
     iw = len(str(snap.num_blocks - 1))
     for start in range(0, snap.num_blocks, columns):
-        row = [
-            f"{b:>{iw}} {labels[b]:<{lw}}"
-            for b in range(start, min(start + columns, snap.num_blocks))
-        ]
+        row = [f"{b:>{iw}} {labels[b]:<{lw}}" for b in range(start, min(start + columns, snap.num_blocks))]
         lines.append("  ".join(row).rstrip())
     if snap.step is None:  # a live manager: the free queue order is known
         q = " ".join(str(b) for b in snap.free_block_ids[:24])
@@ -155,7 +150,10 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
     lcols = max(max_len, 4)
 
     gs = fig.add_gridspec(
-        1, 2, width_ratios=[1.0, 1.25], wspace=0.12,
+        1,
+        2,
+        width_ratios=[1.0, 1.25],
+        wspace=0.12,
         **_draw.margins(fig, left=0.9, right=0.15, top=0.75, bottom=0.75),
     )
     ax_l = fig.add_subplot(gs[0, 0])
@@ -182,14 +180,29 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
             if 0 < held < bs:  # the slots reserved but not holding a token yet: pale tail
                 ax_l.add_patch(Rectangle((j, y), held / bs, 1, facecolor=color, linewidth=0))
             if b in new:
-                ax_l.add_patch(Rectangle((j + 0.03, y + 0.03), 0.94, 0.94, fill=False,
-                                         edgecolor=palette.BLACK, linewidth=2.2, zorder=2.6))
+                ax_l.add_patch(
+                    Rectangle(
+                        (j + 0.03, y + 0.03),
+                        0.94,
+                        0.94,
+                        fill=False,
+                        edgecolor=palette.BLACK,
+                        linewidth=2.2,
+                        zorder=2.6,
+                    )
+                )
             if fs_l >= _draw.MIN_FONT:
                 label = str(b) + (f"(x{snap.ref_cnt[b]})" if snap.ref_cnt.get(b, 1) > 1 else "")
-                ax_l.text(j + 0.5, y + 0.5, label, ha="center", va="center", fontsize=fs_l,
-                          color=palette.text_color_on(color if held * 2 >= bs else pale))
-    ax_l.imshow(img, extent=(0, lcols, nrow_l, 0), interpolation="nearest", aspect="auto",
-                zorder=0)
+                ax_l.text(
+                    j + 0.5,
+                    y + 0.5,
+                    label,
+                    ha="center",
+                    va="center",
+                    fontsize=fs_l,
+                    color=palette.text_color_on(color if held * 2 >= bs else pale),
+                )
+    ax_l.imshow(img, extent=(0, lcols, nrow_l, 0), interpolation="nearest", aspect="auto", zorder=0)
     _separators(ax_l, lcols, nrow_l, cw, ch)
     ax_l.set_xlim(0, lcols)
     ax_l.set_ylim(nrow_l, 0)
@@ -208,8 +221,7 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
 
     # -- physical: the pool as a grid ---------------------------------------------------
     cw, ch = _draw.cell_points(ax_p, ncols, nrows)
-    lab_chars = max([len(f"{names[r]}:{len(t) - 1}") for r, t in snap.block_tables.items()]
-                    + [3])
+    lab_chars = max([len(f"{names[r]}:{len(t) - 1}") for r, t in snap.block_tables.items()] + [3])
     fs_owner = _draw.fit_fontsize(cw, ch * 0.62, lab_chars)
     fs_id = min(fs_owner * 0.85, _draw.fit_fontsize(cw, ch * 0.38, id_chars))
     show_labels = fs_owner >= _draw.MIN_FONT
@@ -227,30 +239,60 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
         else:
             img[y, x] = to_rgba(palette.FREE_GREY)
             if b in snap.cached_free_ids:
-                ax_p.add_patch(Rectangle((x, y), 1, 1, fill=False, hatch="....",
-                                         edgecolor="#888888", linewidth=0))
+                ax_p.add_patch(
+                    Rectangle((x, y), 1, 1, fill=False, hatch="....", edgecolor="#888888", linewidth=0)
+                )
         if b in new:
-            ax_p.add_patch(Rectangle((x + 0.04, y + 0.04), 0.92, 0.92, fill=False,
-                                     edgecolor=palette.BLACK, linewidth=2.2, zorder=2.6))
+            ax_p.add_patch(
+                Rectangle(
+                    (x + 0.04, y + 0.04),
+                    0.92,
+                    0.92,
+                    fill=False,
+                    edgecolor=palette.BLACK,
+                    linewidth=2.2,
+                    zorder=2.6,
+                )
+            )
         if show_labels:
             if b in owners:  # readable on the part of the cell under the label
                 under = color if 2 * tokens.get(b, bs) >= bs else palette.lighten(color, 0.7)
                 fg = palette.text_color_on(under)
-            ax_p.text(x + 0.06, y + 0.06, str(b), ha="left", va="top", fontsize=fs_id,
-                      color=palette.text_color_on(color) if b in owners else "#777777")
+            ax_p.text(
+                x + 0.06,
+                y + 0.06,
+                str(b),
+                ha="left",
+                va="top",
+                fontsize=fs_id,
+                color=palette.text_color_on(color) if b in owners else "#777777",
+            )
             if b in owners:
                 label = f"{names[rid]}:{j}"
                 if snap.ref_cnt.get(b, 1) > 1:
                     label = f"x{snap.ref_cnt[b]} {label}" if fs_owner >= 6 else f"x{snap.ref_cnt[b]}"
-                ax_p.text(x + 0.5, y + 0.62, label, ha="center", va="center",
-                          fontsize=fs_owner, color=fg,
-                          fontweight="bold" if snap.ref_cnt.get(b, 1) > 1 else "normal")
+                ax_p.text(
+                    x + 0.5,
+                    y + 0.62,
+                    label,
+                    ha="center",
+                    va="center",
+                    fontsize=fs_owner,
+                    color=fg,
+                    fontweight="bold" if snap.ref_cnt.get(b, 1) > 1 else "normal",
+                )
         elif snap.ref_cnt.get(b, 1) > 1 and ch >= 5:  # ref counts stay visible on a big grid
-            ax_p.text(x + 0.5, y + 0.5, str(snap.ref_cnt[b]), ha="center", va="center",
-                      fontsize=max(4.0, min(7.0, ch * 0.6)), fontweight="bold",
-                      color=palette.text_color_on(color))
-    ax_p.imshow(img, extent=(0, ncols, nrows, 0), interpolation="nearest", aspect="auto",
-                zorder=0)
+            ax_p.text(
+                x + 0.5,
+                y + 0.5,
+                str(snap.ref_cnt[b]),
+                ha="center",
+                va="center",
+                fontsize=max(4.0, min(7.0, ch * 0.6)),
+                fontweight="bold",
+                color=palette.text_color_on(color),
+            )
+    ax_p.imshow(img, extent=(0, ncols, nrows, 0), interpolation="nearest", aspect="auto", zorder=0)
     _separators(ax_p, ncols, nrows, cw, ch)
     ax_p.set_xlim(0, ncols)
     ax_p.set_ylim(nrows, 0)
@@ -279,10 +321,18 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
         for y, rid in enumerate(rids):
             for j, b in enumerate(snap.block_tables[rid]):
                 con = ConnectionPatch(
-                    xyA=(j + 0.5, y + 0.82), coordsA=ax_l.transData,
-                    xyB=(b % ncols + 0.5, b // ncols + 0.3), coordsB=ax_p.transData,
-                    color="#333333", alpha=0.55, linewidth=0.9, arrowstyle="-|>",
-                    mutation_scale=9, shrinkA=0, shrinkB=0, zorder=2.5,
+                    xyA=(j + 0.5, y + 0.82),
+                    coordsA=ax_l.transData,
+                    xyB=(b % ncols + 0.5, b // ncols + 0.3),
+                    coordsB=ax_p.transData,
+                    color="#333333",
+                    alpha=0.55,
+                    linewidth=0.9,
+                    arrowstyle="-|>",
+                    mutation_scale=9,
+                    shrinkA=0,
+                    shrinkB=0,
+                    zorder=2.5,
                 )
                 con.set_annotation_clip(False)
                 ax_p.add_artist(con)
@@ -291,25 +341,34 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
 
     handles = [
         Patch(facecolor=palette.owner_color(0), label="slots holding tokens (colour = request)"),
-        Patch(facecolor=palette.lighten(palette.owner_color(0), 0.7),
-              label="reserved, no token yet"),
+        Patch(facecolor=palette.lighten(palette.owner_color(0), 0.7), label="reserved, no token yet"),
         Patch(facecolor=palette.FREE_GREY, label="free block"),
-        Patch(facecolor="white", edgecolor=palette.BLACK, linewidth=2.0,
-              label="allocated this step"),
+        Patch(facecolor="white", edgecolor=palette.BLACK, linewidth=2.0, label="allocated this step"),
         Patch(facecolor="white", edgecolor="white", label="xN: shared by N tables"),
     ]
     if snap.cached_free_ids:
-        handles.insert(3, Patch(facecolor=palette.FREE_GREY, hatch="....",
-                                label="free, prefix still cached"))
-    fig.legend(handles=handles, loc="lower left", ncol=len(handles), frameon=False,
-               bbox_to_anchor=(0.01, 0.0), handlelength=1.4, columnspacing=1.2)
+        handles.insert(3, Patch(facecolor=palette.FREE_GREY, hatch="....", label="free, prefix still cached"))
+    fig.legend(
+        handles=handles,
+        loc="lower left",
+        ncol=len(handles),
+        frameon=False,
+        bbox_to_anchor=(0.01, 0.0),
+        handlelength=1.4,
+        columnspacing=1.2,
+    )
     where = "now" if snap.step is None else f"after step {snap.step}"
-    fig.suptitle(f"Block tables {where} ({snap.num_blocks} blocks of {bs} slots)",
-                 x=0.01, ha="left", fontsize=11, y=0.99, va="top")
+    fig.suptitle(
+        f"Block tables {where} ({snap.num_blocks} blocks of {bs} slots)",
+        x=0.01,
+        ha="left",
+        fontsize=11,
+        y=0.99,
+        va="top",
+    )
 
 
-def block_tables(source, step: Optional[int] = None, *, arrows: bool = False,
-                 managed: bool = True, **kwargs):
+def block_tables(source, step: Optional[int] = None, *, arrows: bool = False, managed: bool = True, **kwargs):
     """Figure: block tables at ``step`` of a trace, or of a live ``KVCacheManager``.
 
     ``arrows=True`` draws a line from each logical block to its physical block (readable

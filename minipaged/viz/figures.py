@@ -27,8 +27,9 @@ import hashlib
 import random
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 # -- seeded runs ----------------------------------------------------------------------
 
@@ -44,16 +45,15 @@ DEMO_PROMPTS = [
 ]
 # the engine run of chapter 00 and of figures/: a pool small enough that requests queue,
 # and at least one is preempted (see notebooks/00_overview.ipynb)
-DEMO_ENGINE_KWARGS = dict(block_size=4, num_blocks=24, max_num_seqs=4,
-                          max_num_batched_tokens=24, seed=0)
+DEMO_ENGINE_KWARGS = dict(block_size=4, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=24, seed=0)
 DEMO_MAX_TOKENS = 24
 
 
 def course_model_available() -> bool:
     """True where ``minipaged.LLM()`` can load the shipped course model."""
     try:
-        from minipaged.model import COURSE_MODEL_DIR
         import minipaged.engine.llm  # noqa: F401
+        from minipaged.model import COURSE_MODEL_DIR
     except Exception:  # noqa: BLE001 - any import failure means: not available yet
         return False
     return (Path(COURSE_MODEL_DIR) / "config.json").is_file()
@@ -64,8 +64,11 @@ def engine_demo_trace():
     from minipaged import LLM, SamplingParams
 
     llm = LLM(**DEMO_ENGINE_KWARGS)
-    llm.generate(DEMO_PROMPTS, SamplingParams(temperature=0.0, max_tokens=DEMO_MAX_TOKENS,
-                                              ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        DEMO_PROMPTS,
+        SamplingParams(temperature=0.0, max_tokens=DEMO_MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
     return llm.trace
 
 
@@ -84,10 +87,9 @@ def scheduler_trace(
     num_cpu_blocks: int = 0,
 ):
     """The real ``Scheduler`` on seeded requests, a fake model appending token 1."""
-    from minipaged.core import Request
-    from minipaged.core import EngineScheduler
-    from minipaged.trace import run_scheduler
+    from minipaged.core import EngineScheduler, Request
     from minipaged.sampling_params import SamplingParams
+    from minipaged.trace import run_scheduler
 
     rng = random.Random(seed)
     arrivals: dict[int, list] = {}
@@ -97,13 +99,17 @@ def scheduler_trace(
         req = Request(
             request_id=f"R{k:0{width}d}",
             prompt_token_ids=[rng.randint(2, 99) for _ in range(rng.randint(*prompt_range))],
-            sampling_params=SamplingParams(max_tokens=rng.randint(*output_range),
-                                           ignore_eos=True),
+            sampling_params=SamplingParams(max_tokens=rng.randint(*output_range), ignore_eos=True),
         )
         arrivals.setdefault(at, []).append(req)
-    sched = EngineScheduler(num_blocks, block_size, max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=max_num_batched_tokens,
-                      preemption_mode=preemption_mode, num_cpu_blocks=num_cpu_blocks)
+    sched = EngineScheduler(
+        num_blocks,
+        block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        preemption_mode=preemption_mode,
+        num_cpu_blocks=num_cpu_blocks,
+    )
     trace = run_scheduler(sched, arrivals, next_token=lambda r: 1)
     trace.meta["source"] = f"Scheduler + fake model, seed {seed}"
     return trace
@@ -112,17 +118,32 @@ def scheduler_trace(
 def scheduler_demo_trace(seed: int = 0, preemption_mode: str = "recompute"):
     """8 requests, 24 blocks of 4 slots: requests queue, chunk and get preempted."""
     return scheduler_trace(
-        8, seed=seed, num_blocks=24, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-        prompt_range=(4, 22), output_range=(4, 16), arrival_span=8,
-        preemption_mode=preemption_mode, num_cpu_blocks=24 if preemption_mode == "swap" else 0,
+        8,
+        seed=seed,
+        num_blocks=24,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        prompt_range=(4, 22),
+        output_range=(4, 16),
+        arrival_span=8,
+        preemption_mode=preemption_mode,
+        num_cpu_blocks=24 if preemption_mode == "swap" else 0,
     )
 
 
 def scheduler_large_trace(seed: int = 3):
     """20 requests over about 200 steps: the readability check of every picture."""
     return scheduler_trace(
-        20, seed=seed, num_blocks=96, block_size=8, max_num_seqs=8, max_num_batched_tokens=64,
-        prompt_range=(20, 90), output_range=(30, 80), arrival_span=120,
+        20,
+        seed=seed,
+        num_blocks=96,
+        block_size=8,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        prompt_range=(20, 90),
+        output_range=(30, 80),
+        arrival_span=120,
     )
 
 
@@ -178,24 +199,43 @@ def _own(kind: str, which: str = "demo") -> Callable:
 
 # name -> (module it needs, builder, what it shows)
 FIGURES: dict[str, tuple[str, Callable, str]] = {
-    "timeline.png": ("minipaged.core.sched.scheduler", _own("timeline"),
-                     "active sequences per step (chapter 00 run)"),
-    "block_tables.png": ("minipaged.core.sched.scheduler", _own("block_tables"),
-                         "block tables at the first preemption (chapter 00 run)"),
-    "step.png": ("minipaged.core.sched.scheduler", _own("step"),
-                 "the lecture's picture: one step, timeline + block tables"),
-    "memory.png": ("minipaged.core.sched.scheduler", _own("memory"),
-                   "KV slots over time (chapter 00 run)"),
-    "timeline_20x200.png": ("minipaged.core.sched.scheduler", _own("timeline", "large"),
-                            "20 requests x ~200 steps, scheduler + fake model"),
-    "step_20x200.png": ("minipaged.core.sched.scheduler", _own("step", "large"),
-                        "one step of the large run"),
-    "memory_20x200.png": ("minipaged.core.sched.scheduler", _own("memory", "large"),
-                          "KV slots over time, large run"),
-    "memory_waste.png": ("minipaged.sim.memory_waste", lambda: _memory_waste("sharegpt"),
-                         "paper Fig. 2, ShareGPT-like workload"),
-    "memory_waste_alpaca.png": ("minipaged.sim.memory_waste", lambda: _memory_waste("alpaca"),
-                                "paper Fig. 2, Alpaca-like workload"),
+    "timeline.png": (
+        "minipaged.core.sched.scheduler",
+        _own("timeline"),
+        "active sequences per step (chapter 00 run)",
+    ),
+    "block_tables.png": (
+        "minipaged.core.sched.scheduler",
+        _own("block_tables"),
+        "block tables at the first preemption (chapter 00 run)",
+    ),
+    "step.png": (
+        "minipaged.core.sched.scheduler",
+        _own("step"),
+        "the lecture's picture: one step, timeline + block tables",
+    ),
+    "memory.png": ("minipaged.core.sched.scheduler", _own("memory"), "KV slots over time (chapter 00 run)"),
+    "timeline_20x200.png": (
+        "minipaged.core.sched.scheduler",
+        _own("timeline", "large"),
+        "20 requests x ~200 steps, scheduler + fake model",
+    ),
+    "step_20x200.png": ("minipaged.core.sched.scheduler", _own("step", "large"), "one step of the large run"),
+    "memory_20x200.png": (
+        "minipaged.core.sched.scheduler",
+        _own("memory", "large"),
+        "KV slots over time, large run",
+    ),
+    "memory_waste.png": (
+        "minipaged.sim.memory_waste",
+        lambda: _memory_waste("sharegpt"),
+        "paper Fig. 2, ShareGPT-like workload",
+    ),
+    "memory_waste_alpaca.png": (
+        "minipaged.sim.memory_waste",
+        lambda: _memory_waste("alpaca"),
+        "paper Fig. 2, Alpaca-like workload",
+    ),
 }
 
 
@@ -241,8 +281,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", default="figures", help="folder for the PNGs (default figures)")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="only these figures")
     parser.add_argument("--list", action="store_true", help="list the figures and exit")
-    parser.add_argument("--check", action="store_true",
-                        help="render twice into temporary folders and compare sha256")
+    parser.add_argument(
+        "--check", action="store_true", help="render twice into temporary folders and compare sha256"
+    )
 
 
 def run(args) -> int:
@@ -263,8 +304,11 @@ def run(args) -> int:
         for n in ha:
             print(f"{'DIFFERENT' if n in bad else 'identical'}  {n}  {ha[n][:16]}")
         return 1 if bad else 0
-    source = "engine on the course model" if course_model_available() else (
-        "scheduler + fake model (the course model is not available yet)")
+    source = (
+        "engine on the course model"
+        if course_model_available()
+        else ("scheduler + fake model (the course model is not available yet)")
+    )
     print(f"demo run: {source}")
     write_figures(args.out, names)
     return 0

@@ -59,8 +59,10 @@ def price_of_paging_text(results_dir=None) -> str:
     if not runs:
         return NO_RESULTS
     lo, hi = PAPER_OVERHEAD
-    lines = [f"paper (vLLM, section 7.1): paged kernel {lo:.0%}-{hi:.0%} slower than a contiguous one "
-             f"({1 + lo:.2f}-{1 + hi:.2f}x)"]
+    lines = [
+        f"paper (vLLM, section 7.1): paged kernel {lo:.0%}-{hi:.0%} slower than a contiguous one "
+        f"({1 + lo:.2f}-{1 + hi:.2f}x)"
+    ]
     for name, b, report in runs:
         lines += [
             "",
@@ -72,12 +74,16 @@ def price_of_paging_text(results_dir=None) -> str:
         for r in b["sweep"]:
             ratio = r["paged_over_contiguous"]
             pct = r.get("paged_pct_peak")
-            lines.append(f"{r['batch']:>5} {r['context']:>7} {ratio:>16.2f}x {_vs_paper(ratio):>9} "
-                         f"{r['paged_GBps']:>6.0f} {'-' if pct is None else f'{pct:.0f}%':>7}")
+            lines.append(
+                f"{r['batch']:>5} {r['context']:>7} {ratio:>16.2f}x {_vs_paper(ratio):>9} "
+                f"{r['paged_GBps']:>6.0f} {'-' if pct is None else f'{pct:.0f}%':>7}"
+            )
         t = b.get("targets")
         if t:
-            lines.append(f"targets at {t['shape']}: paged/contiguous <= {t['ratio_target']}x "
-                         f"{_met(t['ratio_met'])}; >= {t['pct_peak_target']:.0f}% of peak {_met(t['pct_peak_met'])}")
+            lines.append(
+                f"targets at {t['shape']}: paged/contiguous <= {t['ratio_target']}x "
+                f"{_met(t['ratio_met'])}; >= {t['pct_peak_target']:.0f}% of peak {_met(t['pct_peak_met'])}"
+            )
     return "\n".join(lines)
 
 
@@ -99,7 +105,7 @@ def _x(ratio) -> str:
 def readme_rows(results_dir=None) -> list[str]:
     """Markdown rows ``| experiment | command | result | paper |`` for each recorded GPU run."""
     rows = []
-    for name, b, report in load_gpu_results(results_dir):
+    for _name, b, report in load_gpu_results(results_dir):
         t = b.get("targets") or {}
         pct = t.get("pct_peak")
         ratio, worst = t.get("paged_over_contiguous"), t.get("paged_over_contiguous_worst")
@@ -112,11 +118,13 @@ def readme_rows(results_dir=None) -> list[str]:
         sv = report.get("serving") or {}
         if sv.get("ratios"):
             ratios = ", ".join(f"{k} {v:.2f}x" for k, v in sv["ratios"].items())
-            rows.append(f"| real serving on {b.get('gpu')}, random {sv['model']['params_m']}M Llama "
-                        f"{sv['model'].get('dtype', '')}, "
-                        f"{sv['workload']['num_requests']} requests | `bash benchmarks/gpu_check.sh` | "
-                        f"tokens/s {ratios} ((a) continuous+paged, (b) static+contiguous, (c) transformers "
-                        f"generate, (d) transformers continuous batching) | 2–4× (GPU) |")
+            rows.append(
+                f"| real serving on {b.get('gpu')}, random {sv['model']['params_m']}M Llama "
+                f"{sv['model'].get('dtype', '')}, "
+                f"{sv['workload']['num_requests']} requests | `bash benchmarks/gpu_check.sh` | "
+                f"tokens/s {ratios} ((a) continuous+paged, (b) static+contiguous, (c) transformers "
+                f"generate, (d) transformers continuous batching) | 2–4× (GPU) |"
+            )
     return rows
 
 

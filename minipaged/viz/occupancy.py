@@ -79,11 +79,9 @@ def memory_text(trace: EngineTrace, *, max_rows: int = 24, bar: int = 40) -> str
         nt = round(bar * t / m.num_slots)
         nr = round(bar * (t + r) / m.num_slots) - nt
         frac = f"{100 * t / (t + r):.1f}%" if t + r else "-"
-        mark = ("  preempted" if m.preemptions[i] else "") + (
-            "  swapped out" if m.swapped_out[i] else "")
+        mark = ("  preempted" if m.preemptions[i] else "") + ("  swapped out" if m.swapped_out[i] else "")
         lines.append(
-            f"{i:>5} {t:>7} {r:>7} {f:>7} {frac:>8}  "
-            f"{'#' * nt}{'+' * nr}{'.' * (bar - nt - nr)}{mark}"
+            f"{i:>5} {t:>7} {r:>7} {f:>7} {frac:>8}  {'#' * nt}{'+' * nr}{'.' * (bar - nt - nr)}{mark}"
         )
     tot_t, tot_r = sum(m.tokens), sum(m.reserved)
     peak = max(t + r for t, r in zip(m.tokens, m.reserved))
@@ -116,14 +114,24 @@ def draw_memory(fig, trace: EngineTrace, series: MemorySeries | None = None):
     ax.set_ylabel(f"KV slots (of {m.num_slots})")
     ax.set_xlabel("engine step")
     ax.xaxis.set_major_locator(MaxNLocator(min(m.num_steps, 20), integer=True))
-    for kind, marks, color in (("preempted (recompute)", m.preemptions, palette.VERMILLION),
-                               ("swapped out", m.swapped_out, palette.REDDISH_PURPLE)):
+    for kind, marks, color in (
+        ("preempted (recompute)", m.preemptions, palette.VERMILLION),
+        ("swapped out", m.swapped_out, palette.REDDISH_PURPLE),
+    ):
         at = [i for i, p in enumerate(marks) if p]
         if at:
-            ax.plot(at, [m.num_slots * 1.02] * len(at), linestyle="none", marker="v",
-                    color=color, clip_on=False, label=kind)
-    sec = ax.secondary_yaxis("right", functions=(lambda v: 100 * v / m.num_slots,
-                                                 lambda p: p * m.num_slots / 100))
+            ax.plot(
+                at,
+                [m.num_slots * 1.02] * len(at),
+                linestyle="none",
+                marker="v",
+                color=color,
+                clip_on=False,
+                label=kind,
+            )
+    sec = ax.secondary_yaxis(
+        "right", functions=(lambda v: 100 * v / m.num_slots, lambda p: p * m.num_slots / 100)
+    )
     sec.set_ylabel("% of the cache")
     fig.subplots_adjust(right=0.93)
     ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.02), ncol=4, frameon=False)
@@ -141,7 +149,9 @@ def memory(trace: EngineTrace, *, managed: bool = True):
         tot = sum(m.tokens) + sum(m.reserved)
         frac = 100 * sum(m.tokens) / tot if tot else 100.0
         fig.suptitle(
-            f"KV cache over time: {frac:.1f}% of reserved slots hold tokens "
-            f"(block_size {trace.block_size})", x=0.08, ha="left", fontsize=11,
+            f"KV cache over time: {frac:.1f}% of reserved slots hold tokens (block_size {trace.block_size})",
+            x=0.08,
+            ha="left",
+            fontsize=11,
         )
     return fig

@@ -27,8 +27,9 @@ Mirrors no vLLM file (vLLM has no pictures); the state read from a manager is
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Optional
 
 from minipaged.trace import EngineTrace
 
@@ -214,6 +215,4 @@ def snapshot(source, step: Optional[int] = None, **kwargs) -> BlockSnapshot:
         if step is not None:
             raise ValueError("step applies to an EngineTrace; a KVCacheManager is drawn as is")
         return snapshot_from_manager(source, **kwargs)
-    raise ValueError(
-        f"source must be an EngineTrace or a KVCacheManager, got {type(source).__name__}"
-    )
+    raise ValueError(f"source must be an EngineTrace or a KVCacheManager, got {type(source).__name__}")

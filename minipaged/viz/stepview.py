@@ -64,7 +64,12 @@ def draw_step(fig, trace: EngineTrace, i: int, cells=None) -> None:
     left.suptitle(
         f"Step {i} / {len(trace.steps) - 1}: {len(s.scheduled)} sequences, "
         f"{sum(s.scheduled.values())} tokens in the batch",
-        x=0.01, ha="left", fontsize=11, fontweight="bold", y=0.99, va="top",
+        x=0.01,
+        ha="left",
+        fontsize=11,
+        fontweight="bold",
+        y=0.99,
+        va="top",
     )
     draw_block_tables(right, snapshot_from_trace(trace, i))
 

@@ -69,26 +69,34 @@ def _make_stepper(trace: EngineTrace, *, start: int, interval_ms: int, cache: in
             self.trace = trace
             self._pngs: OrderedDict[int, bytes] = OrderedDict()
             self._cache = max(1, cache)
-            self.slider = w.IntSlider(value=start, min=0, max=n - 1, step=1,
-                                      description="step", continuous_update=False,
-                                      readout=False, layout=w.Layout(width="420px"))
-            self.play = w.Play(value=start, min=0, max=n - 1, step=1, interval=interval_ms,
-                               description="play")
+            self.slider = w.IntSlider(
+                value=start,
+                min=0,
+                max=n - 1,
+                step=1,
+                description="step",
+                continuous_update=False,
+                readout=False,
+                layout=w.Layout(width="420px"),
+            )
+            self.play = w.Play(
+                value=start, min=0, max=n - 1, step=1, interval=interval_ms, description="play"
+            )
             # NOTE: the link runs in the browser, so play -> slider costs no round trip
             w.jslink((self.play, "value"), (self.slider, "value"))
-            self.prev_button = w.Button(description="◀ prev", tooltip="previous step",
-                                        layout=w.Layout(width="80px"))
-            self.next_button = w.Button(description="next ▶", tooltip="next step",
-                                        layout=w.Layout(width="80px"))
+            self.prev_button = w.Button(
+                description="◀ prev", tooltip="previous step", layout=w.Layout(width="80px")
+            )
+            self.next_button = w.Button(
+                description="next ▶", tooltip="next step", layout=w.Layout(width="80px")
+            )
             self.label = w.Label(value=_label(start, n))
             self.label.add_class("minipaged-step-label")
-            self.image = w.Image(format="png", value=self.render(start),
-                                 layout=w.Layout(max_width="100%"))
+            self.image = w.Image(format="png", value=self.render(start), layout=w.Layout(max_width="100%"))
             self.prev_button.on_click(lambda _: self.go(self.slider.value - 1))
             self.next_button.on_click(lambda _: self.go(self.slider.value + 1))
             self.slider.observe(self._on_value, names="value")
-            controls = w.HBox([self.play, self.prev_button, self.slider, self.next_button,
-                               self.label])
+            controls = w.HBox([self.play, self.prev_button, self.slider, self.next_button, self.label])
             super().__init__([controls, self.image])
             self.add_class("minipaged-stepper")
 

@@ -32,8 +32,9 @@ Failure mode
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Optional
 
 BlockHash = bytes
 
@@ -50,8 +51,8 @@ class KVCacheBlock:
     # Set when the block is full and cached (prefix caching); None otherwise.
     block_hash: Optional[BlockHash] = None
     # Links of the free queue; None when the block is not in the queue.
-    prev_free_block: Optional["KVCacheBlock"] = None
-    next_free_block: Optional["KVCacheBlock"] = None
+    prev_free_block: Optional[KVCacheBlock] = None
+    next_free_block: Optional[KVCacheBlock] = None
 
     def __repr__(self) -> str:
         h = "" if self.block_hash is None else f", hash={self.block_hash.hex()[:8]}"

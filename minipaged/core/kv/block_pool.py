@@ -28,7 +28,8 @@ Failure mode
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable
+from typing import Optional
 
 from minipaged.core.kv.block import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
 
@@ -49,9 +50,7 @@ class BlockPool:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > self.get_num_free_blocks():
-            raise ValueError(
-                f"cannot get {num_blocks} blocks: only {self.get_num_free_blocks()} free"
-            )
+            raise ValueError(f"cannot get {num_blocks} blocks: only {self.get_num_free_blocks()} free")
         out = []
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
@@ -117,9 +116,7 @@ class BlockPool:
         for b in self.blocks:
             assert b.ref_cnt >= 0, f"{b} has a negative ref_cnt"
             in_queue = b in self.free_block_queue
-            assert in_queue == (b.ref_cnt == 0), (
-                f"{b}: in free queue={in_queue} but ref_cnt={b.ref_cnt}"
-            )
+            assert in_queue == (b.ref_cnt == 0), f"{b}: in free queue={in_queue} but ref_cnt={b.ref_cnt}"
         for h, b in self.cached_block_hash_to_block.items():
             assert b.block_hash == h, f"cache map points at {b} under another hash"
 

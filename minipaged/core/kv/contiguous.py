@@ -168,9 +168,7 @@ class ContiguousAllocator:
             raise ValueError(f"request {rid!r} already holds a region")
         size = self.reservation_size(final_len)
         if size > self.num_slots:
-            raise ValueError(
-                f"request {rid!r} needs {size} slots but the pool has only {self.num_slots}"
-            )
+            raise ValueError(f"request {rid!r} needs {size} slots but the pool has only {self.num_slots}")
         i = self._find_hole(size)
         if i is None:
             return None  # NOTE: nothing changed; the caller waits for a region to be freed
@@ -221,9 +219,7 @@ class ContiguousAllocator:
         """Slots of the request's tokens ``start .. end-1``: consecutive, from the region start."""
         region = self._get_region(request_id)
         if not 0 <= start <= end <= region.num_tokens:
-            raise ValueError(
-                f"token span [{start}, {end}) outside the {region.num_tokens} tokens held"
-            )
+            raise ValueError(f"token span [{start}, {end}) outside the {region.num_tokens} tokens held")
         return list(range(region.start + start, region.start + end))
 
     # -- reporting ----------------------------------------------------------------
@@ -260,17 +256,14 @@ class ContiguousAllocator:
         pos = 0
         for start, size, what in pieces:
             assert size > 0, f"{what} at {start} has size {size}"
-            assert start == pos, (
-                f"{what} at {start}: expected it to start at {pos} (gap or overlap)"
-            )
+            assert start == pos, f"{what} at {start}: expected it to start at {pos} (gap or overlap)"
             pos = start + size
         assert pos == self.num_slots, f"pieces end at {pos}, pool has {self.num_slots} slots"
         for (s0, n0), (s1, _) in zip(self.holes, self.holes[1:]):
             assert s0 + n0 < s1, f"holes at {s0} and {s1} are unsorted or not merged"
         for rid, r in self.regions.items():
             assert 1 <= r.num_tokens <= r.final_len <= r.size, (
-                f"region of {rid!r}: num_tokens={r.num_tokens}, final_len={r.final_len}, "
-                f"size={r.size}"
+                f"region of {rid!r}: num_tokens={r.num_tokens}, final_len={r.final_len}, size={r.size}"
             )
             assert r.size == self.reservation_size(r.final_len), (
                 f"region of {rid!r}: size {r.size} but policy {self.policy!r} reserves "

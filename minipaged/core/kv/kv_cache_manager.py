@@ -71,10 +71,9 @@ Failure mode
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
-from minipaged.core.kv.block_pool import BlockPool
 from minipaged.core.kv.block import BlockHash, KVCacheBlock, cdiv, check_positive_int, hash_block_tokens
+from minipaged.core.kv.block_pool import BlockPool
 from minipaged.core.kv.block_table import BlockTable
 
 
@@ -127,7 +126,12 @@ class KVCacheManager:
     def _needs_copy_on_write(self, rid: str) -> bool:
         """Whether the next token of ``rid`` lands in a shared, partly filled block."""
         t = self.block_tables.get(rid)
-        return t is not None and bool(t.blocks) and t.num_tokens % self.block_size != 0 and t.blocks[-1].ref_cnt > 1
+        return (
+            t is not None
+            and bool(t.blocks)
+            and t.num_tokens % self.block_size != 0
+            and t.blocks[-1].ref_cnt > 1
+        )
 
     def get_num_blocks_needed(self, request, num_new_tokens: int) -> int:
         """How many *new* blocks ``allocate_slots(request, num_new_tokens)`` would take
@@ -165,7 +169,8 @@ class KVCacheManager:
         bs = self.block_size
         shared = request.num_prompt_tokens // bs
         return cdiv(request.num_tokens, bs) + sum(
-            cdiv(f.num_tokens, bs) - shared for f in forks if f.num_tokens > f.num_prompt_tokens)
+            cdiv(f.num_tokens, bs) - shared for f in forks if f.num_tokens > f.num_prompt_tokens
+        )
 
     def get_num_blocks_still_needed(self, request, forks=()) -> int:
         """Blocks a running ``request`` still needs to compute the tokens it already has
@@ -518,14 +523,18 @@ class KVCacheManager:
                 assert t.block_size == self.block_size, f"{where}table of {rid!r}: block_size {t.block_size}"
                 assert len(t.blocks) == cdiv(t.num_tokens, self.block_size), (
                     f"{where}table of {rid!r}: {len(t.blocks)} blocks for {t.num_tokens} tokens "
-                    f"(block_size {self.block_size})")
-                assert t.num_cached_blocks <= len(t.blocks), f"{rid!r}: {t.num_cached_blocks} cached blocks > its table"
+                    f"(block_size {self.block_size})"
+                )
+                assert t.num_cached_blocks <= len(t.blocks), (
+                    f"{rid!r}: {t.num_cached_blocks} cached blocks > its table"
+                )
                 for b in t.blocks:
                     holders[b.block_id] = holders.get(b.block_id, 0) + 1
             for b in pool.blocks:
                 assert b.ref_cnt == holders.get(b.block_id, 0), (
                     f"{where}block {b.block_id}: ref_cnt {b.ref_cnt} but held by "
-                    f"{holders.get(b.block_id, 0)} block tables")
+                    f"{holders.get(b.block_id, 0)} block tables"
+                )
         # copy-on-write: distinct destinations, each held by a table
         dsts = [d for _, d in self.pending_copies]
         assert len(set(dsts)) == len(dsts), f"a block is the destination of two copies: {dsts}"

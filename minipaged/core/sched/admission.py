@@ -38,8 +38,8 @@ class WatermarkAdmission(Scheduler):
     def __init__(self, *args, watermark: Optional[float] = DEFAULT_WATERMARK, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if watermark is not None and (
-                not isinstance(watermark, (int, float)) or isinstance(watermark, bool)
-                or not 0 <= watermark < 1):
+            not isinstance(watermark, (int, float)) or isinstance(watermark, bool) or not 0 <= watermark < 1
+        ):
             raise ValueError(f"watermark must be None or a fraction in [0, 1), got {watermark!r}")
         self.watermark = None if watermark is None else float(watermark)
         # NOTE: as vLLM v0's BlockSpaceManager: int(watermark * num_gpu_blocks)

@@ -64,7 +64,8 @@ class SequenceGroups(Scheduler):
     def __init__(self, *args, parallel_sampling: str = "fork", **kwargs) -> None:
         if parallel_sampling not in PARALLEL_SAMPLING:
             raise ValueError(
-                f"parallel_sampling must be one of {PARALLEL_SAMPLING}, got {parallel_sampling!r}")
+                f"parallel_sampling must be one of {PARALLEL_SAMPLING}, got {parallel_sampling!r}"
+            )
         super().__init__(*args, **kwargs)
         # "prefix": add_request_group is the base's (vLLM v1 fan-out); "fork": this layer
         self.parallel_sampling = parallel_sampling
@@ -101,8 +102,10 @@ class SequenceGroups(Scheduler):
         longest = get_max_num_kv_tokens(requests[0], self.max_model_len)
         need = self.kv_cache_manager.get_max_num_blocks(longest, n, requests[0].num_prompt_tokens)
         if need > self.num_blocks:
-            return (f"refused: {n} sequences sharing their prompt's full blocks may need {need} "
-                    f"KV blocks but the whole pool has {self.num_blocks}")
+            return (
+                f"refused: {n} sequences sharing their prompt's full blocks may need {need} "
+                f"KV blocks but the whole pool has {self.num_blocks}"
+            )
         return None
 
     def fork_request(self, parent: Request, child: Request) -> None:
@@ -205,7 +208,10 @@ class SequenceGroups(Scheduler):
     def _allocate(self, plan):
         """All or nothing: the manager counts the whole unit's blocks first."""
         kv = self.kv_cache_manager
-        if kv.get_num_blocks_needed_group([r for r, _ in plan], [n for _, n in plan]) > kv.get_num_free_blocks():
+        if (
+            kv.get_num_blocks_needed_group([r for r, _ in plan], [n for _, n in plan])
+            > kv.get_num_free_blocks()
+        ):
             return None
         allocated = [kv.allocate_slots(r, n) if n > 0 else [] for r, n in plan]
         assert all(a is not None for a in allocated), "the block count promised room"
@@ -245,8 +251,11 @@ class SequenceGroups(Scheduler):
         """As the base; a child forked this step computed nothing: its first token was
         sampled from its parent's logits row."""
         if output is self._in_flight:
-            need = [c.request_id for _, c in output.fork_samples
-                    if not c.is_finished and c.request_id not in sampled_token_ids]
+            need = [
+                c.request_id
+                for _, c in output.fork_samples
+                if not c.is_finished and c.request_id not in sampled_token_ids
+            ]
             if need:
                 raise ValueError(f"sampled_token_ids lacks a token for requests {need}")
         finished = super().update_from_output(output, sampled_token_ids)
@@ -276,7 +285,10 @@ class SequenceGroups(Scheduler):
             assert live, f"group {g.group_id} is done but still registered"
             if g.forked:
                 swapped = getattr(self, "swapped", ())
-                places = {("running" if r in self.running else "swapped" if r in swapped
-                           else "elsewhere") for r in live}
+                places = {
+                    ("running" if r in self.running else "swapped" if r in swapped else "elsewhere")
+                    for r in live
+                }
                 assert places in ({"running"}, {"swapped"}), (
-                    f"group {g.group_id}: sequences split across {sorted(places)}")
+                    f"group {g.group_id}: sequences split across {sorted(places)}"
+                )

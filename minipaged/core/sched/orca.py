@@ -35,12 +35,23 @@ from minipaged.trace import StepRecord
 
 
 class OrcaScheduler(Scheduler):
-    def __init__(self, num_slots: int, max_model_len: int, policy: str = "oracle",
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        max_model_len: int,
+        policy: str = "oracle",
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+    ) -> None:
         self.allocator = ContiguousAllocator(num_slots, max_model_len, policy)
-        super().__init__(num_slots, 1, max_num_seqs=max_num_seqs,
-                         max_num_batched_tokens=max_num_batched_tokens,
-                         enable_chunked_prefill=False, max_model_len=max_model_len)
+        super().__init__(
+            num_slots,
+            1,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=False,
+            max_model_len=max_model_len,
+        )
         self.final_len: dict[str, int] = {}
 
     def _new_kv_cache_manager(self) -> ContiguousAllocator:
@@ -58,11 +69,16 @@ class OrcaScheduler(Scheduler):
     def _refusal_reason(self, request: Request) -> Optional[str]:
         final_len = self.final_len[request.request_id]
         size = self.allocator.reservation_size(min(final_len, self.max_model_len))
-        if (final_len > self.max_model_len or size > self.allocator.num_slots
-                or request.num_prompt_tokens > self.max_num_batched_tokens):
-            return (f"refused: final length {final_len} (reservation {size}) does not "
-                    f"fit max_model_len {self.max_model_len} / "
-                    f"{self.allocator.num_slots} slots / the token budget")
+        if (
+            final_len > self.max_model_len
+            or size > self.allocator.num_slots
+            or request.num_prompt_tokens > self.max_num_batched_tokens
+        ):
+            return (
+                f"refused: final length {final_len} (reservation {size}) does not "
+                f"fit max_model_len {self.max_model_len} / "
+                f"{self.allocator.num_slots} slots / the token budget"
+            )
         return None
 
     def schedule(self) -> SchedulerOutput:
@@ -105,15 +121,18 @@ class OrcaScheduler(Scheduler):
         for r in self.running:
             reg = a.regions[r.request_id]
             assert reg.num_tokens == r.num_computed_tokens, (
-                f"{r.request_id}: region holds {reg.num_tokens} tokens, computed {r.num_computed_tokens}")
+                f"{r.request_id}: region holds {reg.num_tokens} tokens, computed {r.num_computed_tokens}"
+            )
             assert r.num_tokens <= reg.final_len, f"{r.request_id} outgrew its region"
 
     def record(self, output: SchedulerOutput, step: int) -> StepRecord:
         """A ``StepRecord``: regions are not blocks, so ``block_tables`` stays empty and
         ``num_free_blocks`` counts free *slots* (the trace's block_size is 1)."""
         return StepRecord(
-            step=step, scheduled=dict(output.num_scheduled_tokens),
-            prefill_ids=list(output.prefill_ids), decode_ids=list(output.decode_ids),
+            step=step,
+            scheduled=dict(output.num_scheduled_tokens),
+            prefill_ids=list(output.prefill_ids),
+            decode_ids=list(output.decode_ids),
             waiting_ids=[r.request_id for r in self.waiting],
             finished_ids=[r.request_id for r in output.finished],
             arrived_ids=[r.request_id for r in output.arrived],

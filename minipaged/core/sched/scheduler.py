@@ -90,8 +90,7 @@ class Scheduler:
         self.stop_checker = None
 
     def _new_kv_cache_manager(self) -> KVCacheManager:  # hook
-        return KVCacheManager(self.num_blocks, self.block_size,
-                              enable_caching=self.enable_prefix_caching)
+        return KVCacheManager(self.num_blocks, self.block_size, enable_caching=self.enable_prefix_caching)
 
     # -- one step -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -134,7 +133,8 @@ class Scheduler:
         if not (out.scheduled or preempted or out.refused) and self._num_queued():
             raise RuntimeError(  # NOTE: cannot happen (see "No livelock"); fail loudly
                 f"livelock: nothing scheduled with {len(self.running)} running and "
-                f"{self._num_queued() - len(self.running)} other unfinished requests")
+                f"{self._num_queued() - len(self.running)} other unfinished requests"
+            )
         return self._end_step(out)
 
     def _num_to_compute(self, request: Request) -> int:  # hook
@@ -181,7 +181,7 @@ class Scheduler:
     def _preempt(self, out: SchedulerOutput) -> list[Request]:
         """Preempt the last unit of ``running``; return its requests."""
         victims = self._units(self.running)[-1]
-        del self.running[len(self.running) - len(victims):]
+        del self.running[len(self.running) - len(victims) :]
         for v in victims:
             v.num_preemptions += 1
         self._evict(victims, out)
@@ -206,7 +206,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         # NOTE: the lookup stops one token short of what it computes before sampling
         computed, num_computed = kv.get_computed_blocks(
-            request, request.num_computed_tokens + self._num_to_compute(request) - 1)
+            request, request.num_computed_tokens + self._num_to_compute(request) - 1
+        )
         request.num_computed_tokens = num_computed
         n = self._num_new_tokens(request, budget)
         new_blocks = None
@@ -237,9 +238,13 @@ class Scheduler:
         refused ones first). A request whose prefill completes needs a sampled token."""
         if output is not self._in_flight:
             raise ValueError("update_from_output() needs the output of the last schedule()")
-        need = [r.request_id for r, n in output.scheduled
-                if not r.is_finished and r.num_computed_tokens + n == r.num_tokens
-                and r.request_id not in sampled_token_ids]
+        need = [
+            r.request_id
+            for r, n in output.scheduled
+            if not r.is_finished
+            and r.num_computed_tokens + n == r.num_tokens
+            and r.request_id not in sampled_token_ids
+        ]
         if need:
             raise ValueError(f"sampled_token_ids lacks a token for requests {need}")
         finished: list[Request] = list(output.refused)
@@ -269,9 +274,15 @@ class Scheduler:
         tok = req.output_token_ids[-1]
         params = req.sampling_params
         if req.num_output_tokens >= params.max_tokens:
-            req.status, req.stop_reason = RequestStatus.FINISHED_LENGTH, f"max_tokens={params.max_tokens} reached"
+            req.status, req.stop_reason = (
+                RequestStatus.FINISHED_LENGTH,
+                f"max_tokens={params.max_tokens} reached",
+            )
         elif self.max_model_len is not None and req.num_tokens >= self.max_model_len:
-            req.status, req.stop_reason = RequestStatus.FINISHED_LENGTH, f"max_model_len={self.max_model_len} reached"
+            req.status, req.stop_reason = (
+                RequestStatus.FINISHED_LENGTH,
+                f"max_model_len={self.max_model_len} reached",
+            )
         elif req.num_output_tokens < params.min_tokens:
             return False  # NOTE: as vLLM, EOS and stop tokens do not count before min_tokens
         elif not params.ignore_eos and req.eos_token_id is not None and tok == req.eos_token_id:
@@ -354,11 +365,13 @@ class Scheduler:
         if request.status != RequestStatus.WAITING or request.num_computed_tokens != 0:
             raise ValueError(
                 f"request {rid!r} is not fresh (status {request.status.name}, "
-                f"{request.num_computed_tokens} computed tokens)")
+                f"{request.num_computed_tokens} computed tokens)"
+            )
         if self.max_model_len is not None and request.num_prompt_tokens > self.max_model_len:
             raise ValueError(
                 f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens is longer "
-                f"than max_model_len={self.max_model_len}")
+                f"than max_model_len={self.max_model_len}"
+            )
 
     def _register(self, request: Request) -> None:
         rid = request.request_id
@@ -373,12 +386,16 @@ class Scheduler:
         n = get_max_num_kv_tokens(request, self.max_model_len)
         blocks = self.kv_cache_manager.get_max_num_blocks(n)
         if blocks > self.num_blocks:
-            return (f"refused: needs {blocks} KV blocks for {n} tokens (prompt "
-                    f"{request.num_prompt_tokens} + max_tokens {request.max_tokens} - 1) but the "
-                    f"whole pool has {self.num_blocks} blocks of {self.block_size} tokens")
+            return (
+                f"refused: needs {blocks} KV blocks for {n} tokens (prompt "
+                f"{request.num_prompt_tokens} + max_tokens {request.max_tokens} - 1) but the "
+                f"whole pool has {self.num_blocks} blocks of {self.block_size} tokens"
+            )
         if not self.enable_chunked_prefill and request.num_prompt_tokens > self.max_num_batched_tokens:
-            return (f"refused: prompt of {request.num_prompt_tokens} tokens exceeds "
-                    f"max_num_batched_tokens={self.max_num_batched_tokens} and chunked prefill is off")
+            return (
+                f"refused: prompt of {request.num_prompt_tokens} tokens exceeds "
+                f"max_num_batched_tokens={self.max_num_batched_tokens} and chunked prefill is off"
+            )
         return None
 
     def _refuse(self, request: Request, reason: str) -> None:
@@ -426,20 +443,24 @@ class Scheduler:
     # -- invariants -----------------------------------------------------------------
     def _queues(self) -> dict:  # hook
         """name -> (requests, allowed statuses, kept in FCFS order?), all but ``finished``."""
-        return {"waiting": (self.waiting, (RequestStatus.WAITING, RequestStatus.PREEMPTED), True),
-                "running": (self.running, (RequestStatus.RUNNING,), True)}
+        return {
+            "waiting": (self.waiting, (RequestStatus.WAITING, RequestStatus.PREEMPTED), True),
+            "running": (self.running, (RequestStatus.RUNNING,), True),
+        }
 
     def check_invariants(self) -> None:
         kv = self.kv_cache_manager
         kv.check_invariants()
         assert len(self.running) <= self.max_num_seqs, (
-            f"{len(self.running)} running > max_num_seqs {self.max_num_seqs}")
+            f"{len(self.running)} running > max_num_seqs {self.max_num_seqs}"
+        )
         out = self._last_output
         if out is not None:
             total = sum(n for _, n in out.scheduled)
             assert total == out.total_num_scheduled_tokens, "total_num_scheduled_tokens is wrong"
             assert total <= self.max_num_batched_tokens, (
-                f"{total} tokens scheduled > max_num_batched_tokens {self.max_num_batched_tokens}")
+                f"{total} tokens scheduled > max_num_batched_tokens {self.max_num_batched_tokens}"
+            )
             assert all(n >= 1 for _, n in out.scheduled), "a request was scheduled 0 tokens"
             ids = [r.request_id for r, _ in out.scheduled]
             assert len(set(ids)) == len(ids), f"a request scheduled twice: {ids}"
@@ -448,7 +469,8 @@ class Scheduler:
         for name, (queue, statuses, _) in queues.items():
             for r in queue:
                 assert r.request_id not in where, (
-                    f"{r.request_id} is in both {where[r.request_id]} and {name}")
+                    f"{r.request_id} is in both {where[r.request_id]} and {name}"
+                )
                 where[r.request_id] = name
                 assert r.status in statuses, f"{r.request_id} is {name} with status {r.status.name}"
         for rid, r in self.finished.items():
@@ -456,12 +478,14 @@ class Scheduler:
             assert r.is_finished, f"{rid} is in finished with status {r.status.name}"
             where[rid] = "finished"
         assert set(where) == set(self.requests), (
-            f"requests in no queue: {sorted(set(self.requests) - set(where))}")
+            f"requests in no queue: {sorted(set(self.requests) - set(where))}"
+        )
         for r in self.requests.values():
             assert 0 <= r.num_computed_tokens <= r.num_tokens, f"{r.request_id}: computed > tokens"
         running_ids = {r.request_id for r in self.running}
         assert set(kv.block_tables) == running_ids, (
-            f"device blocks held by {sorted(kv.block_tables)}, running {sorted(running_ids)}")
+            f"device blocks held by {sorted(kv.block_tables)}, running {sorted(running_ids)}"
+        )
         for name, (queue, statuses, _) in queues.items():
             if RequestStatus.WAITING in statuses:
                 for r in queue:
@@ -476,7 +500,8 @@ class Scheduler:
         others = [r for name, q in fcfs.items() if name != "running" for r in q]
         if self.running and others:
             assert max(seq[r.request_id] for r in self.running) < min(seq[r.request_id] for r in others), (
-                "FCFS: a running request arrived after a waiting one")
+                "FCFS: a running request arrived after a waiting one"
+            )
 
     def _check_allocation(self, in_flight: dict[str, int]) -> None:  # hook
         kv = self.kv_cache_manager
@@ -484,6 +509,7 @@ class Scheduler:
             expected = r.num_computed_tokens + in_flight.get(r.request_id, 0)
             assert kv.block_tables[r.request_id].num_tokens == expected, (
                 f"running {r.request_id}: slots for {kv.block_tables[r.request_id].num_tokens} tokens, "
-                f"expected {expected}")
+                f"expected {expected}"
+            )
             if not in_flight:
                 assert r.num_computed_tokens < r.num_tokens, f"running {r.request_id} is idle"

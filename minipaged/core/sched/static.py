@@ -80,4 +80,3 @@ class StaticBatchScheduler(Scheduler):
                 f"tokens, reservation {self._reservation(r)}"
             )
             assert r.num_computed_tokens + in_flight.get(r.request_id, 0) <= self._reservation(r)
-

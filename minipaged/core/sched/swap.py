@@ -32,11 +32,9 @@ from minipaged.core.sched.scheduler import Scheduler
 
 
 class SwapPreemption(Scheduler):
-    def __init__(self, *args, preemption_mode: str = "recompute", num_cpu_blocks: int = 0,
-                 **kwargs) -> None:
+    def __init__(self, *args, preemption_mode: str = "recompute", num_cpu_blocks: int = 0, **kwargs) -> None:
         if preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
         if preemption_mode == "swap" and num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")
         self.preemption_mode = preemption_mode
@@ -45,9 +43,12 @@ class SwapPreemption(Scheduler):
         self.swapped: deque[Request] = deque()  # arrival order
 
     def _new_kv_cache_manager(self) -> KVCacheManager:
-        return KVCacheManager(self.num_blocks, self.block_size,
-                              enable_caching=self.enable_prefix_caching,
-                              num_cpu_blocks=self.num_cpu_blocks)
+        return KVCacheManager(
+            self.num_blocks,
+            self.block_size,
+            enable_caching=self.enable_prefix_caching,
+            num_cpu_blocks=self.num_cpu_blocks,
+        )
 
     def _evict(self, victims: list[Request], out: SchedulerOutput) -> None:
         if self.preemption_mode == "swap":
@@ -66,8 +67,10 @@ class SwapPreemption(Scheduler):
         """The earlier arrival of the heads of ``swapped`` and ``waiting`` comes next.
         NOTE: every swapped request arrived before every never-admitted one, so nothing
         new is admitted while anything is swapped out."""
-        if not self.swapped or (self.waiting and self.arrival_seq[self.waiting[0].request_id]
-                                < self.arrival_seq[self.swapped[0].request_id]):
+        if not self.swapped or (
+            self.waiting
+            and self.arrival_seq[self.waiting[0].request_id] < self.arrival_seq[self.swapped[0].request_id]
+        ):
             return super()._admit_next(budget, out)
         kv = self.kv_cache_manager
         unit = self._units(self.swapped)[0]
@@ -100,9 +103,11 @@ class SwapPreemption(Scheduler):
         kv = self.kv_cache_manager
         swapped_ids = {r.request_id for r in self.swapped}
         assert set(kv.cpu_block_tables) == swapped_ids, (
-            f"CPU blocks held by {sorted(kv.cpu_block_tables)}, swapped {sorted(swapped_ids)}")
+            f"CPU blocks held by {sorted(kv.cpu_block_tables)}, swapped {sorted(swapped_ids)}"
+        )
         for r in self.swapped:
             assert kv.cpu_block_tables[r.request_id].num_tokens == r.num_computed_tokens, (
                 f"swapped {r.request_id}: CPU blocks for {kv.cpu_block_tables[r.request_id].num_tokens} "
-                f"tokens, computed {r.num_computed_tokens}")
+                f"tokens, computed {r.num_computed_tokens}"
+            )
             assert r.num_computed_tokens < r.num_tokens, f"swapped {r.request_id} has nothing to do"

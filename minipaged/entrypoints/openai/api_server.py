@@ -20,7 +20,6 @@ Failure mode
     ``max_waiting_requests`` are already waiting, 500 "internal error" for an engine bug.
 """
 
-
 # NOTE: no `from __future__ import annotations` here: FastAPI reads the route functions'
 # annotations (`request: Request`) at definition time.
 import argparse
@@ -69,8 +68,7 @@ def build_app(engine, **serving_kwargs):
         finally:
             await serving.async_engine.shutdown()
 
-    app = FastAPI(title="minipaged", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="minipaged", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
 
     def error(status: int, message: str, param=None, headers=None) -> JSONResponse:
@@ -94,11 +92,19 @@ def build_app(engine, **serving_kwargs):
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": serving.model_name, "object": "model", "created": serving.created,
-            "owned_by": "minipaged", "root": serving.model_name,
-            "max_model_len": engine.max_model_len,
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": serving.model_name,
+                    "object": "model",
+                    "created": serving.created,
+                    "owned_by": "minipaged",
+                    "root": serving.model_name,
+                    "max_model_len": engine.max_model_len,
+                }
+            ],
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -142,8 +148,11 @@ def build_app(engine, **serving_kwargs):
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
-                raise ApiError(400, "prompt: a list of several prompts is not supported; send "
-                                    "one request per prompt", "prompt")
+                raise ApiError(
+                    400,
+                    "prompt: a list of several prompts is not supported; send one request per prompt",
+                    "prompt",
+                )
             prompt = prompt[0]
         if req.echo:
             raise ApiError(400, "echo is not supported", "echo")
@@ -151,8 +160,7 @@ def build_app(engine, **serving_kwargs):
         params = serving.make_params(req, len(ids), DEFAULT_COMPLETION_MAX_TOKENS)
         stream = serving.submit(params, ids)
         created, model = int(time.time()), serving.model_name
-        head = {"id": stream.request_id, "object": "text_completion", "created": created,
-                "model": model}
+        head = {"id": stream.request_id, "object": "text_completion", "created": created, "model": model}
         if not req.stream:
             out = await serving.final_output(request, stream)
             if out is None:
@@ -160,17 +168,26 @@ def build_app(engine, **serving_kwargs):
             choices = []
             for c in out.outputs:
                 reason = finish_reason_of(c)
-                choices.append({"index": c.index, "text": c.text, "finish_reason": reason,
-                                "stop_reason": c.stop_reason,
-                                "logprobs": completion_logprobs(tokenizer, c.token_ids,
-                                                                getattr(c, "logprobs", None))})
+                choices.append(
+                    {
+                        "index": c.index,
+                        "text": c.text,
+                        "finish_reason": reason,
+                        "stop_reason": c.stop_reason,
+                        "logprobs": completion_logprobs(tokenizer, c.token_ids, getattr(c, "logprobs", None)),
+                    }
+                )
             ntok = sum(len(c.token_ids) for c in out.outputs)
             return {**head, "choices": choices, "usage": usage_of(len(ids), ntok)}
 
         def choice(index, text, token_ids, lps, offset, reason, stop_reason):
-            return {"index": index, "text": text, "finish_reason": reason,
-                    "stop_reason": stop_reason,
-                    "logprobs": completion_logprobs(tokenizer, token_ids, lps, offset)}
+            return {
+                "index": index,
+                "text": text,
+                "finish_reason": reason,
+                "stop_reason": stop_reason,
+                "logprobs": completion_logprobs(tokenizer, token_ids, lps, offset),
+            }
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         events = serving.sse_events(stream, head, params, len(ids), include_usage, choice)
@@ -189,8 +206,7 @@ def build_app(engine, **serving_kwargs):
         params = serving.make_params(req, len(ids), engine.max_model_len - len(ids))
         stream = serving.submit(params, ids)
         created, model = int(time.time()), serving.model_name
-        head = {"id": stream.request_id.replace("cmpl-", "chatcmpl-"), "created": created,
-                "model": model}
+        head = {"id": stream.request_id.replace("cmpl-", "chatcmpl-"), "created": created, "model": model}
         if not req.stream:
             out = await serving.final_output(request, stream)
             if out is None:
@@ -198,26 +214,53 @@ def build_app(engine, **serving_kwargs):
             choices = []
             for c in out.outputs:
                 reason = finish_reason_of(c)
-                choices.append({
-                    "index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "finish_reason": reason, "stop_reason": c.stop_reason,
-                    "logprobs": chat_logprobs(tokenizer, c.token_ids,
-                                              getattr(c, "logprobs", None), top_n),
-                })
+                choices.append(
+                    {
+                        "index": c.index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "finish_reason": reason,
+                        "stop_reason": c.stop_reason,
+                        "logprobs": chat_logprobs(
+                            tokenizer, c.token_ids, getattr(c, "logprobs", None), top_n
+                        ),
+                    }
+                )
             ntok = sum(len(c.token_ids) for c in out.outputs)
-            return {**head, "object": "chat.completion", "choices": choices,
-                    "usage": usage_of(len(ids), ntok)}
+            return {
+                **head,
+                "object": "chat.completion",
+                "choices": choices,
+                "usage": usage_of(len(ids), ntok),
+            }
 
         def choice(index, text, token_ids, lps, offset, reason, stop_reason):
-            return {"index": index, "delta": {"content": text} if text else {},
-                    "logprobs": chat_logprobs(tokenizer, token_ids, lps, top_n),
-                    "finish_reason": reason, "stop_reason": stop_reason}
+            return {
+                "index": index,
+                "delta": {"content": text} if text else {},
+                "logprobs": chat_logprobs(tokenizer, token_ids, lps, top_n),
+                "finish_reason": reason,
+                "stop_reason": stop_reason,
+            }
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        first = [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                  "finish_reason": None} for j in range(params.n)]
-        events = serving.sse_events(stream, {**head, "object": "chat.completion.chunk"}, params,
-                                    len(ids), include_usage, choice, first)
+        first = [
+            {
+                "index": j,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for j in range(params.n)
+        ]
+        events = serving.sse_events(
+            stream,
+            {**head, "object": "chat.completion.chunk"},
+            params,
+            len(ids),
+            include_usage,
+            choice,
+            first,
+        )
         return SSEResponse(events, lambda: serving.async_engine.abort(stream.request_id))
 
     return app
@@ -232,14 +275,16 @@ class BackgroundServer:
     ``with``). Loopback only unless ``host`` says otherwise.
     """
 
-    def __init__(self, engine, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 **serving_kwargs) -> None:
+    def __init__(
+        self, engine, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", **serving_kwargs
+    ) -> None:
         import uvicorn
 
         self.app = build_app(engine, **serving_kwargs)
         self.serving = self.app.state.serving  # OpenAIServing
-        config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
-                                lifespan="on", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            self.app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5
+        )
         self.server = uvicorn.Server(config)
         self.host = host
         self._thread: Optional[threading.Thread] = None
@@ -281,16 +326,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     d = EngineConfig()
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for a classroom)")
+    g.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for a classroom)",
+    )
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", default=None, help="the model id clients send")
-    g.add_argument("--max-waiting-requests", type=int, default=256,
-                   help="requests not yet running before new ones get 503 + Retry-After")
+    g.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=256,
+        help="requests not yet running before new ones get 503 + Retry-After",
+    )
     g.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    g.add_argument("--check-invariants", action="store_true",
-                   help="run LLMEngine.check_invariants() after every step (slow; for tests)")
+    g.add_argument(
+        "--check-invariants",
+        action="store_true",
+        help="run LLMEngine.check_invariants() after every step (slow; for tests)",
+    )
     g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     g.add_argument("--log-level", default="info")
     e = parser.add_argument_group("engine")
@@ -309,9 +364,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--seed", type=int, default=d.seed)
 
 
-ENGINE_ARGS = ("model", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
-               "max_model_len", "enable_prefix_caching", "enable_chunked_prefill",
-               "preemption_mode", "attention_backend", "device", "dtype", "seed")
+ENGINE_ARGS = (
+    "model",
+    "block_size",
+    "num_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "preemption_mode",
+    "attention_backend",
+    "device",
+    "dtype",
+    "seed",
+)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -326,14 +393,22 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         engine = LLMEngine(EngineConfig(**{k: getattr(args, k) for k in ENGINE_ARGS}))
-        app = build_app(engine, served_model_name=args.served_model_name,
-                        max_waiting_requests=args.max_waiting_requests, max_n=args.max_n,
-                        max_body_bytes=args.max_body_bytes, check_invariants=args.check_invariants)
+        app = build_app(
+            engine,
+            served_model_name=args.served_model_name,
+            max_waiting_requests=args.max_waiting_requests,
+            max_n=args.max_n,
+            max_body_bytes=args.max_body_bytes,
+            check_invariants=args.check_invariants,
+        )
     except ValueError as e:
         print(f"minipaged serve: {e}")
         return 2
-    print(f"minipaged serve: {app.state.serving.model_name} on http://{args.host}:{args.port} "
-          f"(live view at /, metrics at /metrics)", flush=True)
+    print(
+        f"minipaged serve: {app.state.serving.model_name} on http://{args.host}:{args.port} "
+        f"(live view at /, metrics at /metrics)",
+        flush=True,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -146,8 +146,9 @@ class AsyncEngine:
         """Accepted requests that are not running yet (queued here or in the scheduler)."""
         return len(self.streams) - len(self._running_rids & self.streams.keys())
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> RequestStream:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> RequestStream:
         """Queue a request for the next step; ``QueueFull`` when too many are waiting."""
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in the server")
@@ -186,8 +187,11 @@ class AsyncEngine:
             "max_num_seqs": e.config.max_num_seqs,
             "max_num_batched_tokens": e.config.max_num_batched_tokens,
             "max_model_len": e.max_model_len,
-            "colors": {"owners": [owner_color(k) for k in range(21)], "states": STATE_COLORS,
-                       "free": FREE_GREY},
+            "colors": {
+                "owners": [owner_color(k) for k in range(21)],
+                "states": STATE_COLORS,
+                "free": FREE_GREY,
+            },
         }
 
     def subscribe(self, maxsize: int = 1024) -> asyncio.Queue:
@@ -321,8 +325,11 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         msg = f"{type(exc).__name__}: {exc}"
         self.errors.append(msg)
-        print("minipaged serve: the engine step failed; requests in flight get an error\n"
-              + "".join(traceback.format_exception(exc)), file=sys.stderr)
+        print(
+            "minipaged serve: the engine step failed; requests in flight get an error\n"
+            + "".join(traceback.format_exception(exc)),
+            file=sys.stderr,
+        )
         for rid, stream in list(self.streams.items()):
             stream.finished = True
             stream.queue.put_nowait(EngineError("the engine failed while serving this request"))

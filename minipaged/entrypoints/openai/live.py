@@ -38,8 +38,10 @@ def step_record(event: dict, step: int) -> StepRecord:
 
 def _empty_trace(config: dict) -> EngineTrace:
     return EngineTrace(
-        num_blocks=config["num_blocks"], block_size=config["block_size"],
-        max_num_seqs=config["max_num_seqs"], max_num_batched_tokens=config["max_num_batched_tokens"],
+        num_blocks=config["num_blocks"],
+        block_size=config["block_size"],
+        max_num_seqs=config["max_num_seqs"],
+        max_num_batched_tokens=config["max_num_batched_tokens"],
         meta={"model": config.get("model"), "source": "minipaged serve"},
     )
 
@@ -49,8 +51,9 @@ def _add_event(trace: EngineTrace, event: dict) -> None:
     go to ``trace.requests`` with this trace's step numbers."""
     rec = step_record(event, len(trace.steps))
     for rid in rec.arrived_ids:
-        trace.requests.setdefault(rid, {"prompt_len": None, "output_len": 0,
-                                        "finish_step": None})["arrival_step"] = rec.step
+        trace.requests.setdefault(rid, {"prompt_len": None, "output_len": 0, "finish_step": None})[
+            "arrival_step"
+        ] = rec.step
     for rid, info in event.get("requests", {}).items():
         mine = trace.requests.setdefault(rid, {"arrival_step": rec.step, "finish_step": None})
         mine.update({k: v for k, v in info.items() if not k.endswith("_step")})
@@ -63,8 +66,9 @@ def fetch_trace(url: str, history: int = 100_000, timeout: float = 30.0) -> Engi
     """The server's recent steps (up to ``history``) as an ``EngineTrace`` numbered from 0."""
     import urllib.request
 
-    with urllib.request.urlopen(f"{url.rstrip('/')}/trace?format=json&history={history}",
-                                timeout=timeout) as r:
+    with urllib.request.urlopen(
+        f"{url.rstrip('/')}/trace?format=json&history={history}", timeout=timeout
+    ) as r:
         data = json.load(r)
     trace = _empty_trace(data["config"])
     for ev in data["steps"]:
@@ -83,7 +87,7 @@ class TraceFollower:
         self._thread = threading.Thread(target=self._run, name="minipaged-trace", daemon=True)
         self.error: Optional[BaseException] = None
 
-    def start(self, timeout: float = 30.0) -> "TraceFollower":
+    def start(self, timeout: float = 30.0) -> TraceFollower:
         self._thread.start()
         if not self._ready.wait(timeout):
             raise RuntimeError(f"no answer from {self.url}/trace")
@@ -95,8 +99,9 @@ class TraceFollower:
         import httpx
 
         try:
-            with httpx.stream("GET", f"{self.url}/trace?history={self.history}",
-                              timeout=httpx.Timeout(10.0, read=None)) as r:
+            with httpx.stream(
+                "GET", f"{self.url}/trace?history={self.history}", timeout=httpx.Timeout(10.0, read=None)
+            ) as r:
                 for line in r.iter_lines():
                     if self._stop.is_set():
                         return

@@ -35,12 +35,74 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 # NOTE: as vLLM does: no *_created samples beside every counter and histogram.
 prometheus_client.disable_created_metrics()
 
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-               7.5, 10.0, 20.0, 40.0, 80.0]
-E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+E2E_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 
 
 class ServerMetrics:
@@ -52,33 +114,55 @@ class ServerMetrics:
         def make(cls, name, doc, **kw):
             return cls(name, doc, labelnames=labels, registry=self.registry, **kw).labels(*values)
 
-        self.running = make(Gauge, "vllm:num_requests_running",
-                            "Number of requests in model execution batches.")
-        self.waiting = make(Gauge, "vllm:num_requests_waiting",
-                            "Number of requests waiting to be processed.")
-        self.kv_usage = make(Gauge, "vllm:kv_cache_usage_perc",
-                             "KV-cache usage. 1 means 100 percent usage.")
-        self.preemptions = make(Counter, "vllm:num_preemptions",
-                                "Cumulative number of preemption from the engine.")
-        self.prefix_queries = make(Counter, "vllm:prefix_cache_queries",
-                                   "Prefix cache queries, in terms of number of queried tokens.")
-        self.prefix_hits = make(Counter, "vllm:prefix_cache_hits",
-                                "Prefix cache hits, in terms of number of cached tokens.")
+        self.running = make(
+            Gauge, "vllm:num_requests_running", "Number of requests in model execution batches."
+        )
+        self.waiting = make(Gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = make(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.preemptions = make(
+            Counter, "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+        )
+        self.prefix_queries = make(
+            Counter,
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+        )
+        self.prefix_hits = make(
+            Counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
         self.prompt_tokens = make(Counter, "vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = make(Counter, "vllm:generation_tokens",
-                                      "Number of generation tokens processed.")
-        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                labelnames=labels + ["finished_reason"], registry=self.registry)
+        self.generation_tokens = make(
+            Counter, "vllm:generation_tokens", "Number of generation tokens processed."
+        )
+        self._success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labelnames=labels + ["finished_reason"],
+            registry=self.registry,
+        )
         self._values = values
-        self.ttft = make(Histogram, "vllm:time_to_first_token_seconds",
-                         "Histogram of time to first token in seconds.", buckets=TTFT_BUCKETS)
-        self.itl = make(Histogram, "vllm:inter_token_latency_seconds",
-                        "Histogram of inter-token latency in seconds.", buckets=ITL_BUCKETS)
-        self.e2e = make(Histogram, "vllm:e2e_request_latency_seconds",
-                        "Histogram of e2e request latency in seconds.", buckets=E2E_BUCKETS)
+        self.ttft = make(
+            Histogram,
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            buckets=TTFT_BUCKETS,
+        )
+        self.itl = make(
+            Histogram,
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            buckets=ITL_BUCKETS,
+        )
+        self.e2e = make(
+            Histogram,
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            buckets=E2E_BUCKETS,
+        )
         self.steps = make(Counter, "minipaged:engine_steps", "Engine steps taken.")
-        self.errors = make(Counter, "minipaged:engine_errors",
-                           "Engine steps that raised an exception (should stay 0).")
+        self.errors = make(
+            Counter, "minipaged:engine_errors", "Engine steps that raised an exception (should stay 0)."
+        )
         self._prompt_len: dict[str, int] = {}  # sequence id -> prompt length (until admitted)
         self._held: set[str] = set()  # sequences holding blocks after the previous step
 

@@ -104,8 +104,7 @@ class _SamplingFields(BaseModel):
                 continue
             if name not in have:
                 raise ValueError(
-                    f"{name} is not supported by this engine yet (SamplingParams has no "
-                    f"field {name!r})"
+                    f"{name} is not supported by this engine yet (SamplingParams has no field {name!r})"
                 )
             kw[name] = value
         return kw

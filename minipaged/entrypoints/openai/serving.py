@@ -20,7 +20,8 @@ import asyncio
 import json
 import time
 import uuid
-from typing import AsyncIterator, Callable, Optional
+from collections.abc import AsyncIterator, Callable
+from typing import Optional
 
 from starlette.responses import Response
 
@@ -34,8 +35,9 @@ from minipaged.entrypoints.openai.protocol import error_body
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 headers: Optional[dict] = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: Optional[str] = None, headers: Optional[dict] = None
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
 
@@ -63,8 +65,7 @@ class SSEResponse(Response):
 
     async def __call__(self, scope, receive, send) -> None:
         async def stream() -> None:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": self.raw_headers})
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async for chunk in self.events:
                 await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -97,10 +98,17 @@ class SSEResponse(Response):
 class OpenAIServing:
     """Shared by the routes: the engine, its loop, limits, and the response builders."""
 
-    def __init__(self, engine, *, served_model_name: Optional[str] = None,
-                 max_waiting_requests: int = 256, max_n: int = 16,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, check_invariants: bool = False,
-                 trace_window: int = 512):
+    def __init__(
+        self,
+        engine,
+        *,
+        served_model_name: Optional[str] = None,
+        max_waiting_requests: int = 256,
+        max_n: int = 16,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        check_invariants: bool = False,
+        trace_window: int = 512,
+    ):
         from minipaged.entrypoints.openai.metrics import ServerMetrics
 
         if not isinstance(max_n, int) or max_n < 1:
@@ -112,9 +120,13 @@ class OpenAIServing:
         self.max_n = min(max_n, engine.config.max_num_seqs)
         self.max_body_bytes = max_body_bytes
         self.metrics = ServerMetrics(self.model_name)
-        self.async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests,
-                                        check_invariants=check_invariants, metrics=self.metrics,
-                                        trace_window=trace_window)
+        self.async_engine = AsyncEngine(
+            engine,
+            max_waiting_requests=max_waiting_requests,
+            check_invariants=check_invariants,
+            metrics=self.metrics,
+            trace_window=trace_window,
+        )
         self.created = int(time.time())
 
     # -- request parsing ---------------------------------------------------------------
@@ -141,8 +153,9 @@ class OpenAIServing:
         try:
             body = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ApiError(400, f"request body is not valid JSON: {e.msg} at line {e.lineno} "
-                                f"column {e.colno}")
+            raise ApiError(
+                400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+            )
         if not isinstance(body, dict):
             raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
         return body
@@ -163,8 +176,11 @@ class OpenAIServing:
 
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", param="model")
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+            )
 
     def make_params(self, req, prompt_len: int, default_max_tokens: int):
         from minipaged.sampling_params import SamplingParams
@@ -239,8 +255,16 @@ class OpenAIServing:
             if item.finished:
                 return
 
-    async def sse_events(self, stream, head: dict, params, prompt_len: int, include_usage: bool,
-                         choice: Callable, first: Optional[list] = None) -> AsyncIterator[str]:
+    async def sse_events(
+        self,
+        stream,
+        head: dict,
+        params,
+        prompt_len: int,
+        include_usage: bool,
+        choice: Callable,
+        first: Optional[list] = None,
+    ) -> AsyncIterator[str]:
         """The Server-Sent Events of one streamed answer: ``head`` + ``choices`` per step
         with new text, ``choice(index, text, token_ids, logprobs, offset, finish_reason,
         stop_reason)`` building each; then the usage (if asked) and ``[DONE]``. An error
@@ -258,8 +282,17 @@ class OpenAIServing:
                     offset = len(deltas.text[c.index])
                     text, new_ids, new_lps = deltas.delta(c, done)
                     if text or done or new_lps:
-                        choices.append(choice(c.index, text, new_ids, new_lps, offset, reason,
-                                              c.stop_reason if done else None))
+                        choices.append(
+                            choice(
+                                c.index,
+                                text,
+                                new_ids,
+                                new_lps,
+                                offset,
+                                reason,
+                                c.stop_reason if done else None,
+                            )
+                        )
                 ntok = sum(len(c.token_ids) for c in out.outputs)
                 if choices:
                     yield sse({**head, "choices": choices})
@@ -299,11 +332,11 @@ class TextDeltas:
             if self.hold:
                 full = full[: max(0, len(full) - self.hold)]
         sent = self.text[i]
-        text = full[len(sent):] if full.startswith(sent) and len(full) > len(sent) else ""
+        text = full[len(sent) :] if full.startswith(sent) and len(full) > len(sent) else ""
         self.text[i] += text
-        new_ids = c.token_ids[self.num_tokens[i]:]
+        new_ids = c.token_ids[self.num_tokens[i] :]
         lps = getattr(c, "logprobs", None)
-        new_lps = list(lps[self.num_tokens[i]:]) if lps else []
+        new_lps = list(lps[self.num_tokens[i] :]) if lps else []
         self.num_tokens[i] = len(c.token_ids)
         return text, new_ids, new_lps
 
@@ -325,8 +358,7 @@ def completion_logprobs(tokenizer, token_ids: list[int], lps: list, offset: int 
         tokens.append(piece)
         token_lps.append(_logprob_value(d[tid]) if tid in d else None)
         top.append({tokenizer.decode([t]): _logprob_value(v) for t, v in d.items()})
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top,
-            "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top, "text_offset": offsets}
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], lps: list, top_n: int) -> Optional[dict]:
@@ -336,15 +368,27 @@ def chat_logprobs(tokenizer, token_ids: list[int], lps: list, top_n: int) -> Opt
     for tid, d in zip(token_ids, lps):
         piece = tokenizer.decode([tid])
         ranked = sorted(d.items(), key=lambda kv: -_logprob_value(kv[1]))[:top_n]
-        content.append({
-            "token": piece, "logprob": _logprob_value(d[tid]) if tid in d else None,
-            "bytes": list(piece.encode()),
-            "top_logprobs": [{"token": tokenizer.decode([t]), "logprob": _logprob_value(v),
-                              "bytes": list(tokenizer.decode([t]).encode())} for t, v in ranked],
-        })
+        content.append(
+            {
+                "token": piece,
+                "logprob": _logprob_value(d[tid]) if tid in d else None,
+                "bytes": list(piece.encode()),
+                "top_logprobs": [
+                    {
+                        "token": tokenizer.decode([t]),
+                        "logprob": _logprob_value(v),
+                        "bytes": list(tokenizer.decode([t]).encode()),
+                    }
+                    for t, v in ranked
+                ],
+            }
+        )
     return {"content": content}
 
 
 def usage_of(prompt_len: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_len + completion_tokens}
+    return {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_len + completion_tokens,
+    }
