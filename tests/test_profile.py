@@ -1,4 +1,4 @@
-"""The forward breakdown of ``--profile`` (minipaged/engine/bench.py): its parts add up, the
+"""The forward breakdown of ``--profile`` (minipaged/bench/serving.py): its parts add up, the
 unfused floor counts the checkpoint's separate matrices, and the figure draws recorded numbers.
 
 No timed assertions: only structure and arithmetic of the reported numbers.
@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from minipaged.engine.bench import _weight_matrices, forward_breakdown, plot_forward_breakdown  # noqa: E402
+from minipaged.bench.serving import _weight_matrices, forward_breakdown, plot_forward_breakdown  # noqa: E402
 from tests.test_model import BLOCK_SIZE, NUM_BLOCKS, build_input, prompt, shuffled_tables  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cpu_profile.json"

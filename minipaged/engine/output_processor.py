@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from minipaged.core.request import Request, RequestStatus
+from minipaged.core.sched.request import Request, RequestStatus
 from minipaged.engine.detokenizer import IncrementalDetokenizer
 from minipaged.engine.outputs import CompletionOutput, Logprob
 from minipaged.engine.sampler import Logprobs
