@@ -112,7 +112,7 @@ def reference_tables():
             kv.free(rid)
         elif kv.allocate_slots(rid, n) is None:
             raise RuntimeError(f"checker bug: {rid} does not fit")
-        states.append({r: list(kv.get_block_ids(r)) for r in sorted(kv.req_to_blocks)})
+        states.append({r: list(kv.get_block_ids(r)) for r in sorted(kv.block_tables)})
         pictures.append(viz.block_tables_text(kv))
     return states, pictures
 
