@@ -322,6 +322,7 @@ class BackgroundServer:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from minipaged.cli import non_negative_int, positive_int
     from minipaged.config import EngineConfig
 
     d = EngineConfig()
@@ -331,37 +332,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="127.0.0.1",
         help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for a classroom)",
     )
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=non_negative_int, default=8000)
     g.add_argument("--served-model-name", default=None, help="the model id clients send")
     g.add_argument(
         "--max-waiting-requests",
-        type=int,
+        type=positive_int,
         default=256,
         help="requests not yet running before new ones get 503 + Retry-After",
     )
-    g.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
-    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    g.add_argument("--max-n", type=positive_int, default=16, help="largest n a request may ask for")
+    g.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES)
     g.add_argument(
         "--check-invariants",
         action="store_true",
         help="run LLMEngine.check_invariants() after every step (slow; for tests)",
     )
-    g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    g.add_argument(
+        "--threads", type=non_negative_int, default=0, help="torch CPU threads (0 = torch's default)"
+    )
     g.add_argument("--log-level", default="info")
     e = parser.add_argument_group("engine")
     e.add_argument("--model", default=None, help="a local HF folder or hub id (default: the course model)")
-    e.add_argument("--block-size", type=int, default=d.block_size)
-    e.add_argument("--num-blocks", type=int, default=None)
-    e.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    e.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--block-size", type=positive_int, default=d.block_size)
+    e.add_argument("--num-blocks", type=positive_int, default=None)
+    e.add_argument("--max-num-seqs", type=positive_int, default=d.max_num_seqs)
+    e.add_argument("--max-num-batched-tokens", type=positive_int, default=d.max_num_batched_tokens)
+    e.add_argument("--max-model-len", type=positive_int, default=None)
     e.add_argument("--enable-prefix-caching", action="store_true")
     e.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     e.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"])
     e.add_argument("--attention-backend", default=d.attention_backend, choices=["torch", "triton"])
     e.add_argument("--device", default=d.device)
     e.add_argument("--dtype", default=d.dtype)
-    e.add_argument("--seed", type=int, default=d.seed)
+    e.add_argument("--seed", type=non_negative_int, default=d.seed)
 
 
 ENGINE_ARGS = (
