@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged.core import EngineScheduler, RequestStatus, StaticBatchScheduler
+from minipaged.core.sched.request import get_max_num_kv_tokens
 from minipaged.trace import run_scheduler
 
 req = ts.req
@@ -132,7 +133,7 @@ def test_static_batch_rules(c, specs):
             assert not out.admitted, "admitted while the batch was still running"
         assert not (out.preempted or out.swapped_out or out.swapped_in)
         for r in s.running:  # the full reservation, held from admission to finish
-            expect = -(-ts.get_max_num_kv_tokens(r, c["max_model_len"]) // c["block_size"])
+            expect = -(-get_max_num_kv_tokens(r, c["max_model_len"]) // c["block_size"])
             assert len(s.kv_cache_manager.get_block_ids(r.request_id)) == expect
         s.update_from_output(out, model.execute(out, s.kv_cache_manager))
         s.check_invariants()

@@ -28,7 +28,8 @@ import time
 from contextlib import asynccontextmanager
 from typing import Optional
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+from minipaged.entrypoints.openai.serving import DEFAULT_MAX_BODY_BYTES
+
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 

@@ -25,13 +25,14 @@ from typing import Optional
 
 from starlette.responses import Response
 
-from minipaged.entrypoints.openai.api_server import DEFAULT_MAX_BODY_BYTES
 from minipaged.entrypoints.openai.async_engine import (
     AsyncEngine,
     EngineError,
     QueueFull,
 )
 from minipaged.entrypoints.openai.protocol import error_body
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body larger than this gets 413
 
 
 class ApiError(Exception):
