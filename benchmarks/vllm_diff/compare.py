@@ -39,12 +39,9 @@ from workloads import ADMISSIONS, parse_ids  # noqa: E402
 KEYS = ("scheduled", "admitted", "preempted", "finished")
 
 # Causes of the differences still seen against vLLM 0.32, all with prefix caching on, all
-# in minipaged/core (to be fixed there; then empty KNOWN_DIFFERENCES):
-SAME_STEP = (
-    "SAME_STEP: vLLM caches a request's full blocks when allocate_slots gives "
-    "them (in schedule()), so a request admitted later in the same step hits "
-    "them; minipaged caches them in update_from_output, after the step"
-)
+# in minipaged/core (to be fixed there; then empty KNOWN_DIFFERENCES). (A third, SAME_STEP:
+# minipaged cached a step's full blocks after the step, vLLM when it allocates them, is
+# fixed: core/sched/scheduler.py caches them in _schedule.)
 DUPLICATE = (
     "DUPLICATE: vLLM also caches a block whose hash is already cached (both stay "
     "hittable until evicted); minipaged's BlockPool.cache_block keeps the first "
@@ -55,24 +52,21 @@ LIFO = (
     "of the free queue (reused first), hashed ones at the back (LRU); minipaged "
     "appends all at the back, so it evicts cached blocks sooner"
 )
-# workload id -> its causes (each fixed in isolation on a patched minipaged: with all three
+# workload id -> its causes (each fixed in isolation on a patched minipaged: with all
 # fixed, 0:400 x 3 admission rules were identical). A subset may differ per admission rule.
 KNOWN_DIFFERENCES: dict[str, tuple[str, ...]] = {
-    "same-step-hit": (SAME_STEP,),
     "duplicate-block": (DUPLICATE,),
     "lifo-free": (LIFO,),
     "6": (LIFO,),
     "7": (LIFO,),
-    "18": (SAME_STEP,),
     "35": (LIFO,),
-    "43": (SAME_STEP, LIFO),
+    "43": (LIFO,),
     "58": (LIFO,),
     "62": (LIFO,),
-    "67": (SAME_STEP, LIFO),
-    "70": (SAME_STEP, LIFO),
+    "67": (LIFO,),
+    "70": (LIFO,),
     "72": (LIFO,),
-    "80": (SAME_STEP,),
-    "94": (SAME_STEP, LIFO),
+    "94": (LIFO,),
 }
 
 
