@@ -5,7 +5,8 @@ build and drive minipaged's scheduler (re-point it here when the core moves); th
 loop and the record format are ``workloads.run_workload``'s, shared with ``run_vllm.py``.
 
 Settings (what vLLM v1 has): the workload's chunked prefill, recompute preemption, no swap and no
-sequence groups (vLLM v1 has neither). The admission rule follows ``--admission``
+sequence groups (vLLM v1 has neither), and ``free_uncached_first=True`` (vLLM 0.32 frees
+blocks without a hash to the front of the free queue; minipaged's default is the back). The admission rule follows ``--admission``
 (``workloads.ADMISSIONS``): ``first-chunk`` -> the base ``Scheduler`` (vLLM v1's rule);
 ``full-sequence`` -> ``EngineScheduler(watermark=0.0)`` (whole-prefill rule, nothing kept
 free); ``watermark`` -> ``EngineScheduler(watermark=WATERMARK)``, minipaged's default.
@@ -39,7 +40,9 @@ _WATERMARK = {"full-sequence": 0.0, "watermark": WATERMARK}
 class MinipagedSide:
     """Adapter: builds minipaged's v1 scheduler for a workload config and steps it."""
 
-    def __init__(self, config: dict, admission: str = "first-chunk") -> None:
+    def __init__(
+        self, config: dict, admission: str = "first-chunk", free_uncached_first: bool = True
+    ) -> None:
         from minipaged.core import EngineScheduler, Scheduler
 
         kwargs = dict(
@@ -48,6 +51,7 @@ class MinipagedSide:
             enable_chunked_prefill=config["enable_chunked_prefill"],
             max_model_len=config["max_model_len"],
             enable_prefix_caching=config["enable_prefix_caching"],
+            free_uncached_first=free_uncached_first,  # vLLM 0.32's free order (BlockPool)
         )
         if admission == "first-chunk":  # vLLM v1's own rule: the base scheduler
             self.scheduler = Scheduler(config["num_blocks"], config["block_size"], **kwargs)
@@ -94,9 +98,9 @@ class MinipagedSide:
         }
 
 
-def run_one(wid, admission: str = "first-chunk") -> dict:
+def run_one(wid, admission: str = "first-chunk", free_uncached_first: bool = True) -> dict:
     workload = make_workload(wid)
-    side = MinipagedSide(workload["config"], admission)
+    side = MinipagedSide(workload["config"], admission, free_uncached_first)
     return {"workload": workload, "admission": admission, "steps": run_workload(side, workload)}
 
 
