@@ -121,13 +121,23 @@ def test_cached_block_survives_free_and_is_evicted_on_reuse():
     pool.check_invariants()
 
 
-def test_cache_block_first_writer_wins_and_noop_without_caching():
+def test_cache_block_keeps_duplicates_and_noop_without_caching():
+    # as vLLM: two blocks filled with the same prefix are both cached; a hit gets the first
+    # cached copy still there, and the prefix stays hittable until its last copy is evicted
     pool = BlockPool(3, enable_caching=True)
     a = pool.get_new_blocks(2)
     h = hash_block_tokens(None, [7])
     pool.cache_block(a[0], h)
-    pool.cache_block(a[1], h)  # same prefix already cached elsewhere
-    assert pool.get_cached_block(h) is a[0] and a[1].block_hash is None
+    pool.cache_block(a[1], h)  # same prefix already cached in a[0]: cached as well
+    assert pool.get_cached_block(h) is a[0] and a[1].block_hash == h
+    assert pool.cached_block_hash_to_block == {h: a[0]}
+    pool.check_invariants()
+    pool.free_blocks([a[0], a[1]])  # free queue [2, 0, 1]
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [2, 0]  # evicts the copy in 0
+    assert pool.get_cached_block(h) is a[1] and a[0].block_hash is None
+    pool.check_invariants()
+    pool.get_new_blocks(1)  # evicts the last copy
+    assert pool.get_cached_block(h) is None and pool.cached_blocks == {}
     pool.check_invariants()
     plain = BlockPool(2)
     b = plain.get_new_blocks(1)
@@ -135,20 +145,42 @@ def test_cache_block_first_writer_wins_and_noop_without_caching():
     assert plain.get_cached_block(h) is None and b[0].block_hash is None
 
 
+def test_free_uncached_first():
+    # vLLM 0.32: freed blocks without a hash go to the FRONT (in the order given), cached
+    # ones to the back; minipaged's default puts every freed block at the back
+    for uncached_first, want in [(False, [3, 4, 2, 1, 0]), (True, [2, 3, 4, 1, 0])]:
+        pool = BlockPool(5, enable_caching=True, free_uncached_first=uncached_first)
+        a = pool.get_new_blocks(3)
+        pool.cache_block(a[0], hash_block_tokens(None, [1, 2]))
+        pool.cache_block(a[1], hash_block_tokens(a[0].block_hash, [3, 4]))
+        pool.free_blocks(reversed(a))  # tail first: 2 (no hash), 1, 0
+        assert free_ids(pool) == want, uncached_first
+        pool.check_invariants()
+    # without caching no block has a hash: all go to the front, first given first
+    pool = BlockPool(4, free_uncached_first=True)
+    a = pool.get_new_blocks(2)
+    pool.free_blocks(reversed(a))
+    assert free_ids(pool) == [1, 0, 2, 3]
+    assert [b.block_id for b in pool.get_new_blocks(1)] == [1]
+    pool.check_invariants()
+
+
 # -- random operation sequences against a reference model -----------------------------
 @settings(max_examples=120, deadline=None)
 @given(
     num_blocks=st.integers(1, 10),
     caching=st.booleans(),
+    uncached_first=st.booleans(),
     ops=st.lists(
         st.tuples(st.sampled_from(["get", "free", "fork", "touch_free", "cache", "bad"]), st.integers(0, 12)),
         max_size=50,
     ),
 )
-def test_random_ops_match_reference(num_blocks, caching, ops):
-    pool = BlockPool(num_blocks, enable_caching=caching)
+def test_random_ops_match_reference(num_blocks, caching, uncached_first, ops):
+    pool = BlockPool(num_blocks, enable_caching=caching, free_uncached_first=uncached_first)
     ref_cnt = [0] * num_blocks
     ref_free = list(range(num_blocks))
+    ref_hashed: set[int] = set()  # blocks carrying a hash (cached)
     holders: list[list[int]] = []  # each holder owns one reference to each of its blocks
     counter = 0
     for op, k in ops:
@@ -159,6 +191,7 @@ def test_random_ops_match_reference(num_blocks, caching, ops):
                 assert [b.block_id for b in got] == want
                 for i in want:
                     ref_cnt[i] = 1
+                    ref_hashed.discard(i)  # handed out: evicted from the cache
                 holders.append(want)
             else:
                 before = snapshot(pool)
@@ -168,10 +201,12 @@ def test_random_ops_match_reference(num_blocks, caching, ops):
         elif op == "free" and holders:
             held = holders.pop(k % len(holders))
             pool.free_blocks([pool.blocks[i] for i in reversed(held)])
+            front = []
             for i in reversed(held):
                 ref_cnt[i] -= 1
                 if ref_cnt[i] == 0:
-                    ref_free.append(i)
+                    (front if uncached_first and i not in ref_hashed else ref_free).append(i)
+            ref_free = front + ref_free
         elif op == "fork" and holders:
             held = list(holders[k % len(holders)])
             pool.touch([pool.blocks[i] for i in held])
@@ -186,9 +221,10 @@ def test_random_ops_match_reference(num_blocks, caching, ops):
         elif op == "cache" and holders:
             held = holders[k % len(holders)]
             counter += 1
-            pool.cache_block(
-                pool.blocks[held[0]] if held else pool.blocks[0], hash_block_tokens(None, [counter])
-            )
+            i = held[0] if held else 0
+            pool.cache_block(pool.blocks[i], hash_block_tokens(None, [counter % 3]))  # duplicates too
+            if caching:
+                ref_hashed.add(i)
         elif op == "bad":
             zero = [i for i in range(num_blocks) if ref_cnt[i] == 0]
             if zero:
@@ -199,6 +235,7 @@ def test_random_ops_match_reference(num_blocks, caching, ops):
         pool.check_invariants()
         assert [b.ref_cnt for b in pool.blocks] == ref_cnt
         assert free_ids(pool) == ref_free
+        assert {b.block_id for b in pool.blocks if b.block_hash is not None} == ref_hashed
         assert pool.get_num_free_blocks() == len(ref_free)
         assert pool.get_usage() == pytest.approx(1 - len(ref_free) / num_blocks)
         if not caching:

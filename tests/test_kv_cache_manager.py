@@ -117,6 +117,22 @@ def test_bad_num_blocks():
         KVCacheManager(num_blocks=0, block_size=4)
 
 
+def test_free_uncached_first_order_by_hand():
+    # request a: 3 tokens in blocks [0, 1]; block 0 full and cached, block 1 not.
+    # free() gives them tail first (1, then 0): by default both go to the back; with
+    # free_uncached_first (vLLM 0.32) the uncached block 1 goes to the front.
+    for uncached_first, want in [(False, [2, 3, 1, 0]), (True, [1, 2, 3, 0])]:
+        m = KVCacheManager(4, 2, enable_caching=True, free_uncached_first=uncached_first)
+        a = Request("a", [5, 6, 7])
+        m.allocate_slots(a, 3)
+        a.num_computed_tokens = 3
+        m.cache_blocks(a)
+        m.free(a)
+        assert [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()] == want
+        assert m.block_pool.blocks[0].block_hash is not None
+        m.check_invariants()
+
+
 def test_swap_out_and_in_by_hand():
     mgr = KVCacheManager(num_blocks=4, block_size=2, num_cpu_blocks=3)
     mgr.allocate_slots("a", 3)  # device blocks 0, 1

@@ -18,7 +18,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged import SamplingParams
-from minipaged.core import EngineScheduler, KVCacheManager, Request, RequestStatus, hash_block_tokens
+from minipaged.core import (
+    EngineScheduler,
+    KVCacheManager,
+    Request,
+    RequestStatus,
+    Scheduler,
+    hash_block_tokens,
+)
 
 
 def _req(rid, tokens, max_tokens=4):
@@ -112,6 +119,45 @@ def test_scheduler_skips_cached_prefill_by_hand():
     assert model.num_computed == (14 + 3) + (1 + 3)
 
 
+def _one_at_a_time(prompts, num_blocks, **kwargs):
+    """Serve ``prompts`` (block size 2, max_tokens 1) one per step through vLLM v1's
+    ``Scheduler``; per step the ``(request, num_computed_tokens, num_scheduled)``."""
+    s = Scheduler(
+        num_blocks, 2, max_num_seqs=1, max_num_batched_tokens=32, enable_prefix_caching=True, **kwargs
+    )
+    for i, p in enumerate(prompts):
+        s.add_request(_req(f"r{i}", p, max_tokens=1))
+    steps = []
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        steps.append([(r.request_id, r.num_computed_tokens, n) for r, n in out.scheduled])
+        s.update_from_output(out, {r.request_id: 99 for r, _ in out.scheduled})
+        s.check_invariants()
+    return steps
+
+
+def test_duplicate_block_stays_hittable_by_hand():
+    # (benchmarks/vllm_diff "duplicate-block", as vLLM 0.32 does it) r0 caches [5,6] in
+    # block 0. r1, the same prompt, cannot hit (the last token is computed) and fills block
+    # 1 with it: cached too. Free queue [2..7, 0, 1]: r2's 7 blocks evict block 0, not 1,
+    # so r3 still hits [5,6] (in block 1); keeping only the first copy, it would miss.
+    steps = _one_at_a_time([[5, 6], [5, 6], list(range(20, 34)), [5, 6, 7]], 8)
+    assert steps == [[("r0", 0, 2)], [("r1", 0, 2)], [("r2", 0, 14)], [("r3", 2, 1)]]
+
+
+def test_free_uncached_first_keeps_cached_blocks_by_hand():
+    # (benchmarks/vllm_diff "lifo-free") r0 caches [5,6] in block 0; r1 frees block 2
+    # ([10], no hash) and block 1 ([8,9], cached). r2 takes 6 of the 8 blocks. Default:
+    # free queue [3..7, 0, 2, 1], r2 evicts block 0 and r3 misses. vLLM 0.32
+    # (free_uncached_first): block 2 goes to the front, [2..7, 0, 1], block 0 survives.
+    prompts = [[5, 6], [8, 9, 10], list(range(20, 32)), [5, 6, 7]]
+    assert _one_at_a_time(prompts, 8)[3] == [("r3", 0, 3)]
+    assert _one_at_a_time(prompts, 8, free_uncached_first=True)[3] == [("r3", 2, 1)]
+    for cls in (Scheduler, EngineScheduler):  # passed through to the pool
+        s = cls(8, 2, enable_prefix_caching=True, free_uncached_first=True)
+        assert s.kv_cache_manager.block_pool.free_uncached_first
+
+
 def _prefix_workload(rng, block_size):
     prefixes = [[rng.randrange(50) for _ in range(rng.randint(0, 4 * block_size))] for _ in range(2)]
     arrivals: dict[int, list] = {}
@@ -131,8 +177,9 @@ def _prefix_workload(rng, block_size):
     block_size=st.sampled_from([1, 2, 4]),
     mode=st.sampled_from(["recompute", "swap"]),
     budget=st.sampled_from([5, 16, 64]),
+    uncached_first=st.booleans(),
 )
-def test_caching_on_equals_off_and_plain_loop(seed, num_blocks, block_size, mode, budget):
+def test_caching_on_equals_off_and_plain_loop(seed, num_blocks, block_size, mode, budget, uncached_first):
     results = {}
     for caching in (False, True):
         arrivals, reqs = _prefix_workload(random.Random(seed), block_size)
@@ -143,6 +190,7 @@ def test_caching_on_equals_off_and_plain_loop(seed, num_blocks, block_size, mode
             preemption_mode=mode,
             num_cpu_blocks=10 if mode == "swap" else 0,
             enable_prefix_caching=caching,
+            free_uncached_first=uncached_first,
         )
         model = ContentPagedModel(block_size)
         drive(s, arrivals, model)

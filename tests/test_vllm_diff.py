@@ -69,6 +69,17 @@ def test_minipaged_side_runs_and_exercises_preemption_and_hits(admission):
         assert sorted(done) == sorted(q["request_id"] for q in r["workload"]["requests"]), wid
 
 
+def test_hand_made_cases_minipaged_side():
+    # minipaged does what vLLM does on workloads.CASES (worked out by hand there), and
+    # with its default free order (free_uncached_first=False) not on "lifo-free"
+    steps = {wid: compare.run_one(wid)["steps"] for wid in CASES}
+    assert steps["same-step-hit"][0]["scheduled"] == {"r0": [0, 5], "r1": [4, 1]}
+    assert steps["duplicate-block"][3]["scheduled"] == {"r3": [2, 1]}
+    assert steps["lifo-free"][3]["scheduled"] == {"r3": [2, 1]}
+    default = compare.run_one("lifo-free", free_uncached_first=False)["steps"]
+    assert default[3]["scheduled"] == {"r3": [0, 3]}
+
+
 # -- against vLLM -----------------------------------------------------------------------
 def _vllm_python():
     path = compare.default_vllm_python()
@@ -121,6 +132,16 @@ def test_comparison_tells_admission_rules_apart(runs):
         s = compare.compare(vllm[a], mp[b])
         plain = [w for w in s["diffs"] if not vllm[a][w]["workload"]["config"]["enable_prefix_caching"]]
         assert plain, (a, b)
+
+
+@needs_vllm
+def test_comparison_needs_vllms_free_order(runs):
+    # negative control: minipaged's default free order (free_uncached_first=False) is not
+    # vLLM's, and the comparison sees it
+    vllm, _ = runs
+    default = compare.run_minipaged(IDS, ["first-chunk"], free_uncached_first=False)
+    s = compare.compare(vllm["first-chunk"], default["first-chunk"])
+    assert "lifo-free" in s["diffs"] and len(s["diffs"]) >= 5, compare.summary_line("first-chunk", s)
 
 
 @needs_vllm

@@ -10,7 +10,8 @@ which are preempted (recompute) and which finish with how many output tokens.
 Inputs / outputs
     ``--vllm-python`` (default: ``$MINIPAGED_VLLM_PYTHON`` or ``.venv-vllm/bin/python``),
     ``--ids`` (default ``0:100,cases``), ``--admission`` (one or more of
-    ``workloads.ADMISSIONS``; default all three). Prints each differing workload (first
+    ``workloads.ADMISSIONS``; default all three), ``--default-free-order`` (minipaged
+    without ``free_uncached_first``, a negative control). Prints each differing workload (first
     differing step, both sides' records, the config, and its known cause if any) and per
     admission rule ``N workloads, M identical`` with how many preempted and hit the
     prefix cache. Exit status 0 iff every workload is identical or a known difference.
@@ -38,42 +39,19 @@ from workloads import ADMISSIONS, parse_ids  # noqa: E402
 
 KEYS = ("scheduled", "admitted", "preempted", "finished")
 
-# Causes of the differences still seen against vLLM 0.32, all with prefix caching on, all
-# in minipaged/core (to be fixed there; then empty KNOWN_DIFFERENCES):
-SAME_STEP = (
-    "SAME_STEP: vLLM caches a request's full blocks when allocate_slots gives "
-    "them (in schedule()), so a request admitted later in the same step hits "
-    "them; minipaged caches them in update_from_output, after the step"
-)
-DUPLICATE = (
-    "DUPLICATE: vLLM also caches a block whose hash is already cached (both stay "
-    "hittable until evicted); minipaged's BlockPool.cache_block keeps the first "
-    "only, so the prefix is lost when that one is evicted though a copy lives on"
-)
-LIFO = (
-    "LIFO: vLLM's BlockPool.free_blocks puts freed blocks without a hash at the FRONT "
-    "of the free queue (reused first), hashed ones at the back (LRU); minipaged "
-    "appends all at the back, so it evicts cached blocks sooner"
-)
-# workload id -> its causes (each fixed in isolation on a patched minipaged: with all three
-# fixed, 0:400 x 3 admission rules were identical). A subset may differ per admission rule.
-KNOWN_DIFFERENCES: dict[str, tuple[str, ...]] = {
-    "same-step-hit": (SAME_STEP,),
-    "duplicate-block": (DUPLICATE,),
-    "lifo-free": (LIFO,),
-    "6": (LIFO,),
-    "7": (LIFO,),
-    "18": (SAME_STEP,),
-    "35": (LIFO,),
-    "43": (SAME_STEP, LIFO),
-    "58": (LIFO,),
-    "62": (LIFO,),
-    "67": (SAME_STEP, LIFO),
-    "70": (SAME_STEP, LIFO),
-    "72": (LIFO,),
-    "80": (SAME_STEP,),
-    "94": (SAME_STEP, LIFO),
-}
+# Workload id -> the causes of its known difference from vLLM 0.32 (none left). The
+# three earlier ones, all prefix-caching details, are fixed in minipaged/core:
+#   SAME_STEP  vLLM caches a request's full blocks when allocate_slots gives them, so a
+#              request admitted later in the same step hits them (Scheduler._schedule
+#              does so now);
+#   DUPLICATE  vLLM also caches a block whose prefix is cached in another block, both
+#              hittable until evicted (BlockPool.cache_block does so now);
+#   LIFO       vLLM's BlockPool.free_blocks puts freed blocks without a hash at the FRONT
+#              of the free queue, hashed ones at the back (minipaged: the option
+#              free_uncached_first=True, which run_minipaged.py turns on; its default
+#              puts all at the back, as chapter 02 teaches).
+# workloads.CASES holds a minimal workload for each.
+KNOWN_DIFFERENCES: dict[str, tuple[str, ...]] = {}
 
 
 def default_vllm_python() -> str:
@@ -113,9 +91,9 @@ def run_vllm(vllm_python: str, ids: str, admissions=ADMISSIONS) -> dict:
         return runs
 
 
-def run_minipaged(ids: str, admissions=ADMISSIONS) -> dict:
+def run_minipaged(ids: str, admissions=ADMISSIONS, free_uncached_first: bool = True) -> dict:
     """``{admission: {id: run}}`` for minipaged (in this process)."""
-    return {a: {wid: run_one(wid, a) for wid in parse_ids(ids)} for a in admissions}
+    return {a: {wid: run_one(wid, a, free_uncached_first) for wid in parse_ids(ids)} for a in admissions}
 
 
 def first_difference(a: list[dict], b: list[dict]):
@@ -192,11 +170,16 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-python", default=default_vllm_python())
     ap.add_argument("--admission", choices=ADMISSIONS, nargs="+", default=list(ADMISSIONS))
     ap.add_argument("--quiet", action="store_true", help="print only the summary lines")
+    ap.add_argument(
+        "--default-free-order",
+        action="store_true",
+        help="run minipaged with its default free order (free_uncached_first=False), not vLLM's",
+    )
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     vllm_runs = run_vllm(args.vllm_python, args.ids, args.admission)
     t1 = time.perf_counter()
-    mp_runs = run_minipaged(args.ids, args.admission)
+    mp_runs = run_minipaged(args.ids, args.admission, not args.default_free_order)
     t2 = time.perf_counter()
     status = 0
     for a in args.admission:

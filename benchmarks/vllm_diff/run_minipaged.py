@@ -5,10 +5,11 @@ build and drive minipaged's scheduler (re-point it here when the core moves); th
 loop and the record format are ``workloads.run_workload``'s, shared with ``run_vllm.py``.
 
 Settings (what vLLM v1 has): the workload's chunked prefill, recompute preemption, no swap and no
-sequence groups (vLLM v1 has neither). The admission rule follows ``--admission``
-(``workloads.ADMISSIONS``): ``first-chunk`` -> ``watermark=None``; ``full-sequence`` ->
-``watermark=0.0`` (whole-prefill rule, nothing kept free); ``watermark`` -> minipaged's
-default ``watermark=WATERMARK``.
+sequence groups (vLLM v1 has neither), and ``free_uncached_first=True`` (vLLM 0.32 frees
+blocks without a hash to the front of the free queue; minipaged's default is the back). The admission rule follows ``--admission``
+(``workloads.ADMISSIONS``): ``first-chunk`` -> the base ``Scheduler`` (vLLM v1's rule);
+``full-sequence`` -> ``EngineScheduler(watermark=0.0)`` (whole-prefill rule, nothing kept
+free); ``watermark`` -> ``EngineScheduler(watermark=WATERMARK)``, minipaged's default.
 
 usage: python benchmarks/vllm_diff/run_minipaged.py --ids 0:100,cases --out DIR
         [--admission first-chunk]
@@ -33,26 +34,31 @@ from workloads import (  # noqa: E402
     run_workload,
 )
 
-_WATERMARK = {"first-chunk": None, "full-sequence": 0.0, "watermark": WATERMARK}
+_WATERMARK = {"full-sequence": 0.0, "watermark": WATERMARK}
 
 
 class MinipagedSide:
     """Adapter: builds minipaged's v1 scheduler for a workload config and steps it."""
 
-    def __init__(self, config: dict, admission: str = "first-chunk") -> None:
-        from minipaged.core import Scheduler
+    def __init__(
+        self, config: dict, admission: str = "first-chunk", free_uncached_first: bool = True
+    ) -> None:
+        from minipaged.core import EngineScheduler, Scheduler
 
-        self.scheduler = Scheduler(
-            config["num_blocks"],
-            config["block_size"],
+        kwargs = dict(
             max_num_seqs=config["max_num_seqs"],
             max_num_batched_tokens=config["max_num_batched_tokens"],
             enable_chunked_prefill=config["enable_chunked_prefill"],
-            preemption_mode="recompute",
             max_model_len=config["max_model_len"],
             enable_prefix_caching=config["enable_prefix_caching"],
-            watermark=_WATERMARK[admission],
+            free_uncached_first=free_uncached_first,  # vLLM 0.32's free order (BlockPool)
         )
+        if admission == "first-chunk":  # vLLM v1's own rule: the base scheduler
+            self.scheduler = Scheduler(config["num_blocks"], config["block_size"], **kwargs)
+        else:  # the watermark layer (recompute preemption, no groups: both defaults)
+            self.scheduler = EngineScheduler(
+                config["num_blocks"], config["block_size"], watermark=_WATERMARK[admission], **kwargs
+            )
 
     def add_request(self, r: dict) -> None:
         from minipaged.core import Request
@@ -92,9 +98,9 @@ class MinipagedSide:
         }
 
 
-def run_one(wid, admission: str = "first-chunk") -> dict:
+def run_one(wid, admission: str = "first-chunk", free_uncached_first: bool = True) -> dict:
     workload = make_workload(wid)
-    side = MinipagedSide(workload["config"], admission)
+    side = MinipagedSide(workload["config"], admission, free_uncached_first)
     return {"workload": workload, "admission": admission, "steps": run_workload(side, workload)}
 
 

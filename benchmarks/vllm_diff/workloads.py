@@ -167,8 +167,9 @@ def _case(block_size, num_blocks, prompts, max_num_seqs=1, max_num_batched_token
     }
 
 
-# Minimal workloads, one per prefix-caching detail where minipaged and vLLM 0.32 differed
-# (worked out by hand; block size 2, requests served one at a time unless said otherwise):
+# Minimal workloads, one per prefix-caching detail where minipaged and vLLM 0.32 differed,
+# kept as regression cases now that minipaged matches (compare.py says how); worked out by
+# hand; block size 2, requests served one at a time unless said otherwise:
 CASES = {
     # r0 and r1 are admitted in the same step; r0's blocks [5,6] [7,8] are cached when
     # allocated (vLLM), so r1 hits 4 tokens in that very step: r1 scheduled [4, 1].

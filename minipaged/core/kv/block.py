@@ -12,8 +12,9 @@ Inputs / outputs
     ``FreeKVCacheBlockQueue(blocks)`` holds the blocks nobody uses, in eviction order
     (least recently freed first). ``popleft()`` takes the next block to hand out;
     ``remove(block)`` takes a block out of the middle (a cached block that is reused);
-    ``append(block)`` puts a freed block at the back. All three are O(1): the queue is a
-    doubly linked list threaded through the blocks themselves, as in vLLM.
+    ``append(block)`` puts a freed block at the back (``appendleft`` at the front, for
+    ``BlockPool(free_uncached_first=True)``). All are O(1): the queue is a doubly linked
+    list threaded through the blocks themselves, as in vLLM.
 
     ``hash_block_tokens(parent_hash, token_ids)`` -> bytes: a sha256 chained over the
     parent block's hash, so equal hashes mean equal *prefixes*, not just equal blocks.
@@ -108,6 +109,18 @@ class FreeKVCacheBlockQueue:
         block.prev_free_block = last
         block.next_free_block = self._tail
         self._tail.prev_free_block = block
+        self.num_free_blocks += 1
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        """Put ``block`` at the front (it will be handed out next)."""
+        if block.prev_free_block is not None or block.next_free_block is not None:
+            raise RuntimeError(f"{block} is already in the free queue")
+        first = self._head.next_free_block
+        assert first is not None
+        self._head.next_free_block = block
+        block.prev_free_block = self._head
+        block.next_free_block = first
+        first.prev_free_block = block
         self.num_free_blocks += 1
 
     def __contains__(self, block: KVCacheBlock) -> bool:

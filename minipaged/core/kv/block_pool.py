@@ -9,14 +9,22 @@ Inputs / outputs
     reference (sharing: a fork, or a prefix-cache hit), pulling the block out of the free
     queue if it was there. ``get_num_free_blocks()`` and ``get_usage()`` report occupancy.
 
-    With ``enable_caching`` the pool also keeps ``cached_block_hash_to_block``: full blocks
-    keyed by ``hash_block_tokens``. A cached block whose ``ref_cnt`` falls to zero stays in
-    the map (and in the free queue) so it can be hit again, until ``get_new_blocks`` hands
-    it out to someone else: that is LRU eviction, because the free queue is in free order.
+    With ``enable_caching`` the pool also keeps ``cached_blocks``: full blocks keyed by
+    ``hash_block_tokens``, several per hash when two requests computed the same prefix
+    (as vLLM: a block is cached when it is filled, even if a copy is cached already, so a
+    block table never changes; ``get_cached_block`` gives the first cached copy still
+    there; ``cached_block_hash_to_block`` is that view). A cached block whose ``ref_cnt``
+    falls to zero stays cached (and in the free queue) so it can be hit again, until
+    ``get_new_blocks`` hands it out to someone else: that is LRU eviction, because the
+    free queue is in free order.
+
+    ``free_uncached_first`` (default False: every freed block goes to the back, the order
+    chapter 02 teaches): vLLM 0.32 puts freed blocks without a hash at the *front* of the
+    free queue (reused first), cached ones at the back, so cached blocks live longer.
 
 Invariants (``check_invariants``)
     every block is either in the free queue with ``ref_cnt == 0`` or out of it with
-    ``ref_cnt > 0``; every cached hash maps to a block carrying that hash.
+    ``ref_cnt > 0``; a block carries a hash iff it is cached under that hash.
     (That ``ref_cnt`` equals the number of block tables holding a block is checked by
     ``KVCacheManager.check_invariants``, which owns the tables.)
 
@@ -35,14 +43,18 @@ from minipaged.core.kv.block import BlockHash, FreeKVCacheBlockQueue, KVCacheBlo
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = False, free_uncached_first: bool = False
+    ) -> None:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.free_uncached_first = bool(free_uncached_first)
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # hash -> {block_id: block}, the copies in the order they were cached
+        self.cached_blocks: dict[BlockHash, dict[int, KVCacheBlock]] = {}
 
     # -- allocation ---------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -64,6 +76,8 @@ class BlockPool:
 
         NOTE: callers pass a request's blocks *tail first*, so that when caching is on the
         tail blocks (least likely to be shared by another prefix) are evicted first.
+        With ``free_uncached_first`` the blocks without a hash go to the front instead,
+        in the order given (the first given is handed out first), as vLLM 0.32.
         """
         blocks = list(ordered_blocks)
         counts: dict[int, int] = {}
@@ -72,10 +86,16 @@ class BlockPool:
         for b in blocks:
             if counts[b.block_id] > b.ref_cnt:
                 raise ValueError(f"double free: block {b.block_id} has ref_cnt {b.ref_cnt}")
+        front = []
         for b in blocks:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                self.free_block_queue.append(b)
+                if self.free_uncached_first and b.block_hash is None:
+                    front.append(b)
+                else:
+                    self.free_block_queue.append(b)
+        for b in reversed(front):
+            self.free_block_queue.appendleft(b)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a reference to each block (sharing); a free block leaves the free queue."""
@@ -86,21 +106,28 @@ class BlockPool:
 
     # -- prefix caching -----------------------------------------------------------
     def get_cached_block(self, block_hash: BlockHash) -> Optional[KVCacheBlock]:
-        return self.cached_block_hash_to_block.get(block_hash)
+        """The first cached copy of ``block_hash`` still cached, or None."""
+        copies = self.cached_blocks.get(block_hash)
+        return next(iter(copies.values())) if copies else None
+
+    @property
+    def cached_block_hash_to_block(self) -> dict[BlockHash, KVCacheBlock]:
+        """hash -> the block a hit gets (``get_cached_block``); a new dict, for reading."""
+        return {h: next(iter(copies.values())) for h, copies in self.cached_blocks.items()}
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Record a full block under ``block_hash`` (first writer wins)."""
+        """Record a full block under ``block_hash``, also when a copy is cached already."""
         if not self.enable_caching or block.block_hash is not None:
             return
-        if block_hash in self.cached_block_hash_to_block:
-            return  # the same prefix is already cached in another block
         block.block_hash = block_hash
-        self.cached_block_hash_to_block[block_hash] = block
+        self.cached_blocks.setdefault(block_hash, {})[block.block_id] = block
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
-            if self.cached_block_hash_to_block.get(block.block_hash) is block:
-                del self.cached_block_hash_to_block[block.block_hash]
+            copies = self.cached_blocks[block.block_hash]
+            del copies[block.block_id]
+            if not copies:
+                del self.cached_blocks[block.block_hash]
             block.block_hash = None
 
     # -- reporting ----------------------------------------------------------------
@@ -117,8 +144,15 @@ class BlockPool:
             assert b.ref_cnt >= 0, f"{b} has a negative ref_cnt"
             in_queue = b in self.free_block_queue
             assert in_queue == (b.ref_cnt == 0), f"{b}: in free queue={in_queue} but ref_cnt={b.ref_cnt}"
-        for h, b in self.cached_block_hash_to_block.items():
-            assert b.block_hash == h, f"cache map points at {b} under another hash"
+        num_cached = 0
+        for h, copies in self.cached_blocks.items():
+            assert copies, "cache map: a hash with no block"
+            for i, b in copies.items():
+                assert b is self.blocks[i], f"cache map: block {i} is not the pool's"
+                assert b.block_hash == h, f"cache map points at {b} under another hash"
+            num_cached += len(copies)
+        hashed = sum(b.block_hash is not None for b in self.blocks)
+        assert hashed == num_cached, f"{hashed} blocks carry a hash, {num_cached} are cached"
 
     def __repr__(self) -> str:
         return f"BlockPool(num_blocks={self.num_blocks}, free={self.get_num_free_blocks()})"

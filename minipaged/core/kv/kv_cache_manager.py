@@ -60,6 +60,9 @@ Automatic prefix caching (``enable_caching=True``; vLLM's APC)
     ``allocate_slots(request, n, new_computed_blocks=blocks)``, which shares them. A
     freed cached block stays in the free queue with its hash and can be hit again until
     the pool hands it out to someone else: eviction in LRU order (free order, tail first).
+    As vLLM, a filled block is cached even when another block holds the same prefix (both
+    hittable). ``free_uncached_first=True``: vLLM 0.32 frees blocks without a hash to the
+    front of the free queue, cached ones to the back (``BlockPool``); default off.
 
 Failure mode
     pool exhausted -> ``allocate_slots`` returns ``None`` and changes nothing (nothing is
@@ -103,7 +106,12 @@ def _request_id(request) -> str:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool = False, num_cpu_blocks: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = False,
+        num_cpu_blocks: int = 0,
+        free_uncached_first: bool = False,
     ) -> None:
         check_positive_int("block_size", block_size)
         if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
@@ -111,7 +119,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching)
+        self.block_pool = BlockPool(
+            num_blocks, enable_caching=enable_caching, free_uncached_first=free_uncached_first
+        )
         # request_id -> its block table (blocks, tokens, slot formula), in the device pool
         self.block_tables: dict[str, BlockTable] = {}
         # Swap space: a second pool of CPU blocks, and the tables of swapped-out requests.
@@ -329,7 +339,7 @@ class KVCacheManager:
 
         The scheduler calls it as it allocates a step's slots (vLLM v1): the blocks are
         written by that step's forward before anyone reads them.
-        A block whose prefix is already cached in another block is left uncached.
+        A block whose prefix is already cached in another block is cached too (vLLM).
         """
         if not self.enable_caching:
             return

@@ -15,6 +15,7 @@ Inputs / outputs
     ``update_from_output(output, sampled_token_ids) -> finished requests``: advances
     ``num_computed_tokens``, appends the token of each request whose prefill completed,
     stops it (``_check_stop``) and frees its blocks. Exactly one update per schedule.
+    ``free_uncached_first`` goes to the ``KVCacheManager`` (vLLM 0.32's free order).
 Memory pressure
     Blocks come from the ``KVCacheManager``, which alone counts them. When
     ``allocate_slots`` returns None for a running request, the last request of ``running``
@@ -60,6 +61,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         max_model_len: Optional[int] = None,
         enable_prefix_caching: bool = False,
+        free_uncached_first: bool = False,
     ) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             check_positive_int(name, locals()[name])
@@ -72,6 +74,7 @@ class Scheduler:
         self.enable_chunked_prefill = bool(enable_chunked_prefill)
         self.max_model_len = max_model_len
         self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.free_uncached_first = bool(free_uncached_first)  # vLLM 0.32's free order (BlockPool)
         self.kv_cache_manager = self._new_kv_cache_manager()
         self.waiting: deque[Request] = deque()  # arrival order; preempted ones in front
         self.running: list[Request] = []  # arrival order
@@ -90,7 +93,12 @@ class Scheduler:
         self.stop_checker = None
 
     def _new_kv_cache_manager(self) -> KVCacheManager:  # hook
-        return KVCacheManager(self.num_blocks, self.block_size, enable_caching=self.enable_prefix_caching)
+        return KVCacheManager(
+            self.num_blocks,
+            self.block_size,
+            enable_caching=self.enable_prefix_caching,
+            free_uncached_first=self.free_uncached_first,
+        )
 
     # -- one step -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -48,6 +48,7 @@ class SwapPreemption(Scheduler):
             self.block_size,
             enable_caching=self.enable_prefix_caching,
             num_cpu_blocks=self.num_cpu_blocks,
+            free_uncached_first=self.free_uncached_first,
         )
 
     def _evict(self, victims: list[Request], out: SchedulerOutput) -> None:
