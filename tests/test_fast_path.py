@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from _paged_cases import TOL, cu_from, make_paged
 
 from minipaged.kernels.reference import (
     build_attn_metadata,
@@ -25,7 +26,6 @@ from minipaged.kernels.reference import (
 )
 from minipaged.model import ModelInput, load_model
 from minipaged.model.layers import RotaryEmbedding
-from tests._paged_cases import TOL, cu_from, make_paged
 
 
 def _random_case(seed: int):
