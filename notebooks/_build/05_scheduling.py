@@ -244,6 +244,20 @@ for i in (1, 2, 4):
 """)
 
 md(r"""
+The same step 2 as pictures, first under recompute, then under swap: the victim B holds no
+device blocks after the step in either mode; under swap its table lives on in the CPU pool
+(the pink "swapped out" stretch of its row), under recompute it waits to be prefilled again.
+""")
+
+code(r"""
+for name, t in (("recompute", rec), ("swap", swp)):
+    print(f"{name}: step 2, B preempted")
+    fig = viz.step(t, 2)
+    plt.show()
+    plt.close(fig)
+""")
+
+md(r"""
 At step 2 B's blocks 2 and 3 went to CPU blocks 0 and 1; the freed device block 3 went to
 A (blocks are freed tail first, so 3 is handed out before 2). The engine copies the data
 before the model runs; the `SchedulerOutput` says what to copy:
