@@ -527,7 +527,7 @@ print("machine:", profile["machine"])
 """)
 
 md(r"""
-Read the last line of the printout (the code as it is now). A decode step at 64 sequences
+Read the `after` line of the printout (the code as it is now). A decode step at 64 sequences
 costs about twice its weight matmuls: the matmuls, the part every batched engine pays and
 the part a GPU does best, are under half the step; attention over the cached context is
 nearly as large, and everything else is the remaining eighth. That is why, on a CPU, a
