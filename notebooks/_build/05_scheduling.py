@@ -474,7 +474,7 @@ md(r"""
 >
 > | | the paper (vLLM v0) | vLLM v1 (`vllm/v1/core/sched/scheduler.py`) |
 > |---|---|---|
-> | how | recompute *or* swap to CPU memory (§4.5); recompute for single sequences, swap for groups (beam search, n > 1) | recompute only: swap was removed (`preempt_request` frees the blocks and resets `num_computed_tokens`) |
+> | how | recompute *or* swap to CPU memory (§4.5); recompute for single sequences, swap for groups (beam search, n > 1) | recompute only: swap was removed (`_preempt_request` frees the blocks and resets `num_computed_tokens`) |
 > | victim | the latest-arrived sequence group (lowest FCFS priority) | `self.running.pop()`: the last of `running`, which is kept in *scheduling* order, so a resumed request goes to the end and is the next victim |
 > | admission | whole prompt plus a watermark (`can_allocate`) | the first chunk's blocks (`allocate_slots` of the chunk) |
 >
