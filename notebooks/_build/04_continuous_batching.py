@@ -464,6 +464,9 @@ grid = {
 }
 tps = {k: tokens / steps for k, (tokens, steps, _) in grid.items()}
 assert len({tokens for tokens, _, _ in grid.values()}) == 1, "every cell must produce the same tokens"
+# each gain on its own: paging helps under either scheduling, continuous under either memory
+assert all(tps[k, "paged"] > tps[k, "reserved"] for k in ("static", "continuous"))
+assert all(tps["continuous", m] > tps["static", m] for m in ("reserved", "paged"))
 print(f"{len(STOP_AT)} requests, {grid['static', 'paged'][0]} output tokens, KV budget {NUM_BLOCKS * BLOCK_SIZE} slots")
 print(f"slots a request uses on average: {PROMPT_LEN + sum(STOP_AT) / len(STOP_AT):.0f}; "
       f"a reservation holds {PROMPT_LEN + MAX_TOKENS_2X2}")

@@ -182,6 +182,8 @@ for mode in ("fork", "prefix"):
     t = run_scheduler(s, [group], lambda r: 7 + int(r.request_id[-1]))  # each sample draws its own token
     computed, _, _, peak = stats(t)
     print(f"{mode:18s}{len(t):6d}{computed:17d}{peak:13d}{s.prefix_cache_hits:12d}")
+    if mode == "prefix":  # the 3 children after the first find the 7 full prompt blocks cached
+        assert s.prefix_cache_hits == 3 * 7 * 4
 """)
 
 md(r"""
