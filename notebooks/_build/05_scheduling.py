@@ -1,7 +1,7 @@
 """Generate notebooks/05_scheduling.ipynb (run from the repo root, then execute it).
 
-    python notebooks/_build/05_scheduling.py
-    jupyter nbconvert --to notebook --execute --inplace notebooks/05_scheduling.ipynb
+python notebooks/_build/05_scheduling.py
+jupyter nbconvert --to notebook --execute --inplace notebooks/05_scheduling.ipynb
 """
 
 from _nb import code, md, write
@@ -18,7 +18,8 @@ scheduler and pushes on it until it hurts.
    order (FCFS), under three limits: `max_num_seqs`, `max_num_batched_tokens` and free KV blocks;
 2. **chunked prefill**: why a long prompt is cut into pieces and mixed with other requests' decodes;
 3. what happens when the blocks run out: **preemption** by *recompute* or by *swap*, step by step;
-4. the failure modes: **thrash**, **head-of-line blocking**, and **a request too big to ever fit**.
+4. the failure modes: **thrash** (counted in recomputed tokens, and its cure), **head-of-line
+   blocking**, and **a request too big to ever fit**; and how a stop string frees memory mid-block.
 
 No model is needed: the scheduler only decides *who computes how many tokens*. We drive it
 with a fake model that always "samples" token 7, so every run is instant and exact.
@@ -150,6 +151,18 @@ for chunked, budget in ((True, 16), (False, 48)):
 md(r"""
 ## 3. Memory pressure
 
+**Contract card · preemption** (`Scheduler._preempt` / `_evict` in
+`minipaged.core.sched.scheduler`, swap in `minipaged.core.sched.swap.SwapPreemption`;
+vLLM v1 `vllm/v1/core/sched/scheduler.py`, the paper's v0 `vllm/core/scheduler.py`)
+
+| | |
+|---|---|
+| **inputs** | a running request whose `allocate_slots` returned `None` (the pool is full); the `running` list; `preemption_mode` (`"recompute"`, or the paper's `"swap"` with `num_cpu_blocks`) |
+| **outputs** | the victim, the last of `running` (in minipaged `running` is kept in arrival order, so this is the latest arrival), leaves `running`: recompute frees its blocks and sets `num_computed_tokens = 0`; swap moves its block table to the CPU pool (`blocks_to_swap_out`, pairs device -> cpu). It goes back to the *front* of `waiting` (status `PREEMPTED`, or `SWAPPED`), `num_preemptions += 1`; the allocation is retried; nothing new is admitted in that step |
+| **invariants** | after the step, the victim holds no device blocks; free + used blocks == `num_blocks`; the first request of `running` is never a victim unless it is alone; a recomputed request later prefills `prompt + outputs so far` and produces the same tokens (greedy) |
+| **failure modes** | no exception in normal operation (a request too big for the pool is refused on arrival instead); silent ones: **thrash** (the same request preempted again and again, its work recomputed: section 5a), a swap with too few CPU blocks falls back to recompute |
+| **hand-check** | below: six requests on 16 blocks; which request is preempted at which step, read off the timeline |
+
 Six requests, prompt 8, up to 24 new tokens each: at full length one needs
 8 + 24 - 1 = 31 slots, 8 blocks of 4. The pool has 16 blocks. All six prompts fit at step 0
 (2 blocks each), but they grow one token per step and the pool fills up. The scheduler
@@ -231,6 +244,20 @@ for i in (1, 2, 4):
 """)
 
 md(r"""
+The same step 2 as pictures, first under recompute, then under swap: the victim B holds no
+device blocks after the step in either mode; under swap its table lives on in the CPU pool
+(the pink "swapped out" stretch of its row), under recompute it waits to be prefilled again.
+""")
+
+code(r"""
+for name, t in (("recompute", rec), ("swap", swp)):
+    print(f"{name}: step 2, B preempted")
+    fig = viz.step(t, 2)
+    plt.show()
+    plt.close(fig)
+""")
+
+md(r"""
 At step 2 B's blocks 2 and 3 went to CPU blocks 0 and 1; the freed device block 3 went to
 A (blocks are freed tail first, so 3 is handed out before 2). The engine copies the data
 before the model runs; the `SchedulerOutput` says what to copy:
@@ -282,47 +309,62 @@ md(r"""
 ### 5a. Thrash
 
 Admit too much for the memory and the scheduler spends its time preempting and redoing
-work. To see it, switch admission control off: `watermark=None` admits a waiting request as
-soon as its *first chunk* fits (vLLM v1's rule). Same six requests, shrinking pool
-(recompute): as the pool shrinks toward the size of one request (8 blocks), up to half of
-the computed tokens are *recomputed*, and the same request is preempted again and again.
+work. **vLLM v1's admission rule** (`watermark=None`) admits a waiting request as soon as
+its *first chunk's* blocks are free. With chunked prefill and long prompts, that starts
+prefills the pool cannot finish: the running decodes grow, the pool fills, and the victim
+is the last of `running`, often the half-prefilled newcomer, whose chunks are thrown away.
+Next step it is admitted again (its first chunk fits), and the cycle repeats.
+
+The workload: eight requests with 40-token prompts and 16 output tokens, a token budget of
+32 per step (so a prompt takes two chunks), blocks of 4. One request at full length needs
+14 blocks. Count the **recomputed tokens** (computed tokens minus the ones a run without
+preemption computes) and the preemptions, under v1's rule and under minipaged's default,
+the paper's (v0) **whole-prefill watermark** admission: a request is admitted only when the
+blocks for its whole remaining prefill fit, with `watermark` (5 %) of the pool kept spare.
 """)
 
 code(r"""
-print(f"{'blocks':>6}  steps  computed  recomputed  preemptions  max per request")
-for num_blocks in (48, 32, 24, 16, 12, 8):
-    s = EngineScheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64, watermark=None)
-    t = run_scheduler(s, pressure(), fake_model)
+def long_prompts():
+    return [make(f"r{i}", 40, 16) for i in range(8)]
+
+
+def thrash_run(num_blocks, watermark):
+    kwargs = {} if watermark == "default" else {"watermark": watermark}
+    s = EngineScheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=32, **kwargs)
+    t = run_scheduler(s, long_prompts(), fake_model)
     computed, wasted, _ = costs(t)
+    preemptions = sum(len(st.preempted_ids) for st in t.steps)
     worst = max(r["num_preemptions"] for r in t.requests.values())
-    print(f"{num_blocks:6d}  {len(t):5d}  {computed:8d}  {wasted:5d} ({wasted / computed:4.0%})  "
-          f"{sum(len(st.preempted_ids) for st in t.steps):11d}  {worst:15d}")
+    return len(t), wasted, preemptions, worst
+
+
+print(f"{'':>6}  {'v1: first-chunk admission':^34}  {'default: watermark admission':^34}")
+print(f"{'blocks':>6}  " + "  ".join([f"{'steps':>6}{'recomputed':>11}{'preempt':>9}{'worst':>6}"] * 2))
+thrash = {}
+for num_blocks in (48, 32, 24, 20, 16):
+    thrash[num_blocks] = {w: thrash_run(num_blocks, w) for w in (None, "default")}
+    cols = "  ".join(f"{st:6d}{rc:11d}{pe:9d}{wo:6d}" for st, rc, pe, wo in thrash[num_blocks].values())
+    print(f"{num_blocks:6d}  {cols}")
+# the thrash, and its cure, on 20 blocks: hundreds of recomputed tokens, then none
+assert thrash[20][None][1] > 500 and thrash[20][None][2] > 20
+assert thrash[20]["default"][1] == 0 and thrash[20]["default"][2] == 0
 """)
 
 md(r"""
-minipaged's default admission (as vLLM v0) admits a request only when the blocks for its
-*whole* remaining prefill fit, keeping a `watermark` fraction of the pool spare. Same sweep
-with the default:
-""")
+Read the 20-block row: under v1's rule the engine recomputes more tokens than the eight
+prompts hold, and one request is preempted again and again (`worst`); under the watermark
+the same requests finish in as many steps with **no** recomputed token. That is the cure:
+admit a prefill only when it can complete. With larger pools (24 blocks and up) the
+watermark still leaves preemptions, fewer of them: those come from *decodes* outgrowing the
+pool once all eight requests run, and no admission rule prevents them.
 
-code(r"""
-print(f"{'blocks':>6}  steps  computed  recomputed  preemptions")
-for num_blocks in (48, 32, 24, 16, 12, 8):
-    s = EngineScheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64)
-    t = run_scheduler(s, pressure(), fake_model)
-    computed, wasted, _ = costs(t)
-    print(f"{num_blocks:6d}  {len(t):5d}  {computed:8d}  {wasted:5d} ({wasted / computed:4.0%})  "
-          f"{sum(len(st.preempted_ids) for st in t.steps):11d}")
-""")
-
-md(r"""
-The same numbers: here every prompt fits when it is admitted, and the preemptions come
-later, from *decodes* outgrowing the pool. No rule that looks at prompts can foresee how
-long outputs will be (that is the whole problem of chapter 01). The watermark only stops
-prefills that could not complete; section 7 shows one. What helps here is admitting fewer
-sequences: `max_num_seqs` caps the batch; with 8 blocks and v1 admission,
-fewer sequences at once means fewer preemptions and less recomputed work, at the price of
-less batching (one at a time takes the most steps).
+The cure has limits. On the memory-pressure workload of section 3 (short prompts, long
+outputs) every prompt fits when it is admitted, and all preemptions come later, from
+*decodes* outgrowing the pool: there the two rules give the same numbers, since no rule
+that looks at prompts can foresee how long outputs will be (the whole problem of chapter
+01). What helps there is admitting fewer sequences: `max_num_seqs` caps the batch. With 8
+blocks and v1 admission, fewer sequences at once means fewer preemptions and less
+recomputed work, at the price of less batching (one at a time takes the most steps).
 """)
 
 code(r"""
@@ -388,6 +430,57 @@ except ValueError as e:
 s_off = EngineScheduler(num_blocks=64, block_size=4, max_num_batched_tokens=32, enable_chunked_prefill=False)
 run_scheduler(s_off, [make("L", 40, 4)], fake_model)
 print(s_off.finished["L"].stop_reason)
+""")
+
+md(r"""
+### 5d. A stop string frees a request's blocks in the step it appears
+
+The other side of memory pressure: memory comes back as soon as a request ends, even in
+the middle of a block. On the course model, `SamplingParams(stop=["."])` ends a request at
+its first full stop. The engine checks the detokenized text after each step
+(`OutputProcessor`, through the scheduler's `stop_checker`); a match finishes the request
+inside `update_from_output`, and its blocks, the last one only partly filled, go back to
+the free queue **in that same step**, ready for the next `schedule()`.
+""")
+
+code(r"""
+from minipaged import LLM
+
+llm = LLM(block_size=8, num_blocks=32, max_num_seqs=4)
+outs = llm.generate(
+    ["Once upon a time", "The little dog"],
+    [SamplingParams(temperature=0.0, max_tokens=60, stop=["."]),
+     SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)],
+    use_tqdm=False,
+)
+for o in outs:
+    print(f"{o.outputs[0].finish_reason:7s} {len(o.outputs[0].token_ids):3d} tokens  {o.outputs[0].text[:60]!r}")
+stop_trace = llm.trace
+rid = next(iter(stop_trace.requests))
+info = stop_trace.requests[rid]
+fin = info["finish_step"]
+before, after = stop_trace.steps[fin - 1], stop_trace.steps[fin]
+print(f"request {rid}: {info['stop_reason']}, finished at step {fin}")
+print(f"  after step {fin - 1}: holds blocks {before.block_tables[rid]} for {before.num_tokens[rid]} tokens "
+      f"(block_size 8: the last block is partly filled); {before.num_free_blocks} blocks free")
+print(f"  after step {fin}: holds {after.block_tables.get(rid, 'no blocks')}; {after.num_free_blocks} blocks free; "
+      f"new blocks this step {after.new_block_ids}")
+assert rid not in after.block_tables and rid in after.finished_ids
+assert after.num_free_blocks == before.num_free_blocks + len(before.block_tables[rid]) - len(after.new_block_ids)
+""")
+
+md(r"""
+> **The paper (vLLM v0) and vLLM v1 today, on preemption.**
+>
+> | | the paper (vLLM v0) | vLLM v1 (`vllm/v1/core/sched/scheduler.py`) |
+> |---|---|---|
+> | how | recompute *or* swap to CPU memory (§4.5); recompute for single sequences, swap for groups (beam search, n > 1) | recompute only: swap was removed (`_preempt_request` frees the blocks and resets `num_computed_tokens`) |
+> | victim | the latest-arrived sequence group (lowest FCFS priority) | `self.running.pop()`: the last of `running`, which is kept in *scheduling* order, so a resumed request goes to the end and is the next victim |
+> | admission | whole prompt plus a watermark (`can_allocate`) | the first chunk's blocks (`allocate_slots` of the chunk) |
+>
+> minipaged keeps `running` in arrival order, so its "last of running" is the paper's latest
+> arrival; the two victims differ in vLLM only once a preempted request has resumed.
+> Section 5a measured the two admission rules; swap is the `SwapPreemption` layer toured below.
 """)
 
 md(r"""

@@ -1,7 +1,7 @@
 """Generate notebooks/06_sharing.ipynb (run from the repo root, then execute it).
 
-    python notebooks/_build/06_sharing.py
-    jupyter nbconvert --to notebook --execute --inplace notebooks/06_sharing.ipynb
+python notebooks/_build/06_sharing.py
+jupyter nbconvert --to notebook --execute --inplace notebooks/06_sharing.ipynb
 """
 
 from _nb import code, md, write
@@ -61,6 +61,18 @@ the number of tables holding it, and the free queue holds exactly the blocks wit
 
 `fork(parent, child)` gives the child a new table listing the *same* blocks; each block's
 `ref_cnt` goes up by one and no K/V is copied. Freeing a shared block only drops its count.
+
+**Contract card · fork** (`minipaged.core.kv.KVCacheManager.fork`; the paper's (v0)
+`BlockSpaceManager.fork` in `vllm/core/block_manager.py`; vLLM v1 has no fork, see the box
+at the end of section 3)
+
+| | |
+|---|---|
+| **inputs** | `parent`, a request (or id) holding a block table; `child`, one holding no blocks |
+| **outputs** | `None`; the child's table lists the parent's blocks, in order; every one of them has `ref_cnt + 1`; no block is taken from the free queue and no K/V is copied |
+| **invariants** | for every block, `ref_cnt` == the number of tables that hold it; the free queue holds exactly the blocks with `ref_cnt == 0`; free + held (counted once) == `num_blocks`; after a later append, the first write into a block with `ref_cnt > 1` allocates a new block and records `(src, dst)` in `blocks_to_copy` (copy-on-write), and a full block is never copied |
+| **failure modes** | a child that already holds blocks, or an unknown parent -> `ValueError`; silent ones: a fork that forgets `ref_cnt + 1` lets the parent's free hand a block still in use to another request (two sequences writing the same slots: wrong tokens, no error); a write into a shared block without the copy corrupts the sibling's K/V |
+| **hand-check** | the cell below: fork a 6-token table with blocks of 4 |
 
 ### Hand check
 
@@ -227,6 +239,18 @@ prompt and holds its own copy of the last block; without caching, each child pre
 prompt. vLLM v1 accepts that small cost for a simpler scheduler: no groups, nothing scheduled or
 preempted "all or nothing", and the same mechanism also shares prefixes *between* requests.
 
+> **The paper (vLLM v0) and vLLM v1 today, on sharing.**
+>
+> | | the paper (vLLM v0, §4.4) | vLLM v1 |
+> |---|---|---|
+> | `n > 1` | one sequence group; the prompt prefilled once; the samples **fork** its block table, copy-on-write on the partly filled last block | n independent child requests (`vllm/v1/engine/parallel_sampling.py`); the prompt's *full* blocks shared through the prefix cache, each child computes its own tail |
+> | beam search | inside the engine: sequence groups forked and freed at every step | outside the scheduler, on top of child requests (`LLM.beam_search`) |
+> | prefix sharing across requests | a given shared prefix (§4.4), later automatic prefix caching as an option | automatic prefix caching, on by default (`enable_prefix_caching=True`) |
+> | scheduling unit | the group: scheduled, preempted, swapped all or nothing | the request |
+>
+> The table above measured the cost of v1's choice on this prompt: the tail tokens each child
+> recomputes, and the blocks at the peak. Chapter 08 runs the pair on the scheduler alone.
+
 ## 4. Beam search: fork and free at every step
 
 Beam search keeps the `beam_width` best partial sequences. At each step every beam proposes
@@ -299,6 +323,20 @@ h1 = hash_block_tokens(h0, [5, 6, 7, 8])
 h1_other = hash_block_tokens(hash_block_tokens(None, [9, 9, 9, 9]), [5, 6, 7, 8])
 print(h0.hex()[:16], h1.hex()[:16], h1_other.hex()[:16])
 assert h1 != h1_other  # same tokens, different prefix: a different key
+""")
+
+md(r"""
+**Contract card · the prefix cache** (`KVCacheManager.get_computed_blocks` and
+`cache_blocks`, the pool's `cached_block_hash_to_block`; vLLM v1
+`vllm/v1/core/kv_cache_manager.py`, `vllm/v1/core/block_pool.py`, `kv_cache_utils.py`)
+
+| | |
+|---|---|
+| **inputs** | `get_computed_blocks(request, max_num_tokens=None)`: the request's tokens, hashed block by block (`hash_block_tokens(parent_hash, tokens)`); `cache_blocks(request, num_computed_tokens)`: a request whose full blocks are about to be written |
+| **outputs** | `get_computed_blocks` -> `(blocks, num_computed_tokens)`: the cached blocks of the longest cached prefix, `num_computed_tokens == len(blocks) * block_size`, at most `num_tokens - 1` tokens; `([], 0)` with caching off; nothing is shared yet (`allocate_slots` takes them, each `ref_cnt + 1`, and `touch` pulls a free one out of the free queue). `cache_blocks` registers full blocks under their hash |
+| **invariants** | only full blocks are cached; a hash maps to one block; the hash of block j covers blocks 0..j (chained), so a hit means an equal prefix; a freed cached block keeps its hash in the free queue until it is handed out again (evicted, least recently used first); the last prompt token is always computed (its logits give the next token) |
+| **failure modes** | no exception for a miss (`([], 0)`); silent ones: an unchained hash matches an equal block after a different prefix (wrong K/V, plausible-looking wrong text); Python's salted `hash()` makes hits differ between processes; returning the whole prompt leaves no logits for the first sampled token |
+| **hand-check** | the cell below: hits, the last-token rule, eviction, on blocks of 4 |
 """)
 
 md(r"""
@@ -448,17 +486,28 @@ plt.close(fig)
 md(r"""
 ## 7. Code tour
 
-`fork` is three lines of bookkeeping; copy-on-write is one branch of `allocate_slots`:
+`fork` and `get_computed_blocks` are exercises of chapter 06 (`ex6.1`, `ex6.4`), so here are
+only their signatures and docstrings: the contract cards above say what they must do.
+Copy-on-write is one branch of `allocate_slots`:
 """)
 
 code(r"""
-print(inspect.getsource(KVCacheManager.fork))
+def signature_and_doc(fn):
+    # the contract only: an exercise asks for the body
+    doc = "\n".join("    " + line if line else "" for line in inspect.getdoc(fn).splitlines())
+    return f"def {fn.__name__}{inspect.signature(fn)}:\n    \"\"\"\n{doc}\n    \"\"\"\n    ...\n"
+
+
+print(signature_and_doc(KVCacheManager.fork))
+print(signature_and_doc(KVCacheManager.get_computed_blocks))
+""")
+
+code(r"""
 src = inspect.getsource(KVCacheManager.allocate_slots)
 print(src[src.index("        if cow:"):src.index("        if t is None:\n")])
 """)
 
 code(r"""
-print(inspect.getsource(KVCacheManager.get_computed_blocks))
 print(inspect.getsource(SequenceGroups._maybe_fork))
 """)
 

@@ -495,6 +495,48 @@ attention, the same scheduler. What carries over from this chapter and what does
 So a CPU number and a GPU number answer different questions; neither is the paper's
 number, and each is honest only together with its setting.
 
+## 9. Where a decode step's time goes
+
+The simulator's cost model says a step costs "read the weights, plus attention over the
+context, plus overhead". On the CPU the real engine's decode step can be split the same
+way: `minipaged.bench.serving.forward_breakdown` times one decode forward at 64 running
+sequences, then the same weight matmuls alone (the **floor**: no step can be faster than
+its matmuls), then the attention layers; the rest is everything else (norms, activations,
+embedding, sampling's logits). `benchmarks/results/cpu_profile.json` holds a recorded run
+(before and after the performance work on split-KV decode and fused projections); the
+figure is drawn from it, and the numbers below are read from it:
+""")
+
+code(r"""
+import json
+from pathlib import Path
+
+import minipaged
+from minipaged.bench.serving import plot_forward_breakdown
+
+profile = json.loads((Path(minipaged.__file__).parents[1] / "benchmarks/results/cpu_profile.json").read_text())
+ax = plot_forward_breakdown(profile["runs"])
+plt.show()
+plt.close(ax.figure)
+for label, b in profile["runs"].items():
+    print(f"{label}:")
+    print(f"  {b['num_seqs']} sequences, mean context {b['mean_context']:.0f} tokens: forward {b['forward_ms']:.1f} ms "
+          f"= {b['ratio_to_floor']:.2f}x the weight-matmul floor; matmuls {b['floor_share']:.0%}, "
+          f"attention {b['attention_share']:.0%}, everything else {b['other_share']:.0%}")
+print("machine:", profile["machine"])
+""")
+
+md(r"""
+Read the `after` line of the printout (the code as it is now). A decode step at 64 sequences
+costs about twice its weight matmuls: the matmuls, the part every batched engine pays and
+the part a GPU does best, are under half the step; attention over the cached context is
+nearly as large, and everything else is the remaining eighth. That is why, on a CPU, a
+bigger batch is not free (attention grows with every sequence's context, section 2's
+"nearly free" regime does not hold), and why the attention kernel (chapter 03's split-KV
+decode, the difference between the two bars) is worth optimizing. The shares move with the
+context length and the batch: longer contexts shift time to attention. These are CPU
+numbers of one process on a shared machine; a GPU splits the same step very differently.
+
 ## Recap
 
 - The simulator runs the real scheduler and allocators; only step time comes from a model:

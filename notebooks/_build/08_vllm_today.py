@@ -1,0 +1,307 @@
+"""Generate notebooks/08_vllm_today.ipynb (run from the repo root, then execute it).
+
+python notebooks/_build/08_vllm_today.py
+jupyter nbconvert --to notebook --execute --inplace notebooks/08_vllm_today.ipynb
+"""
+
+from _nb import code, md, write
+
+md(r"""
+# 08 · The paper and vLLM today
+
+The vLLM paper (Kwon et al., SOSP 2023) describes what is now called **vLLM v0**. vLLM
+**v1** (the engine rewritten in 2024–2025, `vllm/v1/`) keeps its two ideas, paged KV memory
+and continuous batching, and changes most of the policies around them. minipaged's base
+`Scheduler` is v1's rule; the paper's mechanisms are layers that can be switched on
+(`core/sched/admission.py`, `swap.py`, `groups.py`). This chapter runs each pair side by
+side on the same workload.
+
+**You will learn**
+
+1. what v1 changed and why, each shown by a run: admission, preemption (victim, swap vs
+   recompute), chunked prefill with one token budget, parallel sampling (copy-on-write
+   fork vs child requests sharing the prompt through prefix caching), prefix caching;
+2. what came after the paper, in words with numbers: speculative decoding's lookahead
+   slots, prefill/decode disaggregation, sliding-window layers;
+3. where to read each one in the paper and in vLLM's source.
+
+As in chapter 05, a fake model "samples" the tokens, so every run is instant and exact.
+""")
+
+md("## Setup")
+
+code(r"""
+import math
+
+from minipaged import SamplingParams
+from minipaged.core import EngineScheduler, Request
+from minipaged.trace import run_scheduler
+
+
+def make(rid, prompt_len, max_tokens, prompt=None):
+    prompt = prompt if prompt is not None else [(7 * j + 3) % 50 for j in range(prompt_len)]
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+fake_model = lambda request: 7  # the "model": every sampled token is 7
+
+
+def stats(trace):
+    # tokens computed, of which recomputed, preemptions, peak blocks in use
+    computed = sum(sum(st.scheduled.values()) for st in trace.steps)
+    useful = sum(r["prompt_len"] + r["output_len"] - 1 for r in trace.requests.values())
+    preemptions = sum(len(st.preempted_ids) for st in trace.steps)
+    peak = trace.num_blocks - min(st.num_free_blocks for st in trace.steps)
+    return computed, computed - useful, preemptions, peak
+""")
+
+md(r"""
+## 1. Admission: whole prompt + watermark (v0) vs first chunk (v1)
+
+The paper's scheduler admits a waiting request only when the blocks for its whole prompt
+fit and a watermark of the pool stays free (v0 `BlockSpaceManager.can_allocate`). v1 admits
+a request when the blocks for the chunk it computes *this step* are free
+(`KVCacheManager.allocate_slots` on that chunk). v1's rule starts work sooner; with long
+prompts and a tight pool it can start prefills the pool cannot finish, and the preemptions
+that follow throw the chunks away (chapter 05, section 5a). Eight 40-token prompts,
+16 output tokens each, a budget of 32 tokens per step, 20 blocks of 4:
+""")
+
+code(r"""
+def long_prompts():
+    return [make(f"r{i}", 40, 16) for i in range(8)]
+
+
+print(f"{'admission':28s}{'steps':>6s}{'computed':>10s}{'recomputed':>12s}{'preemptions':>13s}")
+for label, wm in (("v0: whole prompt, watermark", 0.05), ("v1: first chunk", None)):
+    s = EngineScheduler(num_blocks=20, block_size=4, max_num_batched_tokens=32, watermark=wm)
+    t = run_scheduler(s, long_prompts(), fake_model)
+    computed, recomputed, preemptions, _ = stats(t)
+    print(f"{label:28s}{len(t):6d}{computed:10d}{recomputed:12d}{preemptions:13d}")
+""")
+
+md(r"""
+Same steps, and v1's rule recomputes more than twice the tokens it needs. v1's rule starts
+work as soon as any memory is free and needs no tuning knob; it pays only when the pool is
+tight for the prompts in flight, and with prefix caching on a re-admitted request finds its
+full prompt blocks still cached unless they were evicted in between. minipaged keeps v0's
+watermark as its default because the course runs small pools.
+
+## 2. Preemption: swap or recompute, and who is the victim
+
+The paper offers two ways to take blocks back (§4.5): **swap** the victim's blocks to CPU
+memory and back, or **recompute** them later from the tokens. vLLM v1 removed swap: a
+preempted request frees its blocks and resets `num_computed_tokens` to 0
+(`Scheduler._preempt_request` in `vllm/v1/core/sched/scheduler.py`). Six requests with
+8-token prompts and 24 output tokens on 16 blocks of 4:
+""")
+
+code(r"""
+print(f"{'mode':10s}{'steps':>6s}{'computed':>10s}{'recomputed':>12s}{'recompute preemptions':>23s}{'swap-outs':>11s}")
+for mode in ("swap", "recompute"):
+    s = EngineScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64, preemption_mode=mode,
+                        num_cpu_blocks=64 if mode == "swap" else 0)
+    t = run_scheduler(s, [make(f"r{i}", 8, 24) for i in range(6)], fake_model)
+    computed, recomputed, preemptions, _ = stats(t)
+    swap_outs = sum(len(st.swapped_out_ids) for st in t.steps)
+    print(f"{mode:10s}{len(t):6d}{computed:10d}{recomputed:12d}{preemptions:23d}{swap_outs:11d}")
+""")
+
+md(r"""
+Swap computes nothing twice but moves each swapped-out request's blocks over PCIe, out and
+back in; recompute moves nothing but redoes prefill work, which on a GPU
+is fast (many tokens per forward pass). v1 chose recompute for simplicity: no CPU block
+pool, no swap queue, one less state per request.
+
+**The victim.** v0 preempts the *latest-arrived* running sequence group (lowest FCFS
+priority). v1 preempts `self.running.pop()`, the last of `running`, which it keeps in
+*scheduling* order: a request that resumes after a preemption is appended at the end and is
+the next victim, whatever its arrival. minipaged keeps `running` in arrival order, so its
+"last of running" is always the latest arrival and the two rules coincide here; in vLLM
+they differ only once a preempted request has resumed. In the run above the victims were:
+""")
+
+code(r"""
+s = EngineScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64)
+t = run_scheduler(s, [make(f"r{i}", 8, 24) for i in range(6)], fake_model)
+for st in t.steps:
+    if st.preempted_ids:
+        running = [r for r in st.scheduled]
+        print(f"step {st.step:2d}: preempted {st.preempted_ids}, still running {running}")
+""")
+
+md(r"""
+## 3. Chunked prefill and the unified token budget
+
+The paper's scheduler ran a step of prompts *or* a step of decodes; a long prompt ran
+whole. vLLM v1 has no such distinction: a request is just "`num_computed_tokens` so far,
+`num_tokens` in total", and every step gives each scheduled request
+`min(num_tokens - num_computed_tokens, budget left)` tokens from **one** budget,
+`max_num_batched_tokens`. A long prompt is thereby split into chunks that ride along with
+the running decodes, and chunked prefill is always on. Four decoding requests; a 100-token
+prompt arrives at step 5:
+""")
+
+code(r"""
+def decodes_and_a_long_prompt():
+    return {0: [make(f"d{i}", 4, 40) for i in range(4)], 5: [make("long", 100, 4)]}
+
+
+for chunked, budget in ((True, 32), (False, 128)):
+    s = EngineScheduler(num_blocks=128, block_size=4, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+    t = run_scheduler(s, decodes_and_a_long_prompt(), fake_model)
+    with_decodes = [st for st in t.steps if st.decode_ids]
+    worst = max(with_decodes, key=lambda st: sum(st.scheduled.values()))
+    print(f"chunked prefill {'on ' if chunked else 'off'} (budget {budget:3d}): {len(t)} steps; "
+          f"largest step with decodes: step {worst.step}, {sum(worst.scheduled.values())} tokens {worst.scheduled}")
+""")
+
+md(r"""
+Without chunking the budget must hold the whole prompt, and the four decodes wait through
+a 104-token step (their inter-token latency spikes); with chunking no step exceeds 32
+tokens, and the prompt is done a few steps later. The cost of a step grows with its tokens,
+so a bounded budget is a bound on every request's inter-token latency.
+
+## 4. Parallel sampling: copy-on-write fork (v0) vs child requests with prefix caching (v1)
+
+The paper's `n > 1` (§4.4) keeps the n samples in one *sequence group*: the prompt is
+prefilled once, the samples **fork** its block table (`ref_cnt` > 1), and the first write
+into the shared, partly filled last block is copied (copy-on-write). vLLM v1 fans the
+request out into n independent child requests (`vllm/v1/engine/parallel_sampling.py`); they
+share the prompt's *full* blocks through the prefix cache, and each computes the partial
+tail block itself. One request, n = 4, a 30-token prompt, blocks of 4 (7 full blocks and
+2 tokens in an eighth), 10 output tokens each:
+""")
+
+code(r"""
+print(f"{'parallel_sampling':18s}{'steps':>6s}{'tokens computed':>17s}{'peak blocks':>13s}{'cache hits':>12s}")
+for mode in ("fork", "prefix"):
+    s = EngineScheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64, parallel_sampling=mode,
+                        enable_prefix_caching=(mode == "prefix"))
+    group = [make(f"a.{i}", 30, 10) for i in range(4)]
+    t = run_scheduler(s, [group], lambda r: 7 + int(r.request_id[-1]))  # each sample draws its own token
+    computed, _, _, peak = stats(t)
+    print(f"{mode:18s}{len(t):6d}{computed:17d}{peak:13d}{s.prefix_cache_hits:12d}")
+    if mode == "prefix":  # the 3 children after the first find the 7 full prompt blocks cached
+        assert s.prefix_cache_hits == 3 * 7 * 4
+""")
+
+md(r"""
+Both keep one copy of the 7 full prompt blocks. The fork prefills the prompt once (30
+tokens) and copies the shared partial block on the first write; the children prefill only
+what the cache lacks, 2 tokens each after the first (the `cache hits` column counts the
+tokens found cached). The blocks used are the same at the peak; v1 trades a few recomputed
+tail tokens for one mechanism (the prefix cache) instead of two (fork and copy-on-write),
+and children that are ordinary requests for the scheduler.
+
+## 5. Prefix caching, on by default in v1
+
+The paper shares blocks only within a request (§4.4's shared prefix is a given system
+prompt). v1 hashes every full block (`hash_block_tokens`: the parent block's hash and the
+block's tokens), keeps freed blocks in the cache until they are evicted (LRU), and looks up
+each new request's prompt on admission. Eight requests with the same 32-token system prompt
+and 8 tokens of their own:
+""")
+
+code(r"""
+SYSTEM = [(11 * j + 5) % 50 for j in range(32)]
+for caching in (False, True):
+    s = EngineScheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=caching)
+    reqs = {k: [make(f"q{k}", 40, 4, SYSTEM + [k] * 8)] for k in range(8)}  # one arrival per step
+    t = run_scheduler(s, reqs, fake_model)
+    computed, _, _, peak = stats(t)
+    prompt_tokens = sum(r.num_prompt_tokens for rs in reqs.values() for r in rs)
+    print(f"prefix caching {'on ' if caching else 'off'}: {computed:4d} tokens computed, "
+          f"{s.prefix_cache_hits:3d} of {prompt_tokens} prompt tokens found cached, peak {peak} blocks")
+""")
+
+md(r"""
+## 6. What came after the paper
+
+Three mechanisms in today's vLLM that the paper does not have, each a new use of the same
+block table.
+
+**Speculative decoding: lookahead slots.** A draft (a small model, n-grams, or extra heads)
+proposes `k` tokens; the target model verifies them in one forward pass, so the scheduler
+must give the request slots for `1 + k` tokens at once (`allocate_slots(...,
+num_lookahead_tokens=k)` in `vllm/v1/core/kv_cache_manager.py`). After the pass,
+`update_from_output` keeps the accepted tokens and rolls `num_computed_tokens` back over
+the rejected ones: their slots stay in the request's table and are overwritten by the next
+step's tokens, so rejected tokens cost compute, not memory beyond the lookahead.
+""")
+
+code(r"""
+block_size, k = 16, 4
+for num_tokens in (29, 30, 31, 32):
+    plain = math.ceil((num_tokens + 1) / block_size)
+    spec = math.ceil((num_tokens + 1 + k) / block_size)
+    print(f"{num_tokens:4d} tokens held, one decode needs {plain:3d} blocks; with {k} lookahead slots {spec:3d} "
+          f"(+{spec - plain})")
+print(f"at most ceil({k} / {block_size}) = {math.ceil(k / block_size)} extra block per request")
+""")
+
+md(r"""
+**Prefill/decode disaggregation: moving a request's blocks.** Prefill is compute-bound and
+decode memory-bound, so some deployments run them on different GPUs: a prefill instance
+computes the prompt's KV and sends the request's **blocks** to a decode instance, which
+writes them into blocks of its own pool and continues decoding (vLLM's KV connectors,
+`vllm/distributed/kv_transfer/`). The unit of transfer is exactly this course's block: the
+decode side needs only the block table to be rewritten. The size, for Llama-3-8B
+(32 layers, 8 KV heads of dimension 128, fp16):
+""")
+
+code(r"""
+layers, kv_heads, head_dim, bytes_per = 32, 8, 128, 2
+per_token = 2 * layers * kv_heads * head_dim * bytes_per  # K and V
+for prompt in (1_000, 8_000, 32_000):
+    mib = prompt * per_token / 2**20
+    print(f"{prompt:6d}-token prompt: {mib:7.0f} MiB of KV, {math.ceil(prompt / 16):5d} blocks of 16 to move")
+print(f"per token: {per_token // 1024} KiB")
+""")
+
+md(r"""
+**Sliding-window layers.** Models such as Mistral-7B (window 4,096) and Gemma 2/3
+(local layers with a window, interleaved with global ones) attend, in some layers, only to
+the last `W` tokens. vLLM v1's hybrid KV-cache manager gives each kind of layer its own
+block tables (`vllm/v1/core/single_type_kv_cache_manager.py`: `FullAttentionManager`,
+`SlidingWindowManager`) and frees a sliding layer's blocks once they fall out of the
+window, so those layers hold about `W / block_size` blocks per request however long it
+grows:
+""")
+
+code(r"""
+block_size, window = 16, 4096
+for num_tokens in (4_096, 32_000, 128_000):
+    full = math.ceil(num_tokens / block_size)
+    sliding = min(full, math.ceil(window / block_size) + 1)  # the window may straddle a block
+    print(f"{num_tokens:7d} tokens: full-attention layer {full:5d} blocks, sliding-window layer {sliding:4d}")
+""")
+
+md(r"""
+## Readings
+
+| topic | the paper (Kwon et al., SOSP 2023) | vLLM source (v1 unless marked) |
+|---|---|---|
+| paged KV memory, block tables | §4.1–4.3 | `vllm/v1/core/block_pool.py`, `vllm/v1/core/kv_cache_manager.py`, `vllm/v1/core/kv_cache_utils.py` |
+| scheduling, admission, preemption | §4.5 | `vllm/v1/core/sched/scheduler.py`; v0: `vllm/core/scheduler.py`, `vllm/core/block_manager.py` |
+| swap vs recompute | §4.5, §7.3 (Fig. 19) | v0 only: `vllm/core/scheduler.py` (`_preempt_by_swap`) |
+| parallel sampling, beam search | §4.4 | `vllm/v1/engine/parallel_sampling.py`; v0: `vllm/sequence.py` (`SequenceGroup`) |
+| prefix caching | §4.4 (shared prefix) | `vllm/v1/core/kv_cache_utils.py` (`hash_block_tokens`), `vllm/v1/core/block_pool.py` |
+| chunked prefill, token budget | — (after the paper) | `vllm/v1/core/sched/scheduler.py` (`max_num_batched_tokens`) |
+| speculative decoding | — | `vllm/v1/spec_decode/`, `num_lookahead_tokens` in `kv_cache_manager.py` |
+| disaggregated prefill | — | `vllm/distributed/kv_transfer/` |
+| sliding window, hybrid models | — | `vllm/v1/core/single_type_kv_cache_manager.py` |
+
+## Recap
+
+* v1 keeps the paper's two ideas and simplifies the policies: first-chunk admission,
+  recompute only, one token budget with chunked prefill always on, `n > 1` as child
+  requests over the prefix cache, prefix caching on by default.
+* Each change was measured above on the same workload as its v0 counterpart: what it costs
+  (recomputed tokens, a few tail tokens per child) and what it saves (a CPU pool, a
+  copy-on-write path, steps that mix prefill and decode).
+* The block table kept absorbing new features: lookahead slots for speculation, blocks
+  moved between machines, per-layer tables for sliding windows.
+""")
+
+write("08_vllm_today")
