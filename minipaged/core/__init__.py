@@ -22,6 +22,7 @@ from minipaged.core.sched import (
     Scheduler,
     SchedulerOutput,
     StaticBatchScheduler,
+    StaticPagedScheduler,
 )
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "Scheduler",
     "SchedulerOutput",
     "StaticBatchScheduler",
+    "StaticPagedScheduler",
     "cdiv",
     "hash_block_tokens",
 ]

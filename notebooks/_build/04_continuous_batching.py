@@ -399,20 +399,7 @@ formed (and no chunked prefill, as the other static baseline).
 
 code(r"""
 from minipaged.core.sched.orca import OrcaScheduler
-
-
-class StaticPagedScheduler(Scheduler):
-    # static batches over paged memory: admit only when the previous batch is done
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, enable_chunked_prefill=False, **kwargs)
-
-    def schedule(self):
-        self._forming = not self.running  # a new batch forms only on an empty engine
-        return super().schedule()
-
-    def _admit_next(self, budget, out):
-        return super()._admit_next(budget, out) if self._forming else None
+from minipaged.core.sched.static import StaticPagedScheduler  # static batches over paged memory
 
 
 PROMPT_LEN, MAX_TOKENS_2X2, STOP = 16, 128, 2

@@ -11,7 +11,7 @@ from minipaged.core.sched.groups import SequenceGroup, SequenceGroups
 from minipaged.core.sched.output import SchedulerOutput
 from minipaged.core.sched.request import Request, RequestStatus, get_max_num_kv_tokens
 from minipaged.core.sched.scheduler import Scheduler
-from minipaged.core.sched.static import StaticBatchScheduler
+from minipaged.core.sched.static import StaticBatchScheduler, StaticPagedScheduler
 from minipaged.core.sched.swap import SwapPreemption
 
 
@@ -33,6 +33,7 @@ __all__ = [
     "SequenceGroup",
     "SequenceGroups",
     "StaticBatchScheduler",
+    "StaticPagedScheduler",
     "SwapPreemption",
     "WatermarkAdmission",
     "get_max_num_kv_tokens",

@@ -80,3 +80,24 @@ class StaticBatchScheduler(Scheduler):
                 f"tokens, reservation {self._reservation(r)}"
             )
             assert r.num_computed_tokens + in_flight.get(r.request_id, 0) <= self._reservation(r)
+
+
+class StaticPagedScheduler(Scheduler):
+    """Static batches over paged memory: the 2x2 experiment's third corner (chapter 04).
+
+    A new batch forms only on an empty engine, as in ``StaticBatchScheduler``, but its
+    members take blocks as they grow (the base's ``allocate_slots`` and recompute
+    preemption) instead of reserving their maximum length. Prompts run whole.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["enable_chunked_prefill"] = False
+        super().__init__(*args, **kwargs)
+        self._forming = True
+
+    def schedule(self) -> SchedulerOutput:
+        self._forming = not self.running  # a new batch forms only on an empty engine
+        return super().schedule()
+
+    def _admit_next(self, budget, out):  # hook: admit only while a batch forms
+        return super()._admit_next(budget, out) if self._forming else None
