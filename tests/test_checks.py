@@ -105,7 +105,7 @@ def test_check_rejects_unknown_ids():
 
 
 # measuring exercises print what they measured (deterministic), then the verdict line
-MEASURING = {"ex4.5": 4, "ex5.5": 2}
+MEASURING = {"ex4.5": 4, "ex5.6": 2}
 
 
 @pytest.mark.parametrize("chapter,exercise_id", ALL_EXERCISES)
@@ -170,6 +170,9 @@ MUTANTS = [
     ("ex5.2", "return max(running,", "return min(running,"),
     ("ex5.3", "scheduler.waiting.insert(i, victim)", "scheduler.waiting.append(victim)"),
     ("ex5.4", "victim = pick_victim(scheduler.running, scheduler.arrival_seq)", "victim = request"),
+    ("ex5.5", '{"scheduled": {"A": 1}, "preempted": ["B"]}', '{"scheduled": {"A": 1}, "preempted": []}'),
+    ("ex5.6", "return True  # else nothing could ever run", "return False  # else nothing could ever run"),
+    ("ex5.7", '"q2": 5', '"q2": 3'),
     ("ex6.1", "m.block_pool.touch(blocks)", "pass"),
     ("ex6.2", "elif table[-1].ref_cnt > 1:", "elif False:"),
     ("ex6.3", "parent = hash_block_tokens(parent,", "parent = hash_block_tokens(None,"),
