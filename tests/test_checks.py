@@ -136,6 +136,8 @@ MUTANTS = [
     ("ex1.1", 'config.get("num_key_value_heads") or num_heads', "num_heads"),
     ("ex1.2", "return min(max_seq_len, pow2)", "return pow2"),
     ("ex1.3", "cdiv(n, block_size) * block_size", "n"),
+    ("ex1.4", "return [0, 8, 24, 0, 28, None]", "return [0, 8, 24, 0, 28, 0]"),
+    ("ex1.5", '"q3": "neither"', '"q3": "external"'),
     ("ex2.1", "queue.num_free_blocks -= 1", "pass"),
     ("ex2.2", "block = queue._head.next_free_block", "block = queue._tail.prev_free_block"),
     ("ex2.3", "return None", "return []"),

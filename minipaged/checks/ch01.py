@@ -8,6 +8,10 @@ Exercises (notebooks/exercises/ch01_kv_cache.ipynb)
           checked against ``ContiguousAllocator.reservation_size``.
     ex1.3 ``paged_token_fraction(seq_lens, block_size)``: fraction of reserved slots that
           hold a token when memory is paged, checked against ``KVCacheManager.usage()``.
+    ex1.4 ``predict_regions()`` -> the start slot (or None) of each allocation of
+          ``CONTIG_EVENTS`` under first-fit pow2 reservation (a prediction), compared with
+          ``ContiguousAllocator``; the first difference shows the pool before and after.
+    ex1.5 ``concept_answers()``: the end-of-chapter questions with a number or a choice.
 
 Reference: ex1.1 is the formula in the spec, held here; ex1.2 and ex1.3 are graded
 against the package (``minipaged.core.kv.contiguous`` and ``KVCacheManager``). Pure Python.
@@ -192,4 +196,103 @@ def check_paged_token_fraction(paged_token_fraction) -> None:
     run_cases("ex1.3", cases, run_one, size=lambda c: (len(c[0]), sum(c[0])), describe=describe)
 
 
-__all__ = ["CHECKS", "ExerciseFailure", "ref_kv_bytes_per_token", "ref_reserved_slots"]
+# -- ex1.4: predict where contiguous regions go -----------------------------------------------
+
+CONTIG_KNOBS = {"num_slots": 32, "max_model_len": 16, "policy": "pow2"}
+# (request id, final length) = allocate it (1 token now); (request id, None) = free it
+CONTIG_EVENTS = [("A", 5), ("B", 9), ("C", 3), ("A", None), ("D", 7), ("E", 4), ("F", 6)]
+
+
+def _slots_picture(alloc) -> str:
+    cells = ["."] * alloc.num_slots
+    for rid in sorted(alloc.regions):
+        r = alloc.get_region(rid)
+        cells[r.start : r.start + r.size] = [rid[0]] * r.size
+    return "slots 0..{}: {}  (letter = reserved by that request, . = free)".format(
+        alloc.num_slots - 1, "".join(cells)
+    )
+
+
+def reference_starts():
+    """The start slot (or None) of each allocation of CONTIG_EVENTS, and the pictures."""
+    alloc = ContiguousAllocator(**CONTIG_KNOBS)
+    starts, pictures = [], []
+    for rid, final_len in CONTIG_EVENTS:
+        if final_len is None:
+            alloc.free(rid)
+        else:
+            region = alloc.allocate(rid, 1, final_len)
+            starts.append(None if region is None else region.start)
+        pictures.append(_slots_picture(alloc))
+    return starts, pictures
+
+
+@exercise(CHECKS, "ex1.4", "predict where a contiguous allocator puts each request")
+def check_predict_regions(predict_regions) -> None:
+    require_callable("ex1.4", predict_regions, "predict_regions")
+    from minipaged.checks._harness import Mismatch
+
+    starts, pictures = reference_starts()
+    allocs = [i for i, (_, f) in enumerate(CONTIG_EVENTS) if f is not None]
+
+    def run_one(k):
+        got = predict_regions()
+        if not isinstance(got, list) or len(got) != len(starts):
+            raise Mismatch(
+                f"predict_regions() must return a list of {len(starts)} start slots (or None), "
+                f"one per allocation, got {got!r}"
+            )
+        if got[k] != starts[k]:
+            i = allocs[k]
+            before = "all slots free" if i == 0 else pictures[i - 1]
+            raise Mismatch(
+                f"allocation {k} ({CONTIG_EVENTS[i][0]}, final length {CONTIG_EVENTS[i][1]}):\n"
+                f"    expected {starts[k]!r}\n    got      {got[k]!r}\n"
+                f"  the pool before it: {before}\n  the pool after it:  {pictures[i]}"
+            )
+
+    run_cases("ex1.4", range(len(starts)), run_one, describe=lambda k: f"allocations 0..{k}")
+
+
+# -- ex1.5: concept questions ----------------------------------------------------------------
+
+CONCEPT_KEY = {
+    "q1": ("slots of the pow2 run of ex1.4 reserved but never used, after E is placed", 9, 0.0),
+    "q2": ("blocks of 4 slots a 9-token request holds when paged", 3, 0.0),
+    "q3": (
+        "F of ex1.4 does not fit although 0 slots are free: is that 'internal' or 'external' "
+        "fragmentation, or 'neither'",
+        "neither",
+        "choice",
+    ),
+    "q4": (
+        "which waste does paging leave, bounded by block_size - 1 slots per request: 'internal' or 'external'",
+        "internal",
+        "choice",
+    ),
+}
+
+
+@exercise(CHECKS, "ex1.5", "concept questions (numbers and choices)")
+def check_concept_answers(concept_answers) -> None:
+    require_callable("ex1.5", concept_answers, "concept_answers")
+    from minipaged.checks.ch00 import _answer_check
+
+    run_cases(
+        "ex1.5",
+        list(CONCEPT_KEY),
+        _answer_check(concept_answers, CONCEPT_KEY),
+        describe=lambda q: f"{q}: {CONCEPT_KEY[q][0]}",
+    )
+
+
+__all__ = [
+    "CHECKS",
+    "CONCEPT_KEY",
+    "CONTIG_EVENTS",
+    "CONTIG_KNOBS",
+    "ExerciseFailure",
+    "ref_kv_bytes_per_token",
+    "ref_reserved_slots",
+    "reference_starts",
+]
