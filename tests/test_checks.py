@@ -105,7 +105,7 @@ def test_check_rejects_unknown_ids():
 
 
 # measuring exercises print what they measured (deterministic), then the verdict line
-MEASURING = {"ex4.5": 4, "ex5.6": 2}
+MEASURING = {"ex2.6": 1, "ex4.5": 4, "ex5.6": 2}
 
 
 @pytest.mark.parametrize("chapter,exercise_id", ALL_EXERCISES)
@@ -138,6 +138,9 @@ MUTANTS = [
     ("ex1.3", "cdiv(n, block_size) * block_size", "n"),
     ("ex1.4", "return [0, 8, 24, 0, 28, None]", "return [0, 8, 24, 0, 28, 0]"),
     ("ex1.5", '"q3": "neither"', '"q3": "external"'),
+    ("ex2.5", "[5, 3, 2], [], [4, 1, 0]]", "[5, 3, 2], [], [0, 1, 4]]"),
+    ("ex2.6", "if free < 0:", "if free <= 0:"),
+    ("ex2.7", '"q1": 6', '"q1": 5'),
     ("ex2.1", "queue.num_free_blocks -= 1", "pass"),
     ("ex2.2", "block = queue._head.next_free_block", "block = queue._tail.prev_free_block"),
     ("ex2.3", "return None", "return []"),
