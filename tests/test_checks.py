@@ -105,7 +105,7 @@ def test_check_rejects_unknown_ids():
 
 
 # measuring exercises print what they measured (deterministic), then the verdict line
-MEASURING = {"ex2.6": 1, "ex4.5": 4, "ex5.6": 2}
+MEASURING = {"ex2.6": 1, "ex4.5": 4, "ex5.6": 2, "ex6.6": 1}
 
 
 @pytest.mark.parametrize("chapter,exercise_id", ALL_EXERCISES)
@@ -182,6 +182,9 @@ MUTANTS = [
     ("ex6.2", "elif table[-1].ref_cnt > 1:", "elif False:"),
     ("ex6.3", "parent = hash_block_tokens(parent,", "parent = hash_block_tokens(None,"),
     ("ex6.4", "[:max_blocks]", ""),
+    ("ex6.5", '"ref_cnt": {0: 2, 2: 1, 3: 1, 4: 1}', '"ref_cnt": {0: 3, 2: 1, 3: 1, 4: 1}'),
+    ("ex6.6", "for o in output_lens)\n", "for o in output_lens) + 1\n"),
+    ("ex6.7", '"q1": 2', '"q1": 1'),
     ("ex7.1", '{"r0": 1, "r1": 1, "r2": 4}', '{"r0": 1, "r1": 1}'),
     ("ex7.2", "return float(rates[-1])", "return 0.0"),
     ("ex7.3", '"max_num_seqs=32": "same"', '"max_num_seqs=32": "down"'),
