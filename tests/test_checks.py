@@ -157,6 +157,8 @@ MUTANTS = [
         "weights = exp_sums * torch.exp(max_logits - global_max)",
         "weights = exp_sums + 0 * max_logits",
     ),
+    ("ex3.5", '"C": [[(1, 4), (4, 4)], [(8, 1)]]', '"C": [[(1, 4), (4, 4), (8, 1)]]'),
+    ("ex3.6", '"q2": 3', '"q2": 1'),
     (
         "ex4.1",
         "min(request.num_tokens - request.num_computed_tokens, token_budget)",

@@ -9,6 +9,10 @@ Exercises (notebooks/exercises/ch03_paged_attention.ipynb)
           softmax over the blocks of one sequence), run under ``TRITON_INTERPRET=1`` on CPU.
     ex3.4 ``combine_partitions(tmp_out, max_logits, exp_sums)``: the split-KV reduce
           ("PagedAttention V2"): merge per-partition results into the exact output.
+    ex3.5 ``predict_reads()`` -> per sequence of ``READ_BLOCK_TABLES``, per split-KV
+          partition, the ``(physical block, tokens read)`` in order (a prediction), compared
+          with the indexing of ``split_kv_partials``; a mismatch shows the walk as text.
+    ex3.6 ``concept_answers()``: the end-of-chapter questions with a number or a choice.
 
 Reference: ``minipaged.kernels.reference.paged_attention_ref`` (the package's readable
 torch loop) for ex3.2-ex3.4; plain indexing for ex3.1. Float32 throughout; tolerance
@@ -342,6 +346,101 @@ def check_combine_partitions(combine_partitions) -> None:
         return _describe(c) + f", partition_size={c['partition_size']}"
 
     run_cases("ex3.4", cases, run_one, size=lambda c: (_size(c), -c["partition_size"]), describe=describe)
+
+
+# -- ex3.5: predict what each split-KV partition reads ----------------------------------------
+
+READ_BLOCK_SIZE, READ_PARTITION_SIZE = 4, 8
+READ_BLOCK_TABLES = {"A": [7, 2, 5, 0], "B": [3, 6], "C": [1, 4, 8]}
+READ_SEQ_LENS = {"A": 13, "B": 5, "C": 9}
+
+
+def reference_reads() -> dict:
+    """Sequence -> per split-KV partition, the (physical block, tokens read from it) in order,
+    the way ``split_kv_partials`` (and the kernel) index the cache."""
+    out = {}
+    for rid, table in READ_BLOCK_TABLES.items():
+        n = READ_SEQ_LENS[rid]
+        parts = []
+        for p in range(-(-n // READ_PARTITION_SIZE)):
+            pos = torch.arange(p * READ_PARTITION_SIZE, min(n, (p + 1) * READ_PARTITION_SIZE))
+            ids = torch.tensor(table)[pos // READ_BLOCK_SIZE].tolist()
+            reads: list = []
+            for b in ids:
+                if reads and reads[-1][0] == b:
+                    reads[-1] = (b, reads[-1][1] + 1)
+                else:
+                    reads.append((b, 1))
+            parts.append(reads)
+        out[rid] = parts
+    return out
+
+
+def _reads_picture(rid: str) -> str:
+    table, n = READ_BLOCK_TABLES[rid], READ_SEQ_LENS[rid]
+    cells = []
+    for i in range(n):
+        if i and i % READ_PARTITION_SIZE == 0:
+            cells.append("|")
+        cells.append(f"{i}@b{table[i // READ_BLOCK_SIZE]}")
+    return f"{rid}: token@block, '|' = partition boundary: " + " ".join(cells)
+
+
+@exercise(CHECKS, "ex3.5", "predict what each split-KV partition reads")
+def check_predict_reads(predict_reads) -> None:
+    require_callable("ex3.5", predict_reads, "predict_reads")
+    from minipaged.checks._harness import Mismatch
+
+    expected = reference_reads()
+
+    def run_one(rid):
+        got = predict_reads()
+        if not isinstance(got, dict):
+            raise Mismatch(f"predict_reads() must return a dict sequence -> partitions, got {got!r}")
+        mine = got.get(rid)
+        try:
+            norm = [[(int(b), int(k)) for b, k in part] for part in mine]
+        except (TypeError, ValueError):
+            norm = mine
+        if norm != expected[rid]:
+            raise Mismatch(
+                f"sequence {rid}:\n    expected {expected[rid]!r}\n    got      {mine!r}\n"
+                f"  the cache as the kernel walks it:\n    {_reads_picture(rid)}"
+            )
+
+    run_cases("ex3.5", list(READ_BLOCK_TABLES), run_one, describe=lambda rid: f"sequence {rid}")
+
+
+# -- ex3.6: concept questions ----------------------------------------------------------------
+
+CONCEPT_KEY = {
+    "q1": ("split-KV partitions of a 1000-token sequence with partition_size 512", 2, 0.0),
+    "q2": ("KV heads query head 13 reads with 32 query heads and 8 KV heads (its index)", 3, 0.0),
+    "q3": (
+        "does the paged kernel compute the same numbers as attention over a contiguous cache, "
+        "up to rounding: 'yes' or 'no'",
+        "yes",
+        "choice",
+    ),
+    "q4": (
+        "what the decode kernel is bound by at batch 1: 'memory' or 'compute'",
+        "memory",
+        "choice",
+    ),
+}
+
+
+@exercise(CHECKS, "ex3.6", "concept questions (numbers and choices)")
+def check_concept_answers(concept_answers) -> None:
+    require_callable("ex3.6", concept_answers, "concept_answers")
+    from minipaged.checks.ch00 import _answer_check
+
+    run_cases(
+        "ex3.6",
+        list(CONCEPT_KEY),
+        _answer_check(concept_answers, CONCEPT_KEY),
+        describe=lambda q: f"{q}: {CONCEPT_KEY[q][0]}",
+    )
 
 
 __all__ = ["CHECKS", "launch_decode_kernel", "split_kv_partials"]
