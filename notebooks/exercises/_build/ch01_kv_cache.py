@@ -8,7 +8,7 @@ nb = ExerciseNotebook(
     chapter="ch01",
     filename="ch01_kv_cache.ipynb",
     title="Chapter 01 exercises: the KV cache and what it costs",
-    minutes=30,
+    minutes=40,
     intro="""
     Companion to `notebooks/01_kv_cache.ipynb`. You will compute what one token's keys and
     values cost for real models, how much a contiguous allocator reserves per request, and

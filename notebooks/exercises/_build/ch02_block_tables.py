@@ -8,7 +8,7 @@ nb = ExerciseNotebook(
     chapter="ch02",
     filename="ch02_block_tables.ipynb",
     title="Chapter 02 exercises: the free queue, block tables, slot mapping",
-    minutes=45,
+    minutes=65,
     intro="""
     Companion to `notebooks/02_block_tables.ipynb`. You will write the four operations
     that make PagedAttention's memory work: taking a block out of the free queue (from the

@@ -8,7 +8,7 @@ nb = ExerciseNotebook(
     chapter="ch03",
     filename="ch03_paged_attention.ipynb",
     title="Chapter 03 exercises: attention through a block table",
-    minutes=60,
+    minutes=70,
     intro="""
     Companion to `notebooks/03_paged_attention.ipynb`. You will read K and V through a
     block table, write decode attention over a paged cache by hand in torch, write the

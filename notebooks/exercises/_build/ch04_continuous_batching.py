@@ -8,7 +8,7 @@ nb = ExerciseNotebook(
     chapter="ch04",
     filename="ch04_continuous_batching.ipynb",
     title="Chapter 04 exercises: continuous batching",
-    minutes=45,
+    minutes=70,
     intro="""
     Companion to `notebooks/04_continuous_batching.ipynb`. You will write the two halves of
     one engine step around the model: the admission loop that lets waiting requests join

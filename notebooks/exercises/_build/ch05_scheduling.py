@@ -8,7 +8,7 @@ nb = ExerciseNotebook(
     chapter="ch05",
     filename="ch05_scheduling.ipynb",
     title="Chapter 05 exercises: token budget, chunked prefill, preemption",
-    minutes=60,
+    minutes=85,
     intro="""
     Companion to `notebooks/05_scheduling.ipynb`. You will write how many tokens a request
     gets under the token budget, which running request is preempted when memory runs out,

@@ -14,7 +14,7 @@ nb = ExerciseNotebook(
     chapter="ch06",
     filename="ch06_sharing.ipynb",
     title="Chapter 06 exercises: sharing blocks",
-    minutes=50,
+    minutes=70,
     intro="""
     Companion to `notebooks/06_sharing.ipynb`. Paging lets sequences share physical blocks,
     like processes share pages after `fork()`. You will write the fork itself,
