@@ -105,7 +105,7 @@ def test_check_rejects_unknown_ids():
 
 
 # measuring exercises print what they measured (deterministic), then the verdict line
-MEASURING = {"ex2.6": 1, "ex4.5": 4, "ex5.6": 2, "ex6.6": 1}
+MEASURING = {"ex1.5": 2, "ex2.6": 1, "ex4.5": 4, "ex5.6": 2, "ex6.6": 1}
 
 
 @pytest.mark.parametrize("chapter,exercise_id", ALL_EXERCISES)
@@ -137,7 +137,12 @@ MUTANTS = [
     ("ex1.2", "return min(max_seq_len, pow2)", "return pow2"),
     ("ex1.3", "cdiv(n, block_size) * block_size", "n"),
     ("ex1.4", "return [0, 8, 24, 0, 28, None]", "return [0, 8, 24, 0, 28, 0]"),
-    ("ex1.5", '"q3": "neither"', '"q3": "external"'),
+    (
+        "ex1.5",
+        "return int(budget // model.kv_bytes_per_token) // seq_len",
+        "return int(budget // model.kv_bytes_per_token // seq_len) + 1",
+    ),
+    ("ex1.6", '"q3": "neither"', '"q3": "external"'),
     ("ex2.5", "[5, 3, 2], [], [4, 1, 0]]", "[5, 3, 2], [], [0, 1, 4]]"),
     ("ex2.6", "if free < 0:", "if free <= 0:"),
     ("ex2.7", '"q1": 6', '"q1": 5'),

@@ -8,7 +8,7 @@ nb = ExerciseNotebook(
     chapter="ch01",
     filename="ch01_kv_cache.ipynb",
     title="Chapter 01 exercises: the KV cache and what it costs",
-    minutes=40,
+    minutes=50,
     intro="""
     Companion to `notebooks/01_kv_cache.ipynb`. You will compute what one token's keys and
     values cost for real models, how much a contiguous allocator reserves per request, and
@@ -19,6 +19,7 @@ nb = ExerciseNotebook(
 # NOTE: the setup cell holds the events as literals: a submission may not import minipaged.checks
 nb.setup(f"""
 from minipaged.core import KVCacheManager, cdiv
+from minipaged.sim.cost_model import GPUS, MODELS, GPUConfig, ModelConfig
 
 # ex1.4: the allocator's knobs; (request id, final length) = allocate, (request id, None) = free
 CONTIG_KNOBS = {CONTIG_KNOBS!r}
@@ -154,6 +155,43 @@ nb.exercise(
 
 nb.exercise(
     "ex1.5",
+    "how many sequences fit a GPU (measure)",
+    """
+    vLLM gives the KV cache what is left of the GPU after the weights: `memory ×
+    gpu_memory_utilization − weights − an activation reserve`. Paged, that budget holds
+    `budget // kv_bytes_per_token` token slots, give or take a last block per sequence.
+
+    - **Write** `max_batch(model, gpu, seq_len, gpu_memory_utilization=0.9,
+      activation_reserve_bytes=2**30)`: how many sequences of `seq_len` cached tokens fit
+      together (ignore the partly filled last blocks). `model` and `gpu` are the cost
+      model's `ModelConfig` / `GPUConfig` (`model.weight_bytes`,
+      `model.kv_bytes_per_token`, `gpu.memory_bytes`).
+    - **Failure mode**: `seq_len < 1`, or weights plus reserve that leave no budget ->
+      `ValueError`.
+
+    Worked example: OPT-13B on an A100-40GB, 1024 tokens each: **14** sequences. The
+    check then prints your function's figure for every model and GPU of `MODELS` / `GPUS`.
+    Predict first: how many times more does an H200 hold than an A100-40GB, and why is it
+    not 141/40?
+    """,
+    """
+    def max_batch(model: ModelConfig, gpu: GPUConfig, seq_len: int, gpu_memory_utilization: float = 0.9,
+                  activation_reserve_bytes: float = 2**30) -> int:
+        \"\"\"Sequences of seq_len cached tokens that fit the KV budget together.\"\"\"
+        ### BEGIN SOLUTION
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+        budget = gpu.memory_bytes * gpu_memory_utilization - model.weight_bytes - activation_reserve_bytes
+        if budget <= 0:
+            raise ValueError("the weights and the activation reserve leave no KV budget")
+        return int(budget // model.kv_bytes_per_token) // seq_len
+        ### END SOLUTION
+    """,
+    ["max_batch"],
+)
+
+nb.exercise(
+    "ex1.6",
     "concept questions",
     """
     Answer with a number or one of the given choices (strings exactly as written).
