@@ -105,7 +105,7 @@ def test_check_rejects_unknown_ids():
 
 
 # measuring exercises print what they measured (deterministic), then the verdict line
-MEASURING = {"ex1.5": 2, "ex2.6": 1, "ex4.5": 4, "ex5.6": 2, "ex6.6": 1}
+MEASURING = {"ex1.5": 2, "ex2.6": 1, "ex3.6": 1, "ex4.5": 4, "ex5.6": 2, "ex6.6": 1}
 
 
 @pytest.mark.parametrize("chapter,exercise_id", ALL_EXERCISES)
@@ -163,7 +163,8 @@ MUTANTS = [
         "weights = exp_sums + 0 * max_logits",
     ),
     ("ex3.5", '"C": [[(1, 4), (4, 4)], [(8, 1)]]', '"C": [[(1, 4), (4, 4), (8, 1)]]'),
-    ("ex3.6", '"q2": 3', '"q2": 1'),
+    ("ex3.6", "nbytes = 2 * num_kv_heads", "nbytes = 2 * num_heads"),
+    ("ex3.7", '"q2": 3', '"q2": 1'),
     (
         "ex4.1",
         "min(request.num_tokens - request.num_computed_tokens, token_budget)",

@@ -12,7 +12,11 @@ Exercises (notebooks/exercises/ch03_paged_attention.ipynb)
     ex3.5 ``predict_reads()`` -> per sequence of ``READ_BLOCK_TABLES``, per split-KV
           partition, the ``(physical block, tokens read)`` in order (a prediction), compared
           with the indexing of ``split_kv_partials``; a mismatch shows the walk as text.
-    ex3.6 ``concept_answers()``: the end-of-chapter questions with a number or a choice.
+    ex3.6 ``attention_intensity(num_heads, num_kv_heads, head_dim, seq_len, dtype_bytes)``:
+          FLOPs per byte of K/V read by one decode token's attention (the formula of the
+          course cost model, hand-checked in the spec); the check then prints the figure
+          for MHA, GQA and MQA shapes (a measurement of why decode attention is memory-bound).
+    ex3.7 ``concept_answers()``: the end-of-chapter questions with a number or a choice.
 
 Reference: ``minipaged.kernels.reference.paged_attention_ref`` (the package's readable
 torch loop) for ex3.2-ex3.4; plain indexing for ex3.1. Float32 throughout; tolerance
@@ -411,7 +415,79 @@ def check_predict_reads(predict_reads) -> None:
     run_cases("ex3.5", list(READ_BLOCK_TABLES), run_one, describe=lambda rid: f"sequence {rid}")
 
 
-# -- ex3.6: concept questions ----------------------------------------------------------------
+# -- ex3.6: arithmetic intensity of decode attention ----------------------------------------
+
+INTENSITY_SHAPES = {"MHA 32/32": (32, 32), "GQA 32/8": (32, 8), "MQA 32/1": (32, 1)}
+
+
+def ref_attention_intensity(num_heads, num_kv_heads, head_dim, seq_len, dtype_bytes) -> float:
+    for name, v in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                    ("seq_len", seq_len), ("dtype_bytes", dtype_bytes)):  # fmt: skip
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    flops = 4 * num_heads * head_dim * seq_len  # q.k and p.v: a multiply-add each, per head and key
+    nbytes = 2 * num_kv_heads * head_dim * seq_len * dtype_bytes  # K and V, read once
+    return flops / nbytes
+
+
+@exercise(CHECKS, "ex3.6", "the arithmetic intensity of decode attention (measure)")
+def check_attention_intensity(attention_intensity) -> None:
+    require_callable("ex3.6", attention_intensity, "attention_intensity")
+    import math
+
+    from minipaged.checks._harness import Mismatch, _print, _redirect_stdout, _StringIO, expect_raises
+
+    rng = random.Random("ex3.6")
+    cases = [(32, 8, 128, 1000, 2), (1, 1, 1, 1, 1)]
+    for _ in range(60):
+        kv = rng.choice([1, 2, 4, 8, 16])
+        cases.append(
+            (
+                kv * rng.choice([1, 2, 4, 8]),
+                kv,
+                rng.choice([64, 80, 128, 256]),
+                rng.randint(1, 4096),
+                rng.choice([1, 2, 4]),
+            )
+        )
+    cases += [(32, 8, 128, 0, 2), (32, 6, 128, 10, 2), (32, 8, 128, 10, 0)]
+
+    def run_one(c):
+        try:
+            expected = ref_attention_intensity(*c)
+        except ValueError:
+            expect_raises("a caller error", ValueError, lambda: attention_intensity(*c))
+            return
+        got = attention_intensity(*c)
+        try:
+            ok = math.isclose(float(got), expected, rel_tol=1e-9)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise Mismatch(f"FLOPs per byte:\n    expected {expected!r}\n    got      {got!r}")
+
+    verdict = _StringIO()
+    with _redirect_stdout(verdict):
+        run_cases(
+            "ex3.6",
+            cases,
+            run_one,
+            size=lambda c: (min(c) < 1, c[3]),
+            describe=lambda c: (
+                "attention_intensity(num_heads={}, num_kv_heads={}, head_dim={}, seq_len={}, "
+                "dtype_bytes={})".format(*c)
+            ),
+        )
+    row = ", ".join(
+        f"{name}: {attention_intensity(h, kv, 128, 4096, 2):g}" for name, (h, kv) in INTENSITY_SHAPES.items()
+    )
+    _print(f"FLOPs per byte, head_dim 128, 4096 tokens, fp16: {row} (an H100's ridge is about 295)")
+    _print(verdict.getvalue(), end="")
+
+
+# -- ex3.7: concept questions ----------------------------------------------------------------
 
 CONCEPT_KEY = {
     "q1": ("split-KV partitions of a 1000-token sequence with partition_size 512", 2, 0.0),
@@ -430,13 +506,13 @@ CONCEPT_KEY = {
 }
 
 
-@exercise(CHECKS, "ex3.6", "concept questions (numbers and choices)")
+@exercise(CHECKS, "ex3.7", "concept questions (numbers and choices)")
 def check_concept_answers(concept_answers) -> None:
-    require_callable("ex3.6", concept_answers, "concept_answers")
+    require_callable("ex3.7", concept_answers, "concept_answers")
     from minipaged.checks.ch00 import _answer_check
 
     run_cases(
-        "ex3.6",
+        "ex3.7",
         list(CONCEPT_KEY),
         _answer_check(concept_answers, CONCEPT_KEY),
         describe=lambda q: f"{q}: {CONCEPT_KEY[q][0]}",

@@ -8,7 +8,7 @@ nb = ExerciseNotebook(
     chapter="ch03",
     filename="ch03_paged_attention.ipynb",
     title="Chapter 03 exercises: attention through a block table",
-    minutes=70,
+    minutes=80,
     intro="""
     Companion to `notebooks/03_paged_attention.ipynb`. You will read K and V through a
     block table, write decode attention over a paged cache by hand in torch, write the
@@ -234,6 +234,44 @@ nb.exercise(
 
 nb.exercise(
     "ex3.6",
+    "the arithmetic intensity of decode attention (measure)",
+    """
+    One decode token attends to `seq_len` cached tokens. Per query head and key it does a
+    dot product `q·k` and adds `p × v`: `head_dim` multiply-adds each, 2 FLOPs per
+    multiply-add. It reads each cached K and V vector of its KV head once (with GQA,
+    several query heads share one KV head: the kernel reads it once for the group).
+
+    - **Write** `attention_intensity(num_heads, num_kv_heads, head_dim, seq_len,
+      dtype_bytes)`: the FLOPs divided by the bytes of K/V read (ignore q and the
+      output).
+    - **Failure mode**: any argument that is not an int >= 1, or `num_heads` not a
+      multiple of `num_kv_heads` -> `ValueError`.
+
+    Worked example: 32 query heads, 8 KV heads, head_dim 128, 1000 tokens, fp16 ->
+    `4.0` FLOPs per byte. The check prints your figure for MHA, GQA and MQA shapes beside
+    an H100's ridge (peak FLOPs / bandwidth): predict first which, if any, is compute-bound.
+    """,
+    """
+    def attention_intensity(num_heads: int, num_kv_heads: int, head_dim: int, seq_len: int,
+                            dtype_bytes: int) -> float:
+        \"\"\"FLOPs per byte of K/V read by one decode token's attention.\"\"\"
+        ### BEGIN SOLUTION
+        for name, v in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                        ("seq_len", seq_len), ("dtype_bytes", dtype_bytes)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        flops = 4 * num_heads * head_dim * seq_len
+        nbytes = 2 * num_kv_heads * head_dim * seq_len * dtype_bytes
+        return flops / nbytes
+        ### END SOLUTION
+    """,
+    ["attention_intensity"],
+)
+
+nb.exercise(
+    "ex3.7",
     "concept questions",
     """
     Answer with a number or one of the given choices (strings exactly as written).
