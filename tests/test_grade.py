@@ -93,7 +93,8 @@ def test_reasons_say_what_happened(graded):
 def test_hang_and_kernel_death_do_not_stop_the_rest(graded):
     # after the kernel was killed (ex2.3 ignored the interrupt), ex2.4 still ran and passed
     cells = graded["ch02_hanging.ipynb"].cells
-    statuses = [(c.kind, c.exercise, c.status) for c in cells if c.kind == "check"]
+    # NOTE: ex2.1..ex2.4 are the ones these submissions fill; the later ones are stubs
+    statuses = [(c.kind, c.exercise, c.status) for c in cells if c.kind == "check"][:4]
     assert statuses == [
         ("check", "ex2.1", "timeout"),
         ("check", "ex2.2", "ok"),
@@ -101,7 +102,7 @@ def test_hang_and_kernel_death_do_not_stop_the_rest(graded):
         ("check", "ex2.4", "ok"),
     ]
     cells = graded["ch02_crashing.ipynb"].cells
-    assert [c.status for c in cells if c.kind == "check"] == ["ok", "ok", "died", "error"]
+    assert [c.status for c in cells if c.kind == "check"][:4] == ["ok", "ok", "died", "error"]
 
 
 def test_tampered_check_cells_are_restored_in_place():
@@ -124,7 +125,7 @@ def test_table_and_csv(graded, tmp_path):
     table = format_table(results)
     assert "chapter ch02" in table
     row = next(line for line in table.splitlines() if "ch02_hanging.ipynb " in line)
-    assert row.split()[-5:] == ["0", "1", "0", "1", "2/4"]
+    assert row.split()[-8:] == ["0", "1", "0", "1", "0", "0", "0", "2/7"]
     assert "why:" in table and "ignored the interrupt" in table
     path = tmp_path / "scores.csv"
     write_csv(results, path)
@@ -133,7 +134,7 @@ def test_table_and_csv(graded, tmp_path):
     for name, scores in EXPECTED.items():
         r = by_name[name]
         assert {ex: int(r[ex]) for ex in scores} == scores
-        assert int(r["score"]) == sum(scores.values()) and r["max_score"] == "4"
+        assert int(r["score"]) == sum(scores.values()) and r["max_score"] == "7"
     assert "invalid JSON" in by_name["ch02_malformed.ipynb"]["note"]
 
 
@@ -158,7 +159,7 @@ def test_cli_malformed_and_unknown_files_get_a_message_not_a_traceback(tmp_path,
     captured = capsys.readouterr()
     assert "Traceback" not in captured.out + captured.err
     out = captured.out
-    assert "ch02_malformed.ipynb" in out and "0/4" in out
+    assert "ch02_malformed.ipynb" in out and "0/7" in out
     assert "not a notebook: no list of cells" in out
     assert "not a notebook: invalid JSON" in out
     assert "cannot tell which chapter" in out
@@ -505,4 +506,4 @@ def test_nbgrader_round_trip_scores_solved_and_unsolved(tmp_path):
             s: (gb.find_submission("minipaged", s).score, gb.find_submission("minipaged", s).max_score)
             for s in ("solved", "unsolved")
         }
-    assert scores == {"solved": (4.0, 4.0), "unsolved": (0.0, 4.0)}
+    assert scores == {"solved": (7.0, 7.0), "unsolved": (0.0, 7.0)}

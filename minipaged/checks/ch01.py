@@ -8,6 +8,14 @@ Exercises (notebooks/exercises/ch01_kv_cache.ipynb)
           checked against ``ContiguousAllocator.reservation_size``.
     ex1.3 ``paged_token_fraction(seq_lens, block_size)``: fraction of reserved slots that
           hold a token when memory is paged, checked against ``KVCacheManager.usage()``.
+    ex1.4 ``predict_regions()`` -> the start slot (or None) of each allocation of
+          ``CONTIG_EVENTS`` under first-fit pow2 reservation (a prediction), compared with
+          ``ContiguousAllocator``; the first difference shows the pool before and after.
+    ex1.5 ``max_batch(model, gpu, seq_len, gpu_memory_utilization, activation_reserve_bytes)``:
+          how many ``seq_len``-token sequences the KV budget of a GPU holds when paged,
+          checked against ``CostModel.num_kv_tokens``; the check then prints the measured
+          figure for every model and GPU of the cost model at 1024 tokens.
+    ex1.6 ``concept_answers()``: the end-of-chapter questions with a number or a choice.
 
 Reference: ex1.1 is the formula in the spec, held here; ex1.2 and ex1.3 are graded
 against the package (``minipaged.core.kv.contiguous`` and ``KVCacheManager``). Pure Python.
@@ -192,4 +200,170 @@ def check_paged_token_fraction(paged_token_fraction) -> None:
     run_cases("ex1.3", cases, run_one, size=lambda c: (len(c[0]), sum(c[0])), describe=describe)
 
 
-__all__ = ["CHECKS", "ExerciseFailure", "ref_kv_bytes_per_token", "ref_reserved_slots"]
+# -- ex1.4: predict where contiguous regions go -----------------------------------------------
+
+CONTIG_KNOBS = {"num_slots": 32, "max_model_len": 16, "policy": "pow2"}
+# (request id, final length) = allocate it (1 token now); (request id, None) = free it
+CONTIG_EVENTS = [("A", 5), ("B", 9), ("C", 3), ("A", None), ("D", 7), ("E", 4), ("F", 6)]
+
+
+def _slots_picture(alloc) -> str:
+    cells = ["."] * alloc.num_slots
+    for rid in sorted(alloc.regions):
+        r = alloc.get_region(rid)
+        cells[r.start : r.start + r.size] = [rid[0]] * r.size
+    return "slots 0..{}: {}  (letter = reserved by that request, . = free)".format(
+        alloc.num_slots - 1, "".join(cells)
+    )
+
+
+def reference_starts():
+    """The start slot (or None) of each allocation of CONTIG_EVENTS, and the pictures."""
+    alloc = ContiguousAllocator(**CONTIG_KNOBS)
+    starts, pictures = [], []
+    for rid, final_len in CONTIG_EVENTS:
+        if final_len is None:
+            alloc.free(rid)
+        else:
+            region = alloc.allocate(rid, 1, final_len)
+            starts.append(None if region is None else region.start)
+        pictures.append(_slots_picture(alloc))
+    return starts, pictures
+
+
+@exercise(CHECKS, "ex1.4", "predict where a contiguous allocator puts each request")
+def check_predict_regions(predict_regions) -> None:
+    require_callable("ex1.4", predict_regions, "predict_regions")
+    from minipaged.checks._harness import Mismatch
+
+    starts, pictures = reference_starts()
+    allocs = [i for i, (_, f) in enumerate(CONTIG_EVENTS) if f is not None]
+
+    def run_one(k):
+        got = predict_regions()
+        if not isinstance(got, list) or len(got) != len(starts):
+            raise Mismatch(
+                f"predict_regions() must return a list of {len(starts)} start slots (or None), "
+                f"one per allocation, got {got!r}"
+            )
+        if got[k] != starts[k]:
+            i = allocs[k]
+            before = "all slots free" if i == 0 else pictures[i - 1]
+            raise Mismatch(
+                f"allocation {k} ({CONTIG_EVENTS[i][0]}, final length {CONTIG_EVENTS[i][1]}):\n"
+                f"    expected {starts[k]!r}\n    got      {got[k]!r}\n"
+                f"  the pool before it: {before}\n  the pool after it:  {pictures[i]}"
+            )
+
+    run_cases("ex1.4", range(len(starts)), run_one, describe=lambda k: f"allocations 0..{k}")
+
+
+# -- ex1.5: how many sequences fit a GPU, measured -------------------------------------------
+
+
+def ref_max_batch(model, gpu, seq_len, gpu_memory_utilization=0.9, activation_reserve_bytes=2**30) -> int:
+    from minipaged.sim.cost_model import CostModel
+
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    cm = CostModel(
+        model,
+        gpu,
+        gpu_memory_utilization=gpu_memory_utilization,
+        activation_reserve_bytes=activation_reserve_bytes,
+    )
+    return cm.num_kv_tokens() // seq_len  # ValueError if the weights do not fit
+
+
+@exercise(CHECKS, "ex1.5", "how many sequences fit a GPU's KV budget (measure)")
+def check_max_batch(max_batch) -> None:
+    require_callable("ex1.5", max_batch, "max_batch(model, gpu, seq_len, ...)")
+    from minipaged.checks._harness import Mismatch, _print, _redirect_stdout, _StringIO, expect_raises
+    from minipaged.sim.cost_model import GPUS, MODELS
+
+    rng = random.Random("ex1.5")
+    cases = [("OPT-13B", "A100-40GB", 1024, 0.9, 2**30)]
+    for _ in range(60):
+        cases.append(
+            (
+                rng.choice(sorted(MODELS)),
+                rng.choice(sorted(GPUS)),
+                rng.choice([1, 100, 512, 1024, 2048, 4096]),
+                rng.choice([0.5, 0.8, 0.9, 1.0]),
+                rng.choice([0, 2**30, 4 * 2**30]),
+            )
+        )
+    cases += [("OPT-13B", "A100-40GB", 0, 0.9, 2**30), ("OPT-13B", "A100-40GB", 1024, 0.5, 2**30)]
+
+    def run_one(c):
+        m, g, n, u, a = c
+        args = (MODELS[m], GPUS[g], n, u, a)
+        try:
+            expected = ref_max_batch(*args)
+        except ValueError:
+            expect_raises("a caller error (or weights that do not fit)", ValueError, lambda: max_batch(*args))
+            return
+        got = max_batch(*args)
+        if got != expected or isinstance(got, bool):
+            raise Mismatch(f"sequences that fit:\n    expected {expected!r}\n    got      {got!r}")
+
+    verdict = _StringIO()
+    with _redirect_stdout(verdict):
+        run_cases(
+            "ex1.5",
+            cases,
+            run_one,
+            size=lambda c: (c[2] < 1, c[2]),
+            describe=lambda c: (
+                f"max_batch(MODELS[{c[0]!r}], GPUS[{c[1]!r}], seq_len={c[2]}, "
+                f"gpu_memory_utilization={c[3]}, activation_reserve_bytes={c[4]})"
+            ),
+        )
+    for m in sorted(MODELS):
+        row = ", ".join(f"{g} {max_batch(MODELS[m], GPUS[g], 1024, 0.9, 2**30)}" for g in sorted(GPUS))
+        _print(f"{m}, 1024-token sequences that fit: {row}")
+    _print(verdict.getvalue(), end="")
+
+
+# -- ex1.6: concept questions ----------------------------------------------------------------
+
+CONCEPT_KEY = {
+    "q1": ("slots of the pow2 run of ex1.4 reserved but never used, after E is placed", 9, 0.0),
+    "q2": ("blocks of 4 slots a 9-token request holds when paged", 3, 0.0),
+    "q3": (
+        "F of ex1.4 does not fit although 0 slots are free: is that 'internal' or 'external' "
+        "fragmentation, or 'neither'",
+        "neither",
+        "choice",
+    ),
+    "q4": (
+        "which waste does paging leave, bounded by block_size - 1 slots per request: 'internal' or 'external'",
+        "internal",
+        "choice",
+    ),
+}
+
+
+@exercise(CHECKS, "ex1.6", "concept questions (numbers and choices)")
+def check_concept_answers(concept_answers) -> None:
+    require_callable("ex1.6", concept_answers, "concept_answers")
+    from minipaged.checks.ch00 import _answer_check
+
+    run_cases(
+        "ex1.6",
+        list(CONCEPT_KEY),
+        _answer_check(concept_answers, CONCEPT_KEY),
+        describe=lambda q: f"{q}: {CONCEPT_KEY[q][0]}",
+    )
+
+
+__all__ = [
+    "CHECKS",
+    "CONCEPT_KEY",
+    "CONTIG_EVENTS",
+    "CONTIG_KNOBS",
+    "ExerciseFailure",
+    "ref_kv_bytes_per_token",
+    "ref_reserved_slots",
+    "reference_starts",
+]

@@ -339,4 +339,168 @@ def check_slot_mapping(slot_mapping) -> None:
     run_cases("ex2.4", cases, run_one, size=lambda c: (len(c[0]) * c[1], c[3] - c[2]), describe=describe)
 
 
-__all__ = ["CHECKS", "ref_slot_mapping"]
+# -- ex2.5: predict the free queue ------------------------------------------------------------
+
+QUEUE_KNOBS = {"num_blocks": 6, "block_size": 2}
+# (request id, tokens to add) or (request id, None) = the request finishes and frees its blocks
+QUEUE_EVENTS = [("A", 3), ("B", 4), ("A", 2), ("B", None), ("C", 5), ("A", None)]
+
+
+def _queue_event_text(event) -> str:
+    rid, n = event
+    return f"{rid} finishes (free)" if n is None else f"{rid} allocates {n} more tokens"
+
+
+def reference_free_queues():
+    """The free queue (front to back) after each event of QUEUE_EVENTS, and the pictures."""
+    from minipaged import viz
+
+    kv = KVCacheManager(**QUEUE_KNOBS)
+    queues, pictures = [], []
+    for rid, n in QUEUE_EVENTS:
+        if n is None:
+            kv.free(rid)
+        elif kv.allocate_slots(rid, n) is None:
+            raise RuntimeError(f"checker bug: {rid} does not fit")
+        queue = [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()]
+        queues.append(queue)
+        pictures.append(viz.block_tables_text(kv))
+    return queues, pictures
+
+
+@exercise(CHECKS, "ex2.5", "predict the free queue after each event")
+def check_predict_free_queue(predict_free_queue) -> None:
+    require_callable("ex2.5", predict_free_queue, "predict_free_queue")
+    from minipaged.checks._harness import Mismatch
+
+    queues, pictures = reference_free_queues()
+
+    def run_one(i):
+        got = predict_free_queue()
+        if not isinstance(got, list) or len(got) != len(QUEUE_EVENTS):
+            raise Mismatch(
+                f"predict_free_queue() must return a list of {len(QUEUE_EVENTS)} lists, one per event, got {got!r}"
+            )
+        if not isinstance(got[i], (list, tuple)) or list(got[i]) != queues[i]:
+            raise Mismatch(
+                f"after event {i} ({_queue_event_text(QUEUE_EVENTS[i])}):\n    expected {queues[i]!r}\n"
+                f"    got      {got[i]!r}\n  the manager's picture after this event:\n"
+                + "\n".join("    " + ln for ln in pictures[i].splitlines())
+            )
+
+    run_cases(
+        "ex2.5",
+        range(len(QUEUE_EVENTS)),
+        run_one,
+        describe=lambda i: "events 0..{}: {}".format(
+            i, "; ".join(map(_queue_event_text, QUEUE_EVENTS[: i + 1]))
+        ),
+    )
+
+
+# -- ex2.6: how many requests fit, measured --------------------------------------------------
+
+# final lengths (prompt + output) of a workload, long-tailed like chat traffic
+FIT_LENS = [
+    37, 512, 129, 18, 260, 75, 1020, 44, 301, 96, 13, 640, 210, 58, 150, 33, 870, 120, 66, 405,
+    27, 188, 91, 350, 12, 700, 240, 81, 49, 164,
+]  # fmt: skip
+FIT_SLOTS = 4096  # slots of the pool, whatever the block size
+FIT_BLOCK_SIZES = (1, 4, 16, 64, 256)
+
+
+def ref_max_concurrent(seq_lens, num_blocks: int, block_size: int) -> int:
+    if any(not isinstance(n, int) or n < 1 for n in seq_lens):
+        raise ValueError(f"seq_lens must be positive ints, got {seq_lens!r}")
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size)
+    for k, n in enumerate(seq_lens):
+        if -(-n // block_size) > num_blocks or kv.allocate_slots(f"r{k}", n) is None:
+            return k  # NOTE: the manager raises for a request larger than the whole pool
+    return len(seq_lens)
+
+
+@exercise(CHECKS, "ex2.6", "how many requests fit in a paged pool (measure)")
+def check_max_concurrent(max_concurrent) -> None:
+    require_callable("ex2.6", max_concurrent, "max_concurrent(seq_lens, num_blocks, block_size)")
+    from minipaged.checks._harness import _print, _redirect_stdout, _StringIO, expect_raises
+
+    rng = random.Random("ex2.6")
+    cases = [([5, 3, 4], 4, 2), ([1], 1, 1), ([3, 3], 2, 2), ([], 3, 4)]
+    for _ in range(120):
+        n = rng.randint(0, 10)
+        cases.append(
+            ([rng.randint(1, 40) for _ in range(n)], rng.randint(1, 24), rng.choice([1, 2, 4, 8, 16]))
+        )
+    cases += [([3, 0, 2], 8, 2), ([4, -1], 8, 2)]
+
+    def run_one(c):
+        lens, nb, bs = c
+        try:
+            expected = ref_max_concurrent(lens, nb, bs)
+        except ValueError:
+            expect_raises("a caller error", ValueError, lambda: max_concurrent(list(lens), nb, bs))
+            return
+        expect_equal("requests that fit (a prefix of seq_lens)", expected, max_concurrent(list(lens), nb, bs))
+
+    verdict = _StringIO()
+    with _redirect_stdout(verdict):
+        run_cases(
+            "ex2.6",
+            cases,
+            run_one,
+            size=lambda c: (any(n < 1 for n in c[0]), len(c[0]), c[1]),
+            describe=lambda c: f"max_concurrent(seq_lens={c[0]}, num_blocks={c[1]}, block_size={c[2]})",
+        )
+    fits = {bs: max_concurrent(list(FIT_LENS), FIT_SLOTS // bs, bs) for bs in FIT_BLOCK_SIZES}
+    _print(
+        f"FIT_LENS in {FIT_SLOTS} slots: "
+        + ", ".join(f"block_size {bs}: {n} requests" for bs, n in fits.items())
+    )
+    _print(verdict.getvalue(), end="")
+
+
+# -- ex2.7: concept questions ----------------------------------------------------------------
+
+CONCEPT_KEY = {
+    "q1": ("slot of token 5 with block_table [3, 1, 4] and block_size 4", 6, 0.0),
+    "q2": ("blocks a request holds after allocating 3, then 2 more tokens, with block_size 2", 3, 0.0),
+    "q3": (
+        "which end of the free queue does a new block come from: 'front' or 'back'",
+        "front",
+        "choice",
+    ),
+    "q4": (
+        "the largest block size of FIT_BLOCK_SIZES that still fits as many FIT_LENS requests as block_size 1",
+        None,
+        0.0,
+    ),
+}
+
+
+def _concept_key():
+    key = dict(CONCEPT_KEY)
+    best = ref_max_concurrent(FIT_LENS, FIT_SLOTS, 1)
+    q, _, how = key["q4"]
+    ok = [bs for bs in FIT_BLOCK_SIZES if ref_max_concurrent(FIT_LENS, FIT_SLOTS // bs, bs) == best]
+    key["q4"] = (q, max(ok), how)
+    return key
+
+
+@exercise(CHECKS, "ex2.7", "concept questions (numbers and choices)")
+def check_concept_answers(concept_answers) -> None:
+    require_callable("ex2.7", concept_answers, "concept_answers")
+    from minipaged.checks.ch00 import _answer_check
+
+    key = _concept_key()
+    run_cases("ex2.7", list(key), _answer_check(concept_answers, key), describe=lambda q: f"{q}: {key[q][0]}")
+
+
+__all__ = [
+    "CHECKS",
+    "FIT_BLOCK_SIZES",
+    "FIT_LENS",
+    "FIT_SLOTS",
+    "QUEUE_EVENTS",
+    "QUEUE_KNOBS",
+    "ref_slot_mapping",
+]

@@ -9,6 +9,14 @@ Exercises (notebooks/exercises/ch03_paged_attention.ipynb)
           softmax over the blocks of one sequence), run under ``TRITON_INTERPRET=1`` on CPU.
     ex3.4 ``combine_partitions(tmp_out, max_logits, exp_sums)``: the split-KV reduce
           ("PagedAttention V2"): merge per-partition results into the exact output.
+    ex3.5 ``predict_reads()`` -> per sequence of ``READ_BLOCK_TABLES``, per split-KV
+          partition, the ``(physical block, tokens read)`` in order (a prediction), compared
+          with the indexing of ``split_kv_partials``; a mismatch shows the walk as text.
+    ex3.6 ``attention_intensity(num_heads, num_kv_heads, head_dim, seq_len, dtype_bytes)``:
+          FLOPs per byte of K/V read by one decode token's attention (the formula of the
+          course cost model, hand-checked in the spec); the check then prints the figure
+          for MHA, GQA and MQA shapes (a measurement of why decode attention is memory-bound).
+    ex3.7 ``concept_answers()``: the end-of-chapter questions with a number or a choice.
 
 Reference: ``minipaged.kernels.reference.paged_attention_ref`` (the package's readable
 torch loop) for ex3.2-ex3.4; plain indexing for ex3.1. Float32 throughout; tolerance
@@ -342,6 +350,173 @@ def check_combine_partitions(combine_partitions) -> None:
         return _describe(c) + f", partition_size={c['partition_size']}"
 
     run_cases("ex3.4", cases, run_one, size=lambda c: (_size(c), -c["partition_size"]), describe=describe)
+
+
+# -- ex3.5: predict what each split-KV partition reads ----------------------------------------
+
+READ_BLOCK_SIZE, READ_PARTITION_SIZE = 4, 8
+READ_BLOCK_TABLES = {"A": [7, 2, 5, 0], "B": [3, 6], "C": [1, 4, 8]}
+READ_SEQ_LENS = {"A": 13, "B": 5, "C": 9}
+
+
+def reference_reads() -> dict:
+    """Sequence -> per split-KV partition, the (physical block, tokens read from it) in order,
+    the way ``split_kv_partials`` (and the kernel) index the cache."""
+    out = {}
+    for rid, table in READ_BLOCK_TABLES.items():
+        n = READ_SEQ_LENS[rid]
+        parts = []
+        for p in range(-(-n // READ_PARTITION_SIZE)):
+            pos = torch.arange(p * READ_PARTITION_SIZE, min(n, (p + 1) * READ_PARTITION_SIZE))
+            ids = torch.tensor(table)[pos // READ_BLOCK_SIZE].tolist()
+            reads: list = []
+            for b in ids:
+                if reads and reads[-1][0] == b:
+                    reads[-1] = (b, reads[-1][1] + 1)
+                else:
+                    reads.append((b, 1))
+            parts.append(reads)
+        out[rid] = parts
+    return out
+
+
+def _reads_picture(rid: str) -> str:
+    table, n = READ_BLOCK_TABLES[rid], READ_SEQ_LENS[rid]
+    cells = []
+    for i in range(n):
+        if i and i % READ_PARTITION_SIZE == 0:
+            cells.append("|")
+        cells.append(f"{i}@b{table[i // READ_BLOCK_SIZE]}")
+    return f"{rid}: token@block, '|' = partition boundary: " + " ".join(cells)
+
+
+@exercise(CHECKS, "ex3.5", "predict what each split-KV partition reads")
+def check_predict_reads(predict_reads) -> None:
+    require_callable("ex3.5", predict_reads, "predict_reads")
+    from minipaged.checks._harness import Mismatch
+
+    expected = reference_reads()
+
+    def run_one(rid):
+        got = predict_reads()
+        if not isinstance(got, dict):
+            raise Mismatch(f"predict_reads() must return a dict sequence -> partitions, got {got!r}")
+        mine = got.get(rid)
+        try:
+            norm = [[(int(b), int(k)) for b, k in part] for part in mine]
+        except (TypeError, ValueError):
+            norm = mine
+        if norm != expected[rid]:
+            raise Mismatch(
+                f"sequence {rid}:\n    expected {expected[rid]!r}\n    got      {mine!r}\n"
+                f"  the cache as the kernel walks it:\n    {_reads_picture(rid)}"
+            )
+
+    run_cases("ex3.5", list(READ_BLOCK_TABLES), run_one, describe=lambda rid: f"sequence {rid}")
+
+
+# -- ex3.6: arithmetic intensity of decode attention ----------------------------------------
+
+INTENSITY_SHAPES = {"MHA 32/32": (32, 32), "GQA 32/8": (32, 8), "MQA 32/1": (32, 1)}
+
+
+def ref_attention_intensity(num_heads, num_kv_heads, head_dim, seq_len, dtype_bytes) -> float:
+    for name, v in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                    ("seq_len", seq_len), ("dtype_bytes", dtype_bytes)):  # fmt: skip
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    flops = 4 * num_heads * head_dim * seq_len  # q.k and p.v: a multiply-add each, per head and key
+    nbytes = 2 * num_kv_heads * head_dim * seq_len * dtype_bytes  # K and V, read once
+    return flops / nbytes
+
+
+@exercise(CHECKS, "ex3.6", "the arithmetic intensity of decode attention (measure)")
+def check_attention_intensity(attention_intensity) -> None:
+    require_callable("ex3.6", attention_intensity, "attention_intensity")
+    import math
+
+    from minipaged.checks._harness import Mismatch, _print, _redirect_stdout, _StringIO, expect_raises
+
+    rng = random.Random("ex3.6")
+    cases = [(32, 8, 128, 1000, 2), (1, 1, 1, 1, 1)]
+    for _ in range(60):
+        kv = rng.choice([1, 2, 4, 8, 16])
+        cases.append(
+            (
+                kv * rng.choice([1, 2, 4, 8]),
+                kv,
+                rng.choice([64, 80, 128, 256]),
+                rng.randint(1, 4096),
+                rng.choice([1, 2, 4]),
+            )
+        )
+    cases += [(32, 8, 128, 0, 2), (32, 6, 128, 10, 2), (32, 8, 128, 10, 0)]
+
+    def run_one(c):
+        try:
+            expected = ref_attention_intensity(*c)
+        except ValueError:
+            expect_raises("a caller error", ValueError, lambda: attention_intensity(*c))
+            return
+        got = attention_intensity(*c)
+        try:
+            ok = math.isclose(float(got), expected, rel_tol=1e-9)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise Mismatch(f"FLOPs per byte:\n    expected {expected!r}\n    got      {got!r}")
+
+    verdict = _StringIO()
+    with _redirect_stdout(verdict):
+        run_cases(
+            "ex3.6",
+            cases,
+            run_one,
+            size=lambda c: (min(c) < 1, c[3]),
+            describe=lambda c: (
+                "attention_intensity(num_heads={}, num_kv_heads={}, head_dim={}, seq_len={}, "
+                "dtype_bytes={})".format(*c)
+            ),
+        )
+    row = ", ".join(
+        f"{name}: {attention_intensity(h, kv, 128, 4096, 2):g}" for name, (h, kv) in INTENSITY_SHAPES.items()
+    )
+    _print(f"FLOPs per byte, head_dim 128, 4096 tokens, fp16: {row} (an H100's ridge is about 295)")
+    _print(verdict.getvalue(), end="")
+
+
+# -- ex3.7: concept questions ----------------------------------------------------------------
+
+CONCEPT_KEY = {
+    "q1": ("split-KV partitions of a 1000-token sequence with partition_size 512", 2, 0.0),
+    "q2": ("KV heads query head 13 reads with 32 query heads and 8 KV heads (its index)", 3, 0.0),
+    "q3": (
+        "does the paged kernel compute the same numbers as attention over a contiguous cache, "
+        "up to rounding: 'yes' or 'no'",
+        "yes",
+        "choice",
+    ),
+    "q4": (
+        "what the decode kernel is bound by at batch 1: 'memory' or 'compute'",
+        "memory",
+        "choice",
+    ),
+}
+
+
+@exercise(CHECKS, "ex3.7", "concept questions (numbers and choices)")
+def check_concept_answers(concept_answers) -> None:
+    require_callable("ex3.7", concept_answers, "concept_answers")
+    from minipaged.checks.ch00 import _answer_check
+
+    run_cases(
+        "ex3.7",
+        list(CONCEPT_KEY),
+        _answer_check(concept_answers, CONCEPT_KEY),
+        describe=lambda q: f"{q}: {CONCEPT_KEY[q][0]}",
+    )
 
 
 __all__ = ["CHECKS", "launch_decode_kernel", "split_kv_partials"]

@@ -8,6 +8,14 @@ Exercises (notebooks/exercises/ch04_continuous_batching.ipynb)
           and with which status (vLLM's order of checks).
     ex4.3 ``update_from_output(scheduler, scheduled, sampled_token_ids)``: after the model
           ran: advance, append tokens, finish requests and free their blocks.
+    ex4.4 ``predict_steps()`` -> one ``{request_id: tokens}`` per step of ``PREDICT_RUN``
+          (a prediction, worked on paper), compared with the scheduler's trace; the first
+          difference is shown as the course's step picture (``viz.step_text``).
+    ex4.5 ``serve(scheduler, arrivals)`` -> ``{request_id: finish step}``: the engine loop
+          around the scheduler with a fake model; checked against ``trace.run_scheduler``
+          on ``SERVE_WORKLOAD`` for several ``max_num_seqs``, then the measured mean
+          finish step per ``max_num_seqs`` is printed (deterministic).
+    ex4.6 ``concept_answers()``: the end-of-chapter questions with a number or a choice.
 
 Reference: the package's ``minipaged.core.Scheduler`` itself. Each case builds the same
 scheduler state twice (``_scheduler_cases.build``): the reference runs ``schedule()`` /
@@ -260,4 +268,150 @@ def check_update_from_output(update_from_output) -> None:
     run_cases("ex4.3", _update_cases(150), run_one, size=lambda c: c[0].size, describe=describe)
 
 
-__all__ = ["CHECKS", "compare_snapshots"]
+# -- ex4.4: predict the steps ---------------------------------------------------------------
+
+# (request id, prompt tokens, max_tokens, arrival step); the knobs of the scheduler
+PREDICT_REQUESTS = [("A", 6, 4, 0), ("B", 5, 2, 0), ("C", 4, 3, 0), ("D", 5, 2, 1)]
+PREDICT_KNOBS = {"num_blocks": 16, "block_size": 4, "max_num_seqs": 3, "max_num_batched_tokens": 8}
+
+
+def _arrivals(requests) -> dict:
+    from minipaged.sampling_params import SamplingParams
+
+    arrivals: dict = {}
+    for rid, prompt, max_tokens, at in requests:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        req = Request(rid, [10 + i for i in range(prompt)], sampling_params=params)
+        arrivals.setdefault(at, []).append(req)
+    return arrivals
+
+
+def reference_steps(requests=PREDICT_REQUESTS, **knobs):
+    """The trace of the v1 ``Scheduler`` (fake model: token 1) on ``requests``."""
+    from minipaged.core import Scheduler
+    from minipaged.trace import run_scheduler
+
+    k = dict(PREDICT_KNOBS, **knobs)
+    sched = Scheduler(k.pop("num_blocks"), k.pop("block_size"), **k)
+    return run_scheduler(sched, _arrivals(requests), next_token=lambda r: 1)
+
+
+@exercise(CHECKS, "ex4.4", "predict which requests run, with how many tokens, step by step")
+def check_predict_steps(predict_steps) -> None:
+    require_callable("ex4.4", predict_steps, "predict_steps")
+    from minipaged import viz
+    from minipaged.checks._harness import Mismatch
+
+    trace = reference_steps()
+    expected = [dict(s.scheduled) for s in trace.steps]
+
+    def run_one(i):
+        got = predict_steps()
+        if not isinstance(got, list) or len(got) != len(expected):
+            raise Mismatch(
+                f"predict_steps() must return a list of {len(expected)} dicts, one per step "
+                f"(the run takes {len(expected)} steps), got {got!r}"
+            )
+        step = got[i]
+        norm = {str(k): v for k, v in step.items() if v} if isinstance(step, dict) else step
+        if norm != expected[i]:
+            raise Mismatch(
+                f"step {i}:\n    expected {expected[i]!r}\n    got      {norm!r}\n"
+                "  the scheduler's picture of this step:\n"
+                + "\n".join("    " + ln for ln in viz.step_text(trace, i).splitlines())
+            )
+
+    run_cases("ex4.4", range(len(expected)), run_one, describe=lambda i: f"steps 0..{i} of the run")
+
+
+# -- ex4.5: the engine loop, and what max_num_seqs buys ---------------------------------------
+
+# (request id, prompt tokens, max_tokens, arrival step)
+SERVE_WORKLOAD = [
+    ("r0", 12, 9, 0),
+    ("r1", 5, 3, 0),
+    ("r2", 20, 6, 0),
+    ("r3", 7, 12, 1),
+    ("r4", 9, 4, 2),
+    ("r5", 3, 8, 2),
+    ("r6", 15, 5, 4),
+    ("r7", 6, 10, 6),
+]
+SERVE_KNOBS = {"num_blocks": 40, "block_size": 4, "max_num_batched_tokens": 32}
+SERVE_SEATS = (1, 2, 4, 8)
+
+
+def _serve_case(max_num_seqs: int):
+    from minipaged.core import Scheduler
+
+    k = dict(SERVE_KNOBS)
+    return Scheduler(k.pop("num_blocks"), k.pop("block_size"), max_num_seqs=max_num_seqs, **k)
+
+
+@exercise(CHECKS, "ex4.5", "the engine loop, and what max_num_seqs buys (measure)")
+def check_serve(serve) -> None:
+    require_callable("ex4.5", serve, "serve(scheduler, arrivals)")
+    from minipaged.checks._harness import Mismatch, _print, _redirect_stdout, _StringIO
+
+    measured = {}
+
+    def run_one(seats):
+        ref = reference_steps(SERVE_WORKLOAD, max_num_seqs=seats, **SERVE_KNOBS)
+        expected = {rid: info["finish_step"] for rid, info in ref.requests.items()}
+        sched = _serve_case(seats)
+        arrivals = _arrivals(SERVE_WORKLOAD)
+        got = serve(sched, arrivals)
+        if not isinstance(got, dict):
+            raise Mismatch(f"serve() must return a dict request id -> finish step, got {type(got).__name__}")
+        lost = sorted(set(expected) - set(sched.finished))
+        if lost or sched.has_unfinished_requests():
+            raise Mismatch(f"requests lost or unfinished when serve() returned: {lost or 'some'}")
+        for reqs in arrivals.values():
+            for r in reqs:
+                expect_equal(f"{r.request_id}: output tokens", r.max_tokens, r.num_output_tokens)
+        expect_equal("finish step of each request", expected, {str(k): v for k, v in got.items()})
+        measured[seats] = (len(ref.steps), sum(expected.values()) / len(expected))
+
+    verdict = _StringIO()
+    with _redirect_stdout(verdict):
+        run_cases("ex4.5", SERVE_SEATS, run_one, describe=lambda n: f"SERVE_WORKLOAD with max_num_seqs={n}")
+    for seats, (steps, mean) in measured.items():  # the measurement, then the verdict line
+        _print(f"max_num_seqs={seats}: {steps} steps, mean finish step {mean:.2f}")
+    _print(verdict.getvalue(), end="")
+
+
+# -- ex4.6: concept questions ----------------------------------------------------------------
+
+CONCEPT_KEY = {
+    "q1": ("steps of the PREDICT_RUN with max_num_seqs=1 instead of 3", None, 0.0),
+    "q2": (
+        "a finished request's blocks are reused by another request in the same step or the next: 'same' or 'next'",
+        "next",
+        "choice",
+    ),
+    "q3": ("tokens in a step that runs 3 decodes and a 5-token prefill chunk", 8, 0.0),
+    "q4": (
+        "the request at the head of waiting does not fit; may the scheduler admit the one behind it? 'yes' or 'no'",
+        "no",
+        "choice",
+    ),
+}
+
+
+def _concept_key():
+    key = dict(CONCEPT_KEY)
+    q, _, how = key["q1"]
+    key["q1"] = (q, len(reference_steps(max_num_seqs=1).steps), how)
+    return key
+
+
+@exercise(CHECKS, "ex4.6", "concept questions (numbers and choices)")
+def check_concept_answers(concept_answers) -> None:
+    require_callable("ex4.6", concept_answers, "concept_answers")
+    from minipaged.checks.ch00 import _answer_check
+
+    key = _concept_key()
+    run_cases("ex4.6", list(key), _answer_check(concept_answers, key), describe=lambda q: f"{q}: {key[q][0]}")
+
+
+__all__ = ["CHECKS", "PREDICT_KNOBS", "PREDICT_REQUESTS", "SERVE_WORKLOAD", "compare_snapshots"]

@@ -10,6 +10,15 @@ Exercises (notebooks/exercises/ch05_scheduling.ipynb)
     ex5.4 ``schedule_running(scheduler, token_budget)``: the running phase of
           ``schedule()``: grow every running request, preempting the latest arrivals
           when the pool runs dry.
+    ex5.5 ``predict_run()`` -> per step ``{"scheduled": {id: tokens}, "preempted": [ids]}``
+          of ``PREDICT_REQUESTS`` on a tiny pool (a prediction, worked on paper), compared
+          with the scheduler's trace; the first difference is shown as ``viz.step_text``.
+    ex5.6 ``can_admit(scheduler, request) -> bool``: an admission rule the student designs,
+          run through the ``Scheduler._can_admit`` hook on ``DESIGN_WORKLOAD``; checked for
+          invariants (no lost request, no livelock, FCFS admission, ``check_invariants``
+          every step), then the measured steps and preemptions of the default rule and of
+          the student's are printed (deterministic).
+    ex5.7 ``concept_answers()``: the end-of-chapter questions with a number or a choice.
 
 Reference: the package's ``Scheduler`` (``_num_new_tokens``, ``_preempt`` in recompute
 mode, ``schedule``), run on a twin of the state the student's code gets; ex5.2's rule
@@ -220,4 +229,197 @@ def check_schedule_running(schedule_running) -> None:
     run_cases("ex5.4", _running_cases(150), run_one, size=lambda r: r.size, describe=Recipe.describe)
 
 
-__all__ = ["CHECKS"]
+# -- ex5.5: predict a run with preemption -----------------------------------------------------
+
+PREDICT_REQUESTS = [("A", 4, 5, 0), ("B", 3, 4, 0), ("C", 2, 3, 1)]
+PREDICT_KNOBS = {"num_blocks": 5, "block_size": 2, "max_num_seqs": 3, "max_num_batched_tokens": 8}
+
+
+@exercise(CHECKS, "ex5.5", "predict a run under memory pressure, step by step")
+def check_predict_run(predict_run) -> None:
+    require_callable("ex5.5", predict_run, "predict_run")
+    from minipaged import viz
+    from minipaged.checks.ch04 import reference_steps
+
+    trace = reference_steps(PREDICT_REQUESTS, **PREDICT_KNOBS)
+    expected = [{"scheduled": dict(s.scheduled), "preempted": list(s.preempted_ids)} for s in trace.steps]
+
+    def run_one(i):
+        got = predict_run()
+        if not isinstance(got, list) or len(got) != len(expected):
+            raise Mismatch(
+                f"predict_run() must return a list of {len(expected)} dicts, one per step "
+                f"(the run takes {len(expected)} steps), got {got!r}"
+            )
+        step = got[i]
+        norm = step
+        if isinstance(step, dict):
+            norm = {
+                "scheduled": {str(k): v for k, v in dict(step.get("scheduled") or {}).items() if v},
+                "preempted": list(step.get("preempted") or []),
+            }
+        if norm != expected[i]:
+            raise Mismatch(
+                f"step {i}:\n    expected {expected[i]!r}\n    got      {norm!r}\n"
+                "  the scheduler's picture of this step:\n"
+                + "\n".join("    " + ln for ln in viz.step_text(trace, i).splitlines())
+            )
+
+    run_cases("ex5.5", range(len(expected)), run_one, describe=lambda i: f"steps 0..{i} of the run")
+
+
+# -- ex5.6: design an admission rule, measure it ---------------------------------------------
+
+# (request id, prompt tokens, max_tokens, arrival step), arrival order
+DESIGN_WORKLOAD = [
+    ("r0", 9, 20, 0),
+    ("r1", 4, 9, 0),
+    ("r2", 5, 11, 0),
+    ("r3", 16, 16, 1),
+    ("r4", 15, 10, 3),
+    ("r5", 7, 16, 4),
+    ("r6", 13, 12, 5),
+    ("r7", 11, 11, 5),
+    ("r8", 9, 19, 6),
+    ("r9", 8, 9, 6),
+]
+DESIGN_KNOBS = {"num_blocks": 24, "block_size": 4, "max_num_seqs": 8, "max_num_batched_tokens": 32}
+_MAX_STEPS = 2000
+
+
+def run_admission(rule, workload=DESIGN_WORKLOAD, **knobs):
+    """Run ``workload`` on a v1 ``Scheduler`` whose ``_can_admit`` asks ``rule(scheduler,
+    request)`` (None: the default, always). Returns (steps, preemptions, admission order,
+    the requests); raises Mismatch on a broken invariant."""
+    from minipaged.checks.ch04 import _arrivals
+    from minipaged.core import Scheduler
+
+    class _Rule(Scheduler):
+        def _can_admit(self, request, computed_blocks):
+            if rule is None:
+                return True
+            ok = rule(self, request)
+            if not isinstance(ok, bool):
+                raise Mismatch(f"can_admit must return a bool, got {ok!r}")
+            return ok
+
+    k = dict(DESIGN_KNOBS, **knobs)
+    sched = _Rule(k.pop("num_blocks"), k.pop("block_size"), **k)
+    arrivals = _arrivals(workload)
+    everyone = [r for at in sorted(arrivals) for r in arrivals[at]]
+    admitted, preemptions, step = [], 0, 0
+    last = max(arrivals)
+    while step <= last or sched.has_unfinished_requests():
+        if step >= _MAX_STEPS:
+            raise Mismatch(f"no end after {_MAX_STEPS} steps: livelock (requests that never finish)")
+        for r in arrivals.get(step, ()):
+            sched.add_request(r)
+        try:
+            out = sched.schedule()
+        except RuntimeError as e:
+            if "livelock" in str(e):
+                raise Mismatch(
+                    f"step {step}: {e}: your rule refused a request while nothing was running, "
+                    "so nothing can ever change"
+                ) from None
+            raise
+        admitted += [r.request_id for r in out.admitted if r.request_id not in admitted]
+        preemptions += len(out.preempted)
+        sampled = {r.request_id: 1 for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
+        sched.update_from_output(out, sampled)
+        sched.check_invariants()
+        step += 1
+    lost = [r.request_id for r in everyone if r.request_id not in sched.finished]
+    if lost:
+        raise Mismatch(f"requests lost: {lost}")
+    for r in everyone:
+        if r.num_output_tokens != r.max_tokens:
+            raise Mismatch(f"{r.request_id} finished with {r.num_output_tokens} of its {r.max_tokens} tokens")
+    order = [r.request_id for r in everyone]
+    if admitted != order:
+        raise Mismatch(
+            f"admission is not FCFS: first admitted in the order {admitted}, arrival order {order}"
+        )
+    return step, preemptions
+
+
+def _design_cases():
+    cases = [("DESIGN_WORKLOAD", DESIGN_WORKLOAD, {})]
+    rng = random.Random("ex5.6")
+    for k in range(12):
+        n = rng.randint(1, 8)
+        w = sorted(
+            ((rng.randint(1, 14), rng.randint(1, 14), rng.randint(0, 5)) for _ in range(n)),
+            key=lambda x: x[2],
+        )
+        workload = [(f"r{i}", p, o, at) for i, (p, o, at) in enumerate(w)]
+        knobs = {"num_blocks": rng.randint(8, 16), "max_num_seqs": rng.randint(1, 6)}
+        cases.append((f"random workload {k}", workload, knobs))
+    return cases
+
+
+@exercise(CHECKS, "ex5.6", "an admission rule of your design, measured (design)")
+def check_can_admit(can_admit) -> None:
+    require_callable("ex5.6", can_admit, "can_admit(scheduler, request)")
+    from minipaged.checks._harness import _print, _redirect_stdout, _StringIO
+
+    def run_one(case):
+        _, workload, knobs = case
+        run_admission(can_admit, workload, **knobs)
+
+    def describe(case):
+        name, workload, knobs = case
+        k = dict(DESIGN_KNOBS, **knobs)
+        return f"{name}: Scheduler({k}), requests (id, prompt, max_tokens, arrival step): {workload}"
+
+    verdict = _StringIO()
+    with _redirect_stdout(verdict):
+        run_cases("ex5.6", _design_cases(), run_one, describe=describe)
+    steps, pre = run_admission(None)
+    _print(f"DESIGN_WORKLOAD, default (always admit): {steps} steps, {pre} preemptions")
+    steps, pre = run_admission(can_admit)
+    _print(f"DESIGN_WORKLOAD, your rule:              {steps} steps, {pre} preemptions")
+    _print(verdict.getvalue(), end="")
+
+
+# -- ex5.7: concept questions ----------------------------------------------------------------
+
+CONCEPT_KEY = {
+    "q1": ("preemptions in the run of ex5.5", 1, 0.0),
+    "q2": ("tokens the preempted request of ex5.5 recomputes when it is admitted again", 5, 0.0),
+    "q3": (
+        "which running request does v1 preempt: 'last' arrival or 'first' arrival",
+        "last",
+        "choice",
+    ),
+    "q4": (
+        "can the default rule (always admit) cause a preemption that a rule reserving every running "
+        "request's max_tokens avoids: 'yes' or 'no'",
+        "yes",
+        "choice",
+    ),
+}
+
+
+@exercise(CHECKS, "ex5.7", "concept questions (numbers and choices)")
+def check_concept_answers(concept_answers) -> None:
+    require_callable("ex5.7", concept_answers, "concept_answers")
+    from minipaged.checks.ch00 import _answer_check
+
+    run_cases(
+        "ex5.7",
+        list(CONCEPT_KEY),
+        _answer_check(concept_answers, CONCEPT_KEY),
+        describe=lambda q: f"{q}: {CONCEPT_KEY[q][0]}",
+    )
+
+
+__all__ = [
+    "CHECKS",
+    "CONCEPT_KEY",
+    "DESIGN_KNOBS",
+    "DESIGN_WORKLOAD",
+    "PREDICT_KNOBS",
+    "PREDICT_REQUESTS",
+    "run_admission",
+]

@@ -9,6 +9,13 @@ Exercises (notebooks/exercises/ch06_sharing.ipynb)
     ex6.4 ``find_cached_blocks(block_pool, token_ids, block_size)``: the prefix-cache
           lookup: the cached blocks of the longest cached prefix (at most
           ``len(token_ids) - 1`` tokens, so the last token is always computed).
+    ex6.5 ``predict_sharing()`` -> per event of ``SHARE_EVENTS`` the block tables and the
+          ``ref_cnt`` of every held block (a prediction), compared with a live
+          ``KVCacheManager``; the first difference shows ``viz.block_tables_text``.
+    ex6.6 ``blocks_with_sharing(prompt_len, output_lens, block_size)``: blocks in use after
+          parallel sampling with fork and copy-on-write, checked against the manager; then
+          the measured saving over unshared sequences is printed (deterministic).
+    ex6.7 ``concept_answers()``: the end-of-chapter questions with a number or a choice.
 
 Reference: the package's ``KVCacheManager`` (``fork``; ``allocate_slots`` of one token,
 whose copy-on-write records the ``(src, dst)`` pair that ``take_pending_copies`` hands
@@ -414,6 +421,187 @@ def check_find_cached_blocks(find_cached_blocks) -> None:
         run_one,
         size=lambda c: (c["num_blocks"], sum(map(len, c["queries"]))),
         describe=describe,
+    )
+
+
+# -- ex6.5: predict tables and ref counts -----------------------------------------------------
+
+SHARE_KNOBS = {"num_blocks": 8, "block_size": 4}
+# ("alloc", id, tokens) | ("fork", parent, child) | ("free", id, None)
+SHARE_EVENTS = [
+    ("alloc", "A", 6),
+    ("fork", "A", "B"),
+    ("fork", "A", "C"),
+    ("alloc", "B", 1),
+    ("alloc", "C", 3),
+    ("free", "A", None),
+]
+
+
+def _share_event_text(e) -> str:
+    op, a, b = e
+    return {
+        "alloc": f"{a} allocates {b} more tokens",
+        "fork": f"{a} forks {b}",
+        "free": f"{a} finishes (free)",
+    }[op]
+
+
+def reference_sharing():
+    """(tables, ref counts of held blocks) after each event of SHARE_EVENTS, and the pictures."""
+    from minipaged import viz
+
+    kv = KVCacheManager(**SHARE_KNOBS)
+    states, pictures = [], []
+    for op, a, b in SHARE_EVENTS:
+        if op == "alloc":
+            if kv.allocate_slots(a, b) is None:
+                raise RuntimeError("checker bug: the pool is too small")
+        elif op == "fork":
+            kv.fork(a, b)
+        else:
+            kv.free(a)
+        tables = {rid: t.block_ids() for rid, t in sorted(kv.block_tables.items())}
+        refs = {blk.block_id: blk.ref_cnt for blk in kv.block_pool.blocks if blk.ref_cnt > 0}
+        states.append({"tables": tables, "ref_cnt": refs})
+        pictures.append(viz.block_tables_text(kv))
+    return states, pictures
+
+
+@exercise(CHECKS, "ex6.5", "predict block tables and ref counts through forks and copy-on-write")
+def check_predict_sharing(predict_sharing) -> None:
+    require_callable("ex6.5", predict_sharing, "predict_sharing")
+    from minipaged.checks._harness import Mismatch
+
+    states, pictures = reference_sharing()
+
+    def run_one(i):
+        got = predict_sharing()
+        if not isinstance(got, list) or len(got) != len(SHARE_EVENTS):
+            raise Mismatch(f"predict_sharing() must return a list of {len(SHARE_EVENTS)} dicts, got {got!r}")
+        state = got[i]
+        norm = state
+        if isinstance(state, dict):
+            norm = {
+                "tables": {str(k): list(v) for k, v in dict(state.get("tables") or {}).items() if v},
+                "ref_cnt": {k: v for k, v in dict(state.get("ref_cnt") or {}).items() if v},
+            }
+        if norm != states[i]:
+            raise Mismatch(
+                f"after event {i} ({_share_event_text(SHARE_EVENTS[i])}):\n    expected {states[i]!r}\n"
+                f"    got      {norm!r}\n  the manager's picture after this event:\n"
+                + "\n".join("    " + ln for ln in pictures[i].splitlines())
+            )
+
+    run_cases(
+        "ex6.5",
+        range(len(SHARE_EVENTS)),
+        run_one,
+        describe=lambda i: "events 0..{}: {}".format(
+            i, "; ".join(map(_share_event_text, SHARE_EVENTS[: i + 1]))
+        ),
+    )
+
+
+# -- ex6.6: what sharing saves, measured -----------------------------------------------------
+
+SAMPLING_PROMPT, SAMPLING_OUTPUTS = 200, [50, 120, 80, 30]
+SAMPLING_BLOCK_SIZES = (4, 16, 64)
+
+
+def ref_blocks_with_sharing(prompt_len: int, output_lens, block_size: int) -> int:
+    """Run it: the prompt once, forks, then every sequence decodes one token per step."""
+    if not isinstance(prompt_len, int) or prompt_len < 1:
+        raise ValueError(f"prompt_len must be an int >= 1, got {prompt_len!r}")
+    if not output_lens or any(not isinstance(o, int) or o < 1 for o in output_lens):
+        raise ValueError(f"output_lens must be a non-empty list of ints >= 1, got {output_lens!r}")
+    total = sum(-(-(prompt_len + o) // block_size) for o in output_lens) + 1
+    kv = KVCacheManager(num_blocks=total, block_size=block_size)
+    kv.allocate_slots("s0", prompt_len)
+    for i in range(1, len(output_lens)):
+        kv.fork("s0", f"s{i}")
+    for t in range(max(output_lens)):
+        for i, o in enumerate(output_lens):
+            if t < o and kv.allocate_slots(f"s{i}", 1) is None:
+                raise RuntimeError("checker bug: the pool is too small")
+    return kv.num_blocks - kv.get_num_free_blocks()
+
+
+@exercise(CHECKS, "ex6.6", "what sharing the prompt saves in parallel sampling (measure)")
+def check_blocks_with_sharing(blocks_with_sharing) -> None:
+    require_callable("ex6.6", blocks_with_sharing, "blocks_with_sharing(prompt_len, output_lens, block_size)")
+    from minipaged.checks._harness import _print, _redirect_stdout, _StringIO, expect_raises
+
+    rng = random.Random("ex6.6")
+    cases = [(6, [1, 3], 4), (1, [1], 1), (8, [2, 2], 4)]
+    for _ in range(120):
+        cases.append(
+            (
+                rng.randint(1, 40),
+                [rng.randint(1, 20) for _ in range(rng.randint(1, 5))],
+                rng.choice([1, 2, 4, 8, 16]),
+            )
+        )
+    cases += [(0, [1], 4), (5, [], 4), (5, [2, 0], 4)]
+
+    def run_one(c):
+        p, outs, bs = c
+        try:
+            expected = ref_blocks_with_sharing(p, outs, bs)
+        except ValueError:
+            expect_raises("a caller error", ValueError, lambda: blocks_with_sharing(p, list(outs), bs))
+            return
+        expect_equal("blocks in use at the end", expected, blocks_with_sharing(p, list(outs), bs))
+
+    verdict = _StringIO()
+    with _redirect_stdout(verdict):
+        run_cases(
+            "ex6.6",
+            cases,
+            run_one,
+            size=lambda c: (c[0] < 1 or not c[1] or min(c[1]) < 1, c[0] + sum(c[1]), c[2]),
+            describe=lambda c: (
+                f"blocks_with_sharing(prompt_len={c[0]}, output_lens={c[1]}, block_size={c[2]})"
+            ),
+        )
+    parts = []
+    for bs in SAMPLING_BLOCK_SIZES:
+        shared = blocks_with_sharing(SAMPLING_PROMPT, list(SAMPLING_OUTPUTS), bs)
+        alone = sum(-(-(SAMPLING_PROMPT + o) // bs) for o in SAMPLING_OUTPUTS)
+        parts.append(f"block_size {bs}: {shared} vs {alone} blocks ({1 - shared / alone:.0%} saved)")
+    _print(f"prompt {SAMPLING_PROMPT}, outputs {SAMPLING_OUTPUTS}: " + ", ".join(parts))
+    _print(verdict.getvalue(), end="")
+
+
+# -- ex6.7: concept questions ----------------------------------------------------------------
+
+CONCEPT_KEY = {
+    "q1": ("block copies (copy-on-write) in the run of ex6.5", 2, 0.0),
+    "q2": ("ref_cnt of block 0 after A, B and C all hold it", 3, 0.0),
+    "q3": (
+        "does fork copy any K/V: 'yes' or 'no'",
+        "no",
+        "choice",
+    ),
+    "q4": (
+        "the prefix cache hashes a block together with everything before it; a block of the "
+        "same tokens at another position gets the 'same' or a 'different' hash",
+        "different",
+        "choice",
+    ),
+}
+
+
+@exercise(CHECKS, "ex6.7", "concept questions (numbers and choices)")
+def check_concept_answers(concept_answers) -> None:
+    require_callable("ex6.7", concept_answers, "concept_answers")
+    from minipaged.checks.ch00 import _answer_check
+
+    run_cases(
+        "ex6.7",
+        list(CONCEPT_KEY),
+        _answer_check(concept_answers, CONCEPT_KEY),
+        describe=lambda q: f"{q}: {CONCEPT_KEY[q][0]}",
     )
 
 

@@ -91,8 +91,9 @@ _HOW_TO = """\
 **How these exercises work.** Each exercise has three cells: what to build, a cell for
 your code (replace `raise NotImplementedError`; keep the function's name and arguments),
 and a check cell. The check runs your code against a reference implementation on
-many seeded cases, smallest first, and prints exactly one line, `✅ exN.M passed`, or
-stops with the smallest case your code gets wrong. Do not edit the check cells: grading
+many seeded cases, smallest first, and ends with one line, `✅ exN.M passed` (a
+measuring check prints what it measured above it), or stops with the smallest case your
+code gets wrong. Do not edit the check cells: grading
 puts the originals back. When every check passes, `pytest --nbval {filename}` passes too.
 
 Time: about {minutes} minutes."""

@@ -2,11 +2,13 @@
 
 from _common import ExerciseNotebook
 
+from minipaged.checks.ch01 import CONTIG_EVENTS, CONTIG_KNOBS
+
 nb = ExerciseNotebook(
     chapter="ch01",
     filename="ch01_kv_cache.ipynb",
     title="Chapter 01 exercises: the KV cache and what it costs",
-    minutes=30,
+    minutes=50,
     intro="""
     Companion to `notebooks/01_kv_cache.ipynb`. You will compute what one token's keys and
     values cost for real models, how much a contiguous allocator reserves per request, and
@@ -14,12 +16,19 @@ nb = ExerciseNotebook(
     """,
 )
 
-nb.setup("""
+# NOTE: the setup cell holds the events as literals: a submission may not import minipaged.checks
+nb.setup(f"""
 from minipaged.core import KVCacheManager, cdiv
+from minipaged.sim.cost_model import GPUS, MODELS, GPUConfig, ModelConfig
+
+# ex1.4: the allocator's knobs; (request id, final length) = allocate, (request id, None) = free
+CONTIG_KNOBS = {CONTIG_KNOBS!r}
+CONTIG_EVENTS = {CONTIG_EVENTS!r}
 """)
 
 nb.exercise(
-    "ex1.1", "KV cache bytes per token",
+    "ex1.1",
+    "KV cache bytes per token",
     """
     Every layer stores one key vector and one value vector per KV head for every token.
     Write `kv_bytes_per_token(config, dtype_bytes)` for a Hugging Face `config.json`
@@ -48,7 +57,8 @@ nb.exercise(
 )
 
 nb.exercise(
-    "ex1.2", "what a contiguous allocator reserves",
+    "ex1.2",
+    "what a contiguous allocator reserves",
     """
     Before paging, a serving system reserved one contiguous chunk per request, sized
     before the output length is known. The paper compares three such baselines (Orca).
@@ -86,7 +96,8 @@ nb.exercise(
 )
 
 nb.exercise(
-    "ex1.3", "how much paged memory holds tokens",
+    "ex1.3",
+    "how much paged memory holds tokens",
     """
     With paging, a sequence of `n` tokens holds `ceil(n / block_size)` blocks of
     `block_size` slots, allocated as it grows: only its last block can have empty slots.
@@ -106,6 +117,103 @@ nb.exercise(
         ### END SOLUTION
     """,
     ["paged_token_fraction"],
+)
+
+nb.exercise(
+    "ex1.4",
+    "predict where contiguous regions go (on paper first)",
+    """
+    A contiguous allocator (`ContiguousAllocator(num_slots=32, max_model_len=16,
+    policy="pow2")`, the paper's Orca (Pow2) baseline) reserves for each request
+    `min(next_pow2(final_len), max_model_len)` slots in **one** region, placed first-fit:
+    at the lowest start slot of a free hole large enough. A freed region becomes a hole,
+    merged with free neighbours. Events, in order (`CONTIG_EVENTS`):
+
+    | event | what happens |
+    |---|---|
+    | 0 | A arrives, final length 5 |
+    | 1 | B arrives, final length 9 |
+    | 2 | C arrives, final length 3 |
+    | 3 | A finishes (its region is freed) |
+    | 4 | D arrives, final length 7 |
+    | 5 | E arrives, final length 4 |
+    | 6 | F arrives, final length 6 |
+
+    Write `predict_regions()`: for each of the six arrivals, in order, the start slot of
+    its region, or `None` if no hole is large enough (it must wait). Example: A starts at
+    `0`. The check shows the pool, slot by slot, around your first mistake.
+    """,
+    """
+    def predict_regions() -> list:
+        \"\"\"Start slot (or None) of each allocation of CONTIG_EVENTS.\"\"\"
+        ### BEGIN SOLUTION
+        return [0, 8, 24, 0, 28, None]
+        ### END SOLUTION
+    """,
+    ["predict_regions"],
+)
+
+nb.exercise(
+    "ex1.5",
+    "how many sequences fit a GPU (measure)",
+    """
+    vLLM gives the KV cache what is left of the GPU after the weights: `memory ×
+    gpu_memory_utilization − weights − an activation reserve`. Paged, that budget holds
+    `budget // kv_bytes_per_token` token slots, give or take a last block per sequence.
+
+    - **Write** `max_batch(model, gpu, seq_len, gpu_memory_utilization=0.9,
+      activation_reserve_bytes=2**30)`: how many sequences of `seq_len` cached tokens fit
+      together (ignore the partly filled last blocks). `model` and `gpu` are the cost
+      model's `ModelConfig` / `GPUConfig` (`model.weight_bytes`,
+      `model.kv_bytes_per_token`, `gpu.memory_bytes`).
+    - **Failure mode**: `seq_len < 1`, or weights plus reserve that leave no budget ->
+      `ValueError`.
+
+    Worked example: OPT-13B on an A100-40GB, 1024 tokens each: **14** sequences. The
+    check then prints your function's figure for every model and GPU of `MODELS` / `GPUS`.
+    Predict first: how many times more does an H200 hold than an A100-40GB, and why is it
+    not 141/40?
+    """,
+    """
+    def max_batch(model: ModelConfig, gpu: GPUConfig, seq_len: int, gpu_memory_utilization: float = 0.9,
+                  activation_reserve_bytes: float = 2**30) -> int:
+        \"\"\"Sequences of seq_len cached tokens that fit the KV budget together.\"\"\"
+        ### BEGIN SOLUTION
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+        budget = gpu.memory_bytes * gpu_memory_utilization - model.weight_bytes - activation_reserve_bytes
+        if budget <= 0:
+            raise ValueError("the weights and the activation reserve leave no KV budget")
+        return int(budget // model.kv_bytes_per_token) // seq_len
+        ### END SOLUTION
+    """,
+    ["max_batch"],
+)
+
+nb.exercise(
+    "ex1.6",
+    "concept questions",
+    """
+    Answer with a number or one of the given choices (strings exactly as written).
+
+    - `q1`: in ex1.4 after E is placed, how many reserved slots will never hold a token
+      (internal fragmentation)?
+    - `q2`: how many blocks of 4 slots does a 9-token request hold when paged?
+    - `q3`: F of ex1.4 does not fit, and 0 slots are free: is that `"internal"` or
+      `"external"` fragmentation, or `"neither"`?
+    - `q4`: which waste does paging leave, at most `block_size - 1` slots per request:
+      `"internal"` or `"external"`?
+
+    Write `concept_answers()` returning `{"q1": ..., ..., "q4": ...}`.
+    """,
+    """
+    def concept_answers() -> dict:
+        \"\"\"Answers to q1..q4.\"\"\"
+        ### BEGIN SOLUTION
+        return {"q1": 9, "q2": 3, "q3": "neither", "q4": "internal"}
+        ### END SOLUTION
+    """,
+    ["concept_answers"],
 )
 
 nb.outro("""

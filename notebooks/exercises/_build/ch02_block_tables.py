@@ -2,11 +2,13 @@
 
 from _common import ExerciseNotebook
 
+from minipaged.checks.ch02 import FIT_BLOCK_SIZES, FIT_LENS, FIT_SLOTS, QUEUE_EVENTS, QUEUE_KNOBS
+
 nb = ExerciseNotebook(
     chapter="ch02",
     filename="ch02_block_tables.ipynb",
     title="Chapter 02 exercises: the free queue, block tables, slot mapping",
-    minutes=45,
+    minutes=65,
     intro="""
     Companion to `notebooks/02_block_tables.ipynb`. You will write the four operations
     that make PagedAttention's memory work: taking a block out of the free queue (from the
@@ -17,12 +19,22 @@ nb = ExerciseNotebook(
     """,
 )
 
-nb.setup("""
+# NOTE: the setup cell holds the data as literals: a submission may not import minipaged.checks
+nb.setup(f"""
 from minipaged.core import BlockTable, FreeKVCacheBlockQueue, KVCacheBlock, KVCacheManager, cdiv
+
+# ex2.5: the manager's knobs; (request id, tokens to add) or (request id, None) = it finishes
+QUEUE_KNOBS = {QUEUE_KNOBS!r}
+QUEUE_EVENTS = {QUEUE_EVENTS!r}
+# ex2.6: final lengths of a workload, the pool's slots, the block sizes measured
+FIT_LENS = {FIT_LENS!r}
+FIT_SLOTS = {FIT_SLOTS!r}
+FIT_BLOCK_SIZES = {FIT_BLOCK_SIZES!r}
 """)
 
 nb.exercise(
-    "ex2.1", "remove a block from the middle of the free queue",
+    "ex2.1",
+    "remove a block from the middle of the free queue",
     """
     `FreeKVCacheBlockQueue` is a doubly linked list threaded through the blocks
     themselves: each `KVCacheBlock` has `prev_free_block` and `next_free_block`, and the
@@ -55,7 +67,8 @@ nb.exercise(
 )
 
 nb.exercise(
-    "ex2.2", "popleft: hand out the least recently freed block",
+    "ex2.2",
+    "popleft: hand out the least recently freed block",
     """
     Write `popleft(queue)`: take the first block (the one right after `queue._head`) out
     of the queue and return it. Freed blocks go to the back, so the front block is the
@@ -77,7 +90,8 @@ nb.exercise(
 )
 
 nb.exercise(
-    "ex2.3", "allocate_slots: grow a block table on demand",
+    "ex2.3",
+    "allocate_slots: grow a block table on demand",
     """
     A `KVCacheManager` keeps, per request id, its block table `manager.block_tables[rid]`:
     a `BlockTable` with `.blocks` (a list of `KVCacheBlock`, logical block `j` at index `j`)
@@ -128,7 +142,8 @@ nb.exercise(
 )
 
 nb.exercise(
-    "ex2.4", "slot mapping: where each token's K/V goes",
+    "ex2.4",
+    "slot mapping: where each token's K/V goes",
     """
     The KV cache is one tensor of `num_blocks * block_size` slots. Token `i` of a request
     lives in its logical block `i // block_size`, at offset `i % block_size` inside it; the
@@ -152,7 +167,115 @@ nb.exercise(
     ["slot_mapping"],
 )
 
+nb.exercise(
+    "ex2.5",
+    "predict the free queue (on paper first)",
+    """
+    A `KVCacheManager(num_blocks=6, block_size=2)`, empty at first, sees these events in
+    order (`QUEUE_EVENTS`):
+
+    | event | what happens |
+    |---|---|
+    | 0 | A allocates 3 tokens |
+    | 1 | B allocates 4 tokens |
+    | 2 | A allocates 2 more tokens |
+    | 3 | B finishes: its blocks are freed |
+    | 4 | C allocates 5 tokens |
+    | 5 | A finishes |
+
+    Write `predict_free_queue()`: a list of six lists, one per event, each the free block
+    ids *front to back* (the front is handed out next) after that event. Work it out on
+    paper, from what your `popleft`, `remove` and `allocate_slots` do and from chapter 02's
+    rule for freeing (a finished request's blocks go to the back, last block first).
+    Example: after event 0 the answer is `[2, 3, 4, 5]`. The check shows the manager's
+    picture at your first mistake.
+    """,
+    """
+    def predict_free_queue() -> list[list[int]]:
+        \"\"\"The free queue, front to back, after each event of QUEUE_EVENTS.\"\"\"
+        ### BEGIN SOLUTION
+        return [[2, 3, 4, 5], [4, 5], [5], [5, 3, 2], [], [4, 1, 0]]
+        ### END SOLUTION
+    """,
+    ["predict_free_queue"],
+)
+
+nb.exercise(
+    "ex2.6",
+    "how many requests fit (measure)",
+    """
+    Paging lets a pool hold as many requests as their tokens allow, give or take the last
+    block of each. Measure it.
+
+    - **Write** `max_concurrent(seq_lens, num_blocks, block_size)`: requests of final
+      lengths `seq_lens` arrive in order and each asks for all its slots at once; return
+      how many of them, counted from the first, fit together in a fresh pool of
+      `num_blocks` blocks before the first that does not (a prefix: FCFS, no skipping).
+    - **Invariants**: the answer is between 0 and `len(seq_lens)`; more blocks never fit
+      fewer requests.
+    - **Failure mode**: a length that is not an int >= 1 -> `ValueError`.
+    - **How** is yours: a real `KVCacheManager` and `allocate_slots`, or arithmetic.
+
+    Worked example: lengths `[5, 3, 4]`, 4 blocks of 2 slots: the first takes 3 blocks, the
+    second needs 2 of the 1 left: answer `1`.
+
+    The check then prints what your function measures on `FIT_LENS` in a pool of
+    `FIT_SLOTS` slots cut into blocks of each size of `FIT_BLOCK_SIZES`. Predict first:
+    at which block size does the count drop, and why so late?
+    """,
+    """
+    def max_concurrent(seq_lens: list[int], num_blocks: int, block_size: int) -> int:
+        \"\"\"How many requests, from the first, fit together in a fresh pool.\"\"\"
+        ### BEGIN SOLUTION
+        if any(not isinstance(n, int) or n < 1 for n in seq_lens):
+            raise ValueError(f"seq_lens must be positive ints, got {seq_lens!r}")
+        free = num_blocks
+        for k, n in enumerate(seq_lens):
+            free -= cdiv(n, block_size)
+            if free < 0:
+                return k
+        return len(seq_lens)
+        ### END SOLUTION
+    """,
+    ["max_concurrent"],
+)
+
+nb.exercise(
+    "ex2.7",
+    "concept questions",
+    """
+    Answer with a number or one of the given choices (strings exactly as written).
+
+    - `q1`: the flat slot of token 5 with `block_table = [3, 1, 4]` and `block_size = 4`?
+    - `q2`: how many blocks does a request hold after allocating 3 tokens and then 2 more,
+      with `block_size = 2`?
+    - `q3`: from which end of the free queue does a newly allocated block come: `"front"`
+      or `"back"`?
+    - `q4`: the largest block size of `FIT_BLOCK_SIZES` that still fits as many `FIT_LENS`
+      requests as `block_size = 1` does (use your ex2.6).
+
+    Write `concept_answers()` returning `{"q1": ..., ..., "q4": ...}`.
+    """,
+    """
+    def concept_answers() -> dict:
+        \"\"\"Answers to q1..q4.\"\"\"
+        ### BEGIN SOLUTION
+        return {"q1": 6, "q2": 3, "q3": "front", "q4": 64}
+        ### END SOLUTION
+    """,
+    ["concept_answers"],
+)
+
 nb.outro("""
+## Questions to discuss (short answers, not auto-checked)
+
+1. Blocks of 64 fit as many `FIT_LENS` requests as blocks of 1 in ex2.6; what then
+   limits the block size in vLLM (think of prefix sharing and of the kernel)?
+2. Why does a freed request's blocks go to the *back* of the free queue (think of the
+   prefix cache of chapter 06)?
+3. ex2.6 asks for all of a request's slots at once; what does vLLM do instead, and how
+   does that change the count?
+
 ## Recap
 
 The free queue hands out blocks in O(1) from the front and takes them back from anywhere;

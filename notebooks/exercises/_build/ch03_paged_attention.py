@@ -2,11 +2,13 @@
 
 from _common import ExerciseNotebook
 
+from minipaged.checks.ch03 import READ_BLOCK_SIZE, READ_BLOCK_TABLES, READ_PARTITION_SIZE, READ_SEQ_LENS
+
 nb = ExerciseNotebook(
     chapter="ch03",
     filename="ch03_paged_attention.ipynb",
     title="Chapter 03 exercises: attention through a block table",
-    minutes=60,
+    minutes=80,
     intro="""
     Companion to `notebooks/03_paged_attention.ipynb`. You will read K and V through a
     block table, write decode attention over a paged cache by hand in torch, write the
@@ -22,15 +24,22 @@ nb = ExerciseNotebook(
     """,
 )
 
-nb.setup("""
+# NOTE: the setup cell holds the data as literals: a submission may not import minipaged.checks
+nb.setup(f"""
 import minipaged.kernels  # first: on a machine without CUDA this turns on TRITON_INTERPRET=1
 import torch
 import triton
 import triton.language as tl
+
+# ex3.5: block size, split-KV partition size, each sequence's block table and length
+READ_BLOCK_SIZE, READ_PARTITION_SIZE = {READ_BLOCK_SIZE!r}, {READ_PARTITION_SIZE!r}
+READ_BLOCK_TABLES = {READ_BLOCK_TABLES!r}
+READ_SEQ_LENS = {READ_SEQ_LENS!r}
 """)
 
 nb.exercise(
-    "ex3.1", "gather one sequence's K and V",
+    "ex3.1",
+    "gather one sequence's K and V",
     """
     Write `gather_kv(k_cache, v_cache, block_table, seq_len)` for one sequence:
     `block_table` is its row of the block tables (`[max_blocks]`), and token `i` lives at
@@ -53,7 +62,8 @@ nb.exercise(
 )
 
 nb.exercise(
-    "ex3.2", "decode attention through block tables, by hand",
+    "ex3.2",
+    "decode attention through block tables, by hand",
     """
     Write `paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)`:
     for each sequence `b` and query head `h`, the new token's attention over all
@@ -86,7 +96,8 @@ nb.exercise(
 )
 
 nb.exercise(
-    "ex3.3", "the Triton decode kernel's loop over blocks",
+    "ex3.3",
+    "the Triton decode kernel's loop over blocks",
     """
     One Triton program handles one (sequence, query head). It has loaded the query `q`
     (`[HEAD_DIM]`, fp32) and must walk the sequence's blocks, keeping an *online
@@ -157,7 +168,8 @@ nb.exercise(
 )
 
 nb.exercise(
-    "ex3.4", "split-KV: combine the partitions",
+    "ex3.4",
+    "split-KV: combine the partitions",
     """
     With few long sequences, one program per (sequence, head) leaves most of a GPU idle.
     Split-KV ("PagedAttention V2") cuts each context into partitions, attends to each in
@@ -185,6 +197,103 @@ nb.exercise(
         ### END SOLUTION
     """,
     ["combine_partitions"],
+)
+
+nb.exercise(
+    "ex3.5",
+    "predict what each split-KV partition reads (on paper first)",
+    """
+    A split-KV kernel (chapter 03's "PagedAttention V2") cuts each sequence into
+    partitions of `READ_PARTITION_SIZE = 8` tokens, one program per partition, and walks
+    each partition's tokens in order through the block table (`READ_BLOCK_SIZE = 4`):
+
+    | sequence | block table | tokens |
+    |---|---|---|
+    | A | `[7, 2, 5, 0]` | 13 |
+    | B | `[3, 6]` | 5 |
+    | C | `[1, 4, 8]` | 9 |
+
+    Write `predict_reads()`: a dict sequence -> list of partitions, each partition the
+    list of `(physical block id, number of tokens read from it)` in the order the kernel
+    reads them. Example: B -> `[[(3, 4), (6, 1)]]` (one partition; all of block 3, one
+    token of block 6). The check draws the walk of the first sequence you got wrong.
+    """,
+    """
+    def predict_reads() -> dict[str, list[list[tuple[int, int]]]]:
+        \"\"\"Per sequence, per partition: (block id, tokens read) in order.\"\"\"
+        ### BEGIN SOLUTION
+        return {
+            "A": [[(7, 4), (2, 4)], [(5, 4), (0, 1)]],
+            "B": [[(3, 4), (6, 1)]],
+            "C": [[(1, 4), (4, 4)], [(8, 1)]],
+        }
+        ### END SOLUTION
+    """,
+    ["predict_reads"],
+)
+
+nb.exercise(
+    "ex3.6",
+    "the arithmetic intensity of decode attention (measure)",
+    """
+    One decode token attends to `seq_len` cached tokens. Per query head and key it does a
+    dot product `q·k` and adds `p × v`: `head_dim` multiply-adds each, 2 FLOPs per
+    multiply-add. It reads each cached K and V vector of its KV head once (with GQA,
+    several query heads share one KV head: the kernel reads it once for the group).
+
+    - **Write** `attention_intensity(num_heads, num_kv_heads, head_dim, seq_len,
+      dtype_bytes)`: the FLOPs divided by the bytes of K/V read (ignore q and the
+      output).
+    - **Failure mode**: any argument that is not an int >= 1, or `num_heads` not a
+      multiple of `num_kv_heads` -> `ValueError`.
+
+    Worked example: 32 query heads, 8 KV heads, head_dim 128, 1000 tokens, fp16 ->
+    `4.0` FLOPs per byte. The check prints your figure for MHA, GQA and MQA shapes beside
+    an H100's ridge (peak FLOPs / bandwidth): predict first which, if any, is compute-bound.
+    """,
+    """
+    def attention_intensity(num_heads: int, num_kv_heads: int, head_dim: int, seq_len: int,
+                            dtype_bytes: int) -> float:
+        \"\"\"FLOPs per byte of K/V read by one decode token's attention.\"\"\"
+        ### BEGIN SOLUTION
+        for name, v in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                        ("seq_len", seq_len), ("dtype_bytes", dtype_bytes)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        flops = 4 * num_heads * head_dim * seq_len
+        nbytes = 2 * num_kv_heads * head_dim * seq_len * dtype_bytes
+        return flops / nbytes
+        ### END SOLUTION
+    """,
+    ["attention_intensity"],
+)
+
+nb.exercise(
+    "ex3.7",
+    "concept questions",
+    """
+    Answer with a number or one of the given choices (strings exactly as written).
+
+    - `q1`: how many split-KV partitions does a 1000-token sequence have with
+      `partition_size = 512`?
+    - `q2`: with 32 query heads and 8 KV heads, which KV head (its index) does query
+      head 13 read?
+    - `q3`: does the paged kernel compute the same numbers as attention over a contiguous
+      cache, up to rounding: `"yes"` or `"no"`?
+    - `q4`: is the decode attention kernel at batch 1 bound by `"memory"` or `"compute"`?
+
+    Write `concept_answers()` returning `{"q1": ..., ..., "q4": ...}`.
+    """,
+    """
+    def concept_answers() -> dict:
+        \"\"\"Answers to q1..q4.\"\"\"
+        ### BEGIN SOLUTION
+        return {"q1": 2, "q2": 3, "q3": "yes", "q4": "memory"}
+        ### END SOLUTION
+    """,
+    ["concept_answers"],
 )
 
 nb.outro("""

@@ -1,12 +1,14 @@
 """Generator of notebooks/exercises/ch04_continuous_batching.ipynb (chapter 04 exercises)."""
 
-from _common import ExerciseNotebook
+from _common import ExerciseNotebook, _md
+
+from minipaged.checks.ch04 import PREDICT_KNOBS, PREDICT_REQUESTS, SERVE_KNOBS, SERVE_WORKLOAD
 
 nb = ExerciseNotebook(
     chapter="ch04",
     filename="ch04_continuous_batching.ipynb",
     title="Chapter 04 exercises: continuous batching",
-    minutes=45,
+    minutes=70,
     intro="""
     Companion to `notebooks/04_continuous_batching.ipynb`. You will write the two halves of
     one engine step around the model: the admission loop that lets waiting requests join
@@ -25,12 +27,21 @@ nb = ExerciseNotebook(
     """,
 )
 
-nb.setup("""
-from minipaged.core import Request, RequestStatus
+# NOTE: the setup cell holds the runs as literals: a submission may not import minipaged.checks
+nb.setup(f"""
+from minipaged.core import Request, RequestStatus, Scheduler
+
+# ex4.4: (request id, prompt tokens, max_tokens, arrival step), and the scheduler's knobs
+PREDICT_REQUESTS = {PREDICT_REQUESTS!r}
+PREDICT_KNOBS = {PREDICT_KNOBS!r}
+# ex4.5: the workload your engine loop serves (same format), and the knobs besides max_num_seqs
+SERVE_WORKLOAD = {SERVE_WORKLOAD!r}
+SERVE_KNOBS = {SERVE_KNOBS!r}
 """)
 
 nb.exercise(
-    "ex4.1", "the admission loop",
+    "ex4.1",
+    "the admission loop",
     """
     After the running requests got their tokens for this step, `token_budget` tokens are
     left. Write `schedule_waiting(scheduler, token_budget)`: admit waiting requests in
@@ -70,7 +81,8 @@ nb.exercise(
 )
 
 nb.exercise(
-    "ex4.2", "does the newest token finish the request?",
+    "ex4.2",
+    "does the newest token finish the request?",
     """
     Write `check_stop(request, max_model_len)`, called right after a token was appended
     to `request.output_token_ids`. Check, in this order (vLLM's), and at the first that
@@ -108,22 +120,33 @@ nb.exercise(
 )
 
 nb.exercise(
-    "ex4.3", "after the model ran: advance, append, finish, free",
+    "ex4.3",
+    "after the model ran: advance, append, finish, free",
     """
-    The model just ran the step: `scheduled` is the list of `(request, n)` the scheduler
-    chose, and `sampled_token_ids` maps a request id to its new token, for each request
-    whose prefill this step completes. Write `update_from_output(scheduler, scheduled,
-    sampled_token_ids)`: for each `(request, n)` in order,
+    Write `update_from_output(scheduler, scheduled, sampled_token_ids)`, the second half
+    of an engine step.
 
-    - `request.num_computed_tokens += n`;
-    - if it is still below `request.num_tokens`, that was a prefill chunk: nothing else;
-    - otherwise append `sampled_token_ids[request.request_id]` to its output
-      (`request.append_output_token_id(token)`) and, if your `check_stop` says it is
-      finished, remove it from `scheduler.running`, free its blocks with
-      `scheduler.kv_cache_manager.free(request)` and record it in
-      `scheduler.finished[request_id]`.
+    - **Inputs**: `scheduled`, the `(request, n)` pairs this step computed, in batch order;
+      `sampled_token_ids`, request id -> the token the model sampled, present exactly for
+      the requests whose prefill this step completed (a decode always completes it).
+    - **Output**: the requests that finished this step, in batch order.
+    - **Afterwards** (the invariants the check compares with the package's scheduler):
+      every scheduled request's `num_computed_tokens` counts this step's tokens; each
+      request that got a token has it at the end of `output_token_ids`; a request is
+      finished exactly when your `check_stop` (ex4.2) says so, and then it is no longer
+      in `scheduler.running`, holds no blocks (its blocks are back in the free queue) and
+      is in `scheduler.finished` under its id. A prefill chunk that does not complete the
+      prompt gets no token and cannot finish.
+    - **Failure mode**: a request that completed its prefill but has no entry in
+      `sampled_token_ids` is a caller's bug: a `KeyError` is fine.
 
-    Return the finished requests, in batch order.
+    Worked example: `scheduled = [(A, 1), (B, 4)]`, A decoding with 9 tokens computed of
+    10, B mid-prompt with 4 of 12 computed, `sampled_token_ids = {"A": 2}` where 2 is A's
+    eos: A has 10 computed, output `[..., 2]`, is finished and freed; B has 8 computed
+    and no new token. Returned: `[A]`.
+
+    Useful: `request.append_output_token_id(token)`,
+    `scheduler.kv_cache_manager.free(request)`.
     """,
     """
     def update_from_output(scheduler, scheduled: list, sampled_token_ids: dict) -> list:
@@ -146,7 +169,161 @@ nb.exercise(
     ["update_from_output"],
 )
 
+nb.cells.append(
+    _md(
+        """
+<details><summary>Hints for ex4.3 (open only if stuck)</summary>
+
+- Advance first, then ask: is `num_computed_tokens` now equal to `num_tokens`? Only then
+  does the request own a sampled token.
+- Removing from `running` while you loop over `scheduled` is safe: they are different lists.
+</details>
+""",
+        "ex4-3-hints",
+    )
+)
+
+nb.exercise(
+    "ex4.4",
+    "predict the next steps (on paper first)",
+    """
+    A v1 `Scheduler(num_blocks=16, block_size=4, max_num_seqs=3,
+    max_num_batched_tokens=8)` (chunked prefill on) serves the requests of
+    `PREDICT_REQUESTS`:
+
+    | request | prompt tokens | max_tokens | arrives before step |
+    |---|---|---|---|
+    | A | 6 | 4 | 0 |
+    | B | 5 | 2 | 0 |
+    | C | 4 | 3 | 0 |
+    | D | 5 | 2 | 1 |
+
+    No request stops early (`ignore_eos`). What you need from chapter 04: running requests
+    are served first, in arrival order, then waiting ones are admitted in arrival order
+    while seats, budget and blocks last; a request gets all its remaining tokens or what is
+    left of the budget (a chunk); the step that completes a prompt samples its first
+    output token; a request finishes in the step that samples its `max_tokens`-th token,
+    and its seat is free from the next step.
+
+    Write `predict_steps()`: a list with one dict per step until every request has
+    finished, mapping each request scheduled in that step to its number of tokens. Work it
+    out on paper; do not run a scheduler. Example: step 0 is `{"A": 6, "B": 2}`. The
+    check compares step by step and, at the first difference, shows the scheduler's
+    picture of that step.
+    """,
+    """
+    def predict_steps() -> list[dict[str, int]]:
+        \"\"\"Request id -> tokens scheduled, for each step of the run.\"\"\"
+        ### BEGIN SOLUTION
+        return [
+            {"A": 6, "B": 2},
+            {"A": 1, "B": 3, "C": 4},
+            {"A": 1, "B": 1, "C": 1},
+            {"A": 1, "C": 1, "D": 5},
+            {"D": 1},
+        ]
+        ### END SOLUTION
+    """,
+    ["predict_steps"],
+)
+
+nb.exercise(
+    "ex4.5",
+    "the engine loop, and what max_num_seqs buys (measure)",
+    """
+    Write `serve(scheduler, arrivals)`: the loop an engine runs around the scheduler, with
+    a fake model.
+
+    - **Inputs**: a fresh `Scheduler`; `arrivals`, step -> list of fresh `Request`s to add
+      (`scheduler.add_request`) just before that step's `schedule()`.
+    - **The fake model**: every request whose prefill completes in a step samples token
+      `1`; give those tokens to `scheduler.update_from_output(output, sampled)`, exactly
+      once after each `schedule()`.
+    - **Output**: request id -> the step (0-based) in which it finished.
+    - **Invariants**: it returns only when every request has arrived and finished
+      (`scheduler.has_unfinished_requests()` is false); no request is lost; each gets its
+      `max_tokens` tokens.
+    - **Failure mode**: a loop that never ends is a bug; the scheduler itself raises
+      `RuntimeError` if a step could do nothing while requests wait.
+
+    The check runs your loop on `SERVE_WORKLOAD` with `max_num_seqs` 1, 2, 4 and 8,
+    compares every finish step with the package's driver, and prints what it measured:
+    the steps the workload took and the mean finish step. Before you run it: how much
+    should 8 seats gain over 1 here, and why not 8 times?
+    """,
+    """
+    def serve(scheduler, arrivals: dict) -> dict[str, int]:
+        \"\"\"Run `scheduler` with a fake model until every request finished.\"\"\"
+        ### BEGIN SOLUTION
+        finish_step = {}
+        last = max(arrivals, default=0)
+        step = 0
+        while step <= last or scheduler.has_unfinished_requests():
+            for request in arrivals.get(step, []):
+                scheduler.add_request(request)
+            output = scheduler.schedule()
+            sampled = {r.request_id: 1 for r, n in output.scheduled
+                       if r.num_computed_tokens + n == r.num_tokens}
+            for request in scheduler.update_from_output(output, sampled):
+                finish_step[request.request_id] = step
+            step += 1
+        return finish_step
+        ### END SOLUTION
+    """,
+    ["serve"],
+)
+
+nb.cells.append(
+    _md(
+        """
+<details><summary>Hints for ex4.5 (open only if stuck)</summary>
+
+- Read `sampled` off `output.scheduled` *before* `update_from_output` advances the
+  counters: a request's prefill completes this step when
+  `num_computed_tokens + n == num_tokens`.
+- Keep looping while arrivals are still to come, even if nothing is unfinished right now.
+</details>
+""",
+        "ex4-5-hints",
+    )
+)
+
+nb.exercise(
+    "ex4.6",
+    "concept questions",
+    """
+    Answer with a number or one of the given choices (strings exactly as written).
+
+    - `q1`: how many steps does the run of ex4.4 take with `max_num_seqs=1` instead of 3?
+      (Work it out; you may check it with your `serve`.)
+    - `q2`: a request finishes in step *t*; can another request use its freed blocks in
+      the `"same"` step *t* or only from the `"next"` step?
+    - `q3`: how many tokens does a step hold that runs 3 decodes and a 5-token prefill
+      chunk?
+    - `q4`: the request at the head of `waiting` does not fit in the free blocks; may the
+      v1 scheduler admit a smaller request behind it in this step: `"yes"` or `"no"`?
+
+    Write `concept_answers()` returning `{"q1": ..., ..., "q4": ...}`.
+    """,
+    """
+    def concept_answers() -> dict:
+        \"\"\"Answers to q1..q4.\"\"\"
+        ### BEGIN SOLUTION
+        return {"q1": 11, "q2": "next", "q3": 8, "q4": "no"}
+        ### END SOLUTION
+    """,
+    ["concept_answers"],
+)
+
 nb.outro("""
+## Questions to discuss (short answers, not auto-checked)
+
+1. In ex4.5, why does going from 1 seat to 8 shorten the workload by less than 8 times?
+   Name the two limits that bind.
+2. Your `serve` feeds token 1 to every request; what changes in the measurement if the
+   fake model sampled eos early for half the requests?
+3. Why does a prefill chunk that does not complete the prompt produce no token?
+
 ## Recap
 
 A step is: keep the running requests going, admit from the queue while seats, tokens and

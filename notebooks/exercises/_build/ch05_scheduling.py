@@ -1,12 +1,14 @@
 """Generator of notebooks/exercises/ch05_scheduling.ipynb (chapter 05 exercises)."""
 
-from _common import ExerciseNotebook
+from _common import ExerciseNotebook, _md
+
+from minipaged.checks.ch05 import DESIGN_KNOBS, DESIGN_WORKLOAD, PREDICT_KNOBS, PREDICT_REQUESTS
 
 nb = ExerciseNotebook(
     chapter="ch05",
     filename="ch05_scheduling.ipynb",
     title="Chapter 05 exercises: token budget, chunked prefill, preemption",
-    minutes=60,
+    minutes=85,
     intro="""
     Companion to `notebooks/05_scheduling.ipynb`. You will write how many tokens a request
     gets under the token budget, which running request is preempted when memory runs out,
@@ -22,12 +24,21 @@ nb = ExerciseNotebook(
     """,
 )
 
-nb.setup("""
-from minipaged.core import Request, RequestStatus
+# NOTE: the setup cell holds the runs as literals: a submission may not import minipaged.checks
+nb.setup(f"""
+from minipaged.core import Request, RequestStatus, cdiv
+
+# ex5.5: (request id, prompt tokens, max_tokens, arrival step), and the scheduler's knobs
+PREDICT_REQUESTS = {PREDICT_REQUESTS!r}
+PREDICT_KNOBS = {PREDICT_KNOBS!r}
+# ex5.6: the workload your admission rule is measured on (same format), and the knobs
+DESIGN_WORKLOAD = {DESIGN_WORKLOAD!r}
+DESIGN_KNOBS = {DESIGN_KNOBS!r}
 """)
 
 nb.exercise(
-    "ex5.1", "how many tokens a request gets this step",
+    "ex5.1",
+    "how many tokens a request gets this step",
     """
     A request has `n = request.num_tokens - request.num_computed_tokens` tokens left to
     compute (its whole prompt when fresh; prompt + output so far after a recompute
@@ -57,19 +68,28 @@ nb.exercise(
 )
 
 nb.exercise(
-    "ex5.2", "the preemption victim",
+    "ex5.2",
+    "the preemption victim",
     """
-    When a running request needs a block and none is free, the scheduler preempts the
-    *latest-arrived* running request (FCFS fairness: the oldest requests keep going, so
-    every request that fits alone eventually finishes). Write `pick_victim(running,
-    arrival_seq)`: `running` is a list of requests in batch order (not necessarily arrival
-    order), `arrival_seq` maps a request id to its arrival rank. Return the request with
-    the highest rank; do not change the list.
+    When a running request needs a block and none is free, the scheduler must pick a
+    running request to preempt. vLLM's policy is FCFS fairness: the oldest requests keep
+    going, so every request that fits alone eventually finishes.
+
+    - **Inputs**: `running`, a non-empty list of requests in batch order (*not* necessarily
+      arrival order); `arrival_seq`, request id -> arrival rank (smaller = earlier).
+    - **Output**: the request that must give way under that policy.
+    - **Invariants**: `running` is unchanged (same requests, same order); the answer is
+      one of its elements (the object itself, not its id).
+    - **Failure mode**: an empty `running` is a caller's bug: raise `ValueError`.
+
+    Worked example: batch order `[C, A, B]` with ranks `A=0, B=1, C=2` -> `C`.
     """,
     """
     def pick_victim(running: list, arrival_seq: dict) -> Request:
         \"\"\"The running request that arrived last.\"\"\"
         ### BEGIN SOLUTION
+        if not running:
+            raise ValueError("running must not be empty")
         return max(running, key=lambda request: arrival_seq[request.request_id])
         ### END SOLUTION
     """,
@@ -77,7 +97,8 @@ nb.exercise(
 )
 
 nb.exercise(
-    "ex5.3", "preemption by recompute",
+    "ex5.3",
+    "preemption by recompute",
     """
     Write `preempt_recompute(scheduler, victim)`: the victim gives up its KV cache and
     will be prefilled again (prompt *and* output so far) when it is admitted next.
@@ -109,21 +130,30 @@ nb.exercise(
 )
 
 nb.exercise(
-    "ex5.4", "the running phase of schedule(), with preemption",
+    "ex5.4",
+    "the running phase of schedule(), with preemption",
     """
-    Write `schedule_running(scheduler, token_budget)`: go through `scheduler.running`
-    front to back (by index: preemption shortens the list) while `token_budget > 0`:
+    Write `schedule_running(scheduler, token_budget)`, the first half of `schedule()`:
+    every running request gets its tokens for this step, and when the pool runs dry,
+    requests are preempted (your ex5.2 and ex5.3) until the allocation fits.
 
-    1. `n = num_new_tokens(request, token_budget, scheduler.enable_chunked_prefill,
-       scheduler.max_num_batched_tokens)` (your ex5.1); if `n == 0`, skip to the next;
-    2. try `scheduler.kv_cache_manager.allocate_slots(request, n)`; while it returns
-       `None`, preempt `pick_victim(scheduler.running, scheduler.arrival_seq)` with your
-       `preempt_recompute`, and try again, unless the victim was this very request: then
-       stop the whole loop (everyone after it was preempted already);
-    3. record `(request, n)` and spend `n` of the budget.
+    - **Inputs**: the scheduler between steps; `token_budget`, the tokens this step may
+      compute (`max_num_batched_tokens` at the start of a step).
+    - **Output**: `(scheduled, preempted)`: the `(request, n)` pairs that got tokens, in
+      `running` order, and the preempted requests in the order they were preempted.
+    - **Invariants**: running requests are served front to back (arrival order), each with
+      `n` from your ex5.1 (a request that gets 0 is skipped, those behind it are still
+      served); the scheduled tokens sum to at most `token_budget`; every scheduled request
+      holds blocks for `num_computed_tokens + n` tokens; only the latest arrivals are
+      preempted, and only when an allocation failed; a preempted request is never
+      scheduled in this step; if the request asking for blocks is itself the victim,
+      nothing after it is served (it was the last one).
+    - **Failure mode**: none for the caller; with one request that alone does not fit
+      the pool the scheduler refuses it at `add_request`, so that cannot happen here.
 
-    Return `(scheduled, preempted)`: the `(request, n)` pairs in order, and the preempted
-    requests in the order they were preempted.
+    Worked example: 5 free blocks of 2 slots are all taken; A (arrived first) and B are
+    decoding and A's next token needs a new block: B is preempted (its blocks freed), A
+    gets its block; result `([(A, 1)], [B])`.
     """,
     """
     def schedule_running(scheduler, token_budget: int):
@@ -157,7 +187,157 @@ nb.exercise(
     ["schedule_running"],
 )
 
+nb.cells.append(
+    _md(
+        """
+<details><summary>Hints for ex5.4 (open only if stuck)</summary>
+
+- Walk `scheduler.running` by index, not with `for r in running`: preemption removes
+  requests from the end of the list while you walk it.
+- `allocate_slots` returns `None` and takes nothing when the blocks are short: retry after
+  each preemption.
+</details>
+""",
+        "ex5-4-hints",
+    )
+)
+
+nb.exercise(
+    "ex5.5",
+    "predict a run under memory pressure (on paper first)",
+    """
+    A v1 `Scheduler(num_blocks=5, block_size=2, max_num_seqs=3, max_num_batched_tokens=8)`
+    serves `PREDICT_REQUESTS` (no request stops early):
+
+    | request | prompt tokens | max_tokens | arrives before step |
+    |---|---|---|---|
+    | A | 4 | 5 | 0 |
+    | B | 3 | 4 | 0 |
+    | C | 2 | 3 | 1 |
+
+    Ten slots are few: someone will be preempted. What you need from chapters 04 and 05:
+    between steps a request holds blocks for its computed tokens; a step needs blocks for
+    the tokens it computes; when a running request's blocks are short, the latest-arrived
+    running request is preempted by recompute (and nobody is admitted in that step); a
+    preempted request later re-prefills prompt and output so far.
+
+    Write `predict_run()`: one dict per step until every request has finished,
+    `{"scheduled": {request id: tokens}, "preempted": [request ids preempted in that
+    step]}`. Example: step 0 is `{"scheduled": {"A": 4, "B": 3}, "preempted": []}`. The
+    check shows the scheduler's picture (batch and block tables) at your first mistake.
+    """,
+    """
+    def predict_run() -> list[dict]:
+        \"\"\"Per step: the scheduled tokens and the preempted requests.\"\"\"
+        ### BEGIN SOLUTION
+        return [
+            {"scheduled": {"A": 4, "B": 3}, "preempted": []},
+            {"scheduled": {"A": 1, "B": 1}, "preempted": []},
+            {"scheduled": {"A": 1}, "preempted": ["B"]},
+            {"scheduled": {"A": 1}, "preempted": []},
+            {"scheduled": {"A": 1}, "preempted": []},
+            {"scheduled": {"B": 5, "C": 2}, "preempted": []},
+            {"scheduled": {"B": 1, "C": 1}, "preempted": []},
+            {"scheduled": {"C": 1}, "preempted": []},
+        ]
+        ### END SOLUTION
+    """,
+    ["predict_run"],
+)
+
+nb.exercise(
+    "ex5.6",
+    "an admission rule of your design, measured",
+    """
+    vLLM v1 admits a waiting request as soon as the blocks of its first chunk are free;
+    running requests then grow into the pool and, when it is full, preemption pays for
+    the optimism by recomputing. Design your own rule.
+
+    - **The hook**: the scheduler calls `can_admit(scheduler, request)` for the head of
+      `waiting` after the running requests got their blocks for this step (so their block
+      tables already include this step), when a seat and budget are left and before
+      allocating. Return `True` to admit it now, `False` to keep it (and everyone behind
+      it: FCFS) waiting for a later step.
+    - **What you may read**: `scheduler.running`, `scheduler.waiting`,
+      `scheduler.block_size`, `scheduler.num_blocks`,
+      `scheduler.kv_cache_manager.get_num_free_blocks()`,
+      `scheduler.kv_cache_manager.get_block_ids(request_id)`; per request `num_tokens`,
+      `num_prompt_tokens`, `num_computed_tokens`, `max_tokens`. Change nothing.
+    - **Invariants the check enforces**, on `DESIGN_WORKLOAD` and on random workloads: no
+      request is lost, every one gets its `max_tokens` tokens, admission stays FCFS, the
+      scheduler's invariants hold after every step, and the run ends (no livelock: if
+      your rule refuses while nothing runs, nothing can ever change).
+    - **What it prints**: steps and preemptions of `DESIGN_WORKLOAD` under the default
+      rule and under yours. There is no single right answer: a rule that never preempts,
+      one that preempts less but keeps the batch full, a watermark... compare designs.
+    """,
+    """
+    def can_admit(scheduler, request) -> bool:
+        \"\"\"Admit the head of waiting now?\"\"\"
+        ### BEGIN SOLUTION
+        # Reserve: admit only if every running request can still reach its max_tokens
+        # after this one took its whole prompt; never preempts, may admit later.
+        if not scheduler.running:
+            return True  # else nothing could ever run: livelock
+        kv, bs = scheduler.kv_cache_manager, scheduler.block_size
+        reserved = sum(cdiv(r.num_prompt_tokens + r.max_tokens - 1, bs) - len(kv.get_block_ids(r.request_id))
+                       for r in scheduler.running)
+        return kv.get_num_free_blocks() - reserved >= cdiv(request.num_tokens, bs)
+        ### END SOLUTION
+    """,
+    ["can_admit"],
+)
+
+nb.cells.append(
+    _md(
+        """
+<details><summary>Hints for ex5.6 (open only if stuck)</summary>
+
+- A request of `p` prompt tokens and `max_tokens` m holds at most `cdiv(p + m - 1,
+  block_size)` blocks (the last sampled token is never fed back).
+- Whatever your rule, it must say `True` when nothing is running.
+</details>
+""",
+        "ex5-6-hints",
+    )
+)
+
+nb.exercise(
+    "ex5.7",
+    "concept questions",
+    """
+    Answer with a number or one of the given choices (strings exactly as written).
+
+    - `q1`: how many preemptions happen in the run of ex5.5?
+    - `q2`: how many tokens does the preempted request of ex5.5 compute when it is
+      admitted again?
+    - `q3`: which running request does the v1 scheduler preempt, the `"last"` or the
+      `"first"` arrival?
+    - `q4`: can the default rule (always admit) cause a preemption that a rule reserving
+      every running request's `max_tokens` avoids: `"yes"` or `"no"`?
+
+    Write `concept_answers()` returning `{"q1": ..., ..., "q4": ...}`.
+    """,
+    """
+    def concept_answers() -> dict:
+        \"\"\"Answers to q1..q4.\"\"\"
+        ### BEGIN SOLUTION
+        return {"q1": 1, "q2": 5, "q3": "last", "q4": "yes"}
+        ### END SOLUTION
+    """,
+    ["concept_answers"],
+)
+
 nb.outro("""
+## Questions to discuss (short answers, not auto-checked)
+
+1. Your rule of ex5.6 against the default: which costs more on `DESIGN_WORKLOAD`, the
+   steps you lose by admitting later or the tokens the default recomputes? Would the
+   answer change with outputs much shorter than `max_tokens` (eos)?
+2. Why must an admission rule say yes when nothing is running, and why does FCFS then
+   guarantee that every request that fits alone finishes?
+3. In ex5.5, why is nobody admitted in the step that preempts?
+
 ## Recap
 
 The token budget bounds each step's work; chunked prefill lets a long prompt share steps

@@ -1,12 +1,20 @@
 """Generator of notebooks/exercises/ch06_sharing.ipynb (chapter 06 exercises)."""
 
-from _common import ExerciseNotebook
+from _common import ExerciseNotebook, _md
+
+from minipaged.checks.ch06 import (
+    SAMPLING_BLOCK_SIZES,
+    SAMPLING_OUTPUTS,
+    SAMPLING_PROMPT,
+    SHARE_EVENTS,
+    SHARE_KNOBS,
+)
 
 nb = ExerciseNotebook(
     chapter="ch06",
     filename="ch06_sharing.ipynb",
     title="Chapter 06 exercises: sharing blocks",
-    minutes=50,
+    minutes=70,
     intro="""
     Companion to `notebooks/06_sharing.ipynb`. Paging lets sequences share physical blocks,
     like processes share pages after `fork()`. You will write the fork itself,
@@ -28,12 +36,21 @@ nb = ExerciseNotebook(
     """,
 )
 
-nb.setup("""
-from minipaged.core import BlockPool, BlockTable, KVCacheBlock, KVCacheManager, hash_block_tokens
+# NOTE: the setup cell holds the data as literals: a submission may not import minipaged.checks
+nb.setup(f"""
+from minipaged.core import BlockPool, BlockTable, KVCacheBlock, KVCacheManager, cdiv, hash_block_tokens
+
+# ex6.5: the manager's knobs and events: ("alloc", id, tokens) | ("fork", parent, child) | ("free", id, None)
+SHARE_KNOBS = {SHARE_KNOBS!r}
+SHARE_EVENTS = {SHARE_EVENTS!r}
+# ex6.6: the parallel-sampling run the check measures
+SAMPLING_PROMPT, SAMPLING_OUTPUTS = {SAMPLING_PROMPT!r}, {SAMPLING_OUTPUTS!r}
+SAMPLING_BLOCK_SIZES = {SAMPLING_BLOCK_SIZES!r}
 """)
 
 nb.exercise(
-    "ex6.1", "fork: share every block",
+    "ex6.1",
+    "fork: share every block",
     """
     Parallel sampling and beam search start several sequences from one prompt. Write
     `fork(kv_cache_manager, parent_id, child_id)`: the child gets a block table of its own
@@ -61,21 +78,31 @@ nb.exercise(
 )
 
 nb.exercise(
-    "ex6.2", "append a token, with copy-on-write",
+    "ex6.2",
+    "append a token, with copy-on-write",
     """
-    Write `append_slot(kv_cache_manager, request_id)`: make room for one more token of the
-    request (`n = block_tables[request_id].num_tokens` tokens so far) and return the block copies the
-    engine must do before the model writes, as a list of `(src_block_id, dst_block_id)`:
+    Write `append_slot(kv_cache_manager, request_id)`: make room for one more token of
+    the request, which may share blocks with its forks.
 
-    - if `n % block_size == 0` the last block is full: take one new block (`[]` copies);
-    - else if the last block's `ref_cnt == 1` it is ours alone: write in place (`[]`);
-    - else it is shared and partly filled, and writing into it would change the other
-      sequences' KV: *copy on write*. Take a new block, drop our reference to the old one
-      (`block_pool.free_blocks([old])`), put the new block in its place in our table, and
-      return `[(old.block_id, new.block_id)]`.
+    - **Input**: a manager in which `request_id` holds a block table of
+      `n = block_tables[request_id].num_tokens` tokens; some of its blocks may be shared
+      (`ref_cnt > 1`) with other sequences.
+    - **Output**: the block copies the engine must do before the model writes the token,
+      a list of `(src_block_id, dst_block_id)` (often empty); or `None` if a new block is
+      needed and none is free, and then nothing has changed.
+    - **Invariants**: afterwards the table holds `n + 1` tokens; the slot the new token
+      goes to is in a block this request holds *alone* (writing into a shared block would
+      change the other sequences' KV); no block is taken that is not needed; every
+      block's `ref_cnt` equals the number of tables holding it, and the free queue holds
+      exactly the blocks with `ref_cnt == 0` (`check_invariants()` runs after each step).
+    - **Tools**: `block_pool.get_num_free_blocks()`, `get_new_blocks(k)`,
+      `free_blocks(blocks)` (drops one reference each).
 
-    If a new block is needed and none is free, return `None` and change nothing. Otherwise
-    the table's `num_tokens` grows by one.
+    Worked example (`block_size = 4`): A and B both hold `[0, 1]` with 6 tokens (both
+    blocks `ref_cnt == 2`). `append_slot(m, "B")` -> `[(1, 2)]` with B's table `[0, 2]`,
+    block 1 now `ref_cnt == 1` (A's alone), block 2 new. A second call for B -> `[]`
+    (block 2 is B's alone). With 8 tokens and the last block full, a call takes a new
+    block and returns `[]`.
     """,
     """
     def append_slot(kv_cache_manager: KVCacheManager, request_id: str):
@@ -103,8 +130,24 @@ nb.exercise(
     ["append_slot"],
 )
 
+nb.cells.append(
+    _md(
+        """
+<details><summary>Hints for ex6.2 (open only if stuck)</summary>
+
+- Three cases, by where the new token lands: a fresh block (the last one is full), the
+  last block held alone, or the last block shared.
+- In the shared case, take the new block *before* dropping the reference to the old one,
+  so a full pool leaves everything unchanged.
+</details>
+""",
+        "ex6-2-hints",
+    )
+)
+
 nb.exercise(
-    "ex6.3", "the chained block hash",
+    "ex6.3",
+    "the chained block hash",
     """
     Prefix caching keys each *full* block by a hash of its tokens *and of everything
     before it*, so equal hashes mean equal prefixes. Write `block_hashes(token_ids,
@@ -127,7 +170,8 @@ nb.exercise(
 )
 
 nb.exercise(
-    "ex6.4", "the prefix-cache lookup",
+    "ex6.4",
+    "the prefix-cache lookup",
     """
     Write `find_cached_blocks(block_pool, token_ids, block_size)`: the blocks already
     holding the longest cached prefix of a new prompt. Walk its full blocks in order, look
@@ -154,7 +198,118 @@ nb.exercise(
     ["find_cached_blocks"],
 )
 
+nb.exercise(
+    "ex6.5",
+    "predict block tables and ref counts (on paper first)",
+    """
+    A `KVCacheManager(num_blocks=8, block_size=4)`, empty at first, sees these events
+    (`SHARE_EVENTS`); its `allocate_slots` does copy-on-write itself, exactly as your
+    `append_slot` does, token by token:
+
+    | event | what happens |
+    |---|---|
+    | 0 | A allocates 6 tokens |
+    | 1 | A forks B |
+    | 2 | A forks C |
+    | 3 | B allocates 1 more token |
+    | 4 | C allocates 3 more tokens |
+    | 5 | A finishes (its blocks are freed) |
+
+    Write `predict_sharing()`: a list of six dicts, one per event, each
+    `{"tables": {request id: block ids}, "ref_cnt": {block id: ref_cnt}}` after that
+    event, with every request that holds blocks and every block whose `ref_cnt > 0`. New
+    blocks come from the front of the free queue (never-used blocks in id order first).
+    Example: after event 0, `{"tables": {"A": [0, 1]}, "ref_cnt": {0: 1, 1: 1}}`.
+    """,
+    """
+    def predict_sharing() -> list[dict]:
+        \"\"\"Tables and ref counts after each event of SHARE_EVENTS.\"\"\"
+        ### BEGIN SOLUTION
+        return [
+            {"tables": {"A": [0, 1]}, "ref_cnt": {0: 1, 1: 1}},
+            {"tables": {"A": [0, 1], "B": [0, 1]}, "ref_cnt": {0: 2, 1: 2}},
+            {"tables": {"A": [0, 1], "B": [0, 1], "C": [0, 1]}, "ref_cnt": {0: 3, 1: 3}},
+            {"tables": {"A": [0, 1], "B": [0, 2], "C": [0, 1]}, "ref_cnt": {0: 3, 1: 2, 2: 1}},
+            {"tables": {"A": [0, 1], "B": [0, 2], "C": [0, 3, 4]},
+             "ref_cnt": {0: 3, 1: 1, 2: 1, 3: 1, 4: 1}},
+            {"tables": {"B": [0, 2], "C": [0, 3, 4]}, "ref_cnt": {0: 2, 2: 1, 3: 1, 4: 1}},
+        ]
+        ### END SOLUTION
+    """,
+    ["predict_sharing"],
+)
+
+nb.exercise(
+    "ex6.6",
+    "what sharing the prompt saves (measure)",
+    """
+    Parallel sampling: one prompt of `prompt_len` tokens is prefilled once, then forked
+    into `len(output_lens)` sequences that decode one token per step each, sequence `i`
+    until it has `output_lens[i]` tokens, with copy-on-write.
+
+    - **Write** `blocks_with_sharing(prompt_len, output_lens, block_size)`: how many
+      blocks are in use when every sequence has finished decoding (before any is freed).
+    - **Invariants**: never more than the unshared total `sum(cdiv(prompt_len + o,
+      block_size))`; never fewer than one sequence's blocks.
+    - **Failure mode**: `prompt_len < 1`, an empty `output_lens` or an output length < 1
+      -> `ValueError`.
+    - **How** is yours: simulate it with a `KVCacheManager` (`allocate_slots`, `fork`), or
+      find the formula.
+
+    Worked example: prompt 6, outputs `[1, 3]`, `block_size = 4` -> `4` (block 0 shared;
+    block 1 copied on write; one sequence needs a third block), against 5 unshared.
+
+    The check prints the saving on `SAMPLING_PROMPT` / `SAMPLING_OUTPUTS` for each of
+    `SAMPLING_BLOCK_SIZES`. Predict first: does a larger block save more or less?
+    """,
+    """
+    def blocks_with_sharing(prompt_len: int, output_lens: list[int], block_size: int) -> int:
+        \"\"\"Blocks in use after parallel sampling with fork and copy-on-write.\"\"\"
+        ### BEGIN SOLUTION
+        if not isinstance(prompt_len, int) or prompt_len < 1:
+            raise ValueError(f"prompt_len must be an int >= 1, got {prompt_len!r}")
+        if not output_lens or any(not isinstance(o, int) or o < 1 for o in output_lens):
+            raise ValueError(f"output_lens must be non-empty ints >= 1, got {output_lens!r}")
+        full = prompt_len // block_size  # the prompt's full blocks stay shared
+        return full + sum(cdiv(prompt_len + o, block_size) - full for o in output_lens)
+        ### END SOLUTION
+    """,
+    ["blocks_with_sharing"],
+)
+
+nb.exercise(
+    "ex6.7",
+    "concept questions",
+    """
+    Answer with a number or one of the given choices (strings exactly as written).
+
+    - `q1`: how many block copies (copy-on-write) happen in the run of ex6.5?
+    - `q2`: the `ref_cnt` of block 0 after event 2 of ex6.5?
+    - `q3`: does `fork` copy any K/V: `"yes"` or `"no"`?
+    - `q4`: the prefix cache hashes a block together with everything before it; does a
+      block of the same tokens at another position get the `"same"` or a `"different"`
+      hash?
+
+    Write `concept_answers()` returning `{"q1": ..., ..., "q4": ...}`.
+    """,
+    """
+    def concept_answers() -> dict:
+        \"\"\"Answers to q1..q4.\"\"\"
+        ### BEGIN SOLUTION
+        return {"q1": 2, "q2": 3, "q3": "no", "q4": "different"}
+        ### END SOLUTION
+    """,
+    ["concept_answers"],
+)
+
 nb.outro("""
+## Questions to discuss (short answers, not auto-checked)
+
+1. In ex6.6, why does the saving shrink as the outputs grow longer than the prompt?
+2. Beam search forks and frees sequences every step; what would copy-on-write cost if
+   blocks were 256 tokens?
+3. Why is A's block 1 not copied when A finishes in ex6.5, although B and C had shared it?
+
 ## Recap
 
 A fork costs no KV at all: only reference counts. The first write into a shared, partly
