@@ -1,8 +1,10 @@
 """Layer: whole-prefill watermark admission (vLLM v0's ``BlockSpaceManager.can_allocate``).
 
-vLLM v1 instead admits a request as soon as its first chunk's blocks are free
-(``Scheduler._can_admit`` returns True), and relies on preemption when the rest of the
-prefill or the decodes outgrow the pool.
+The base ``Scheduler`` admits a request as soon as its first chunk's blocks are free
+(``_can_admit`` returns True; vLLM v1 with ``scheduler_reserve_full_isl=False``) and relies
+on preemption when the rest outgrows the pool. vLLM 0.32's default
+(``scheduler_reserve_full_isl=True``) is this layer with ``watermark=0.0``, and vLLM's
+``watermark`` option is this layer's; ``benchmarks/vllm_diff`` checks all three step by step.
 
 Concept
     A request leaves ``waiting`` (fresh, or resumed after recompute) only if the blocks
@@ -18,7 +20,7 @@ Why
     (preemptions vs batch size for several watermarks); ``DEFAULT_WATERMARK`` = 0.05 was
     the best there. vLLM v0's 0.01 is 1% of thousands of GPU blocks; here 1 of ~100.
 Inputs / outputs
-    ``watermark`` (constructor keyword): a fraction in [0, 1), or None for vLLM v1's rule.
+    ``watermark`` (constructor keyword): a fraction in [0, 1), or None for the first-chunk rule.
 Failure mode
     A bad ``watermark`` raises ValueError. Too large a watermark shrinks the batch; decodes
     that outgrow the pool still preempt (the watermark only slows admission down).
