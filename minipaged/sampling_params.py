@@ -85,7 +85,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 (or vLLM's -1) = off
     min_p: float = 0.0  # 0 = off
     max_tokens: int = 16
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the request before this many
@@ -104,8 +104,10 @@ class SamplingParams:
         _check_int("n", self.n, 1)
         _check_float("temperature", self.temperature, lo=0.0)
         _check_float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= 0, or 0 or -1 for off, got {self.top_k!r}")
+        if self.top_k == -1:  # NOTE: vLLM's older spelling of "off"; one meaning kept here
+            self.top_k = 0
         _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
         _check_int("max_tokens", self.max_tokens, 1)
         _check_int("min_tokens", self.min_tokens, 0)

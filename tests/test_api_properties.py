@@ -167,7 +167,7 @@ PARAMS = _args(
         "n": [0, 10**6, True, 2.0],
         "temperature": BAD_NUMBERS,
         "top_p": [0.0, 1.5, float("nan")],
-        "top_k": [-1, 2.0, True],
+        "top_k": [-2, 2.0, True],
         "min_p": [-0.1, 1.1, float("inf")],
         "max_tokens": [0, -1, True, 2.5],
         "min_tokens": [-1, 100, True],

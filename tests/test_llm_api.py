@@ -151,7 +151,7 @@ def test_a_bad_prompt_among_good_ones_runs_nothing(llm):
         (dict(temperature=-0.5), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
-        (dict(top_k=-1), "top_k"),
+        (dict(top_k=-2), "top_k"),
         (dict(n=0), "n"),
     ],
 )

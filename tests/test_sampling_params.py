@@ -426,3 +426,9 @@ def test_stop_string_frees_the_blocks_in_that_step(course):
     assert last.finished_ids == ["r"] and "r" not in last.block_tables
     assert last.num_free_blocks == engine.num_blocks
     assert not engine.has_unfinished_requests()
+
+
+def test_top_k_minus_one_means_off_as_in_vllm():
+    assert SamplingParams(top_k=-1).top_k == 0 == SamplingParams().top_k
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-2)
