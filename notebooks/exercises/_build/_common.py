@@ -52,8 +52,13 @@ class ExerciseNotebook:
         self.chapter = chapter
         self.path = OUT_DIR / filename
         self.cells = [
-            _md(f"# {title}\n\n" + textwrap.dedent(intro).strip("\n") + "\n\n" + _HOW_TO.format(
-                minutes=minutes, filename=filename), "intro"),
+            _md(
+                f"# {title}\n\n"
+                + textwrap.dedent(intro).strip("\n")
+                + "\n\n"
+                + _HOW_TO.format(minutes=minutes, filename=filename),
+                "intro",
+            ),
         ]
 
     def setup(self, src: str) -> None:
@@ -61,13 +66,20 @@ class ExerciseNotebook:
 
     def exercise(self, exercise_id: str, title: str, spec: str, solution: str, names: list[str]) -> None:
         slug = exercise_id.replace(".", "-")
-        self.cells.append(_md(f"## {exercise_id}: {title}\n\n" + textwrap.dedent(spec).strip("\n"),
-                              f"{slug}-spec", role="spec", exercise=exercise_id))
+        self.cells.append(
+            _md(
+                f"## {exercise_id}: {title}\n\n" + textwrap.dedent(spec).strip("\n"),
+                f"{slug}-spec",
+                role="spec",
+                exercise=exercise_id,
+            )
+        )
         sol = _code(solution, f"{slug}-solution", role="solution", exercise=exercise_id)
         sol.metadata["tags"] = ["nbval-ignore-output"]
         self.cells.append(sol)
-        self.cells.append(_code(check_source(exercise_id, *names), f"{slug}-check", role="check",
-                                exercise=exercise_id))
+        self.cells.append(
+            _code(check_source(exercise_id, *names), f"{slug}-check", role="check", exercise=exercise_id)
+        )
 
     def outro(self, text: str) -> None:
         self.cells.append(_md(text, "recap"))
@@ -79,8 +91,13 @@ class ExerciseNotebook:
         nb.metadata["language_info"] = {"name": "python"}
         nb.metadata["minipaged"] = {"chapter": self.chapter}
         if execute:
-            client = NotebookClient(nb, timeout=600, kernel_name="python3", record_timing=False,
-                                    resources={"metadata": {"path": str(self.path.parent)}})
+            client = NotebookClient(
+                nb,
+                timeout=600,
+                kernel_name="python3",
+                record_timing=False,
+                resources={"metadata": {"path": str(self.path.parent)}},
+            )
             client.execute()
         nbformat.write(nb, self.path)
         print(f"wrote {self.path.relative_to(OUT_DIR.parent.parent)}", file=sys.stderr)

@@ -35,7 +35,8 @@ for sid, text in STATEMENTS.items():
 """)
 
 nb.exercise(
-    "ex0.1", "the three ideas, sorted",
+    "ex0.1",
+    "the three ideas, sorted",
     """
     The course keeps three ideas apart: the KV cache is **data** (what is stored), paging is
     **addressing** (where it is stored and how it is found), continuous batching is
@@ -61,7 +62,8 @@ nb.exercise(
 )
 
 nb.exercise(
-    "ex0.2", "predict the block tables (on paper first)",
+    "ex0.2",
+    "predict the block tables (on paper first)",
     """
     A `KVCacheManager` with **8 blocks of 4 slots**, empty at first, sees these events in
     order (`EVENTS` in the setup):
@@ -103,7 +105,8 @@ nb.exercise(
 )
 
 nb.exercise(
-    "ex0.3", "one decode step, from bytes and FLOPs",
+    "ex0.3",
+    "one decode step, from bytes and FLOPs",
     """
     The course's cost model (`minipaged.sim.cost_model`, used by the simulator of chapter
     07) says what one engine step costs on a GPU. For a **decode** step of `batch_size`
@@ -146,17 +149,23 @@ nb.exercise(
     ["decode_step_time"],
 )
 
-nb.cells.append(_md("""
+nb.cells.append(
+    _md(
+        """
 <details><summary>Hints for ex0.3 (open only if stuck)</summary>
 
 - Count per sequence first (its bytes of K/V read and written, its FLOPs), then multiply
   by `batch_size`; the weights are read once per step, whatever the batch.
 - A sequence with `context_len` cached tokens reads `context_len` tokens of K/V and writes 1.
 </details>
-""", "ex0-3-hints"))
+""",
+        "ex0-3-hints",
+    )
+)
 
 nb.exercise(
-    "ex0.4", "where decode stops being memory-bound (design, then measure)",
+    "ex0.4",
+    "where decode stops being memory-bound (design, then measure)",
     """
     With one sequence, a decode step is all weight reading. Each extra sequence adds FLOPs
     (its own pass through the linear layers) but only a little memory traffic (its K/V).
@@ -202,17 +211,23 @@ nb.exercise(
     ["ridge_batch"],
 )
 
-nb.cells.append(_md("""
+nb.cells.append(
+    _md(
+        """
 <details><summary>Hints for ex0.4 (open only if stuck)</summary>
 
 - Write compute time and memory time as `a + b × batch` each. Where do the two lines cross?
   Can they fail to cross?
 - A formula in floating point can land one off the integer answer: check its neighbours.
 </details>
-""", "ex0-4-hints"))
+""",
+        "ex0-4-hints",
+    )
+)
 
 nb.exercise(
-    "ex0.5", "concept questions",
+    "ex0.5",
+    "concept questions",
     """
     Answer with a number or one of the given choices (strings exactly as written).
 
@@ -254,7 +269,6 @@ The KV cache is data, paging is addressing, continuous batching is scheduling. A
 step costs about one read of the weights whatever the batch, so fitting more sequences
 into the same memory is almost free throughput, until compute or the KV reads catch up.
 """)
-
 
 
 def _unstore_outputs(path) -> None:

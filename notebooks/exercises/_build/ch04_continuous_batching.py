@@ -43,21 +43,26 @@ nb.exercise(
     "ex4.1",
     "the admission loop",
     """
-    After the running requests got their tokens for this step, `token_budget` tokens are
-    left. Write `schedule_waiting(scheduler, token_budget)`: admit waiting requests in
-    arrival order (FCFS, never skipping ahead), while `token_budget > 0`, fewer than
-    `scheduler.max_num_seqs` requests are running, and requests wait. For the request at
-    the head of `scheduler.waiting`:
+    Write `schedule_waiting(scheduler, token_budget)`, the second half of `schedule()`:
+    the running requests already got their tokens this step and `token_budget` tokens are
+    left for newcomers.
 
-    - it needs `n = min(request.num_tokens - request.num_computed_tokens, token_budget)`
-      tokens this step (chunked prefill: a long prompt takes what is left of the budget and
-      continues next step);
-    - `scheduler.kv_cache_manager.allocate_slots(request, n)`; if that returns `None`,
-      stop (it waits at the head, and so does everyone behind it);
-    - otherwise take it off `waiting`, set its status to `RequestStatus.RUNNING`, append it
-      to `running`, and spend `n` of the budget.
+    - **Inputs**: `scheduler` (its `waiting` deque in arrival order, `running`,
+      `max_num_seqs`, `kv_cache_manager`); `token_budget >= 0`.
+    - **Output**: the `(request, n)` pairs admitted this step, in admission order; `n` is
+      how many of the request's tokens it computes now (with chunked prefill a long prompt
+      may take only part of what is left and continue next step).
+    - **Invariants** (the check compares them with the package's scheduler on many seeded
+      states): admission is FCFS, never skipping ahead; at most `max_num_seqs` requests
+      run; the admitted `n`s sum to at most `token_budget`, each `n >= 1`; every admitted
+      request has KV slots for its `n` tokens, is `RUNNING` and in `running` (appended, in
+      order), and nobody else's state changed.
+    - **Failure mode**: when the pool cannot hold the head's tokens (`allocate_slots`
+      returns `None`), nothing half-happens: the head and everyone behind it keep waiting.
 
-    Return the list of `(request, n)` pairs admitted, in order.
+    Worked example: budget 10, `max_num_seqs` 4, one request running; waiting A (prompt 6)
+    then B (prompt 12), the pool has room for both. Admitted: `[(A, 6), (B, 4)]`; B
+    continues next step with 8 tokens left; budget used up.
     """,
     """
     def schedule_waiting(scheduler, token_budget: int) -> list:
@@ -78,6 +83,20 @@ nb.exercise(
         ### END SOLUTION
     """,
     ["schedule_waiting"],
+)
+
+nb.cells.append(
+    _md(
+        """
+<details><summary>Hints for ex4.1 (open only if stuck)</summary>
+
+- One loop over the head of `scheduler.waiting` while there is budget, a free seat and a
+  request waiting; `n` is the smaller of its tokens still to compute and the budget.
+- Ask `scheduler.kv_cache_manager.allocate_slots(request, n)` before you touch any queue.
+</details>
+""",
+        "ex4-1-hints",
+    )
 )
 
 nb.exercise(

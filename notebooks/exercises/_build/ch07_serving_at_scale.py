@@ -39,7 +39,8 @@ for change, what in CHANGES.items():
 """)
 
 nb.exercise(
-    "ex7.1", "predict who runs, step by step (on paper first)",
+    "ex7.1",
+    "predict who runs, step by step (on paper first)",
     """
     Three requests (printed by the setup cell) are served by the vLLM-like policy on the
     simulated OPT-13B / A100-40GB with `max_num_batched_tokens = 8` and chunked prefill on;
@@ -73,7 +74,8 @@ nb.exercise(
 )
 
 nb.exercise(
-    "ex7.2", "the sustainable rate of a latency curve",
+    "ex7.2",
+    "the sustainable rate of a latency curve",
     """
     The paper's comparison reads each system's latency-vs-rate curve (Fig. 12) at a
     latency level and asks: up to which request rate does the system stay under it? The
@@ -114,14 +116,20 @@ nb.exercise(
     ["sustainable_rate"],
 )
 
-nb.cells.append(_md("""
+nb.cells.append(
+    _md(
+        """
 **Measure.** Once ex7.2 passes, the next cell sweeps the vLLM-like and the Orca (Oracle)-like
 policies on 100 ShareGPT-like requests and reads both curves with your function. Change the
 workload (`"alpaca"`), the factor, or `max_num_seqs` and compare designs of the
 experiment: which of your choices moves the ratio most?
-""", "ex7-2-measure-md"))
+""",
+        "ex7-2-measure-md",
+    )
+)
 
-measure = _code("""
+measure = _code(
+    """
 # Measure with your sustainable_rate (prints "finish ex7.2 first" until it is implemented).
 try:
     lengths = sample_requests("sharegpt", 100, 0)
@@ -135,12 +143,15 @@ try:
     print(f"ratio {measured['paged'] / measured['orca-oracle']:.2f}x")
 except NotImplementedError:
     print("finish ex7.2 first")
-""", "ex7-2-measure")
+""",
+    "ex7-2-measure",
+)
 measure.metadata["tags"] = ["nbval-ignore-output"]
 nb.cells.append(measure)
 
 nb.exercise(
-    "ex7.3", "why a speedup moves (predict, then the simulator judges)",
+    "ex7.3",
+    "why a speedup moves (predict, then the simulator judges)",
     """
     A speedup is a ratio of two systems in one setting. Take the capacity ratio of
     vLLM-like to Orca (Oracle)-like serving (throughput with a full queue, same memory) for
@@ -168,7 +179,8 @@ nb.exercise(
 )
 
 nb.exercise(
-    "ex7.4", "concept questions",
+    "ex7.4",
+    "concept questions",
     """
     Answer with a number or one of the given choices (strings exactly as written).
 
@@ -211,7 +223,6 @@ The simulator keeps the real scheduler and replaces only the model, so a speedup
 taken apart: what limits each system's batch (memory, `max_num_seqs`, the token budget),
 what the lengths make each system reserve, and at which latency level the ratio is read.
 """)
-
 
 
 def _unstore_outputs(path) -> None:
