@@ -61,6 +61,18 @@ no holes too small to use.
 block tables hold it (more than one once blocks are shared, chapter 06). Free blocks wait
 in `FreeKVCacheBlockQueue`, a doubly linked list: blocks are handed out from the front and
 returned at the back.
+
+**Contract card · block pool and free queue** (`minipaged.core.kv.block_pool.BlockPool`,
+`minipaged.core.kv.block.FreeKVCacheBlockQueue`; vLLM v1 `vllm/v1/core/block_pool.py`,
+`vllm/v1/core/kv_cache_utils.py`)
+
+| | |
+|---|---|
+| **inputs** | `get_new_blocks(n)`; `free_blocks(blocks)`, a request's blocks tail first; `touch(blocks)` to share blocks that other tables hold |
+| **outputs** | `get_new_blocks` returns `n` blocks with `ref_cnt == 1`, taken from the front of the free queue; `free_blocks` drops one reference from each block, and a block reaching 0 goes to the back of the queue |
+| **invariants** | the free queue holds exactly the blocks with `ref_cnt == 0`, each once; `ref_cnt` equals the number of tables holding the block; free + used = `num_blocks` (`check_invariants()`) |
+| **failure modes** | asking for more blocks than are free -> `ValueError`, nothing taken; a negative count -> `ValueError`; the silent ones: a block freed twice, or still in a table after it was freed, is handed to two requests that overwrite each other's K/V |
+| **hand-check** | the next cell: eight blocks, take three, take two, free the first three, and predict the queue before you run it |
 """)
 
 code(r"""
@@ -91,8 +103,20 @@ linked list rather than a `deque` because a cached block must be pulled out of t
 ## 3. On-demand allocation
 
 `KVCacheManager.allocate_slots(request, num_new_tokens)` makes room for more tokens of one
-request and returns the blocks it had to take (often none). Watch one request with a
-5-token prompt decode 8 tokens, with blocks of 4:
+request and returns the blocks it had to take (often none).
+
+**Contract card · the KV-cache manager** (`minipaged.core.kv.kv_cache_manager.KVCacheManager`;
+vLLM v1 `vllm/v1/core/kv_cache_manager.py`)
+
+| | |
+|---|---|
+| **inputs** | a request (or its id) and `num_new_tokens > 0`: the tokens this step will write |
+| **outputs** | the blocks newly taken for it (often `[]`), appended to its `BlockTable`; `None` if the pool cannot hold them; `free(request)` gives every block of its table back |
+| **invariants** | it alone counts blocks; after each call `len(block_table) == ceil(num_tokens / block_size)` for every request, so at most `block_size - 1` slots per request are empty; the pool's invariants hold (`check_invariants()`) |
+| **failure modes** | pool exhausted -> `None` and nothing half-allocated: the scheduler decides whom to preempt; a request needing more blocks than the whole pool, or `num_new_tokens <= 0` -> `ValueError`; the silent one: a table shorter than its tokens, whose next write lands in someone else's block |
+| **hand-check** | the next cell: one request with a 5-token prompt decodes 8 tokens, blocks of 4; the empty slots are asserted below `block_size` at every step |
+
+Watch it:
 """)
 
 code(r"""
@@ -116,8 +140,9 @@ wasted up to `max_model_len - 1` per request.
 
 ## 4. Slot mapping, by hand first
 
-Twelve blocks of 4 slots, three requests. Work out the block tables and slots on paper
-before running anything. The free queue starts as 0, 1, ..., 11.
+The block table and the slot formula have their contract card in chapter 00; here is its
+hand-check at full size. Twelve blocks of 4 slots, three requests. Work out the block
+tables and slots on paper before running anything. The free queue starts as 0, 1, ..., 11.
 
 | # | event | tables after it | free queue (front first) |
 |---|---|---|---|
