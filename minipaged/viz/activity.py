@@ -150,6 +150,33 @@ def _spark(v: int, top: int) -> str:
     return SPARK[max(1, min(8, round(8 * v / top)))]
 
 
+def _limit_line(ax, run_max: float, limit: int, name: str) -> None:
+    """Scale a strip to the run's own maximum; draw the configured limit where it fits."""
+    top = max(run_max, 1) * 1.25
+    ax.set_ylim(0, top)
+    if limit <= top:
+        ax.axhline(limit, color=palette.BLACK, linestyle="--", linewidth=1.0)
+        ax.text(
+            1.0,
+            limit,
+            f"{name} {limit}",
+            transform=ax.get_yaxis_transform(),
+            ha="right",
+            va="bottom",
+            fontsize=7,
+        )
+    else:  # NOTE: a run far below its limit would otherwise draw bars one pixel high
+        ax.text(
+            1.0,
+            1.0,
+            f"{name} {limit} (above this scale)",
+            transform=ax.transAxes,
+            ha="right",
+            va="top",
+            fontsize=7,
+        )
+
+
 def timeline_text(trace: EngineTrace, *, width: int = 100, cursor: Optional[int] = None) -> str:
     """The timeline, one character per step, wrapped every ``width`` steps.
 
@@ -318,36 +345,21 @@ def draw_timeline(
 
     # strips: sequences in the batch, tokens of the budget
     _bars(ax_s, c.running, np.zeros(n), palette.BLUISH_GREEN)
-    ax_s.axhline(c.max_num_seqs, color=palette.BLACK, linestyle="--", linewidth=1.0)
-    ax_s.set_ylim(0, c.max_num_seqs * 1.25)
+    _limit_line(ax_s, max(c.running), c.max_num_seqs, "max_num_seqs")
     ax_s.set_ylabel("seqs", rotation=0, ha="right", va="center")
     ax_s.yaxis.set_major_locator(MaxNLocator(3, integer=True))
-    ax_s.text(
-        1.0,
-        c.max_num_seqs,
-        f"max_num_seqs {c.max_num_seqs}",
-        transform=ax_s.get_yaxis_transform(),
-        ha="right",
-        va="bottom",
-        fontsize=7,
-    )
     ax_s.tick_params(axis="x", labelbottom=False)
 
     _bars(ax_t, c.prefill_tokens, np.zeros(n), palette.STATE_COLORS["prefill"])
     _bars(ax_t, c.decode_tokens, np.asarray(c.prefill_tokens, dtype=float), palette.STATE_COLORS["decode"])
-    ax_t.axhline(c.max_num_batched_tokens, color=palette.BLACK, linestyle="--", linewidth=1.0)
-    ax_t.set_ylim(0, c.max_num_batched_tokens * 1.25)
+    _limit_line(
+        ax_t,
+        max(p + d for p, d in zip(c.prefill_tokens, c.decode_tokens)),
+        c.max_num_batched_tokens,
+        "max_num_batched_tokens",
+    )
     ax_t.set_ylabel("tokens", rotation=0, ha="right", va="center")
     ax_t.yaxis.set_major_locator(MaxNLocator(3, integer=True))
-    ax_t.text(
-        1.0,
-        c.max_num_batched_tokens,
-        f"max_num_batched_tokens {c.max_num_batched_tokens}",
-        transform=ax_t.get_yaxis_transform(),
-        ha="right",
-        va="bottom",
-        fontsize=7,
-    )
     ax_t.xaxis.set_major_locator(MaxNLocator(min(n, 20), integer=True))
     ax_t.set_xlabel("engine step")
     for a in (ax_s, ax_t):
