@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
@@ -206,3 +207,30 @@ def expect_invariants(what: str, obj: Any) -> None:
         obj.check_invariants()
     except AssertionError as e:
         raise Mismatch(f"{what}: invariant broken: {e}") from None
+
+
+def check_concept_questions(exercise_id: str, concept_answers: Any, key: dict) -> None:
+    """The concept-questions check every exercise notebook ends with.
+
+    ``key`` maps a question id to (what is asked, the answer, ``"choice"`` or a relative
+    tolerance). A wrong choice is named without revealing the key."""
+    require_callable(exercise_id, concept_answers, "concept_answers")
+
+    def run_one(qid):
+        answers = concept_answers()
+        if not isinstance(answers, dict):
+            raise Mismatch(f"concept_answers() must return a dict, got {type(answers).__name__}")
+        _, answer, how = key[qid]
+        got = answers.get(qid)
+        if how == "choice":
+            if got != answer:
+                raise Mismatch(f"{qid}: {got!r} is not right")
+            return
+        try:
+            ok = math.isclose(float(got), answer, rel_tol=how, abs_tol=1e-9)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise Mismatch(f"{qid}: {got!r} is not right" + (f" (within {how:.0%})" if how else ""))
+
+    run_cases(exercise_id, list(key), run_one, describe=lambda q: f"{q}: {key[q][0]}")

@@ -26,6 +26,7 @@ import random
 from minipaged.checks._harness import (
     ExerciseFailure,
     Mismatch,
+    check_concept_questions,
     exercise,
     expect_equal,
     expect_raises,
@@ -290,39 +291,9 @@ CONCEPT_KEY = {
 }
 
 
-def _answer_check(concept_answers, key: dict):
-    """``run_one`` for a concept-questions check: ``key`` maps a question id to (what is
-    asked, the answer, "choice" or a relative tolerance). Never reveals a choice's key."""
-
-    def run_one(qid):
-        answers = concept_answers()
-        if not isinstance(answers, dict):
-            raise Mismatch(f"concept_answers() must return a dict, got {type(answers).__name__}")
-        _, answer, how = key[qid]
-        got = answers.get(qid)
-        if how == "choice":
-            if got != answer:
-                raise Mismatch(f"{qid}: {got!r} is not right")
-            return
-        try:
-            ok = math.isclose(float(got), answer, rel_tol=how, abs_tol=1e-9)
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise Mismatch(f"{qid}: {got!r} is not right" + (f" (within {how:.0%})" if how else ""))
-
-    return run_one
-
-
 @exercise(CHECKS, "ex0.5", "concept questions (numbers and choices)")
 def check_concept_answers(concept_answers) -> None:
-    require_callable("ex0.5", concept_answers, "concept_answers")
-    run_cases(
-        "ex0.5",
-        list(CONCEPT_KEY),
-        _answer_check(concept_answers, CONCEPT_KEY),
-        describe=lambda q: f"{q}: {CONCEPT_KEY[q][0]}",
-    )
+    check_concept_questions("ex0.5", concept_answers, CONCEPT_KEY)
 
 
 __all__ = [

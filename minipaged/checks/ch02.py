@@ -21,6 +21,7 @@ import random
 
 from minipaged.checks._harness import (
     Mismatch,
+    check_concept_questions,
     exercise,
     expect_equal,
     expect_invariants,
@@ -488,11 +489,7 @@ def _concept_key():
 
 @exercise(CHECKS, "ex2.7", "concept questions (numbers and choices)")
 def check_concept_answers(concept_answers) -> None:
-    require_callable("ex2.7", concept_answers, "concept_answers")
-    from minipaged.checks.ch00 import _answer_check
-
-    key = _concept_key()
-    run_cases("ex2.7", list(key), _answer_check(concept_answers, key), describe=lambda q: f"{q}: {key[q][0]}")
+    check_concept_questions("ex2.7", concept_answers, _concept_key())
 
 
 __all__ = [

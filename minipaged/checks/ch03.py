@@ -36,6 +36,7 @@ import torch
 from minipaged.checks._harness import (
     ExerciseFailure,
     Mismatch,
+    check_concept_questions,
     exercise,
     expect_true,
     require_callable,
@@ -508,15 +509,7 @@ CONCEPT_KEY = {
 
 @exercise(CHECKS, "ex3.7", "concept questions (numbers and choices)")
 def check_concept_answers(concept_answers) -> None:
-    require_callable("ex3.7", concept_answers, "concept_answers")
-    from minipaged.checks.ch00 import _answer_check
-
-    run_cases(
-        "ex3.7",
-        list(CONCEPT_KEY),
-        _answer_check(concept_answers, CONCEPT_KEY),
-        describe=lambda q: f"{q}: {CONCEPT_KEY[q][0]}",
-    )
+    check_concept_questions("ex3.7", concept_answers, CONCEPT_KEY)
 
 
 __all__ = ["CHECKS", "launch_decode_kernel", "split_kv_partials"]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import random
 
 from minipaged.checks._harness import (
+    check_concept_questions,
     exercise,
     expect_equal,
     expect_true,
@@ -407,11 +408,7 @@ def _concept_key():
 
 @exercise(CHECKS, "ex4.6", "concept questions (numbers and choices)")
 def check_concept_answers(concept_answers) -> None:
-    require_callable("ex4.6", concept_answers, "concept_answers")
-    from minipaged.checks.ch00 import _answer_check
-
-    key = _concept_key()
-    run_cases("ex4.6", list(key), _answer_check(concept_answers, key), describe=lambda q: f"{q}: {key[q][0]}")
+    check_concept_questions("ex4.6", concept_answers, _concept_key())
 
 
 __all__ = ["CHECKS", "PREDICT_KNOBS", "PREDICT_REQUESTS", "SERVE_WORKLOAD", "compare_snapshots"]

@@ -35,6 +35,7 @@ from typing import Optional
 
 from minipaged.checks._harness import (
     Mismatch,
+    check_concept_questions,
     exercise,
     expect_equal,
     expect_invariants,
@@ -594,15 +595,7 @@ CONCEPT_KEY = {
 
 @exercise(CHECKS, "ex6.7", "concept questions (numbers and choices)")
 def check_concept_answers(concept_answers) -> None:
-    require_callable("ex6.7", concept_answers, "concept_answers")
-    from minipaged.checks.ch00 import _answer_check
-
-    run_cases(
-        "ex6.7",
-        list(CONCEPT_KEY),
-        _answer_check(concept_answers, CONCEPT_KEY),
-        describe=lambda q: f"{q}: {CONCEPT_KEY[q][0]}",
-    )
+    check_concept_questions("ex6.7", concept_answers, CONCEPT_KEY)
 
 
 __all__ = [

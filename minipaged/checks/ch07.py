@@ -25,6 +25,7 @@ import random
 from minipaged.checks._harness import (
     ExerciseFailure,
     Mismatch,
+    check_concept_questions,
     exercise,
     expect_raises,
     require_callable,
@@ -246,26 +247,7 @@ CONCEPT_KEY = {
 
 @exercise(CHECKS, "ex7.4", "concept questions (numbers and choices)")
 def check_concept_answers(concept_answers) -> None:
-    require_callable("ex7.4", concept_answers, "concept_answers")
-
-    def run_one(qid):
-        answers = concept_answers()
-        if not isinstance(answers, dict):
-            raise Mismatch(f"concept_answers() must return a dict, got {type(answers).__name__}")
-        _, key, how = CONCEPT_KEY[qid]
-        got = answers.get(qid)
-        if how == "choice":
-            if got != key:
-                raise Mismatch(f"{qid}: {got!r} is not right")
-            return
-        try:
-            ok = math.isclose(float(got), key, rel_tol=how, abs_tol=1e-9)
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise Mismatch(f"{qid}: {got!r} is not right" + (f" (within {how:.0%})" if how else ""))
-
-    run_cases("ex7.4", list(CONCEPT_KEY), run_one, describe=lambda q: f"{q}: {CONCEPT_KEY[q][0]}")
+    check_concept_questions("ex7.4", concept_answers, CONCEPT_KEY)
 
 
 __all__ = [
