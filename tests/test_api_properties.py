@@ -16,52 +16,20 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from _tiny_llama import EOS, MAX_POS, VOCAB, make_tiny_llama
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from minipaged import LLM, SamplingParams
 from minipaged.config import EngineConfig
 
-VOCAB = 128
-MAX_POS = 64
-EOS = 2
-WORDS = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, VOCAB)}}
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     from minipaged.model.loader import load_model
 
-    torch.manual_seed(0)
     torch.set_num_threads(1)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_POS,
-        bos_token_id=1,
-        eos_token_id=EOS,
-        pad_token_id=0,
-    )
-    hf = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() > 1:
-                p.mul_(4.0)
-    path = tmp_path_factory.mktemp("prop_llama")
-    hf.save_pretrained(path)
-    tk = Tokenizer(models.WordLevel(WORDS, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
-    ).save_pretrained(path)
-    return load_model(str(path))
+    return load_model(make_tiny_llama(tmp_path_factory.mktemp("prop_llama")))
 
 
 @pytest.fixture
