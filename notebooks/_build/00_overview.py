@@ -301,4 +301,23 @@ uses.
 **Next**: chapter 01 measures the KV cache.
 """)
 
+md(r"""
+## Readings
+
+* **The paper**: Kwon et al., "Efficient Memory Management for Large Language Model Serving
+  with PagedAttention" (SOSP 2023). §1 Introduction, §2 Background (2.1 transformers,
+  2.2 autoregressive generation, 2.3 batching), and §4 Method's overview (Fig. 4: the
+  scheduler, the KV cache manager, the workers): this chapter's engine in one figure.
+* **Orca** (Yu et al., OSDI 2022): iteration-level scheduling, the idea behind "scheduling".
+* The engine step, schedule → execute → update: vLLM v1 `vllm/v1/engine/core.py`
+  (`EngineCore.step`) ↔ `minipaged/engine/llm_engine.py`; the paper's v0.2:
+  `vllm/engine/llm_engine.py` (`LLMEngine.step`).
+* The three ideas' homes in vLLM v1: `vllm/v1/core/kv_cache_manager.py` ↔
+  `minipaged/core/kv/kv_cache_manager.py`, `vllm/v1/core/sched/scheduler.py` ↔
+  `minipaged/core/sched/scheduler.py`, `vllm/v1/worker/gpu_model_runner.py` ↔
+  `minipaged/engine/model_runner.py`.
+* The user's side (v1): `vllm/entrypoints/llm.py` (`LLM.generate`) and
+  `vllm/sampling_params.py` ↔ `minipaged/engine/llm.py`, `minipaged/sampling_params.py`.
+""")
+
 write("00_overview", "engine run" if ENGINE else "scheduler + fake model run")

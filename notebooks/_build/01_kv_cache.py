@@ -378,4 +378,22 @@ md(r"""
 **Next**: chapter 02 opens the paged allocator: blocks, block tables, and slot mapping.
 """)
 
+md(r"""
+## Readings
+
+* **The paper** (Kwon et al., SOSP 2023): §2.1–2.2 (K and V, the prompt phase and the
+  generation phase); §3 Memory Challenges in LLM Serving (OPT-13B's 800 KB per token) and
+  §3.1 Memory Management in Existing Systems (reservation, internal and external
+  fragmentation); Fig. 2, measured in the §6.2 runs.
+* The Orca baselines (Max, Pow2, Oracle) are the paper's own re-implementations: §6.1
+  Experimental Setup. No vLLM file: `minipaged/core/kv/contiguous.py`,
+  `minipaged/sim/memory_waste.py`.
+* Bytes per block in vLLM v1: `vllm/v1/kv_cache_interface.py` (`AttentionSpec.page_size_bytes`);
+  how many blocks fit: `vllm/v1/core/kv_cache_utils.py` (`check_enough_kv_cache_memory`) ↔
+  `minipaged/sim/cost_model.py`.
+* The cache tensors themselves: v1 `vllm/v1/worker/gpu_model_runner.py`
+  (`initialize_kv_cache`); the paper's v0.2 `vllm/worker/cache_engine.py` ↔
+  `minipaged/engine/model_runner.py` (`allocate_kv_caches` in `minipaged/model/layers.py`).
+""")
+
 write("01_kv_cache")

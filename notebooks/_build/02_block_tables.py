@@ -367,4 +367,23 @@ md(r"""
 **Next**: chapter 03 reads the cache *through* the block table: the PagedAttention kernel.
 """)
 
+md(r"""
+## Readings
+
+* **The paper** (Kwon et al., SOSP 2023): §4.1 PagedAttention (KV blocks), §4.2 KV Cache
+  Manager (logical and physical blocks, the block table), §4.3 Decoding with PagedAttention
+  and vLLM (blocks allocated on demand), §7.2 Impact of Block Size.
+* The paper's v0.2: `vllm/block.py` (`LogicalTokenBlock`, `PhysicalTokenBlock`) and
+  `vllm/core/block_manager.py` (`BlockAllocator`, `BlockSpaceManager`; renamed
+  `block_manager_v1.py` in v0.4).
+* vLLM v1, the block and the free queue: `vllm/v1/core/kv_cache_utils.py` (`KVCacheBlock`,
+  `FreeKVCacheBlockQueue`) ↔ `minipaged/core/kv/block.py`.
+* The pool: `vllm/v1/core/block_pool.py` (`get_new_blocks`, `free_blocks`) ↔
+  `minipaged/core/kv/block_pool.py`.
+* All or nothing: `vllm/v1/core/kv_cache_manager.py` (`allocate_slots`) ↔
+  `minipaged/core/kv/kv_cache_manager.py`.
+* Slot mapping on the worker: `vllm/v1/worker/block_table.py` (`BlockTable`) ↔
+  `minipaged/core/kv/block_table.py`.
+""")
+
 write("02_block_tables")

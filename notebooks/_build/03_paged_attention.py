@@ -486,4 +486,26 @@ The paper found 16-128 work well and picked 16 as vLLM's default.
 Next, chapter 04: continuous batching, the scheduler that rebuilds the batch every step.
 """)
 
+md(r"""
+## Readings
+
+* **The paper** (Kwon et al., SOSP 2023): §4.1 PagedAttention (attention block by block),
+  §5.1 Kernel-level Optimization (fused reshape and block write, fusing block read and
+  attention, fused block copy), §7.1 Kernel Microbenchmark (the price of the block table).
+* The PagedAttention V1 kernel as the paper shipped it (v0.2):
+  `csrc/attention/attention_kernels.cu`; later split into
+  `csrc/attention/attention_kernels.cuh`, `csrc/attention/paged_attention_v1.cu` and
+  `csrc/attention/paged_attention_v2.cu` ↔ `minipaged/kernels/paged_attention.py`,
+  reference `minipaged/kernels/reference.py`.
+* Writing and copying blocks: `csrc/cache_kernels.cu` (`reshape_and_cache`, `copy_blocks`,
+  `swap_blocks`) ↔ `minipaged/kernels/cache_ops.py`.
+* vLLM v1 the engine: `vllm/v1/attention/backends/triton_attn.py` calls
+  `vllm/v1/attention/ops/triton_unified_attention.py` (one Triton kernel over the block
+  table, long contexts in segments merged by `reduce_segments`);
+  `vllm/v1/attention/backends/flash_attn.py` (FlashAttention with a block table).
+* **FlashAttention** (Dao et al., NeurIPS 2022): the online softmax over tiles.
+  **Flash-Decoding** (Dao, Haziza, Massa, Sizov, 2023): split the KV sequence, merge the
+  partial results, as the V2 kernel and section 4 do.
+""")
+
 write("03_paged_attention")

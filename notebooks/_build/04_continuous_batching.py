@@ -540,4 +540,23 @@ md(r"""
   happens when memory runs out (preemption by recompute or swap).
 """)
 
+md(r"""
+## Readings
+
+* **Orca** (Yu et al., OSDI 2022): iteration-level scheduling and selective batching, the
+  continuous batching of this chapter.
+* **The paper** (Kwon et al., SOSP 2023): §2.3 Batching Techniques for LLMs; §4.5 Scheduling
+  and Preemption (first come, first served); §6.2 Basic Sampling (the gain over Orca, and
+  why: Fig. 13's batch sizes).
+* The paper's v0.2: `vllm/core/scheduler.py` (`Scheduler._schedule`) and
+  `vllm/engine/llm_engine.py` (`step`).
+* vLLM v1: `vllm/v1/core/sched/scheduler.py` (`schedule`, `update_from_output`) ↔
+  `minipaged/core/sched/scheduler.py`; `vllm/v1/core/sched/output.py` (`SchedulerOutput`) ↔
+  `minipaged/core/sched/output.py`; `vllm/v1/request.py` ↔ `minipaged/core/sched/request.py`.
+* The loop around it: `vllm/v1/engine/core.py` (`EngineCore.step`) ↔
+  `minipaged/engine/llm_engine.py`.
+* The baselines have no vLLM file: `minipaged/core/sched/static.py` (static batching),
+  `minipaged/core/sched/orca.py` (Orca over contiguous reservation).
+""")
+
 write("04_continuous_batching")

@@ -585,4 +585,20 @@ Next: chapter 06 shares blocks between sequences (parallel sampling, beam search
 with copy-on-write.
 """)
 
+md(r"""
+## Readings
+
+* **The paper** (Kwon et al., SOSP 2023): §4.5 Scheduling and Preemption (all-or-nothing
+  eviction, swapping, recomputation); §7.3 Comparing Recomputation and Swapping (Fig. 19).
+* **Sarathi-Serve** (Agrawal et al., OSDI 2024): chunked prefill and stall-free batching
+  under a token budget; vLLM v1 keeps chunked prefill always on.
+* The paper's v0.2: `vllm/core/scheduler.py` (`_preempt`, `_preempt_by_recompute`,
+  `_preempt_by_swap`) ↔ `minipaged/core/sched/swap.py`, `minipaged/core/sched/admission.py`;
+  the block copies of a swap: `vllm/worker/cache_engine.py` (`swap_in`, `swap_out`) ↔
+  `minipaged/kernels/cache_ops.py` (`swap_blocks`).
+* vLLM v1: `vllm/v1/core/sched/scheduler.py` (`schedule`: the token budget
+  `max_num_batched_tokens`, `_preempt_request`) ↔ `minipaged/core/sched/scheduler.py`.
+* The waiting queue (FCFS or priority): `vllm/v1/core/sched/request_queue.py`.
+""")
+
 write("05_scheduling")

@@ -547,4 +547,22 @@ md(r"""
   and most of the prefill for few-shot prompts (`minipaged sharing`).
 """)
 
+md(r"""
+## Readings
+
+* **The paper** (Kwon et al., SOSP 2023): §4.4 Application to Other Decoding Scenarios
+  (parallel sampling, beam search, shared prefix); §5.2 Supporting Various Decoding
+  Algorithms (fork, append, free); §6.3 Parallel Sampling and Beam Search; §6.4 Shared prefix.
+* The paper's v0.2: `vllm/core/block_manager.py` (`fork`, copy-on-write in `append_slot`)
+  and `vllm/sequence.py` (`SequenceGroup`) ↔ `minipaged/core/kv/kv_cache_manager.py`
+  (`fork`), `minipaged/core/sched/groups.py`, `minipaged/engine/beam_search.py`.
+* vLLM v1, prefix caching: `vllm/v1/core/kv_cache_utils.py` (`hash_block_tokens`) ↔
+  `minipaged/core/kv/block.py`; `vllm/v1/core/block_pool.py` (`cache_full_blocks`,
+  `get_cached_block`, `touch`) ↔ `minipaged/core/kv/block_pool.py`.
+* The lookup: `vllm/v1/core/kv_cache_manager.py` (`get_computed_blocks`) ↔
+  `minipaged/core/kv/kv_cache_manager.py`.
+* `n > 1` in v1 as child requests: `vllm/v1/engine/parallel_sampling.py` (`ParentRequest`).
+* **SGLang** (Zheng et al., NeurIPS 2024): RadixAttention, prefix sharing in a radix tree.
+""")
+
 write("06_sharing")

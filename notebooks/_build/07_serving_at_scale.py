@@ -555,4 +555,20 @@ numbers of one process on a shared machine; a GPU splits the same step very diff
   latency target all move it.
 """)
 
+md(r"""
+## Readings
+
+* **The paper** (Kwon et al., SOSP 2023): §6.1 Experimental Setup (models, ShareGPT and
+  Alpaca traces, the Orca and FasterTransformer baselines, normalized latency); §6.2 Basic
+  Sampling (Fig. 12); §7.2 Impact of Block Size (Fig. 18b); §4.6 Distributed Execution
+  (how OPT-66B and OPT-175B span GPUs).
+* **Orca** (Yu et al., OSDI 2022): the system the baselines re-implement:
+  `minipaged/core/sched/orca.py` over `minipaged/core/kv/contiguous.py`.
+* The policy the simulator runs is vLLM v1's `vllm/v1/core/sched/scheduler.py` ↔
+  `minipaged/core/sched/scheduler.py`; the clock and the GPU: `minipaged/sim/simulator.py`,
+  `minipaged/sim/cost_model.py` (no vLLM counterpart).
+* Measuring a server: vLLM's `vllm/benchmarks/serve.py` (`vllm bench serve`) ↔
+  `minipaged/bench/serving.py`.
+""")
+
 write("07_serving_at_scale")
