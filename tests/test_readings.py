@@ -34,7 +34,7 @@ PATH = re.compile(r"`((?:minipaged|vllm|csrc)/[A-Za-z0-9_./]*)`")
 # The paper's vLLM (v0.2-era vllm-project/vllm), checked by hand; v1 removed or rewrote them.
 V0_PATHS = {
     "vllm/block.py",  # LogicalTokenBlock, PhysicalTokenBlock
-    "vllm/core/block_manager.py",  # BlockAllocator, BlockSpaceManager (block_manager_v1.py from v0.4)
+    "vllm/core/block_manager.py",  # BlockAllocator, BlockSpaceManager (later renamed block_manager_v1.py)
     "vllm/core/scheduler.py",  # Scheduler._schedule, _preempt_by_recompute, _preempt_by_swap
     "vllm/engine/llm_engine.py",  # LLMEngine.step
     "vllm/sequence.py",  # SequenceGroup

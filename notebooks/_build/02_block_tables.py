@@ -374,8 +374,8 @@ md(r"""
   Manager (logical and physical blocks, the block table), §4.3 Decoding with PagedAttention
   and vLLM (blocks allocated on demand), §7.2 Impact of Block Size.
 * The paper's v0.2: `vllm/block.py` (`LogicalTokenBlock`, `PhysicalTokenBlock`) and
-  `vllm/core/block_manager.py` (`BlockAllocator`, `BlockSpaceManager`; renamed
-  `block_manager_v1.py` in v0.4).
+  `vllm/core/block_manager.py` (`BlockAllocator`, `BlockSpaceManager`; later renamed
+  `block_manager_v1.py`, when a second block manager was added).
 * vLLM v1, the block and the free queue: `vllm/v1/core/kv_cache_utils.py` (`KVCacheBlock`,
   `FreeKVCacheBlockQueue`) ↔ `minipaged/core/kv/block.py`.
 * The pool: `vllm/v1/core/block_pool.py` (`get_new_blocks`, `free_blocks`) ↔
