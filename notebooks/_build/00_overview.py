@@ -280,6 +280,8 @@ md(r"""
 | **05 scheduling** | scheduling | token budget and chunked prefill; memory pressure; recompute vs swap; thrash and head-of-line blocking |
 | **06 sharing** | addressing | copy-on-write forks for parallel sampling and beam search; prefix caching |
 | **07 serving at scale** | all three | a simulator running the real scheduler on a GPU cost model: the paper's experiments |
+| **08 vLLM today** | scheduling, addressing | the paper (vLLM v0) beside vLLM v1, each pair run on one workload: admission, preemption (swap vs recompute), chunked prefill with one token budget, fork vs child requests over the prefix cache, prefix caching; what came after the paper |
+| **09 live server** | all three | `minipaged serve` behind the OpenAI API: requests arriving at Poisson times, streaming, hang-ups, the live trace and `/metrics`; its exercise, a classroom on one server, is in the chapter |
 | **exercises/** | | one notebook per chapter 00–07: predict, build and measure, graded automatically |
 
 `docs/course_path.md` lays the chapters and exercises out week by week, with concept
