@@ -21,7 +21,8 @@ Failure mode
     a bad value raises ``ValueError`` naming the argument: also, at construction,
     ``attention_backend="triton"`` with a ``block_size`` the Triton kernel cannot address (a
     power of two in 1..256, ``minipaged/kernels/paged_attention.py``) or without Triton
-    installed; and in ``num_blocks_for``, before anything is allocated, a KV cache (device
+    installed, or ``attention_backend="cpu"`` off the CPU, outside float32 or without a C
+    compiler that builds its kernel; and in ``num_blocks_for``, before anything is allocated, a KV cache (device
     pool + CPU swap pool) larger than the memory available (``available_memory``: the
     host's MemAvailable and cgroup limit, or ``torch.cuda.mem_get_info``). Pure Python: torch
     is imported only to ask a CUDA device's free memory, so the CLI and the simulator can
@@ -40,7 +41,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 # "fork" = the paper's sequence group (prefill once, fork with copy-on-write)
 PARALLEL_SAMPLING = ("prefix", "fork")
 SCHEDULING_POLICIES = ("continuous", "static")
-ATTENTION_BACKENDS = ("torch", "triton")
+# "auto" is resolved when the config is built (``best_attention_backend``) to one of the others.
+ATTENTION_BACKENDS = ("torch", "triton", "cpu", "auto")
 DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 DEFAULT_KV_CACHE_MEMORY = 64 * 1024 * 1024  # 64 MiB: ample for the course model on a CPU
@@ -109,6 +111,21 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def best_attention_backend(device: str = "cpu", dtype: str = "float32") -> str:
+    """What ``attention_backend="auto"`` means on ``device``: "triton" on a GPU with Triton
+    installed; "cpu" (the C decode kernel) on a CPU in float32 when a C compiler builds it;
+    else "torch", the readable reference that runs everywhere."""
+    kind = device.split(":")[0]
+    if kind == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    if kind == "cpu" and dtype == "float32":
+        from minipaged.kernels import cpu as cpu_kernels
+
+        if cpu_kernels.available():
+            return "cpu"
+    return "torch"
+
+
 @dataclass
 class EngineConfig:
     model: Optional[str] = None  # None -> the shipped course model
@@ -130,6 +147,16 @@ class EngineConfig:
     parallel_sampling: str = "prefix"  # how n > 1 shares the prompt (PARALLEL_SAMPLING)
 
     def __post_init__(self) -> None:
+        if self.attention_backend == "auto" and isinstance(self.device, str) and self.dtype in DTYPES:
+            backend = best_attention_backend(self.device, self.dtype)
+            bs = self.block_size
+            if (
+                backend == "triton"
+                and _is_int(bs)
+                and (bs < 1 or bs > TRITON_MAX_BLOCK_SIZE or bs & (bs - 1))
+            ):
+                backend = "torch"  # a block size the Triton kernel cannot address
+            self.attention_backend = backend
         self.check_invariants()
 
     def check_invariants(self) -> None:
@@ -171,6 +198,16 @@ class EngineConfig:
                 )
             if importlib.util.find_spec("triton") is None:
                 raise ValueError("attention_backend='triton' needs Triton installed (pip install triton)")
+        if self.attention_backend == "cpu":
+            if self.device.split(":")[0] != "cpu" or self.dtype != "float32":
+                raise ValueError(
+                    "attention_backend='cpu' runs float32 on the CPU (device='cpu', dtype='float32'), "
+                    f"got device={self.device!r}, dtype={self.dtype!r}"
+                )
+            from minipaged.kernels import cpu as cpu_kernels
+
+            if not cpu_kernels.available():
+                raise ValueError(f"attention_backend='cpu' is unavailable here: {cpu_kernels.build_error()}")
 
     # -- derived -------------------------------------------------------------------
     def num_blocks_for(self, bytes_per_block: int) -> int:

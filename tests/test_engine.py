@@ -306,12 +306,24 @@ def hf_greedy(hf, prompt, max_new_tokens):
 HF_PROMPTS = _prompts(7, 6, max_len=20, V=VOCAB)
 
 
+def _backends():
+    """The attention backends every greedy-equality test runs under: torch, and the C kernel
+    where a compiler builds it (Triton has its own, shorter test below: its interpreter is slow)."""
+    from minipaged.kernels import cpu
+
+    return [
+        "torch",
+        pytest.param("cpu", marks=pytest.mark.skipif(not cpu.available(), reason="no C compiler")),
+    ]
+
+
+@pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gpt2"])
-def test_greedy_equals_transformers(tiny_checkpoints, kind):
+def test_greedy_equals_transformers(tiny_checkpoints, kind, backend):
     from minipaged import LLM
 
     path, hf = tiny_checkpoints[kind]
-    llm = LLM(model=path, block_size=4, num_blocks=64)
+    llm = LLM(model=path, block_size=4, num_blocks=64, attention_backend=backend)
     outs = llm.generate(HF_PROMPTS, SamplingParams(temperature=0.0, max_tokens=HF_MAX_TOKENS), use_tqdm=False)
     for p, o in zip(HF_PROMPTS, outs):
         assert o.prompt_token_ids == p
@@ -334,12 +346,13 @@ def llama_reference(tiny_checkpoints):
     return path, [hf_greedy(hf, p, HF_MAX_TOKENS) for p in HF_PROMPTS]
 
 
+@pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("variant", list(SCHEDULING_VARIANTS))
-def test_scheduling_variants_give_the_same_tokens(llama_reference, variant):
+def test_scheduling_variants_give_the_same_tokens(llama_reference, variant, backend):
     from minipaged import LLM
 
     path, want = llama_reference
-    llm = LLM(model=path, **SCHEDULING_VARIANTS[variant])
+    llm = LLM(model=path, attention_backend=backend, **SCHEDULING_VARIANTS[variant])
     outs = llm.generate(HF_PROMPTS, SamplingParams(temperature=0.0, max_tokens=HF_MAX_TOKENS), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     steps = llm.trace.steps
@@ -369,7 +382,8 @@ def test_triton_backend_equals_torch_backend(llama_reference):
     assert [o.outputs[0].token_ids for o in outs] == [w[:3] for w in want[:2]]
 
 
-def test_course_model_greedy_equals_transformers():
+@pytest.mark.parametrize("backend", _backends())
+def test_course_model_greedy_equals_transformers(backend):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from minipaged import LLM
@@ -378,7 +392,7 @@ def test_course_model_greedy_equals_transformers():
     hf = AutoModelForCausalLM.from_pretrained(COURSE_MODEL_DIR).eval()
     tok = AutoTokenizer.from_pretrained(COURSE_MODEL_DIR)
     prompts = ["Once upon a time", "The little dog", "One day, a girl named Lily went"]
-    llm = LLM(block_size=16)
+    llm = LLM(block_size=16, attention_backend=backend)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
     for p, o in zip(prompts, outs):
         ids = tok(p)["input_ids"]

@@ -55,10 +55,12 @@ Failure mode
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Optional
 
 from minipaged.bench.result import ServeResult
@@ -98,7 +100,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=positive_int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton", "cpu"],
+        help="minipaged's attention for (a) and (b); auto = the fastest that runs here "
+        "(cpu: the C kernel; cuda: triton), see minipaged.config.best_attention_backend",
+    )
     parser.add_argument(
         "--threads",
         type=non_negative_int,
@@ -124,6 +132,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--profile", action="store_true", help="also profile one step at --max-num-seqs running sequences"
+    )
+    parser.add_argument(
+        "--save-profile",
+        metavar="JSON",
+        default=None,
+        help="with --profile: write the forward breakdowns (each attention backend) to this file, "
+        "and their bar chart next to it as .png",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -279,6 +294,10 @@ def run_benchmark(
         raise ValueError(f"num_requests must be a positive int, got {num_requests!r}")
     if not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads must be >= 0 (0 = torch's default), got {threads!r}")
+    if attention_backend == "auto":
+        from minipaged.config import best_attention_backend
+
+        attention_backend = best_attention_backend(device)
     if dtype != "float32":
         raise ValueError(
             f"dtype must be 'float32' (greedy outputs are compared across systems), got {dtype!r}"
@@ -482,6 +501,7 @@ def _measure(
         "model": label,
         "model_params_m": round(num_params / 1e6, 2),
         "device": device,
+        "attention_backend": attention_backend,
         "torch_threads": torch.get_num_threads(),
         "kv_cache": {
             "num_blocks": num_blocks,
@@ -645,8 +665,15 @@ def profile_step(
     ms = {k: round(1e3 * v, 3) for k, v in laps.items()}
     overhead = laps["schedule"] + laps["prepare"]
     breakdown = forward_breakdown(model_obj, *step_input)
+    breakdowns = {attention_backend: breakdown}
+    if attention_backend != "torch":  # the same step through the readable torch reference
+        breakdowns["torch"] = _with_backend(
+            model_obj, "torch", lambda: forward_breakdown(model_obj, *step_input)
+        )
     return {
+        "attention_backend": attention_backend,
         "forward_breakdown": breakdown,
+        "forward_breakdowns": breakdowns,
         "running_seqs": running,
         "steps_timed": steps,
         "step_ms": round(1e3 * step_s, 3),
@@ -666,6 +693,21 @@ def profile_step(
 
 
 # -- where a decode step's forward goes: matmul floor, attention, the rest -------------
+def _with_backend(model, backend: str, fn):
+    """``fn()`` with every attention layer of ``model`` switched to ``backend``, then switched back."""
+    from minipaged.model.attention import PagedAttention
+
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    before = [m.backend for m in layers]
+    for m in layers:
+        m.backend = backend
+    try:
+        return fn()
+    finally:
+        for m, b in zip(layers, before):
+            m.backend = b
+
+
 def _capture_step_input(engine):
     """(ModelInput, kv_caches) of the engine's next step, captured while it runs."""
     model = engine.model
@@ -820,9 +862,10 @@ def forward_breakdown(model, inp, kv_caches, calls: int = 10, repeats: int = 5) 
     }
 
 
-def format_forward_breakdown(b: dict) -> str:
+def format_forward_breakdown(b: dict, backend: Optional[str] = None) -> str:
+    which = f", attention_backend={backend!r}" if backend else ""
     return (
-        f"  forward at {b['num_seqs']} sequences (context mean {b['mean_context']}, max {b['max_context']}): "
+        f"  forward at {b['num_seqs']} sequences (context mean {b['mean_context']}, max {b['max_context']}{which}): "
         f"{b['forward_ms']:.2f} ms CPU = weight matmuls alone (the floor) {b['floor_ms']:.2f} ms "
         f"({b['floor_share']:.0%}) + attention {b['attention_ms']:.2f} ms ({b['attention_share']:.0%}) "
         f"+ everything else {b['other_ms']:.2f} ms ({b['other_share']:.0%}); "
@@ -877,7 +920,8 @@ def format_report(r: dict) -> str:
         f"workload {w['name']}: {w['num_requests']} requests, mean prompt {w['mean_prompt_len']} "
         f"and output {w['mean_output_len']} tokens (scaled to a {w['max_model_len']}-token context, "
         f"longest {w['max_prompt_plus_output']}), seed {w['seed']}, all at t=0, greedy, EOS ignored",
-        f"model {r['model']} ({r['model_params_m']}M params) on {r['device']}, {r['torch_threads']} torch "
+        f"model {r['model']} ({r['model_params_m']}M params) on {r['device']} (minipaged attention: "
+        f"{r.get('attention_backend', 'torch')}), {r['torch_threads']} torch "
         f"thread(s); KV {kv['num_blocks']} blocks x {kv['block_size']} = {kv['token_slots']} token slots "
         f"({kv['bytes'] / 2**20:.1f} MiB) for every system; max_num_seqs {r['max_num_seqs']}, "
         f"max_num_batched_tokens {r['max_num_batched_tokens']}; fastest of {r['repeats']} run(s)",
@@ -976,7 +1020,7 @@ def format_profile(p: dict) -> str:
             f"  cProfile (inflates Python-heavy parts) of the engine's direct calls: {prof}; "
             f"block management (KVCacheManager/BlockPool, all callers): {p['cprofile_block_management_fraction']:.1%}",
         ]
-        + ([format_forward_breakdown(p["forward_breakdown"])] if "forward_breakdown" in p else [])
+        + [format_forward_breakdown(b, backend) for backend, b in p.get("forward_breakdowns", {}).items()]
     )
 
 
@@ -1000,10 +1044,52 @@ def run(args) -> int:
     )
     if args.quick:
         kw.update(num_requests=min(args.num_requests, 8), workload_max_len=128, profile_steps=3)
+    if args.save_profile and not args.profile:
+        raise SystemExit("--save-profile needs --profile")
     runs = [run_benchmark(model=m, **kw) for m in models]
     r = runs[0] if len(runs) == 1 else {"runs": runs}
     print(dumps_json(r, indent=2) if args.json else format_report(r))
+    if args.save_profile:
+        save_profile(runs[0], args.save_profile, " ".join(["python benchmarks/serving.py", *sys.argv[1:]]))
     return 0
+
+
+def save_profile(report: dict, path, command: str) -> None:
+    """Write the profile's forward breakdowns (one per attention backend) to ``path`` (JSON) and
+    their bar chart to the same name with .png: what chapter 07 and the README read."""
+    import platform
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch
+
+    p = report["profile"]
+    labels = {
+        "torch": "attention_backend='torch' (the readable reference: gather, split-KV softmax)",
+        "cpu": "attention_backend='cpu' (the C kernel: keys and values read in place)",
+        "triton": "attention_backend='triton'",
+    }
+    b0 = p["forward_breakdown"]
+    out = {
+        "what": (
+            f"one decode step's forward at {b0['num_seqs']} running sequences (model {report['model']}, "
+            f"{report['workload']['name']}-like prompts, {p['steps_timed']} steps timed after warm-up), split "
+            "into the weight matmuls alone (the floor), the attention layers (cache write, plan, attention) "
+            "and everything else; CPU ms of one process, medians (minipaged.bench.serving.forward_breakdown)"
+        ),
+        "command": command,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU(s), {report['torch_threads']} torch thread(s)",
+        "torch": torch.__version__,
+        "runs": {labels.get(k, k): b for k, b in reversed(list(p["forward_breakdowns"].items()))},
+    }
+    path = Path(path)
+    path.write_text(dumps_json(out, indent=2) + "\n")
+    ax = plot_forward_breakdown(out["runs"])
+    ax.figure.savefig(path.with_suffix(".png"), dpi=110, bbox_inches="tight")
+    plt.close(ax.figure)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
 def main(argv=None) -> int:

@@ -250,6 +250,8 @@ class TorchAttnMetadata:
     seq_of_block: torch.Tensor  # [NB] the decode sequence (0 .. Bd - 1) the pair belongs to
     key_bias: torch.Tensor  # [NB, block_size] fp32: 0, or -inf at slots past seq_len
     num_decodes: int  # Bd
+    decode_seqs: Optional[torch.Tensor] = None  # [Bd] the decode sequences (batch index); None = all
+    split_kv: bool = True  # False: decode pairs not planned (the "cpu" backend attends decodes in C)
     # one padded call per bucket of prefill sequences: (rows [t], seqs [b], cu [b + 1], max q_len, max seq_len)
     prefill_buckets: list = field(default_factory=list)
 
@@ -260,21 +262,23 @@ def build_attn_metadata(
     seq_lens: torch.Tensor,
     block_size: int,
     row_cost: int = 1,
+    decodes: bool = True,
 ) -> TorchAttnMetadata:
     """The plan of one step for ``paged_attention_torch``: which blocks each decode reads,
     and the prefill buckets. ``row_cost`` = num_heads * head_dim (see ``_length_buckets``).
+    ``decodes=False`` plans the prefill buckets only (another kernel attends the decodes).
     Reads the lengths on the host: free on CPU, one device sync per step on a GPU."""
     device = block_tables.device
     cu_host = cu_seqlens_q.tolist()  # [B + 1]
     seq_lens_host = seq_lens.tolist()  # [B]
     num_seqs = len(seq_lens_host)
-    decodes = [b for b in range(num_seqs) if cu_host[b + 1] - cu_host[b] == 1]
 
     # 1. Decodes: every (sequence, logical block j) pair, packed sequence after sequence.
-    dec = torch.tensor(decodes, dtype=torch.long, device=device)  # [Bd]
+    split_kv, decodes = decodes, [b for b in range(num_seqs) if cu_host[b + 1] - cu_host[b] == 1]
+    dec = torch.tensor(decodes if split_kv else [], dtype=torch.long, device=device)  # [Bd]
     dec_lens = seq_lens.to(device=device, dtype=torch.long)[dec]  # [Bd]
     nb = (dec_lens + block_size - 1) // block_size  # [Bd] blocks of each decode sequence
-    seq_of_block = torch.repeat_interleave(torch.arange(len(decodes), device=device), nb)  # [NB]
+    seq_of_block = torch.repeat_interleave(torch.arange(dec.shape[0], device=device), nb)  # [NB]
     first = nb.cumsum(0) - nb  # [Bd] first pair of each sequence
     j = torch.arange(seq_of_block.shape[0], device=device) - first[seq_of_block]  # [NB] logical block
     block_ids = block_tables[dec].long()[seq_of_block, j]  # [NB] physical block
@@ -308,6 +312,10 @@ def build_attn_metadata(
         seq_of_block=seq_of_block,
         key_bias=key_bias,
         num_decodes=len(decodes),
+        decode_seqs=None
+        if len(decodes) == num_seqs
+        else torch.tensor(decodes, dtype=torch.long, device=device),
+        split_kv=split_kv,
         prefill_buckets=buckets,
     )
 
@@ -351,6 +359,8 @@ def paged_attention_torch(
         metadata = build_attn_metadata(
             block_tables, cu_seqlens_q, seq_lens, k_cache.shape[1], q.shape[1] * q.shape[2]
         )
+    if not metadata.split_kv:
+        raise ValueError("metadata was planned without decodes (decodes=False); plan it with decodes=True")
     rows = metadata.decode_rows
     if rows is None:  # a decode-only step: every row is a decode, in order
         return _decode_split_kv(q, k_cache, v_cache, metadata, scale).to(q.dtype)  # [B, H, D]
@@ -358,6 +368,13 @@ def paged_attention_torch(
     out = torch.empty_like(q)  # [T, H, D]
     if rows.shape[0] > 0:
         out[rows] = _decode_split_kv(q[rows], k_cache, v_cache, metadata, scale).to(q.dtype)
+    attend_prefills(q, k_cache, v_cache, block_tables, seq_lens, metadata, scale, out)
+    return out
+
+
+def attend_prefills(q, k_cache, v_cache, block_tables, seq_lens, metadata, scale, out) -> None:
+    """Write the prefill rows of ``out`` (q_len > 1): one padded, masked SDPA call per
+    bucket of ``metadata.prefill_buckets`` (``_paged_attention_padded``)."""
     for rows_t, idx, bucket_cu, bucket_max_q, bucket_max_seq in metadata.prefill_buckets:
         out[rows_t] = _paged_attention_padded(
             q[rows_t],
@@ -370,7 +387,6 @@ def paged_attention_torch(
             bucket_max_seq,
             scale,
         )  # [t, H, D]
-    return out
 
 
 def _decode_split_kv(q, k_cache, v_cache, meta: TorchAttnMetadata, scale: float) -> torch.Tensor:

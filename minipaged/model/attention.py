@@ -2,7 +2,8 @@
 through the block tables.
 
 Mirrors vLLM ``vllm/attention/layer.py`` (``Attention``) with the backend choice of
-``vllm/v1/attention/backends/`` reduced to two: ``"torch"`` and ``"triton"``.
+``vllm/v1/attention/backends/`` reduced to three: ``"torch"`` (the readable reference),
+``"triton"`` (GPU kernels) and ``"cpu"`` (a C decode kernel, ``minipaged/kernels/cpu.py``).
 
 Inputs
     q [T, H, D], k [T, KVH, D], v [T, KVH, D] for the T scheduled tokens of one step (RoPE
@@ -18,14 +19,15 @@ Invariants
       the cache like any earlier chunk, so prefill, chunked prefill and decode are one path.
     - Token ``i`` of the step is written at ``slot_mapping[i]``; slot -1 (padding) is skipped.
     - Backends compute the same function; "triton" picks the decode kernel when every
-      sequence has exactly one query (``inp.is_decode_only``), the varlen kernel otherwise.
+      sequence has exactly one query (``inp.is_decode_only``), the varlen kernel otherwise;
+      "cpu" sends decode rows to its C kernel and prefill rows to the torch backend's buckets.
     - "torch" plans once per step (``build_attn_metadata``: block ids, masks, buckets) in the
       first layer and keeps the plan on ``inp.attn_metadata`` for the other layers, as vLLM
       builds its attention metadata once per step for all layers.
 
 Failure mode
-    An unknown backend raises ``ValueError``; "triton" without Triton installed raises
-    ``RuntimeError`` from ``minipaged.kernels`` when called. A slot mapping or block table
+    An unknown backend raises ``ValueError``; "triton" without Triton installed, or "cpu"
+    without a C compiler, raises ``RuntimeError`` from ``minipaged.kernels`` when called. A slot mapping or block table
     that points at another sequence's blocks silently mixes sequences: the scheduler and
     ``KVCacheManager`` own that invariant, not this layer.
 """
@@ -36,10 +38,11 @@ import torch
 from torch import nn
 
 from minipaged import kernels
+from minipaged.kernels import cpu as cpu_kernels
 from minipaged.kernels.reference import build_attn_metadata
 from minipaged.model.input import ModelInput
 
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("torch", "triton", "cpu")
 
 
 class PagedAttention(nn.Module):
@@ -68,6 +71,29 @@ class PagedAttention(nn.Module):
         inp: ModelInput,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache  # each [num_blocks, block_size, KVH, D]
+        if self.backend == "cpu":  # the same two steps, in C: write, then read in place
+            cpu_kernels.reshape_and_cache_cpu(k, v, k_cache, v_cache, inp.slot_mapping)
+            if not inp.is_decode_only and inp.attn_metadata is None:  # plan the prefills once per step
+                inp.attn_metadata = build_attn_metadata(
+                    inp.block_tables,
+                    inp.cu_seqlens_q,
+                    inp.seq_lens,
+                    k_cache.shape[1],
+                    self.num_heads * self.head_dim,
+                    decodes=False,
+                )
+            return cpu_kernels.paged_attention_cpu(
+                q,
+                k_cache,
+                v_cache,
+                inp.block_tables,
+                inp.cu_seqlens_q,
+                inp.seq_lens,
+                inp.max_query_len,
+                inp.max_seq_len,
+                self.scale,
+                metadata=inp.attn_metadata,
+            )  # [T, H, D]
         # 1. Write: token i's key and value go to slot_mapping[i].
         kernels.reshape_and_cache(k, v, k_cache, v_cache, inp.slot_mapping)
 

@@ -8,7 +8,7 @@ Inputs
     local directory in Hugging Face format, or a hub id such as ``"HuggingFaceTB/SmolLM2-135M"``
     (downloaded by transformers where a network is reachable). ``dtype``: "float32",
     "float16" or "bfloat16". ``device``: anything ``torch.device`` accepts.
-    ``attention_backend``: "torch" or "triton".
+    ``attention_backend``: "torch", "triton" or "cpu".
 Output
     ``(model, tokenizer)``: a ``PagedCausalLM`` in eval mode on ``device`` in ``dtype`` with
     the checkpoint's weights, and the checkpoint's transformers tokenizer (``None`` for a

@@ -1,0 +1,231 @@
+"""The "cpu" attention backend: decode attention in C, reading keys and values in place.
+
+Mirrors vLLM's CPU backend (``vllm/v1/attention/backends/cpu_attn.py`` calling the kernels of
+``csrc/cpu/attention.cpp``): on a CPU, the torch backend's cost at decode is not arithmetic but
+data movement and op count (gather every block, a dozen small ops per layer). One C loop per
+sequence reads each key and value once, in place through the block table, and keeps the
+logits in a scratch buffer: the structure of the original PagedAttention V1 kernel (chapter 03).
+The source, ``csrc/paged_attention_cpu.c``, is about 100 lines.
+
+Inputs / outputs
+    ``paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale)``: the
+    decode contract of ``reference.paged_attention_ref`` (q [B, H, D] -> [B, H, D]).
+    ``paged_attention_cpu(...)``: the varlen contract of ``paged_attention_torch``: decode rows
+    go to the C kernel, prefill rows to the torch backend's padded SDPA buckets.
+    ``reshape_and_cache_cpu(...)``: ``cache_ops.reshape_and_cache`` in C.
+
+Invariants
+    float32 CPU tensors, caches contiguous ``[num_blocks, block_size, KVH, D]``; results equal
+    the torch reference to float rounding (``tests/test_kernels_cpu.py``).
+
+Failure mode
+    The library is compiled on first use with the system C compiler (``$CC``, else ``cc``) into
+    ``$MINIPAGED_CACHE_DIR`` (default ``~/.cache/minipaged``), keyed by the source, the flags and
+    the machine. ``available()`` says whether that works here; when it does not, asking for the
+    backend raises ``RuntimeError`` naming the compiler's error (``EngineConfig`` checks it up
+    front and raises ``ValueError``). Other dtypes or devices raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
+# -ffast-math lets the compiler reorder the sums so that they vectorize; it is given to the
+# compile step only: linking with it would pull in crtfastmath.o, which sets flush-to-zero for
+# the whole process when the library is loaded.
+COMPILE_FLAGS = ("-O3", "-ffast-math", "-fPIC", "-std=c99")
+NATIVE_FLAGS = ("-march=native",)
+
+
+def _machine_key() -> str:
+    """What a ``-march=native`` binary depends on: the architecture and the CPU model."""
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line for line in f if line.startswith(("model name", "flags"))), cpu)
+    except OSError:
+        pass
+    return f"{platform.machine()}|{sys.platform}|{cpu}"
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MINIPAGED_CACHE_DIR") or Path.home() / ".cache" / "minipaged")
+
+
+def _compile(out: Path) -> None:
+    """Compile SOURCE into the shared library ``out``; -march=native when the compiler takes it."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for extra in (NATIVE_FLAGS, ()):
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
+            steps = (
+                [cc, *COMPILE_FLAGS, *extra, "-c", str(SOURCE), "-o", str(obj)],
+                [cc, "-shared", str(obj), "-o", str(lib)],
+            )
+            for cmd in steps:
+                res = subprocess.run(cmd, capture_output=True, text=True)
+                if res.returncode != 0:
+                    errors.append(f"{' '.join(cmd)}: {res.stderr.strip()[:500]}")
+                    break
+            else:
+                os.replace(lib, out)  # atomic: concurrent builders never see half a library
+                return
+    raise RuntimeError("could not compile the cpu attention kernel: " + " | ".join(errors))
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL:
+    """The compiled kernel library, built once per (source, flags, machine) and cached on disk."""
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + repr((COMPILE_FLAGS, NATIVE_FLAGS, _machine_key())).encode()
+    ).hexdigest()[:16]
+    path = _cache_dir() / f"paged_attention_cpu_{key}.so"
+    if not path.exists():
+        _compile(path)
+    lib = ctypes.CDLL(str(path))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.paged_attention_decode_f32.argtypes = [p, i64, p, p, i64, p, p, p] + [i64] * 6 + [ctypes.c_float]
+    lib.paged_attention_decode_f32.restype = i64
+    lib.reshape_and_cache_f32.argtypes = [p, i64, p, i64, p, p, i64, p, i64, i64]
+    lib.reshape_and_cache_f32.restype = i64
+    return lib
+
+
+@lru_cache(maxsize=1)
+def build_error() -> Optional[str]:
+    """None when the kernel compiles and loads here, else why not (one line)."""
+    try:
+        _library()
+    except (RuntimeError, OSError) as e:
+        return str(e)
+    return None
+
+
+def available() -> bool:
+    """Whether the "cpu" backend can run here (a C compiler that builds the kernel)."""
+    return build_error() is None
+
+
+def _lib() -> ctypes.CDLL:
+    err = build_error()
+    if err is not None:
+        raise RuntimeError(f"attention_backend='cpu' is unavailable here: {err}")
+    return _library()
+
+
+def _check(name: str, t: torch.Tensor, dtype=torch.float32) -> None:
+    if t.device.type != "cpu" or t.dtype != dtype:
+        raise ValueError(
+            f"{name} must be a {dtype} CPU tensor for the cpu kernel, got {t.dtype} on {t.device}"
+        )
+
+
+def _rows(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` [N, A, D] (float32, CPU) with each row's A x D floats contiguous; rows may be apart."""
+    _check(name, t)
+    if t.dim() != 3:
+        raise ValueError(f"{name} must be [rows, heads, head_dim], got shape {tuple(t.shape)}")
+    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
+
+
+def reshape_and_cache_cpu(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """``cache_ops.reshape_and_cache`` in C: token i's K/V into slot ``slot_mapping[i]`` (< 0: skip)."""
+    key, value = _rows("key", key), _rows("value", value)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check(name, t)
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous for the cpu kernel")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)}: want two [N, bs, KVH, D]"
+        )
+    if key.shape[1:] != k_cache.shape[2:] or value.shape != key.shape:
+        raise ValueError(f"key/value {tuple(key.shape)} do not fit the cache {tuple(k_cache.shape)}")
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    slots = slot_mapping.to(torch.int64).contiguous()
+    bad = _lib().reshape_and_cache_f32(
+        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
+        v_cache.data_ptr(), k_cache.shape[0] * k_cache.shape[1], slots.data_ptr(), key.shape[0],
+        k_cache.shape[2] * k_cache.shape[3],
+    )  # fmt: skip
+    if bad:
+        raise IndexError(f"slot_mapping[{bad - 1}] = {int(slots[bad - 1])} is outside the cache")
+
+
+def paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale=None) -> torch.Tensor:
+    """Decode attention through block tables, in C. q [B, H, D] -> [B, H, D] (float32, CPU)."""
+    from minipaged.kernels.reference import _check_cache, _default_scale
+
+    _check_cache(q, k_cache, v_cache)
+    q = _rows("q", q)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check(name, t)
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous for the cpu kernel")
+    num_seqs, num_heads, head_dim = q.shape
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}")
+    if seq_lens.shape != (num_seqs,):
+        raise ValueError(f"seq_lens must be [{num_seqs}], got {tuple(seq_lens.shape)}")
+    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
+    tables, lens = tables.contiguous(), lens.contiguous()
+    out = q.new_empty(q.shape)
+    bad = _lib().paged_attention_decode_f32(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
+        tables.data_ptr(), lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, k_cache.shape[2],
+        head_dim, k_cache.shape[1], tables.shape[1], _default_scale(head_dim, scale),
+    )  # fmt: skip
+    if bad < 0:
+        raise MemoryError("the cpu attention kernel could not allocate its logits buffer")
+    if bad:
+        raise IndexError(
+            f"sequence {bad - 1}: seq_len {int(lens[bad - 1])} reads a block outside the cache "
+            "or beyond its block table"
+        )
+    return out
+
+
+def paged_attention_cpu(
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_query_len, max_seq_len, scale=None,
+    metadata=None,
+) -> torch.Tensor:  # fmt: skip
+    """``paged_attention_torch``'s contract (q [T, H, D] -> [T, H, D]): decode rows in C, prefill
+    rows in the torch backend's padded SDPA buckets. ``metadata``: ``build_attn_metadata(...,
+    decodes=False)`` for this step, built here when None."""
+    from minipaged.kernels.reference import _default_scale, attend_prefills, build_attn_metadata
+
+    if max_query_len == 1:  # decode only: every row is its sequence's one query
+        return paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    scale = _default_scale(q.shape[2], scale)
+    if metadata is None:
+        metadata = build_attn_metadata(
+            block_tables, cu_seqlens_q, seq_lens, k_cache.shape[1], q.shape[1] * q.shape[2], decodes=False
+        )
+    out = torch.empty_like(q)  # [T, H, D]
+    rows = metadata.decode_rows
+    if rows is not None and rows.shape[0] > 0:
+        seqs = metadata.decode_seqs
+        out[rows] = paged_attention_decode_cpu(
+            q[rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale
+        )  # [Bd, H, D]
+    attend_prefills(q, k_cache, v_cache, block_tables, seq_lens, metadata, scale, out)
+    return out

@@ -1,0 +1,170 @@
+/* PagedAttention on a CPU, in C: the "cpu" attention backend (minipaged/kernels/cpu.py).
+ *
+ * The CPU counterpart of vLLM's csrc/cpu/attention.cpp and of the original PagedAttention V1
+ * CUDA kernel: one query per sequence (decode), all of the sequence's logits kept in a buffer,
+ * softmax over that buffer in passes, then the weighted sum of the values. No gather: keys and
+ * values are read in place, block by block, through the block table.
+ *
+ * Layouts (row-major, float32; q's rows q_stride floats apart, the rest contiguous):
+ *   q, out          [num_seqs, num_heads, head_dim]
+ *   k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim]
+ *   block_tables    [num_seqs, max_blocks] int32     seq_lens [num_seqs] int32
+ * Query head h reads kv head h / (num_heads / num_kv_heads) (GQA).
+ * Built with -O3 -ffast-math so that the dot products and sums vectorize; the library is linked
+ * without -ffast-math, so loading it leaves the process's floating-point mode alone.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* exp(x) for x <= 0, the softmax numerators: 2^n * p(r) with r = x - n ln2, |r| <= ln2 / 2
+ * (Cody-Waite reduction, degree-6 polynomial). Branch-free, so the loop over keys vectorizes;
+ * below -87 the result is ~0 anyway (smallest normal float ~ exp(-87.3)). */
+static inline float exp_nonpos(float x)
+{
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_roundf(x * 1.44269504088896341f); /* x / ln2 */
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { float f; int32_t i; } u = { .f = p };
+    u.i += (int32_t)n << 23; /* times 2^n: add n to the exponent bits */
+    return u.f;
+}
+
+/* Token i's key and value go to slot slot_mapping[i] (block = slot / block_size, offset =
+ * slot % block_size); slots < 0 are padding and skipped. key, value [T, num_kv_heads, head_dim]
+ * with key_stride / value_stride floats between rows. Returns 0, or i + 1 when token i's slot
+ * is outside the cache (nothing is written from that token on). */
+int64_t reshape_and_cache_f32(const float *key, int64_t key_stride, const float *value,
+                              int64_t value_stride, float *k_cache, float *v_cache,
+                              int64_t num_slots, const int64_t *slot_mapping, int64_t num_tokens,
+                              int64_t token_size)
+{
+    for (int64_t i = 0; i < num_tokens; i++) {
+        const int64_t slot = slot_mapping[i];
+        if (slot < 0)
+            continue;
+        if (slot >= num_slots)
+            return i + 1;
+        memcpy(k_cache + slot * token_size, key + i * key_stride, token_size * sizeof(float));
+        memcpy(v_cache + slot * token_size, value + i * value_stride, token_size * sizeof(float));
+    }
+    return 0;
+}
+
+/* The kernel body; paged_attention_decode_f32 (below) calls it with head_dim a constant for
+ * the usual sizes, so that the compiler unrolls the loops over d. */
+static inline __attribute__((always_inline)) int64_t decode(
+    const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+    int64_t num_cache_blocks, const int32_t *block_tables, const int32_t *seq_lens, float *out,
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t max_blocks, float scale)
+{
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < num_seqs; b++)
+        max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    float *scores = malloc((size_t)(num_heads * max_len + 1) * sizeof(float)); /* the logits */
+    if (scores == NULL)
+        return -1;
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t token_stride = num_kv_heads * head_dim; /* floats between two slots */
+    const int64_t block_stride = block_size * token_stride; /* floats between two blocks */
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int32_t *table = block_tables + b * max_blocks;
+        const int64_t len = seq_lens[b];
+        const int64_t num_blocks = (len + block_size - 1) / block_size;
+        for (int64_t j = 0; j < num_blocks; j++) {
+            if (num_blocks > max_blocks || table[j] < 0 || table[j] >= num_cache_blocks) {
+                free(scores);
+                return b + 1;
+            }
+        }
+        const float *qb = q + b * q_stride;
+        float *ob = out + b * num_heads * head_dim;
+
+        /* 1. Logits: every query head against every key, block by block (physical block
+         *    table[j] holds the sequence's tokens j * block_size ...). */
+        for (int64_t j = 0; j < num_blocks; j++) {
+            const float *kb = k_cache + (int64_t)table[j] * block_stride;
+            if (j + 1 < num_blocks)
+                __builtin_prefetch(k_cache + (int64_t)table[j + 1] * block_stride);
+            const int64_t n = len - j * block_size < block_size ? len - j * block_size : block_size;
+            for (int64_t i = 0; i < n; i++) {
+                const int64_t t = j * block_size + i;
+                for (int64_t h = 0; h < num_heads; h++) {
+                    const float *k = kb + i * token_stride + (h / group) * head_dim;
+                    const float *qh = qb + h * head_dim;
+                    float s = 0.0f;
+                    for (int64_t d = 0; d < head_dim; d++)
+                        s += qh[d] * k[d];
+                    scores[h * len + t] = s * scale;
+                }
+            }
+        }
+
+        /* 2. Softmax of each head's logits, in three passes: max, exp and sum, normalise. */
+        for (int64_t h = 0; h < num_heads; h++) {
+            memset(ob + h * head_dim, 0, head_dim * sizeof(float));
+            if (len == 0)
+                continue; /* an empty sequence attends to nothing: zeros, as the reference */
+            float *sh = scores + h * len;
+            float m = sh[0], l = 0.0f;
+            for (int64_t t = 1; t < len; t++)
+                m = sh[t] > m ? sh[t] : m;
+            for (int64_t t = 0; t < len; t++) {
+                sh[t] = exp_nonpos(sh[t] - m);
+                l += sh[t];
+            }
+            const float inv = 1.0f / l; /* l >= 1: the max's own term is exp(0) */
+            for (int64_t t = 0; t < len; t++)
+                sh[t] *= inv;
+        }
+
+        /* 3. out[h] = sum over keys t of p[h, t] * v[t], block by block again. */
+        for (int64_t j = 0; j < num_blocks; j++) {
+            const float *vb = v_cache + (int64_t)table[j] * block_stride;
+            if (j + 1 < num_blocks)
+                __builtin_prefetch(v_cache + (int64_t)table[j + 1] * block_stride);
+            const int64_t n = len - j * block_size < block_size ? len - j * block_size : block_size;
+            for (int64_t i = 0; i < n; i++) {
+                const int64_t t = j * block_size + i;
+                for (int64_t h = 0; h < num_heads; h++) {
+                    const float *v = vb + i * token_stride + (h / group) * head_dim;
+                    const float p = scores[h * len + t];
+                    float *o = ob + h * head_dim;
+                    for (int64_t d = 0; d < head_dim; d++)
+                        o[d] += p * v[d];
+                }
+            }
+        }
+    }
+    free(scores);
+    return 0;
+}
+
+/* Returns 0; b + 1 when sequence b's table names a block outside the cache or its seq_len
+ * needs more than max_blocks blocks (out[b:] is then not written); -1 when out of memory. */
+int64_t paged_attention_decode_f32(const float *q, int64_t q_stride, const float *k_cache,
+                                   const float *v_cache, int64_t num_cache_blocks,
+                                   const int32_t *block_tables, const int32_t *seq_lens,
+                                   float *out, int64_t num_seqs, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                   int64_t max_blocks, float scale)
+{
+#define DECODE(D)                                                                                  \
+    decode(q, q_stride, k_cache, v_cache, num_cache_blocks, block_tables, seq_lens, out, num_seqs, \
+           num_heads, num_kv_heads, D, block_size, max_blocks, scale)
+    switch (head_dim) {
+    case 32: return DECODE(32);
+    case 64: return DECODE(64);
+    case 128: return DECODE(128);
+    default: return DECODE(head_dim);
+    }
+#undef DECODE
+}
