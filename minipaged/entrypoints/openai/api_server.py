@@ -362,7 +362,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--enable-prefix-caching", action="store_true")
     e.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     e.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"])
-    e.add_argument("--attention-backend", default=d.attention_backend, choices=["torch", "triton", "cpu"])
+    e.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton", "cpu"],
+        help="auto (default): the fastest that runs here, see minipaged.config.best_attention_backend",
+    )
     e.add_argument("--device", default=d.device)
     e.add_argument("--dtype", default=d.dtype)
     e.add_argument("--seed", type=non_negative_int, default=d.seed)
