@@ -95,6 +95,13 @@ def test_quick_run_all_four_systems(quick_report):
     assert p["running_seqs"] == 64 and p["step_ms"] > 0
     assert 0 < p["sched_block_prepare_fraction"] <= p["non_model_fraction"] < 1
     assert "forward" in p["cprofile_fraction"] and 0 <= p["cprofile_block_management_fraction"] < 1
+    from minipaged.config import best_attention_backend
+
+    assert r["attention_backend"] == p["attention_backend"] == best_attention_backend("cpu")
+    # the step's forward split for the backend that ran, and for the torch reference beside it
+    assert set(p["forward_breakdowns"]) == {r["attention_backend"], "torch"}
+    for b in p["forward_breakdowns"].values():
+        assert b["num_seqs"] == 64 and b["forward_ms"] > 0 and b["floor_ms"] > 0
     text = format_report(r)
     assert "(a)continuous+paged" in text and "a/c" in text and "profile:" in text
 
@@ -151,3 +158,17 @@ def test_cli_json_quick(capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["workload"]["num_requests"] == 8 and r["workload"]["max_model_len"] == 128
     assert r["outputs_equal"] == {"a=b": True} and "a/b" in r["ratios"]
+
+
+def test_cli_saves_the_profile_and_its_figure(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    fig = tmp_path / "breakdown.png"
+    argv = ["bench", "--model", "tiny-llama", "--quick", "--systems", "a", "--profile"]
+    assert main(argv + ["--save-profile", str(out), "--profile-figure", str(fig)]) == 0
+    saved = json.loads(out.read_text())
+    assert (
+        saved["command"].startswith("minipaged bench --model tiny-llama")
+        and "--save-profile" in saved["command"]
+    )
+    assert len(saved["runs"]) in (1, 2) and all(b["num_seqs"] == 64 for b in saved["runs"].values())
+    assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -140,6 +140,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --profile: write the forward breakdowns (each attention backend) to this file, "
         "and their bar chart next to it as .png",
     )
+    parser.add_argument(
+        "--profile-figure",
+        metavar="PNG",
+        default=None,
+        help="with --save-profile: where the bar chart goes (default: the JSON's name with .png)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -275,7 +281,7 @@ def run_benchmark(
     max_num_batched_tokens: int = 512,
     device: str = "cpu",
     dtype: str = "float32",
-    attention_backend: str = "torch",
+    attention_backend: str = "auto",
     threads: int = 1,
     preemption_mode: str = "recompute",
     systems="a,b,c,d",
@@ -1050,13 +1056,17 @@ def run(args) -> int:
     r = runs[0] if len(runs) == 1 else {"runs": runs}
     print(dumps_json(r, indent=2) if args.json else format_report(r))
     if args.save_profile:
-        save_profile(runs[0], args.save_profile, " ".join(["python benchmarks/serving.py", *sys.argv[1:]]))
+        typed = getattr(args, "_argv", None)
+        command = " ".join(
+            ["minipaged", *typed] if typed else ["python benchmarks/serving.py", *sys.argv[1:]]
+        )
+        save_profile(runs[0], args.save_profile, command, args.profile_figure)
     return 0
 
 
-def save_profile(report: dict, path, command: str) -> None:
+def save_profile(report: dict, path, command: str, figure=None) -> None:
     """Write the profile's forward breakdowns (one per attention backend) to ``path`` (JSON) and
-    their bar chart to the same name with .png: what chapter 07 and the README read."""
+    their bar chart to ``figure`` (default: ``path`` with .png): what chapter 07 and the README read."""
     import platform
 
     import matplotlib
@@ -1087,9 +1097,10 @@ def save_profile(report: dict, path, command: str) -> None:
     path = Path(path)
     path.write_text(dumps_json(out, indent=2) + "\n")
     ax = plot_forward_breakdown(out["runs"])
-    ax.figure.savefig(path.with_suffix(".png"), dpi=110, bbox_inches="tight")
+    figure = Path(figure) if figure else path.with_suffix(".png")
+    ax.figure.savefig(figure, dpi=110, bbox_inches="tight")
     plt.close(ax.figure)
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    print(f"wrote {path} and {figure}")
 
 
 def main(argv=None) -> int:

@@ -502,9 +502,10 @@ context, plus overhead". On the CPU the real engine's decode step can be split t
 way: `minipaged.bench.serving.forward_breakdown` times one decode forward at 64 running
 sequences, then the same weight matmuls alone (the **floor**: no step can be faster than
 its matmuls), then the attention layers; the rest is everything else (norms, activations,
-embedding, sampling's logits). `benchmarks/results/cpu_profile.json` holds a recorded run
-(before and after the performance work on split-KV decode and fused projections); the
-figure is drawn from it, and the numbers below are read from it:
+embedding, sampling's logits). `benchmarks/results/cpu_profile.json` holds a recorded run of
+one such step through both CPU attention backends: `"torch"`, the readable reference, and
+`"cpu"`, chapter 03's C kernel. The figure is drawn from it and the numbers below are read
+from it (the command that rewrites it is in the file):
 """)
 
 code(r"""
@@ -527,15 +528,16 @@ print("machine:", profile["machine"])
 """)
 
 md(r"""
-Read the `after` line of the printout (the code as it is now). A decode step at 64 sequences
-costs about twice its weight matmuls: the matmuls, the part every batched engine pays and
-the part a GPU does best, are under half the step; attention over the cached context is
-nearly as large, and everything else is the remaining eighth. That is why, on a CPU, a
-bigger batch is not free (attention grows with every sequence's context, section 2's
-"nearly free" regime does not hold), and why the attention kernel (chapter 03's split-KV
-decode, the difference between the two bars) is worth optimizing. The shares move with the
-context length and the batch: longer contexts shift time to attention. These are CPU
-numbers of one process on a shared machine; a GPU splits the same step very differently.
+With the torch backend (the top bar) attention is nearly as large as the weight matmuls:
+torch has no op that multiplies through an index, so every layer first gathers every block of
+every sequence into a new tensor and then runs a dozen small ops over it. The C kernel (the
+bottom bar) reads the same keys and values in place, once, and the step comes close to its
+floor: the matmuls, the part every batched engine pays and the part a GPU does best, are most
+of it. What attention still costs is mostly memory traffic: each decode step reads every
+cached key and value of every running sequence once per layer, so on a CPU a bigger batch is
+not free (section 2's "nearly free" regime does not hold), and longer contexts shift time to
+attention. These are CPU numbers of one process on a shared machine; a GPU splits the same
+step very differently.
 
 ## Recap
 
