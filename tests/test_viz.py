@@ -524,7 +524,7 @@ def test_short_names():
 def test_owner_colours_are_distinct_and_stable():
     colours = [palette.owner_color(k) for k in range(21)]
     assert len(set(colours)) == 21
-    assert palette.owner_color(3) == palette.YELLOW
+    assert palette.owner_color(1) == palette.YELLOW  # see tests/test_palette.py
     with pytest.raises(ValueError):
         palette.owner_color(-1)
 
