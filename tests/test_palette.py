@@ -77,7 +77,9 @@ def test_no_request_colour_looks_like_a_state(vision):
         for r in palette.REQUEST_COLORS
         for name, s in palette.STATE_COLORS.items()
     )
-    assert worst[0] >= MIN_DELTA_E[vision], f"request colour {worst[1]} looks like state {worst[2]!r}: {worst}"
+    assert worst[0] >= MIN_DELTA_E[vision], (
+        f"request colour {worst[1]} looks like state {worst[2]!r}: {worst}"
+    )
 
 
 def test_states_are_distinct_from_each_other():

@@ -5,7 +5,8 @@ each request's *logical* blocks 0, 1, 2, ... (filled in proportion to the tokens
 hold), each labelled with the *physical* block it maps to; on the right the physical
 pool as a grid, each block coloured by its owner and labelled ``owner:logical``; shared
 blocks carry their ref count (``x2``), free blocks are grey, blocks allocated at this
-step have a thick black edge.
+step (and still held) have a thick black edge, blocks freed at this step (a finished or
+preempted request's, a dead beam's) are grey with a dashed edge: never the same mark.
 
 Inputs
     ``source``: an ``EngineTrace`` with ``step`` (default: its last step), or a live
@@ -31,6 +32,8 @@ from typing import Optional
 from minipaged.viz import palette
 from minipaged.viz.snapshot import BlockSnapshot, snapshot
 
+FREED_EDGE = "#444444"  # dashed edge of a block freed at this step
+
 # -- text -------------------------------------------------------------------------
 
 
@@ -39,15 +42,16 @@ def _header(snap: BlockSnapshot) -> str:
         "now (live KVCacheManager)" if snap.step is None else f"after step {snap.step} / {snap.num_steps - 1}"
     )
     new = " ".join(str(b) for b in snap.new_block_ids) or "-"
+    freed = " | freed: " + " ".join(map(str, snap.freed_block_ids)) if snap.freed_block_ids else ""
     return (
         f"block tables {where} | block_size {snap.block_size} | {snap.num_blocks} blocks: "
-        f"{snap.num_used_blocks} used, {len(snap.free_block_ids)} free | new: {new}"
+        f"{snap.num_used_blocks} used, {len(snap.free_block_ids)} free | new: {new}{freed}"
     )
 
 
 def _cell_label(snap: BlockSnapshot, b: int, owners, names) -> str:
     if b not in owners:
-        return "~" if b in snap.cached_free_ids else "."
+        return "~" if b in snap.cached_free_ids else "-" if b in snap.freed_block_ids else "."
     rid, j = owners[b][0]
     label = f"{names[rid]}:{j}"
     if snap.ref_cnt.get(b, 1) > 1:
@@ -88,7 +92,8 @@ def block_tables_text(source, step: Optional[int] = None, *, columns: int = 8, *
             lines.append(f"{name:<{w}}  {slots:>12}  [{', '.join(cells)}]")
     else:
         lines.append("no request holds blocks")
-    lines.append("physical blocks (owner:logical block, xN = ref count, * = new, . = free):")
+    freed = ", - = freed this step" if snap.freed_block_ids else ""
+    lines.append(f"physical blocks (owner:logical block, xN = ref count, * = new, . = free{freed}):")
     owners = snap.owners()
     labels = [_cell_label(snap, b, owners, names) for b in range(snap.num_blocks)]
     lw = max(len(s) for s in labels)
@@ -144,17 +149,20 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
     names = _names(snap)
     owners = snap.owners()
     new = set(snap.new_block_ids)
+    freed = set(snap.freed_block_ids)
     bs = snap.block_size
     rids = list(snap.block_tables)
     max_len = max((len(t) for t in snap.block_tables.values()), default=1)
     lcols = max(max_len, 4)
 
+    # NOTE: a narrow figure (the step picture's right half) puts its legend on two rows
+    legend_rows = 2 if _draw.fig_inches(fig)[0] < 11 else 1
     gs = fig.add_gridspec(
         1,
         2,
         width_ratios=[1.0, 1.25],
         wspace=0.12,
-        **_draw.margins(fig, left=0.9, right=0.15, top=0.75, bottom=0.75),
+        **_draw.margins(fig, left=0.9, right=0.15, top=0.75, bottom=0.6 + 0.2 * legend_rows),
     )
     ax_l = fig.add_subplot(gs[0, 0])
     ax_p = fig.add_subplot(gs[0, 1])
@@ -254,6 +262,19 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
                     zorder=2.6,
                 )
             )
+        elif b in freed and b not in owners:  # NOTE: a freed block is never framed as new
+            ax_p.add_patch(
+                Rectangle(
+                    (x + 0.06, y + 0.06),
+                    0.88,
+                    0.88,
+                    fill=False,
+                    edgecolor=FREED_EDGE,
+                    linewidth=1.4,
+                    linestyle=(0, (2.5, 1.5)),
+                    zorder=2.6,
+                )
+            )
         if show_labels:
             if b in owners:  # readable on the part of the cell under the label
                 under = color if 2 * tokens.get(b, bs) >= bs else palette.lighten(color, 0.7)
@@ -344,6 +365,13 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
         Patch(facecolor=palette.lighten(palette.owner_color(0), 0.7), label="reserved, no token yet"),
         Patch(facecolor=palette.FREE_GREY, label="free block"),
         Patch(facecolor="white", edgecolor=palette.BLACK, linewidth=2.0, label="allocated this step"),
+        Patch(
+            facecolor=palette.FREE_GREY,
+            edgecolor=FREED_EDGE,
+            linewidth=1.2,
+            linestyle=(0, (2.5, 1.5)),
+            label="freed this step",
+        ),
         Patch(facecolor="white", edgecolor="white", label="xN: shared by N tables"),
     ]
     if snap.cached_free_ids:
@@ -351,7 +379,7 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
     fig.legend(
         handles=handles,
         loc="lower left",
-        ncol=len(handles),
+        ncol=math.ceil(len(handles) / legend_rows),
         frameon=False,
         bbox_to_anchor=(0.01, 0.0),
         handlelength=1.4,
