@@ -62,7 +62,13 @@ def _cell_label(snap: BlockSnapshot, b: int, owners, names) -> str:
 
 
 def _names(snap: BlockSnapshot) -> dict[str, str]:
-    return {r: palette.short_name(r, snap.owner_index(r)) for r in snap.block_tables}
+    return {r: snap.names.get(r) or palette.short_name(r, snap.owner_index(r)) for r in snap.block_tables}
+
+
+def _row_name(snap: BlockSnapshot, rid: str, names: dict[str, str]) -> str:
+    if rid in snap.row_names:
+        return snap.row_names[rid]
+    return f"{rid} ({names[rid]})" if names[rid] != rid else rid
 
 
 def block_tables_text(source, step: Optional[int] = None, *, columns: int = 8, **kwargs) -> str:
@@ -138,8 +144,13 @@ def figure_size(snap: BlockSnapshot) -> tuple[float, float]:
     return 12.0, min(9.0, 1.8 + 0.36 * rows)
 
 
-def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
-    """Draw ``snap`` into ``fig`` (a Figure or SubFigure): logical left, physical right."""
+def draw_block_tables(
+    fig, snap: BlockSnapshot, arrows: bool = False, legend: bool = True, title: Optional[str] = None
+) -> None:
+    """Draw ``snap`` into ``fig`` (a Figure or SubFigure): logical left, physical right.
+
+    ``legend=False`` leaves the legend out (a stack of pictures shows it once);
+    ``title`` replaces the "Block tables after step i" title."""
     import numpy as np
     from matplotlib.colors import to_rgba
     from matplotlib.patches import Patch, Rectangle
@@ -162,7 +173,9 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
         2,
         width_ratios=[1.0, 1.25],
         wspace=0.12,
-        **_draw.margins(fig, left=0.9, right=0.15, top=0.75, bottom=0.6 + 0.2 * legend_rows),
+        **_draw.margins(
+            fig, left=0.9, right=0.15, top=0.75, bottom=0.6 + 0.2 * legend_rows if legend else 0.5
+        ),
     )
     ax_l = fig.add_subplot(gs[0, 0])
     ax_p = fig.add_subplot(gs[0, 1])
@@ -215,7 +228,7 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
     ax_l.set_xlim(0, lcols)
     ax_l.set_ylim(nrow_l, 0)
     ax_l.set_yticks([y + 0.5 for y in range(len(rids))])
-    ax_l.set_yticklabels([f"{r} ({names[r]})" if names[r] != r else r for r in rids])
+    ax_l.set_yticklabels([_row_name(snap, r, names) for r in rids])
     step_x = 1 if lcols <= 16 else max(1, lcols // 8)
     ax_l.set_xticks([j + 0.5 for j in range(0, lcols, step_x)])
     ax_l.set_xticklabels([str(j) for j in range(0, lcols, step_x)])
@@ -365,29 +378,32 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
         Patch(facecolor=palette.lighten(palette.owner_color(0), 0.7), label="reserved, no token yet"),
         Patch(facecolor=palette.FREE_GREY, label="free block"),
         Patch(facecolor="white", edgecolor=palette.BLACK, linewidth=2.0, label="allocated this step"),
-        Patch(
+        Patch(facecolor="white", edgecolor="white", label="xN: shared by N tables"),
+    ]
+    if snap.step is not None or snap.freed_block_ids:  # a live manager has no "step"
+        freed_patch = Patch(
             facecolor=palette.FREE_GREY,
             edgecolor=FREED_EDGE,
             linewidth=1.2,
             linestyle=(0, (2.5, 1.5)),
             label="freed this step",
-        ),
-        Patch(facecolor="white", edgecolor="white", label="xN: shared by N tables"),
-    ]
+        )
+        handles.insert(4, freed_patch)
     if snap.cached_free_ids:
         handles.insert(3, Patch(facecolor=palette.FREE_GREY, hatch="....", label="free, prefix still cached"))
-    fig.legend(
-        handles=handles,
-        loc="lower left",
-        ncol=math.ceil(len(handles) / legend_rows),
-        frameon=False,
-        bbox_to_anchor=(0.01, 0.0),
-        handlelength=1.4,
-        columnspacing=1.2,
-    )
+    if legend:
+        fig.legend(
+            handles=handles,
+            loc="lower left",
+            ncol=math.ceil(len(handles) / legend_rows),
+            frameon=False,
+            bbox_to_anchor=(0.01, 0.0),
+            handlelength=1.4,
+            columnspacing=1.2,
+        )
     where = "now" if snap.step is None else f"after step {snap.step}"
     fig.suptitle(
-        f"Block tables {where} ({snap.num_blocks} blocks of {bs} slots)",
+        title or f"Block tables {where} ({snap.num_blocks} blocks of {bs} slots)",
         x=0.01,
         ha="left",
         fontsize=11,

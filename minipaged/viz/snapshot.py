@@ -96,10 +96,17 @@ class BlockSnapshot:
     order: list[str] = field(default_factory=list)  # all requests, arrival order (colours)
     step: Optional[int] = None
     num_steps: Optional[int] = None
+    # optional overrides (beam pictures, minipaged.viz.beams): request id -> cell name,
+    # row label, colour index; requests not listed keep the defaults
+    names: dict[str, str] = field(default_factory=dict)
+    row_names: dict[str, str] = field(default_factory=dict)
+    colors: dict[str, int] = field(default_factory=dict)
 
     # -- derived ------------------------------------------------------------------
     def owner_index(self, rid: str) -> int:
         """Position of ``rid`` in arrival order: its colour and label."""
+        if rid in self.colors:
+            return self.colors[rid]
         try:
             return self.order.index(rid)
         except ValueError:
