@@ -546,6 +546,22 @@ def test_block_tables_from_manager_figure():
     assert {"x2 A:0", "x2 A:1", "A:2", "A.1:2", "C:0"} <= texts
 
 
+def test_small_pool_mapping_draws_one_arrow_per_table_entry():
+    """arrows=True on a small pool: two rows, an arrow from every logical block to the
+    centre of its physical block (x = block id + 0.5), in its request's colour family."""
+    from matplotlib.patches import FancyArrowPatch
+
+    m, new = manager_with_sharing()
+    fig = viz.block_tables(m, new_block_ids=new, managed=False, arrows=True)
+    (ax,) = fig.get_axes()
+    arrows = [p for p in ax.patches if isinstance(p, FancyArrowPatch)]
+    tables = {r: m.get_block_ids(r) for r in m.block_tables}
+    assert len(arrows) == sum(len(t) for t in tables.values()) == 9
+    landing = sorted(round(a._posA_posB[1][0] - 0.5) for a in arrows)
+    assert landing == sorted(b for t in tables.values() for b in t)  # shared 0 and 1 twice
+    assert_readable(fig)
+
+
 def test_managed_figures_are_pyplot_figures(trace):
     import matplotlib.pyplot as plt
 

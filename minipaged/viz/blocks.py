@@ -412,11 +412,154 @@ def draw_block_tables(
     )
 
 
+MAPPING_MAX_BLOCKS = 16  # arrows=True: up to this many physical (and logical) blocks, one row each
+
+
+def _mapping_fits(snap: BlockSnapshot) -> bool:
+    n_logical = sum(len(t) for t in snap.block_tables.values())
+    return (
+        snap.num_blocks <= MAPPING_MAX_BLOCKS
+        and 0 < n_logical + len(snap.block_tables) - 1 <= MAPPING_MAX_BLOCKS
+    )
+
+
+def draw_block_mapping(fig, snap: BlockSnapshot) -> None:
+    """The block-table indirection for a small pool: every request's logical blocks in one
+    row on top (grouped by request), the physical blocks ``0 .. num_blocks - 1`` in one row
+    beneath, an arrow in the request's colour from each table entry to its block.
+
+    NOTE: two rows keep every arrow between them (none crosses a cell), and coloured arrows
+    stay attributable where they cross; shared blocks receive several arrows."""
+    from matplotlib import patheffects
+    from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
+
+    from minipaged.viz import _draw
+
+    names = _names(snap)
+    owners = snap.owners()
+    new, freed = set(snap.new_block_ids), set(snap.freed_block_ids)
+    bs = snap.block_size
+    tokens = snap.tokens_in_block()
+    rids = list(snap.block_tables)
+    width = max(snap.num_blocks, sum(len(t) for t in snap.block_tables.values()) + len(rids) - 1)
+    ax = fig.add_subplot(1, 1, 1)
+    fig.subplots_adjust(left=0.13, right=0.99, top=0.86, bottom=0.2)
+    ax.set_xlim(-0.1, width + 0.1)
+    ax.set_ylim(-0.15, 3.35)
+    ax.axis("off")
+    cw, ch = _draw.cell_points(ax, width + 0.2, 3.5 / 0.8)
+    fs = _draw.fit_fontsize(cw, ch, 6, cap=10.0)
+
+    def cell(x, y, color, held, edge=None, **kw):
+        pale = palette.lighten(color, 0.7)
+        ax.add_patch(Rectangle((x, y), 1, 0.8, facecolor=color if held == bs else pale, linewidth=0))
+        if 0 < held < bs:
+            ax.add_patch(Rectangle((x, y), held / bs, 0.8, facecolor=color, linewidth=0))
+        ax.add_patch(Rectangle((x, y), 1, 0.8, fill=False, edgecolor="white", linewidth=1.5))
+        if edge is not None:
+            ax.add_patch(Rectangle((x + 0.04, y + 0.04), 0.92, 0.72, fill=False, edgecolor=edge, **kw))
+        if 0 < held < bs:  # NOTE: the label straddles both shades: black with a white halo
+            return palette.BLACK
+        return palette.text_color_on(color if held == bs else pale)
+
+    def halo(t, held):
+        if 0 < held < bs:
+            t.set_path_effects([patheffects.withStroke(linewidth=2.5, foreground="white")])
+
+    # physical row
+    for b in range(snap.num_blocks):
+        if b in owners:
+            rid, j = owners[b][0]
+            color = palette.owner_color(snap.owner_index(rid))
+            fg = cell(b, 0, color, tokens.get(b, bs), palette.BLACK if b in new else None, linewidth=2.2)
+            label = f"{names[rid]}:{j}"
+            if snap.ref_cnt.get(b, 1) > 1:
+                label = f"x{snap.ref_cnt[b]} {label}"
+            held = tokens.get(b, bs)
+            halo(ax.text(b + 0.5, 0.27, label, ha="center", va="center", fontsize=fs * 0.8, color=fg), held)
+            t = ax.text(
+                b + 0.5, 0.6, str(b), ha="center", va="center", fontsize=fs, color=fg, fontweight="bold"
+            )
+            halo(t, held)
+        else:
+            dashed = dict(linewidth=1.4, linestyle=(0, (2.5, 1.5))) if b in freed else {}
+            cell(b, 0, palette.FREE_GREY, bs, FREED_EDGE if b in freed else None, **dashed)
+            if b in snap.cached_free_ids:
+                ax.add_patch(
+                    Rectangle((b, 0), 1, 0.8, fill=False, hatch="....", edgecolor="#888888", linewidth=0)
+                )
+            ax.text(b + 0.5, 0.45, str(b), ha="center", va="center", fontsize=fs, color="#666666")
+    # logical row, one group per request, and the arrows
+    x = (width - (sum(len(t) for t in snap.block_tables.values()) + len(rids) - 1)) / 2
+    for rid in rids:
+        color = palette.owner_color(snap.owner_index(rid))
+        n = snap.num_tokens.get(rid, len(snap.block_tables[rid]) * bs)
+        table = snap.block_tables[rid]
+        ax.text(
+            x, 3.05, f"{_row_name(snap, rid, names)}: {n} tokens", ha="left", va="center", fontsize=fs * 0.9
+        )
+        for j, b in enumerate(table):
+            held = max(0, min(bs, n - j * bs))
+            fg = cell(x + j, 2.1, color, held)
+            halo(
+                ax.text(x + j + 0.5, 2.5, f"j={j}", ha="center", va="center", fontsize=fs * 0.9, color=fg),
+                held,
+            )
+            ax.add_patch(
+                FancyArrowPatch(
+                    (x + j + 0.5, 2.08),
+                    (b + 0.5, 0.82),
+                    arrowstyle="-|>",
+                    mutation_scale=12,
+                    color=palette.darken(color, 0.3),
+                    linewidth=1.6,
+                    shrinkA=0,
+                    shrinkB=0,
+                )
+            )
+        x += len(table) + 1
+    ax.text(-0.15, 2.5, "block table\n(logical block j)", ha="right", va="center", fontsize=fs * 0.85)
+    ax.text(-0.15, 0.4, "physical blocks\n(the KV cache)", ha="right", va="center", fontsize=fs * 0.85)
+    handles = [
+        Patch(facecolor=palette.owner_color(0), label="slots holding tokens (colour = request)"),
+        Patch(facecolor=palette.lighten(palette.owner_color(0), 0.7), label="reserved, no token yet"),
+        Patch(facecolor=palette.FREE_GREY, label="free block"),
+    ]
+    if new:
+        handles.append(
+            Patch(facecolor="white", edgecolor=palette.BLACK, linewidth=2.0, label="allocated this step")
+        )
+    if freed:
+        handles.append(
+            Patch(
+                facecolor=palette.FREE_GREY,
+                edgecolor=FREED_EDGE,
+                linestyle=(0, (2.5, 1.5)),
+                label="freed this step",
+            )
+        )
+    fig.legend(
+        handles=handles, loc="lower left", ncol=len(handles), frameon=False, bbox_to_anchor=(0.01, 0.0)
+    )
+    where = "now" if snap.step is None else f"after step {snap.step}"
+    fig.suptitle(
+        f"Block tables {where}: logical block j -> physical block ({snap.num_blocks} blocks of {bs} slots, "
+        f"{snap.num_used_blocks} used)",
+        x=0.01,
+        ha="left",
+        fontsize=11,
+        y=0.98,
+        va="top",
+    )
+
+
 def block_tables(source, step: Optional[int] = None, *, arrows: bool = False, managed: bool = True, **kwargs):
     """Figure: block tables at ``step`` of a trace, or of a live ``KVCacheManager``.
 
-    ``arrows=True`` draws a line from each logical block to its physical block (readable
-    for a handful of blocks; the cell labels carry the same mapping). ``managed=False`` returns a Figure pyplot does not
+    ``arrows=True`` draws an arrow from each logical block to its physical block: for a
+    pool of at most ``MAPPING_MAX_BLOCKS`` blocks as two rows (logical above, physical
+    below, ``draw_block_mapping``), else over the usual two panels (the cell labels carry
+    the same mapping). ``managed=False`` returns a Figure pyplot does not
     track (for files and widgets). In a notebook: ``fig = block_tables(...); plt.show();
     plt.close(fig)``.
     """
@@ -424,6 +567,10 @@ def block_tables(source, step: Optional[int] = None, *, arrows: bool = False, ma
 
     snap = snapshot(source, step, **kwargs)
     with _draw.rc_context():
-        fig = _draw.new_figure(figure_size(snap), managed=managed)
-        draw_block_tables(fig, snap, arrows=arrows)
+        if arrows and _mapping_fits(snap):
+            fig = _draw.new_figure((9.0, 3.6), managed=managed)
+            draw_block_mapping(fig, snap)
+        else:
+            fig = _draw.new_figure(figure_size(snap), managed=managed)
+            draw_block_tables(fig, snap, arrows=arrows)
     return fig
