@@ -261,6 +261,47 @@ def test_snapshot_by_hand(trace):
     assert viz.snapshot(trace).step == 9 and viz.snapshot(trace, -1).step == 9
 
 
+def test_freed_blocks_by_hand(trace):
+    """Step 5: B swapped out frees 2 and 3, D gets 2 back: freed [3], new [2]. Step 6: D
+    preempted frees 2, C.1's new block 1 is held. Step 8: B and C.1 finish."""
+    s5, s6 = viz.snapshot(trace, 5), viz.snapshot(trace, 6)
+    assert (s5.new_block_ids, s5.freed_block_ids) == ([2], [3])
+    assert (s6.new_block_ids, s6.freed_block_ids) == ([1], [2])
+    assert viz.snapshot(trace, 0).freed_block_ids == []
+    for i in range(len(trace)):
+        snap = viz.snapshot(trace, i)
+        snap.check_invariants()
+        assert not set(snap.freed_block_ids) & set(snap.ref_cnt)
+        assert set(snap.new_block_ids) <= set(snap.ref_cnt)
+
+
+def test_block_allocated_and_freed_in_one_step_is_marked_freed():
+    """A dead beam's copy: allocated during the step, free after it. It must not be framed
+    as allocated this step (solid black edge) but as freed (dashed edge), in text and figure."""
+    from matplotlib.patches import Rectangle
+
+    t = EngineTrace(num_blocks=4, block_size=2, max_num_seqs=2, max_num_batched_tokens=4)
+    t.requests = {"a": {"arrival_step": 0}, "b": {"arrival_step": 0}}
+    t.record(StepRecord(0, {"a": 2, "b": 2}, block_tables={"a": [0], "b": [1]}, new_block_ids=[0, 1]))
+    t.record(StepRecord(1, {"a": 1, "b": 1}, block_tables={"a": [0, 2]}, new_block_ids=[2, 3]))
+    snap = viz.snapshot(t, 1)
+    assert snap.new_block_ids == [2] and snap.freed_block_ids == [1, 3]
+    text = viz.block_tables_text(t, 1)
+    assert "new: 2 | freed: 1 3" in text and "3 -" in text and "3 -*" not in text
+    fig = viz.block_tables(t, 1, managed=False)
+    ax_p = fig.get_axes()[1]
+    frames = [
+        (round(r.get_x()), r.get_linestyle())
+        for r in ax_p.patches
+        if isinstance(r, Rectangle) and not r.get_fill()
+    ]
+    solid = sorted(x for x, ls in frames if ls in ("-", "solid"))
+    dashed = sorted(x for x, ls in frames if ls not in ("-", "solid"))
+    ncols = round(ax_p.get_xlim()[1])
+    assert solid == [2 % ncols] and dashed == sorted([1 % ncols, 3 % ncols])
+    assert "freed this step" in {tx.get_text() for tx in fig.legends[0].get_texts()}
+
+
 def test_snapshot_from_manager():
     m, new = manager_with_sharing()
     snap = viz.snapshot(m, new_block_ids=new)
@@ -505,6 +546,22 @@ def test_block_tables_from_manager_figure():
     assert {"x2 A:0", "x2 A:1", "A:2", "A.1:2", "C:0"} <= texts
 
 
+def test_small_pool_mapping_draws_one_arrow_per_table_entry():
+    """arrows=True on a small pool: two rows, an arrow from every logical block to the
+    centre of its physical block (x = block id + 0.5), in its request's colour family."""
+    from matplotlib.patches import FancyArrowPatch
+
+    m, new = manager_with_sharing()
+    fig = viz.block_tables(m, new_block_ids=new, managed=False, arrows=True)
+    (ax,) = fig.get_axes()
+    arrows = [p for p in ax.patches if isinstance(p, FancyArrowPatch)]
+    tables = {r: m.get_block_ids(r) for r in m.block_tables}
+    assert len(arrows) == sum(len(t) for t in tables.values()) == 9
+    landing = sorted(round(a._posA_posB[1][0] - 0.5) for a in arrows)
+    assert landing == sorted(b for t in tables.values() for b in t)  # shared 0 and 1 twice
+    assert_readable(fig)
+
+
 def test_managed_figures_are_pyplot_figures(trace):
     import matplotlib.pyplot as plt
 
@@ -524,7 +581,7 @@ def test_short_names():
 def test_owner_colours_are_distinct_and_stable():
     colours = [palette.owner_color(k) for k in range(21)]
     assert len(set(colours)) == 21
-    assert palette.owner_color(3) == palette.YELLOW
+    assert palette.owner_color(1) == palette.YELLOW  # see tests/test_palette.py
     with pytest.raises(ValueError):
         palette.owner_color(-1)
 

@@ -12,6 +12,8 @@ rendering that prints the same state deterministically (terminals, nbval).
 ``memory(trace)``            KV slots over time: holding tokens, reserved, free
 ``*_text(...)``              the same as strings
 ``stepper(trace)``           an ipywidgets player over ``step(trace, i)``
+``beam_tables(trace, steps)`` beam search: block tables at several steps, every beam
+                             under a stable name and colour, forks as children
 ===========================  =======================================================
 
 Figures come from pyplot (``managed=True``, the default) so that in a notebook
@@ -21,6 +23,7 @@ figure is drawn; the text renderings do not need it.
 """
 
 from minipaged.viz.activity import timeline, timeline_cells, timeline_text
+from minipaged.viz.beams import beam_lineage, beam_tables, beam_tables_text
 from minipaged.viz.blocks import block_tables, block_tables_text
 from minipaged.viz.occupancy import memory, memory_series, memory_text
 from minipaged.viz.snapshot import BlockSnapshot, request_order, snapshot
@@ -36,6 +39,9 @@ def stepper(trace, **kwargs):
 
 __all__ = [
     "BlockSnapshot",
+    "beam_lineage",
+    "beam_tables",
+    "beam_tables_text",
     "block_tables",
     "block_tables_text",
     "memory",

@@ -39,7 +39,7 @@ STATE_CHARS = {
 }
 STATE_LABELS = {
     "waiting": "waiting",
-    "running": "running, idle",
+    "running": "running, idle (0 tokens)",
     "prefill": "prefill (n tokens)",
     "decode": "decode (1 token)",
     "preempted": "preempted",
@@ -344,7 +344,7 @@ def draw_timeline(
     ax.set_ylabel("request")
 
     # strips: sequences in the batch, tokens of the budget
-    _bars(ax_s, c.running, np.zeros(n), palette.BLUISH_GREEN)
+    _bars(ax_s, c.running, np.zeros(n), palette.BATCH_BLUE)
     _limit_line(ax_s, max(c.running), c.max_num_seqs, "max_num_seqs")
     ax_s.set_ylabel("seqs", rotation=0, ha="right", va="center")
     ax_s.yaxis.set_major_locator(MaxNLocator(3, integer=True))

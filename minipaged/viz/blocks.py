@@ -5,7 +5,8 @@ each request's *logical* blocks 0, 1, 2, ... (filled in proportion to the tokens
 hold), each labelled with the *physical* block it maps to; on the right the physical
 pool as a grid, each block coloured by its owner and labelled ``owner:logical``; shared
 blocks carry their ref count (``x2``), free blocks are grey, blocks allocated at this
-step have a thick black edge.
+step (and still held) have a thick black edge, blocks freed at this step (a finished or
+preempted request's, a dead beam's) are grey with a dashed edge: never the same mark.
 
 Inputs
     ``source``: an ``EngineTrace`` with ``step`` (default: its last step), or a live
@@ -31,6 +32,8 @@ from typing import Optional
 from minipaged.viz import palette
 from minipaged.viz.snapshot import BlockSnapshot, snapshot
 
+FREED_EDGE = "#444444"  # dashed edge of a block freed at this step
+
 # -- text -------------------------------------------------------------------------
 
 
@@ -39,15 +42,16 @@ def _header(snap: BlockSnapshot) -> str:
         "now (live KVCacheManager)" if snap.step is None else f"after step {snap.step} / {snap.num_steps - 1}"
     )
     new = " ".join(str(b) for b in snap.new_block_ids) or "-"
+    freed = " | freed: " + " ".join(map(str, snap.freed_block_ids)) if snap.freed_block_ids else ""
     return (
         f"block tables {where} | block_size {snap.block_size} | {snap.num_blocks} blocks: "
-        f"{snap.num_used_blocks} used, {len(snap.free_block_ids)} free | new: {new}"
+        f"{snap.num_used_blocks} used, {len(snap.free_block_ids)} free | new: {new}{freed}"
     )
 
 
 def _cell_label(snap: BlockSnapshot, b: int, owners, names) -> str:
     if b not in owners:
-        return "~" if b in snap.cached_free_ids else "."
+        return "~" if b in snap.cached_free_ids else "-" if b in snap.freed_block_ids else "."
     rid, j = owners[b][0]
     label = f"{names[rid]}:{j}"
     if snap.ref_cnt.get(b, 1) > 1:
@@ -58,7 +62,13 @@ def _cell_label(snap: BlockSnapshot, b: int, owners, names) -> str:
 
 
 def _names(snap: BlockSnapshot) -> dict[str, str]:
-    return {r: palette.short_name(r, snap.owner_index(r)) for r in snap.block_tables}
+    return {r: snap.names.get(r) or palette.short_name(r, snap.owner_index(r)) for r in snap.block_tables}
+
+
+def _row_name(snap: BlockSnapshot, rid: str, names: dict[str, str]) -> str:
+    if rid in snap.row_names:
+        return snap.row_names[rid]
+    return f"{rid} ({names[rid]})" if names[rid] != rid else rid
 
 
 def block_tables_text(source, step: Optional[int] = None, *, columns: int = 8, **kwargs) -> str:
@@ -88,7 +98,8 @@ def block_tables_text(source, step: Optional[int] = None, *, columns: int = 8, *
             lines.append(f"{name:<{w}}  {slots:>12}  [{', '.join(cells)}]")
     else:
         lines.append("no request holds blocks")
-    lines.append("physical blocks (owner:logical block, xN = ref count, * = new, . = free):")
+    freed = ", - = freed this step" if snap.freed_block_ids else ""
+    lines.append(f"physical blocks (owner:logical block, xN = ref count, * = new, . = free{freed}):")
     owners = snap.owners()
     labels = [_cell_label(snap, b, owners, names) for b in range(snap.num_blocks)]
     lw = max(len(s) for s in labels)
@@ -133,8 +144,13 @@ def figure_size(snap: BlockSnapshot) -> tuple[float, float]:
     return 12.0, min(9.0, 1.8 + 0.36 * rows)
 
 
-def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
-    """Draw ``snap`` into ``fig`` (a Figure or SubFigure): logical left, physical right."""
+def draw_block_tables(
+    fig, snap: BlockSnapshot, arrows: bool = False, legend: bool = True, title: Optional[str] = None
+) -> None:
+    """Draw ``snap`` into ``fig`` (a Figure or SubFigure): logical left, physical right.
+
+    ``legend=False`` leaves the legend out (a stack of pictures shows it once);
+    ``title`` replaces the "Block tables after step i" title."""
     import numpy as np
     from matplotlib.colors import to_rgba
     from matplotlib.patches import Patch, Rectangle
@@ -144,17 +160,22 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
     names = _names(snap)
     owners = snap.owners()
     new = set(snap.new_block_ids)
+    freed = set(snap.freed_block_ids)
     bs = snap.block_size
     rids = list(snap.block_tables)
     max_len = max((len(t) for t in snap.block_tables.values()), default=1)
     lcols = max(max_len, 4)
 
+    # NOTE: a narrow figure (the step picture's right half) puts its legend on two rows
+    legend_rows = 2 if _draw.fig_inches(fig)[0] < 11 else 1
     gs = fig.add_gridspec(
         1,
         2,
         width_ratios=[1.0, 1.25],
         wspace=0.12,
-        **_draw.margins(fig, left=0.9, right=0.15, top=0.75, bottom=0.75),
+        **_draw.margins(
+            fig, left=0.9, right=0.15, top=0.75, bottom=0.6 + 0.2 * legend_rows if legend else 0.5
+        ),
     )
     ax_l = fig.add_subplot(gs[0, 0])
     ax_p = fig.add_subplot(gs[0, 1])
@@ -207,7 +228,7 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
     ax_l.set_xlim(0, lcols)
     ax_l.set_ylim(nrow_l, 0)
     ax_l.set_yticks([y + 0.5 for y in range(len(rids))])
-    ax_l.set_yticklabels([f"{r} ({names[r]})" if names[r] != r else r for r in rids])
+    ax_l.set_yticklabels([_row_name(snap, r, names) for r in rids])
     step_x = 1 if lcols <= 16 else max(1, lcols // 8)
     ax_l.set_xticks([j + 0.5 for j in range(0, lcols, step_x)])
     ax_l.set_xticklabels([str(j) for j in range(0, lcols, step_x)])
@@ -251,6 +272,19 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
                     fill=False,
                     edgecolor=palette.BLACK,
                     linewidth=2.2,
+                    zorder=2.6,
+                )
+            )
+        elif b in freed and b not in owners:  # NOTE: a freed block is never framed as new
+            ax_p.add_patch(
+                Rectangle(
+                    (x + 0.06, y + 0.06),
+                    0.88,
+                    0.88,
+                    fill=False,
+                    edgecolor=FREED_EDGE,
+                    linewidth=1.4,
+                    linestyle=(0, (2.5, 1.5)),
                     zorder=2.6,
                 )
             )
@@ -346,20 +380,30 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
         Patch(facecolor="white", edgecolor=palette.BLACK, linewidth=2.0, label="allocated this step"),
         Patch(facecolor="white", edgecolor="white", label="xN: shared by N tables"),
     ]
+    if snap.step is not None or snap.freed_block_ids:  # a live manager has no "step"
+        freed_patch = Patch(
+            facecolor=palette.FREE_GREY,
+            edgecolor=FREED_EDGE,
+            linewidth=1.2,
+            linestyle=(0, (2.5, 1.5)),
+            label="freed this step",
+        )
+        handles.insert(4, freed_patch)
     if snap.cached_free_ids:
         handles.insert(3, Patch(facecolor=palette.FREE_GREY, hatch="....", label="free, prefix still cached"))
-    fig.legend(
-        handles=handles,
-        loc="lower left",
-        ncol=len(handles),
-        frameon=False,
-        bbox_to_anchor=(0.01, 0.0),
-        handlelength=1.4,
-        columnspacing=1.2,
-    )
+    if legend:
+        fig.legend(
+            handles=handles,
+            loc="lower left",
+            ncol=math.ceil(len(handles) / legend_rows),
+            frameon=False,
+            bbox_to_anchor=(0.01, 0.0),
+            handlelength=1.4,
+            columnspacing=1.2,
+        )
     where = "now" if snap.step is None else f"after step {snap.step}"
     fig.suptitle(
-        f"Block tables {where} ({snap.num_blocks} blocks of {bs} slots)",
+        title or f"Block tables {where} ({snap.num_blocks} blocks of {bs} slots)",
         x=0.01,
         ha="left",
         fontsize=11,
@@ -368,11 +412,154 @@ def draw_block_tables(fig, snap: BlockSnapshot, arrows: bool = False) -> None:
     )
 
 
+MAPPING_MAX_BLOCKS = 16  # arrows=True: up to this many physical (and logical) blocks, one row each
+
+
+def _mapping_fits(snap: BlockSnapshot) -> bool:
+    n_logical = sum(len(t) for t in snap.block_tables.values())
+    return (
+        snap.num_blocks <= MAPPING_MAX_BLOCKS
+        and 0 < n_logical + len(snap.block_tables) - 1 <= MAPPING_MAX_BLOCKS
+    )
+
+
+def draw_block_mapping(fig, snap: BlockSnapshot) -> None:
+    """The block-table indirection for a small pool: every request's logical blocks in one
+    row on top (grouped by request), the physical blocks ``0 .. num_blocks - 1`` in one row
+    beneath, an arrow in the request's colour from each table entry to its block.
+
+    NOTE: two rows keep every arrow between them (none crosses a cell), and coloured arrows
+    stay attributable where they cross; shared blocks receive several arrows."""
+    from matplotlib import patheffects
+    from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
+
+    from minipaged.viz import _draw
+
+    names = _names(snap)
+    owners = snap.owners()
+    new, freed = set(snap.new_block_ids), set(snap.freed_block_ids)
+    bs = snap.block_size
+    tokens = snap.tokens_in_block()
+    rids = list(snap.block_tables)
+    width = max(snap.num_blocks, sum(len(t) for t in snap.block_tables.values()) + len(rids) - 1)
+    ax = fig.add_subplot(1, 1, 1)
+    fig.subplots_adjust(left=0.13, right=0.99, top=0.86, bottom=0.2)
+    ax.set_xlim(-0.1, width + 0.1)
+    ax.set_ylim(-0.15, 3.35)
+    ax.axis("off")
+    cw, ch = _draw.cell_points(ax, width + 0.2, 3.5 / 0.8)
+    fs = _draw.fit_fontsize(cw, ch, 6, cap=10.0)
+
+    def cell(x, y, color, held, edge=None, **kw):
+        pale = palette.lighten(color, 0.7)
+        ax.add_patch(Rectangle((x, y), 1, 0.8, facecolor=color if held == bs else pale, linewidth=0))
+        if 0 < held < bs:
+            ax.add_patch(Rectangle((x, y), held / bs, 0.8, facecolor=color, linewidth=0))
+        ax.add_patch(Rectangle((x, y), 1, 0.8, fill=False, edgecolor="white", linewidth=1.5))
+        if edge is not None:
+            ax.add_patch(Rectangle((x + 0.04, y + 0.04), 0.92, 0.72, fill=False, edgecolor=edge, **kw))
+        if 0 < held < bs:  # NOTE: the label straddles both shades: black with a white halo
+            return palette.BLACK
+        return palette.text_color_on(color if held == bs else pale)
+
+    def halo(t, held):
+        if 0 < held < bs:
+            t.set_path_effects([patheffects.withStroke(linewidth=2.5, foreground="white")])
+
+    # physical row
+    for b in range(snap.num_blocks):
+        if b in owners:
+            rid, j = owners[b][0]
+            color = palette.owner_color(snap.owner_index(rid))
+            fg = cell(b, 0, color, tokens.get(b, bs), palette.BLACK if b in new else None, linewidth=2.2)
+            label = f"{names[rid]}:{j}"
+            if snap.ref_cnt.get(b, 1) > 1:
+                label = f"x{snap.ref_cnt[b]} {label}"
+            held = tokens.get(b, bs)
+            halo(ax.text(b + 0.5, 0.27, label, ha="center", va="center", fontsize=fs * 0.8, color=fg), held)
+            t = ax.text(
+                b + 0.5, 0.6, str(b), ha="center", va="center", fontsize=fs, color=fg, fontweight="bold"
+            )
+            halo(t, held)
+        else:
+            dashed = dict(linewidth=1.4, linestyle=(0, (2.5, 1.5))) if b in freed else {}
+            cell(b, 0, palette.FREE_GREY, bs, FREED_EDGE if b in freed else None, **dashed)
+            if b in snap.cached_free_ids:
+                ax.add_patch(
+                    Rectangle((b, 0), 1, 0.8, fill=False, hatch="....", edgecolor="#888888", linewidth=0)
+                )
+            ax.text(b + 0.5, 0.45, str(b), ha="center", va="center", fontsize=fs, color="#666666")
+    # logical row, one group per request, and the arrows
+    x = (width - (sum(len(t) for t in snap.block_tables.values()) + len(rids) - 1)) / 2
+    for rid in rids:
+        color = palette.owner_color(snap.owner_index(rid))
+        n = snap.num_tokens.get(rid, len(snap.block_tables[rid]) * bs)
+        table = snap.block_tables[rid]
+        ax.text(
+            x, 3.05, f"{_row_name(snap, rid, names)}: {n} tokens", ha="left", va="center", fontsize=fs * 0.9
+        )
+        for j, b in enumerate(table):
+            held = max(0, min(bs, n - j * bs))
+            fg = cell(x + j, 2.1, color, held)
+            halo(
+                ax.text(x + j + 0.5, 2.5, f"j={j}", ha="center", va="center", fontsize=fs * 0.9, color=fg),
+                held,
+            )
+            ax.add_patch(
+                FancyArrowPatch(
+                    (x + j + 0.5, 2.08),
+                    (b + 0.5, 0.82),
+                    arrowstyle="-|>",
+                    mutation_scale=12,
+                    color=palette.darken(color, 0.3),
+                    linewidth=1.6,
+                    shrinkA=0,
+                    shrinkB=0,
+                )
+            )
+        x += len(table) + 1
+    ax.text(-0.15, 2.5, "block table\n(logical block j)", ha="right", va="center", fontsize=fs * 0.85)
+    ax.text(-0.15, 0.4, "physical blocks\n(the KV cache)", ha="right", va="center", fontsize=fs * 0.85)
+    handles = [
+        Patch(facecolor=palette.owner_color(0), label="slots holding tokens (colour = request)"),
+        Patch(facecolor=palette.lighten(palette.owner_color(0), 0.7), label="reserved, no token yet"),
+        Patch(facecolor=palette.FREE_GREY, label="free block"),
+    ]
+    if new:
+        handles.append(
+            Patch(facecolor="white", edgecolor=palette.BLACK, linewidth=2.0, label="allocated this step")
+        )
+    if freed:
+        handles.append(
+            Patch(
+                facecolor=palette.FREE_GREY,
+                edgecolor=FREED_EDGE,
+                linestyle=(0, (2.5, 1.5)),
+                label="freed this step",
+            )
+        )
+    fig.legend(
+        handles=handles, loc="lower left", ncol=len(handles), frameon=False, bbox_to_anchor=(0.01, 0.0)
+    )
+    where = "now" if snap.step is None else f"after step {snap.step}"
+    fig.suptitle(
+        f"Block tables {where}: logical block j -> physical block ({snap.num_blocks} blocks of {bs} slots, "
+        f"{snap.num_used_blocks} used)",
+        x=0.01,
+        ha="left",
+        fontsize=11,
+        y=0.98,
+        va="top",
+    )
+
+
 def block_tables(source, step: Optional[int] = None, *, arrows: bool = False, managed: bool = True, **kwargs):
     """Figure: block tables at ``step`` of a trace, or of a live ``KVCacheManager``.
 
-    ``arrows=True`` draws a line from each logical block to its physical block (readable
-    for a handful of blocks; the cell labels carry the same mapping). ``managed=False`` returns a Figure pyplot does not
+    ``arrows=True`` draws an arrow from each logical block to its physical block: for a
+    pool of at most ``MAPPING_MAX_BLOCKS`` blocks as two rows (logical above, physical
+    below, ``draw_block_mapping``), else over the usual two panels (the cell labels carry
+    the same mapping). ``managed=False`` returns a Figure pyplot does not
     track (for files and widgets). In a notebook: ``fig = block_tables(...); plt.show();
     plt.close(fig)``.
     """
@@ -380,6 +567,10 @@ def block_tables(source, step: Optional[int] = None, *, arrows: bool = False, ma
 
     snap = snapshot(source, step, **kwargs)
     with _draw.rc_context():
-        fig = _draw.new_figure(figure_size(snap), managed=managed)
-        draw_block_tables(fig, snap, arrows=arrows)
+        if arrows and _mapping_fits(snap):
+            fig = _draw.new_figure((9.0, 3.6), managed=managed)
+            draw_block_mapping(fig, snap)
+        else:
+            fig = _draw.new_figure(figure_size(snap), managed=managed)
+            draw_block_tables(fig, snap, arrows=arrows)
     return fig

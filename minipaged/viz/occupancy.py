@@ -115,8 +115,8 @@ def draw_memory(fig, trace: EngineTrace, series: MemorySeries | None = None):
     ax.set_xlabel("engine step")
     ax.xaxis.set_major_locator(MaxNLocator(min(m.num_steps, 20), integer=True))
     for kind, marks, color in (
-        ("preempted (recompute)", m.preemptions, palette.VERMILLION),
-        ("swapped out", m.swapped_out, palette.REDDISH_PURPLE),
+        ("preempted (recompute)", m.preemptions, palette.STATE_COLORS["preempted"]),
+        ("swapped out", m.swapped_out, palette.STATE_COLORS["swapped"]),
     ):
         at = [i for i, p in enumerate(marks) if p]
         if at:

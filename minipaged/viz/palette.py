@@ -1,19 +1,35 @@
 """Colours and marks shared by every minipaged picture.
 
-Colour-blind safe: the Okabe-Ito palette (Okabe & Ito 2008, the palette recommended by
-Wong, Nature Methods 2011). Colours are plain hex strings, so this module needs no
-matplotlib and the text renderings can share the same names.
+Two encodings that must never be mistaken for each other, so they share no colour:
+
+* **what a request is doing** (``STATE_COLORS``, the timeline): blues for a request in
+  ``running`` (dark blue prefill, sky blue decode, pale blue "running, idle": it holds
+  blocks but got no token this step), greys for a request that is not (light grey
+  waiting, dark grey swapped out to the CPU), vermillion for the one alarm, preempted.
+  All from the Okabe-Ito palette (Okabe & Ito 2008; Wong, Nature Methods 2011).
+* **which request** (``owner_color(k)``, block tables, row labels): greens, yellows,
+  oranges, browns and purples, never a blue, a grey or a red-orange. The first hues are
+  Okabe-Ito's bluish green, yellow and orange, Paul Tol's sand and green and ColorBrewer
+  PRGn's purple; then lighter and darker versions.
+
+Colour-blind reasoning, checked by ``tests/test_palette.py``: every request colour is at
+least 25 CIELAB units (Delta E 1976) from every state colour for normal vision and at
+least 12 when both are seen through the deuteranopia and protanopia simulations of
+Machado et al. (2009), the two common forms; the greys and blues of the states differ
+in lightness or sit on the blue-yellow axis those viewers keep. Cells are also labelled
+(``r3:1``, chunk sizes), so colour is never the only cue. Colours are plain hex strings,
+so this module needs no matplotlib and the text renderings can share the same names.
 
 Inputs / outputs
     ``owner_color(k)`` -> the colour of the k-th request (in arrival order), stable across
-    steps, so a request keeps its colour from picture to picture. Seven hues, then the
-    same hues lighter and darker: 21 distinguishable owners before colours repeat (rows
-    and cells are also labelled, so a repeat is never the only cue).
+    steps, so a request keeps its colour from picture to picture; 21 distinct colours,
+    then they repeat.
     ``STATE_COLORS`` -> the colour of each request state in the timeline.
     ``short_name(rid, k)`` -> a label that fits in a cell.
 
 Invariants
-    the same request gets the same colour in every picture of one trace.
+    the same request gets the same colour in every picture of one trace; no request
+    colour is a state colour.
 
 vLLM has no counterpart (it draws nothing).
 """
@@ -35,16 +51,46 @@ EMPTY = "#FFFFFF"  # nothing there (not arrived, done)
 
 OKABE_ITO = [ORANGE, SKY_BLUE, BLUISH_GREEN, YELLOW, BLUE, VERMILLION, REDDISH_PURPLE]
 
-# Request states in the timeline (see minipaged.viz.activity).
+# Request states in the timeline (see minipaged.viz.activity): blues = in ``running``,
+# greys = not, vermillion = preempted. No request colour below is any of these.
 STATE_COLORS = {
     "absent": EMPTY,  # not arrived yet, or finished
     "waiting": "#BBBBBB",  # arrived, waiting for admission (or requeued)
-    "running": YELLOW,  # holds blocks but got no tokens this step
+    "running": "#BBE1F6",  # "running, idle": holds blocks but got no tokens this step
     "prefill": BLUE,  # computing prompt tokens (a chunk)
     "decode": SKY_BLUE,  # computing one new token
     "preempted": VERMILLION,  # preempted this step (recompute: its blocks freed)
-    "swapped": REDDISH_PURPLE,  # its KV blocks are in the CPU pool
+    "swapped": "#555555",  # its KV blocks are in the CPU pool
 }
+
+BATCH_BLUE = "#2B93CE"  # the timeline's "sequences in the batch" strip: between prefill and decode
+
+# Request (owner) colours, in arrival order. The first twelve are the most distinct
+# (pairwise Delta E >= 22); the rest are lighter and darker versions, picked to stay
+# away from the states (see the module docstring).
+REQUEST_COLORS = [
+    BLUISH_GREEN,
+    YELLOW,
+    "#762A83",  # purple (ColorBrewer PRGn)
+    ORANGE,
+    "#DDCC77",  # sand (Tol muted)
+    "#117733",  # green (Tol muted)
+    "#BA94C1",  # lavender
+    "#8C510A",  # brown (ColorBrewer BrBG)
+    "#995B7D",  # mauve
+    "#86A768",  # sage
+    "#521433",  # dark wine
+    "#D8EFC4",  # pale green
+    "#104821",  # dark green
+    "#543106",  # dark brown
+    "#DFC096",  # tan
+    "#B4AB32",  # olive
+    "#47194F",  # aubergine
+    "#EEBC4C",  # light orange
+    "#F4EC7B",  # light yellow
+    REDDISH_PURPLE,
+    "#857A47",  # khaki
+]
 
 # Memory picture (minipaged.viz.occupancy).
 MEMORY_COLORS = {
@@ -70,12 +116,10 @@ def darken(hex_color: str, t: float = 0.35) -> str:
 
 
 def owner_color(k: int) -> str:
-    """Colour of the k-th request (0-based, in arrival order)."""
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
-    hue = OKABE_ITO[k % len(OKABE_ITO)]
-    shade = (k // len(OKABE_ITO)) % 3
-    return hue if shade == 0 else lighten(hue, 0.5) if shade == 1 else darken(hue, 0.35)
+    """Colour of the k-th request (0-based, in arrival order); never a state colour."""
+    if not isinstance(k, int) or k < 0:
+        raise ValueError(f"k must be an int >= 0, got {k!r}")
+    return REQUEST_COLORS[k % len(REQUEST_COLORS)]
 
 
 def text_color_on(hex_color: str) -> str:

@@ -10,7 +10,9 @@ Inputs
     ``minipaged.core.KVCacheManager`` (its state now).
 Outputs
     ``BlockSnapshot``: the block tables, tokens per request, ref counts, the free blocks
-    (in free-queue order when read from a manager), the blocks allocated this step.
+    (in free-queue order when read from a manager), the blocks allocated this step and
+    still held, and the blocks freed this step (held after the step before, or allocated
+    during this one, and free after it: a finished or preempted request's, a dead beam's).
     ``request_order(trace)``: every request id in arrival order (fixes colours and rows).
 Invariants (``BlockSnapshot.check_invariants``)
     every block id is in ``range(num_blocks)``; a held block is not free; a block's
@@ -89,14 +91,22 @@ class BlockSnapshot:
     ref_cnt: dict[int, int]  # held block id -> ref count (>= 1)
     free_block_ids: list[int]  # free blocks; in free-queue order when known
     new_block_ids: list[int] = field(default_factory=list)  # allocated this step
+    freed_block_ids: list[int] = field(default_factory=list)  # free now, held during this step
     cached_free_ids: frozenset = frozenset()  # free, but still holding a cached prefix
     order: list[str] = field(default_factory=list)  # all requests, arrival order (colours)
     step: Optional[int] = None
     num_steps: Optional[int] = None
+    # optional overrides (beam pictures, minipaged.viz.beams): request id -> cell name,
+    # row label, colour index; requests not listed keep the defaults
+    names: dict[str, str] = field(default_factory=dict)
+    row_names: dict[str, str] = field(default_factory=dict)
+    colors: dict[str, int] = field(default_factory=dict)
 
     # -- derived ------------------------------------------------------------------
     def owner_index(self, rid: str) -> int:
         """Position of ``rid`` in arrival order: its colour and label."""
+        if rid in self.colors:
+            return self.colors[rid]
         try:
             return self.order.index(rid)
         except ValueError:
@@ -133,6 +143,7 @@ class BlockSnapshot:
         for b, c in holders.items():
             assert self.ref_cnt.get(b) == c, f"block {b}: ref_cnt {self.ref_cnt.get(b)} != {c}"
         assert not set(self.free_block_ids) & set(holders), "a held block is listed as free"
+        assert not set(self.freed_block_ids) & set(holders), "a held block is listed as freed"
         assert len(holders) + len(self.free_block_ids) <= self.num_blocks, "blocks overcounted"
 
 
@@ -162,6 +173,8 @@ def snapshot_from_trace(trace: EngineTrace, step: Optional[int] = None) -> Block
             holders[b] = holders.get(b, 0) + 1
     held = set(holders)
     free = [b for b in range(trace.num_blocks) if b not in held]
+    before = {b for t in trace.steps[i - 1].block_tables.values() for b in t} if i > 0 else set()
+    freed = sorted((before | set(rec.new_block_ids)) - held)
     return BlockSnapshot(
         num_blocks=trace.num_blocks,
         block_size=trace.block_size,
@@ -169,7 +182,8 @@ def snapshot_from_trace(trace: EngineTrace, step: Optional[int] = None) -> Block
         num_tokens={r: rec.num_tokens[r] for r in tables if r in rec.num_tokens},
         ref_cnt=holders,
         free_block_ids=free,
-        new_block_ids=list(rec.new_block_ids),
+        new_block_ids=[b for b in rec.new_block_ids if b in held],
+        freed_block_ids=freed,
         order=order,
         step=i,
         num_steps=len(trace.steps),
@@ -177,9 +191,13 @@ def snapshot_from_trace(trace: EngineTrace, step: Optional[int] = None) -> Block
 
 
 def snapshot_from_manager(
-    manager, new_block_ids: Iterable[int] = (), order: Optional[list[str]] = None
+    manager,
+    new_block_ids: Iterable[int] = (),
+    order: Optional[list[str]] = None,
+    freed_block_ids: Iterable[int] = (),
 ) -> BlockSnapshot:
-    """The live state of a ``KVCacheManager``; ``new_block_ids`` are highlighted."""
+    """The live state of a ``KVCacheManager``; ``new_block_ids`` (held) and
+    ``freed_block_ids`` (free) are marked."""
     pool = manager.block_pool
     tables = {r: t.block_ids() for r, t in manager.block_tables.items()}
     if order is None:
@@ -198,6 +216,7 @@ def snapshot_from_manager(
         ref_cnt=ref_cnt,
         free_block_ids=[b.block_id for b in free_blocks],
         new_block_ids=list(new_block_ids),
+        freed_block_ids=sorted(freed_block_ids),
         cached_free_ids=frozenset(b.block_id for b in free_blocks if b.block_hash is not None),
         order=order,
     )

@@ -174,8 +174,12 @@ md(r"""
 
 **Active sequences.** A row per request, a column per step: grey while waiting, dark blue
 while prefilling (the number is the chunk of prompt tokens computed in that step), light
-blue while decoding one token per step, vermillion when preempted. The strips beneath
-count the sequences in each step's batch and the tokens it used, against the two budgets.
+blue while decoding one token per step, vermillion when preempted; a pale blue cell
+(*running, idle*) means the request is in the scheduler's `running` list but got no token
+that step, because the step's token budget ran out before its turn. These colours belong to
+*states*; each request's own colour (the block tables on the right of the next picture)
+is never one of them. The strips beneath count the sequences in each step's batch and the
+tokens it used, against the two budgets.
 """)
 
 code(r"""
@@ -187,8 +191,8 @@ plt.close(fig)
 md(r"""
 **One step, side by side.** The lecture's picture: the same timeline with one step
 framed, and the block tables *after* that step. Here the step is the first preemption:
-the preempted request's blocks are back in the free pool (grey), and the blocks just
-handed out have a black frame.
+the preempted request's blocks are back in the free pool (grey, with a dashed edge:
+*freed this step*), and the blocks just handed out have a black frame.
 """)
 
 code(r"""

@@ -203,9 +203,11 @@ print("slot_mapping for this decode step:",
 """)
 
 md(r"""
-The same state as a picture: each request's logical blocks on the left, the physical
-block grid on the right, an arrow per block-table entry. Light shading is the reserved,
-still empty tail of a last block; grey blocks are free.
+The same state as a picture: each request's logical blocks on top (its block table, entry
+j), the physical blocks beneath in id order, an arrow in the request's colour per
+block-table entry. Light shading is the reserved, still empty tail of a last block; grey
+blocks are free. The arrows cross wherever a request's blocks are not in order: nothing
+needs to be contiguous.
 """)
 
 code(r"""

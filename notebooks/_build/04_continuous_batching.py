@@ -115,8 +115,11 @@ for name, t in tiny.items():
 
 md(r"""
 The timelines in text: a row per request, a column per step (`P` prefill, `d` decode,
-`.` waiting, `|` finished). The `seqs` strip underneath is the batch size at each step:
-static batching runs half-empty from step 2 to step 7.
+`.` waiting, `|` finished). The legend also names `-` **running, idle**: the request is in
+`running` and keeps its blocks, but got no tokens in that step (for example when the token
+budget ran out before its turn); it is not waiting and loses nothing. These runs have none.
+The `seqs` strip underneath is the batch size at each step: static batching runs half-empty
+from step 2 to step 7.
 """)
 
 code(r"""
@@ -196,7 +199,11 @@ md(r"""
 ## 4. The picture: active sequences at each step
 
 A row per request, a column per engine step: grey while waiting, dark blue for a prefill
-(with its size), light blue for each decode, a bar at the finish. The strips underneath
+(with its size), light blue for each decode, pale blue for "running, idle" (in `running`,
+holding its blocks, no tokens this step), a bar at the finish. Blues mean in `running`,
+greys not. The request names on the left carry each request's own colour, the colour of its
+blocks in the block tables below: greens, yellows, oranges, browns, purples, never a colour
+that means a state. The strips underneath
 are the batch size and the tokens computed per step. Static batching shows its
 *staircase*: each batch lingers until its longest member ends, while everyone behind it
 waits. Continuous batching refills a place the step after it frees.

@@ -111,7 +111,8 @@ md(r"""
 `run_scheduler(scheduler, arrivals, next_token)` is the loop of section 1 with arrivals, and
 it records an `EngineTrace` with `record_step`, the same record the real engine writes, so all
 of `minipaged.viz` works on it. The timeline has a row per request and a column per step
-(`P` prefill, `d` decode); the `tokens` row is the work done per step:
+(`P` prefill, `d` decode; `-`, "running, idle", would be a request in `running` that holds
+its blocks but got no tokens in that step); the `tokens` row is the work done per step:
 """)
 
 code(r"""
@@ -246,7 +247,10 @@ for i in (1, 2, 4):
 md(r"""
 The same step 2 as pictures, first under recompute, then under swap: the victim B holds no
 device blocks after the step in either mode; under swap its table lives on in the CPU pool
-(the pink "swapped out" stretch of its row), under recompute it waits to be prefilled again.
+(the dark grey "swapped out" stretch of its row), under recompute it waits to be prefilled
+again (vermillion at step 2, then light grey). In the block tables, the block A took in the
+same step has the black "allocated this step" frame; a block B gave back that nobody took
+has a dashed edge, "freed this step".
 """)
 
 code(r"""

@@ -289,20 +289,26 @@ print("equal to transformers' generate(num_beams=4):", [s_.token_ids for s_ in b
 
 md(r"""
 The block tables during the search (from `llm.trace`, one record per step, after that step's
-forks and frees): early on the four beams share almost everything; later they diverge, but the
-prompt blocks (and often much more) stay shared. `new` lists the blocks allocated during the
-step (the copies made when the new tokens were written); a block given to a beam that did not
-survive the step is already free again.
+forks and frees). The engine replaces every beam at every step, so request ids (`0.33`,
+`0.34`, ...) say nothing about who descends from whom; `viz.beam_tables` reads the descent
+back from the block tables and gives the beams stable names: a beam that continues keeps its
+name and colour from step to step, a second child of a parent gets a new name and sits right
+below it, drawn as its child (`b11 (from b7)`), and a beam with no surviving child is
+**pruned**. `*` marks a block allocated during the step (the copy made when a beam wrote into a
+shared, partly filled block, or a new block); `freed` lists the blocks given back: a pruned
+beam's own blocks, and copies made for a beam that did not survive the step. Early on the four
+beams share almost everything; later they diverge, but the prompt blocks (and often much
+more) stay shared.
 """)
 
 code(r"""
-for i in (1, 8, 14):
-    print(tables_only(viz.block_tables_text(llm.trace, i)))
-    print()
+print(viz.beam_tables_text(llm.trace, [1, 8, 14]))
+lineage = viz.beam_lineage(llm.trace)
+assert all(len(st.name) == 4 for st in lineage[:-1])  # beam_width beams after every step
 """)
 
 code(r"""
-fig = viz.block_tables(llm.trace, 8)
+fig = viz.beam_tables(llm.trace, [1, 8, 14])
 plt.show()
 plt.close(fig)
 """)
