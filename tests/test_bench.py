@@ -102,8 +102,12 @@ def test_quick_run_all_four_systems(quick_report):
     assert set(p["forward_breakdowns"]) == {r["attention_backend"], "torch"}
     for b in p["forward_breakdowns"].values():
         assert b["num_seqs"] == 64 and b["forward_ms"] > 0 and b["floor_ms"] > 0
+    f = r["matmul_floor"]  # the runs' weight matmuls alone, on one cost curve
+    assert f["seconds"]["a"] > 0 and f["seconds"]["b"] > 0
+    assert f["a/b"] == pytest.approx(f["seconds"]["b"] / f["seconds"]["a"], abs=0.01)
     text = format_report(r)
     assert "(a)continuous+paged" in text and "a/c" in text and "profile:" in text
+    assert "weight matmuls alone over each run's steps" in text
 
 
 def test_request_equals_transformers_generate_alone(tmp_path):
@@ -172,3 +176,14 @@ def test_cli_saves_the_profile_and_its_figure(tmp_path, capsys):
     )
     assert len(saved["runs"]) in (1, 2) and all(b["num_seqs"] == 64 for b in saved["runs"].values())
     assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_matmul_floors_share_one_curve():
+    """Two runs on one curve: the same steps twice cost exactly twice; an empty step costs nothing."""
+    from minipaged.bench.serving import matmul_floors
+    from minipaged.model import load_model
+
+    model = load_model(None)[0]
+    steps = [(1, 1), (4, 4), (17, 3), (40, 2)]
+    f = matmul_floors(model, {"once": steps, "twice": steps * 2, "idle": [(0, 0)]}, repeats=1)
+    assert f["once"] > 0 and f["twice"] == pytest.approx(2 * f["once"]) and f["idle"] == 0

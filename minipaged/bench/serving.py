@@ -226,6 +226,8 @@ def _minipaged_metrics(engine, outs) -> dict:
     total_t = sum(times.values()) or 1.0
     model_t = times.get("forward", 0) + times.get("sample", 0)
     return {
+        # (tokens, sequences) of every step: what its weight matmuls cost (``matmul_floor_s``)
+        "_step_shapes": [(sum(s.scheduled.values()), len(s.scheduled)) for s in trace.steps],
         "computed_tokens": sum(sum(s.scheduled.values()) for s in trace.steps),
         "mean_running_seqs": round(sum(running) / len(running), 2),
         "max_running_seqs": max(running),
@@ -458,6 +460,7 @@ def _measure(
                 continue
             tokens[name] = res.token_ids
             results[name] = {**_common_metrics(res, output_lens), **extra}
+    shapes = {name: results[name].pop("_step_shapes") for name in MINIPAGED if name in results}
     systems = {}
     for name in names:
         letter = SYSTEMS[name][0]
@@ -528,6 +531,12 @@ def _measure(
         "step_ratios": step_ratios,
         "median_ratios": median_ratios,
     }
+    if profile and len(shapes) == 2:
+        floors = {SYSTEMS[n][0]: v for n, v in matmul_floors(model_obj, shapes).items()}
+        report["matmul_floor"] = {
+            "seconds": {k: round(v, 6) for k, v in floors.items()},
+            "a/b": round(floors["b"] / floors["a"], 2),
+        }
     if profile:
         report["profile"] = profile_step(
             model_obj,
@@ -695,6 +704,54 @@ def profile_step(
             if v / total >= 0.001
         },
         "cprofile_block_management_fraction": round(block / total, 3),
+    }
+
+
+def matmul_floors(model, runs: dict, repeats: int = 5) -> dict:
+    """Seconds the weight matmuls alone take over each run: ``runs`` maps a name to its steps'
+    [(tokens, sequences)]; every layer's matrices run on ``tokens`` rows, the LM head on
+    ``sequences`` rows. One cost curve, measured on a grid of row counts and interpolated
+    linearly, serves every run, so the runs' floors compare on one machine state: what each
+    run would cost if nothing but its matmuls took time (its "floor", as for one step)."""
+    import torch
+    import torch.nn.functional as F
+
+    mats = _weight_matrices(model)
+    body = [m for m in mats if not m[0].endswith("lm_head")]
+    head = [m for m in mats if m[0].endswith("lm_head")]
+    gen = torch.Generator().manual_seed(0)
+
+    def ms(group, rows: int) -> float:
+        # NOTE: the fastest of ``repeats`` timings: a floor, so the least disturbed run is the right one
+        xs = [torch.randn(rows, w.shape[1], generator=gen, dtype=w.dtype) for _, w, _ in group]
+        best = float("inf")
+        with torch.inference_mode():
+            for _ in range(repeats + 1):  # the first one warms up
+                t0 = time.process_time()
+                for _ in range(3):
+                    for x, (_, w, b) in zip(xs, group):
+                        F.linear(x, w, b)
+                best = min(best, (time.process_time() - t0) / 3)
+        return 1e3 * best
+
+    def curve(group, wanted: set) -> dict:
+        if not group or not wanted:
+            return {}
+        grid = sorted({1, *(2**k for k in range(1, 12) if 2**k < max(wanted)), max(wanted)})
+        known = {r: ms(group, r) for r in grid}
+        out = {}
+        for r in wanted:  # linear between the two grid points around r
+            lo = max(g for g in grid if g <= r)
+            hi = min(g for g in grid if g >= r)
+            out[r] = known[lo] if hi == lo else known[lo] + (known[hi] - known[lo]) * (r - lo) / (hi - lo)
+        return out
+
+    shapes = [shape for steps in runs.values() for shape in steps]
+    tokens = curve(body, {t for t, _ in shapes if t > 0})
+    seqs = curve(head, {b for _, b in shapes if b > 0})
+    return {
+        name: sum(tokens.get(t, 0.0) + seqs.get(b, 0.0) for t, b in steps) / 1e3
+        for name, steps in runs.items()
     }
 
 
@@ -1002,6 +1059,13 @@ def format_report(r: dict) -> str:
         lines.append(
             f"  {k}: {d['requests']} request(s) diverge, first divergent token at index "
             f">= {d['first_divergent_token_min']} (mean {d['first_divergent_token_mean']})"
+        )
+    if "matmul_floor" in r:
+        f = r["matmul_floor"]
+        lines.append(
+            f"weight matmuls alone over each run's steps (the run's floor): a {f['seconds']['a']:.2f} s, "
+            f"b {f['seconds']['b']:.2f} s; a/b would be {f['a/b']:.2f}x if nothing else took time "
+            "(both compute the same tokens: what a's fewer steps save is b's per-step cost beyond them)"
         )
     if "profile" in r:
         lines += ["", format_profile(r["profile"])]
