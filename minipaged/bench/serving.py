@@ -31,9 +31,15 @@ What it measures
     engine's stopwatch laps over several steps (no profiler) and split further with cProfile:
     scheduling, block management, input preparation, trace recording, forward, sampler.
     Then one of those steps' forward is split (``forward_breakdown``, CPU time): the weight
-    matmuls alone (the floor), the attention layers, everything else, and forward / floor;
-    ``plot_forward_breakdown`` draws recorded breakdowns ("where a decode step's time goes",
-    ``benchmarks/results/cpu_profile.json``).
+    matmuls alone (the floor), the attention layers, everything else, and forward / floor,
+    for the attention backend that ran and for ``"torch"`` on the same step;
+    ``plot_forward_breakdown`` draws them ("where a decode step's time goes";
+    ``--save-profile`` writes them, ``benchmarks/results/cpu_profile.json``). With (a) and (b)
+    both run, ``matmul_floors`` also gives each whole run's weight-matmul time: how far a/b
+    can go when both compute the same tokens.
+
+    ``--attention-backend`` (minipaged's, for (a) and (b)) defaults to ``"auto"``: the C kernel
+    on a CPU where it builds (``minipaged.kernels.cpu``), Triton on a GPU.
 
 Models
     ``course`` (the shipped course model, default), ``random-llama-20m`` (a seeded random
@@ -44,8 +50,8 @@ Inputs
     ``run_benchmark(...)`` keyword arguments (see ``add_arguments``); ``--json`` prints one
     JSON object (``{"runs": [...]}`` for several models) instead of the table.
 Outputs
-    a dict ``{"workload", "model", "kv_cache", "systems": {name: metrics}, "ratios",
-    "outputs_equal", "outputs_matching", "profile"?}``.
+    a dict ``{"workload", "model", "attention_backend", "kv_cache", "systems": {name: metrics},
+    "ratios", "outputs_equal", "outputs_matching", "matmul_floor"?, "profile"?}``.
 
 Failure mode
     bad arguments raise ``ValueError`` naming them. Wall-clock numbers vary from run to run
@@ -812,9 +818,10 @@ def _weight_matrices(model, unfused: bool = False) -> list:
 
 
 def _cpu_ms(fns: dict, calls: int, repeats: int) -> dict:
-    """name -> median over ``repeats`` of the mean CPU time (ms) of ``calls`` calls of ``fns[name]``.
+    """name -> the fastest over ``repeats`` of the mean CPU time (ms) of ``calls`` calls of ``fns[name]``.
 
-    The functions take turns in each repeat, so a change in machine load hits all alike.
+    The functions take turns in each repeat, so a change in machine load hits all alike, and
+    each keeps its least disturbed repeat (on a shared machine the others measure the neighbours).
     NOTE: process CPU time, not wall time: on a shared machine a wall clock also counts the
     time this process waits for a core; CPU time counts only the work (with 1 torch thread).
     """
@@ -827,10 +834,10 @@ def _cpu_ms(fns: dict, calls: int, repeats: int) -> dict:
             for _ in range(calls):
                 fn()
             runs[name].append(1e3 * (time.process_time() - t0) / calls)
-    return {name: sorted(r)[len(r) // 2] for name, r in runs.items()}
+    return {name: min(r) for name, r in runs.items()}
 
 
-def forward_breakdown(model, inp, kv_caches, calls: int = 10, repeats: int = 5) -> dict:
+def forward_breakdown(model, inp, kv_caches, calls: int = 5, repeats: int = 15) -> dict:
     """Split one step's forward into: the weight matmuls (the floor), attention, the rest.
 
     - ``floor_ms``: the same rows through every weight matrix of the model as plain
@@ -842,7 +849,7 @@ def forward_breakdown(model, inp, kv_caches, calls: int = 10, repeats: int = 5) 
       plan, attention): their share of a separate pass timed with hooks, times ``forward_ms``.
     - ``other_ms`` = forward - floor - attention: norms, rotary, residuals, reshapes,
       gathers, Python; ``*_share`` are fractions of the forward, ``ratio_to_floor`` = forward / floor.
-    All CPU times of this process (``_cpu_ms``), medians of ``repeats``.
+    All CPU times of this process (``_cpu_ms``), the fastest of ``repeats``.
     """
     import torch
     import torch.nn.functional as F
@@ -1151,7 +1158,7 @@ def save_profile(report: dict, path, command: str, figure=None) -> None:
             f"one decode step's forward at {b0['num_seqs']} running sequences (model {report['model']}, "
             f"{report['workload']['name']}-like prompts, {p['steps_timed']} steps timed after warm-up), split "
             "into the weight matmuls alone (the floor), the attention layers (cache write, plan, attention) "
-            "and everything else; CPU ms of one process, medians (minipaged.bench.serving.forward_breakdown)"
+            "and everything else; CPU ms of one process, the fastest of 15 interleaved repeats (minipaged.bench.serving.forward_breakdown)"
         ),
         "command": command,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU(s), {report['torch_threads']} torch thread(s)",

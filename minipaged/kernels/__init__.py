@@ -1,6 +1,6 @@
 """minipaged.kernels: attention over a paged KV cache, and the ops that fill that cache.
 
-Two implementations behind one contract (see ``reference.py`` for shapes and invariants):
+Three implementations behind one contract (see ``reference.py`` for shapes and invariants):
 
 - torch: ``paged_attention_ref`` / ``paged_attention_prefill_ref`` (readable loops),
   ``paged_attention_torch`` (vectorized, the engine's default ``"torch"`` backend),
@@ -8,6 +8,9 @@ Two implementations behind one contract (see ``reference.py`` for shapes and inv
 - Triton: ``paged_attention_decode`` (V1 and split-KV V2), ``paged_attention_prefill``,
   ``reshape_and_cache_triton``. ``HAS_TRITON`` says whether Triton is importable; without
   it the Triton functions raise ``RuntimeError`` when called and the torch ones still work.
+- C, for the CPU: ``minipaged.kernels.cpu`` (``paged_attention_decode_cpu``,
+  ``paged_attention_cpu``, ``reshape_and_cache_cpu``), compiled on first use; the
+  ``"cpu"`` attention backend.
 
 On a machine without CUDA the Triton kernels run in Triton's interpreter: this module
 sets ``TRITON_INTERPRET=1`` (unless the user set it) *before* any kernel is defined.
