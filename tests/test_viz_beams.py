@@ -14,12 +14,12 @@ import matplotlib
 matplotlib.use("Agg")
 
 import pytest  # noqa: E402
+from _tiny_llama import make_tiny_llama  # noqa: E402
+from test_viz import _drawn_texts, assert_readable  # noqa: E402
 
 from minipaged import LLM, BeamSearchParams, viz  # noqa: E402
 from minipaged.trace import EngineTrace, StepRecord  # noqa: E402
 from minipaged.viz.beams import beam_lineage, beam_tables, beam_tables_text  # noqa: E402
-from tests._tiny_llama import make_tiny_llama  # noqa: E402
-from tests.test_viz import _drawn_texts, assert_readable  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -71,43 +71,26 @@ class PagedAttention(nn.Module):
         inp: ModelInput,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache  # each [num_blocks, block_size, KVH, D]
-        if self.backend == "cpu":  # the same two steps, in C: write, then read in place
-            cpu_kernels.reshape_and_cache_cpu(k, v, k_cache, v_cache, inp.slot_mapping)
-            if not inp.is_decode_only and inp.attn_metadata is None:  # plan the prefills once per step
-                inp.attn_metadata = build_attn_metadata(
-                    inp.block_tables,
-                    inp.cu_seqlens_q,
-                    inp.seq_lens,
-                    k_cache.shape[1],
-                    self.num_heads * self.head_dim,
-                    decodes=False,
-                )
-            return cpu_kernels.paged_attention_cpu(
-                q,
-                k_cache,
-                v_cache,
-                inp.block_tables,
-                inp.cu_seqlens_q,
-                inp.seq_lens,
-                inp.max_query_len,
-                inp.max_seq_len,
-                self.scale,
-                metadata=inp.attn_metadata,
-            )  # [T, H, D]
+        on_cpu = self.backend == "cpu"  # the C kernel: the same two steps, reading K/V in place
         # 1. Write: token i's key and value go to slot_mapping[i].
-        kernels.reshape_and_cache(k, v, k_cache, v_cache, inp.slot_mapping)
+        write = cpu_kernels.reshape_and_cache_cpu if on_cpu else kernels.reshape_and_cache
+        write(k, v, k_cache, v_cache, inp.slot_mapping)
 
         # 2. Read: each query attends to its sequence's tokens, found through its block table.
-        if self.backend == "torch":
-            if inp.attn_metadata is None:  # the step's first layer plans; the others reuse the plan
+        if self.backend in ("torch", "cpu"):
+            # NOTE: the step's first layer plans and the others reuse the plan; the "cpu" backend
+            # plans only its prefill rows (its decode rows need no plan)
+            if inp.attn_metadata is None and not (on_cpu and inp.is_decode_only):
                 inp.attn_metadata = build_attn_metadata(
                     inp.block_tables,
                     inp.cu_seqlens_q,
                     inp.seq_lens,
                     k_cache.shape[1],
                     self.num_heads * self.head_dim,
+                    decodes=not on_cpu,
                 )
-            return kernels.paged_attention_torch(
+            attend = cpu_kernels.paged_attention_cpu if on_cpu else kernels.paged_attention_torch
+            return attend(
                 q,
                 k_cache,
                 v_cache,
