@@ -33,7 +33,7 @@ static inline float exp_nonpos(float x)
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
     union { float f; int32_t i; } u = { .f = p };
-    u.i += (int32_t)n << 23; /* times 2^n: add n to the exponent bits */
+    u.i += (int32_t)n * (1 << 23); /* times 2^n: add n to the exponent bits (n >= -126) */
     return u.f;
 }
 
