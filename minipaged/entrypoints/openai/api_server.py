@@ -25,6 +25,7 @@ Failure mode
 import argparse
 import threading
 import time
+import uuid
 from contextlib import asynccontextmanager
 from typing import Optional
 
@@ -44,8 +45,10 @@ def build_app(engine, **serving_kwargs):
     from minipaged.entrypoints.openai.protocol import (
         ChatCompletionRequest,
         CompletionRequest,
+        PromptError,
         error_body,
         render_chat,
+        split_prompts,
     )
     from minipaged.entrypoints.openai.serving import (
         ApiError,
@@ -146,40 +149,57 @@ def build_app(engine, **serving_kwargs):
     async def completions(request: Request):
         req = serving.validate(CompletionRequest, await serving.read_json(request))
         serving.check_model(req.model)
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            if len(prompt) != 1:
-                raise ApiError(
-                    400,
-                    "prompt: a list of several prompts is not supported; send one request per prompt",
-                    "prompt",
-                )
-            prompt = prompt[0]
-        if req.echo:
-            raise ApiError(400, "echo is not supported", "echo")
-        _, ids = serving.tokenize(prompt, "prompt")
-        params = serving.make_params(req, len(ids), DEFAULT_COMPLETION_MAX_TOKENS)
-        stream = serving.submit(params, ids)
+        try:
+            prompts = split_prompts(req.prompt)
+        except PromptError as e:
+            raise ApiError(400, str(e), e.param)
+        if req.echo and req.logprobs is not None:
+            # NOTE: vLLM answers echo + logprobs with the prompt's logprobs too
+            # (prompt_logprobs); this engine does not compute those.
+            raise ApiError(400, "echo and logprobs together are not supported (no prompt logprobs)", "echo")
+        # NOTE: as vLLM: max_tokens=0 is allowed with echo only (the prompt and nothing
+        # more); the engine still runs one step (max_tokens=1), its token not returned.
+        echo_only = req.echo and req.max_tokens == 0
+        if echo_only:
+            req = req.model_copy(update={"max_tokens": 1})
+        texts, items = [], []
+        for name, prompt in prompts:
+            _, ids = serving.tokenize(prompt, name)
+            params = serving.make_params(req, len(ids), DEFAULT_COMPLETION_MAX_TOKENS, name)
+            # echo: the prompt as sent; a token-id prompt detokenized (vLLM: decode(ids))
+            texts.append(prompt if isinstance(prompt, str) else tokenizer.decode(ids))
+            items.append((params, ids))
+        prompt_lens = [len(ids) for _, ids in items]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = serving.submit_all(items, rid)  # one prompt: the engine request is rid itself
+        n = params.n
+        echo = texts if req.echo else None
         created, model = int(time.time()), serving.model_name
-        head = {"id": stream.request_id, "object": "text_completion", "created": created, "model": model}
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         if not req.stream:
-            out = await serving.final_output(request, stream)
-            if out is None:
+            outs = await serving.final_outputs(request, streams)
+            if outs is None:
                 return Response(status_code=499)
-            choices = []
-            for c in out.outputs:
-                reason = finish_reason_of(c)
-                choices.append(
-                    {
-                        "index": c.index,
-                        "text": c.text,
-                        "finish_reason": reason,
-                        "stop_reason": c.stop_reason,
-                        "logprobs": completion_logprobs(tokenizer, c.token_ids, getattr(c, "logprobs", None)),
-                    }
-                )
-            ntok = sum(len(c.token_ids) for c in out.outputs)
-            return {**head, "choices": choices, "usage": usage_of(len(ids), ntok)}
+            choices, ntok = [], 0
+            for p, out in enumerate(outs):
+                for c in out.outputs:
+                    reason, stop_reason = finish_reason_of(c), c.stop_reason
+                    text = c.text
+                    lps = completion_logprobs(tokenizer, c.token_ids, getattr(c, "logprobs", None))
+                    if echo_only:
+                        text, lps, reason, stop_reason = "", None, "length", None
+                    else:
+                        ntok += len(c.token_ids)
+                    choices.append(
+                        {
+                            "index": p * n + c.index,
+                            "text": (texts[p] if req.echo else "") + text,
+                            "finish_reason": reason,
+                            "stop_reason": stop_reason,
+                            "logprobs": lps,
+                        }
+                    )
+            return {**head, "choices": choices, "usage": usage_of(sum(prompt_lens), ntok)}
 
         def choice(index, text, token_ids, lps, offset, reason, stop_reason):
             return {
@@ -191,8 +211,10 @@ def build_app(engine, **serving_kwargs):
             }
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = serving.sse_events(stream, head, params, len(ids), include_usage, choice)
-        return SSEResponse(events, lambda: serving.async_engine.abort(stream.request_id))
+        events = serving.sse_events(
+            streams, head, params, prompt_lens, include_usage, choice, echo=echo, echo_only=echo_only
+        )
+        return SSEResponse(events, lambda: serving.abort_all(streams))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -254,10 +276,10 @@ def build_app(engine, **serving_kwargs):
             for j in range(params.n)
         ]
         events = serving.sse_events(
-            stream,
+            [stream],
             {**head, "object": "chat.completion.chunk"},
             params,
-            len(ids),
+            [len(ids)],
             include_usage,
             choice,
             first,
