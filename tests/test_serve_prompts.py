@@ -332,3 +332,31 @@ def test_hang_up_while_waiting_for_a_non_streaming_answer(server):
             time.sleep(0.02)
     wait_idle(server)
     assert aborted(server) == before + len(PROMPTS)
+
+
+def test_a_prompt_the_pool_can_never_hold_fails_the_whole_request(llm):
+    """prompt[1] needs more KV blocks than the whole pool: the engine refuses it; the
+    request is a 400 naming prompt[1] (streamed: an error event), and prompt[0], which
+    fits, is aborted rather than left running."""
+    import dataclasses
+
+    from minipaged.engine.llm_engine import LLMEngine
+
+    e = llm.llm_engine
+    config = dataclasses.replace(e.config, num_blocks=8)  # 8 blocks of block_size tokens
+    engine = LLMEngine(config, model=e.model, tokenizer=e.tokenizer)
+    long_ids = list(range(3, 3 + 7 * config.block_size))
+    body = {"prompt": [ids_of(llm, "Once upon a time"), long_ids], "max_tokens": 2 * config.block_size}
+    with BackgroundServer(engine, check_invariants=True) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={**body, "temperature": 0.0}, timeout=120)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "prompt[1]" and "KV" in err["message"], err
+        wait_idle(srv)
+        with httpx.stream(
+            "POST", srv.url + "/v1/completions", json={**body, "stream": True}, timeout=120
+        ) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert events[-1]["error"]["param"] == "prompt[1]", events[-1]
+        wait_idle(srv)
+        engine.check_invariants()
+        assert srv.serving.async_engine.errors == []

@@ -6,16 +6,27 @@ engine loop (``async_engine.py``).
 
 Routes
     ``GET /v1/models``; ``POST /v1/completions`` and ``/v1/chat/completions``, streaming
-    (Server-Sent Events, ``data: {...}`` then ``data: [DONE]``) or not; ``GET /metrics``
-    (Prometheus text, ``metrics.py``); ``GET /trace`` (the live ``EngineTrace``: SSE of
-    step events, or ``?format=json`` for the recent steps); ``GET /`` (the live page);
-    ``GET /health``.
+    (Server-Sent Events, ``data: {...}`` then ``data: [DONE]``) or not. A completions
+    ``prompt`` is a string, a list of strings, a list of token ids or a list of lists of
+    token ids; each prompt is its own engine request (``n`` choices each), all joining the
+    same step; choice ``j`` of prompt ``p`` is ``index = p * n + j`` and usage sums over all
+    (as vLLM). ``echo=true``: each choice's text starts with its prompt (a token-id prompt
+    detokenized, special tokens kept, as vLLM's ``tokenizer.decode``); with
+    ``max_tokens=0`` (allowed with echo only, as vLLM) the prompt alone, finish_reason
+    ``length`` and no completion token counted (vLLM counts the one token its engine ran);
+    ``echo`` with ``logprobs`` is a 400 (vLLM adds the prompt's logprobs; this engine has
+    none). ``GET /metrics`` (Prometheus text, ``metrics.py``); ``GET /trace`` (the live
+    ``EngineTrace``: SSE of step events, or ``?format=json`` for the recent steps);
+    ``GET /`` (the live page); ``GET /health``.
 Invariants
-    a client that disconnects (mid-stream or while waiting) has its request aborted and
-    its KV blocks freed before the next engine step; one engine, touched only by the loop.
+    a client that disconnects (mid-stream or while waiting) has its requests (every
+    prompt's) aborted and their KV blocks freed before the next engine step; one engine,
+    touched only by the loop.
 Failure mode
     every error is the OpenAI JSON shape (``protocol.error_body``), never a traceback:
-    400 bad JSON / types / unknown fields / values (the message names the field), 404
+    400 bad JSON / types / unknown fields / values (the message names the field; a bad
+    prompt among several, ``prompt[2]``, rejects the whole request: checked before any
+    runs, or, for one the KV pool can never hold, with the others aborted), 404
     unknown model or route, 413 a body over ``max_body_bytes``, 503 + ``Retry-After`` when
     ``max_waiting_requests`` are already waiting, 500 "internal error" for an engine bug.
 """

@@ -292,7 +292,16 @@ class OpenAIServing:
                 raise ApiError(400, str(item))
             if isinstance(item, BaseException):
                 raise item
-            yield index[item.request_id], item
+            p = index[item.request_id]
+            if item.finished and len(streams) > 1:
+                for c in item.outputs:  # one prompt refused: the whole request fails now
+                    if c.finish_reason == "refused":
+                        raise ApiError(
+                            400,
+                            f"prompt[{p}] can never fit in this server's KV cache: {c.stop_reason}",
+                            f"prompt[{p}]",
+                        )
+            yield p, item
             if item.finished:
                 left.discard(item.request_id)
 
