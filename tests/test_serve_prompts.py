@@ -360,3 +360,46 @@ def test_a_prompt_the_pool_can_never_hold_fails_the_whole_request(llm):
         wait_idle(srv)
         engine.check_invariants()
         assert srv.serving.async_engine.errors == []
+
+
+def test_add_requests_is_all_or_none(llm):
+    """``AsyncEngine.add_requests``: with one request waiting in a queue of 3, three more do
+    not fit (``QueueFull``, none of them queued); two do, on one shared queue, and their
+    outputs there equal offline ``LLM.generate``."""
+    import asyncio
+
+    from minipaged.engine.llm_engine import LLMEngine
+    from minipaged.entrypoints.openai.async_engine import AsyncEngine, QueueFull
+
+    e = llm.llm_engine
+    engine = LLMEngine(e.config, model=e.model, tokenizer=e.tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    ids = [ids_of(llm, p) for p in PROMPTS]
+    ref = offline(llm, PROMPTS[:3], temperature=0.0, max_tokens=6)
+
+    async def run():
+        ae = AsyncEngine(engine, max_waiting_requests=3, check_invariants=True)
+        await ae.start()  # NOTE: the loop task runs only once this coroutine awaits
+        try:
+            first = ae.add_requests([("a", ids[0], params)])
+            with pytest.raises(QueueFull):
+                ae.add_requests([(f"b{p}", ids[p], params) for p in (1, 2, 3)])
+            assert list(ae.streams) == ["a"] and len(ae._pending) == 1
+            queue = asyncio.Queue()
+            more = ae.add_requests([("c1", ids[1], params), ("c2", ids[2], params)], queue=queue)
+            assert all(s.queue is queue for s in more) and ae.num_waiting() == 3
+            out = await asyncio.wait_for(first[0].queue.get(), 60)
+            while not out.finished:
+                out = await asyncio.wait_for(first[0].queue.get(), 60)
+            done = {"a": out}
+            while len(done) < 3:
+                out = await asyncio.wait_for(queue.get(), 60)
+                if out.finished:
+                    done[out.request_id] = out
+            return done
+        finally:
+            await ae.shutdown()
+
+    done = asyncio.run(run())
+    assert [done[r].outputs[0].text for r in ("a", "c1", "c2")] == [w.outputs[0].text for w in ref]
+    assert engine.kv_cache_manager.get_num_free_blocks() == engine.num_blocks
