@@ -6,16 +6,27 @@ engine loop (``async_engine.py``).
 
 Routes
     ``GET /v1/models``; ``POST /v1/completions`` and ``/v1/chat/completions``, streaming
-    (Server-Sent Events, ``data: {...}`` then ``data: [DONE]``) or not; ``GET /metrics``
-    (Prometheus text, ``metrics.py``); ``GET /trace`` (the live ``EngineTrace``: SSE of
-    step events, or ``?format=json`` for the recent steps); ``GET /`` (the live page);
-    ``GET /health``.
+    (Server-Sent Events, ``data: {...}`` then ``data: [DONE]``) or not. A completions
+    ``prompt`` is a string, a list of strings, a list of token ids or a list of lists of
+    token ids; each prompt is its own engine request (``n`` choices each), all joining the
+    same step; choice ``j`` of prompt ``p`` is ``index = p * n + j`` and usage sums over all
+    (as vLLM). ``echo=true``: each choice's text starts with its prompt (a token-id prompt
+    detokenized, special tokens kept, as vLLM's ``tokenizer.decode``); with
+    ``max_tokens=0`` (allowed with echo only, as vLLM) the prompt alone, finish_reason
+    ``length`` and no completion token counted (vLLM counts the one token its engine ran);
+    ``echo`` with ``logprobs`` is a 400 (vLLM adds the prompt's logprobs; this engine has
+    none). ``GET /metrics`` (Prometheus text, ``metrics.py``); ``GET /trace`` (the live
+    ``EngineTrace``: SSE of step events, or ``?format=json`` for the recent steps);
+    ``GET /`` (the live page); ``GET /health``.
 Invariants
-    a client that disconnects (mid-stream or while waiting) has its request aborted and
-    its KV blocks freed before the next engine step; one engine, touched only by the loop.
+    a client that disconnects (mid-stream or while waiting) has its requests (every
+    prompt's) aborted and their KV blocks freed before the next engine step; one engine,
+    touched only by the loop.
 Failure mode
     every error is the OpenAI JSON shape (``protocol.error_body``), never a traceback:
-    400 bad JSON / types / unknown fields / values (the message names the field), 404
+    400 bad JSON / types / unknown fields / values (the message names the field; a bad
+    prompt among several, ``prompt[2]``, rejects the whole request: checked before any
+    runs, or, for one the KV pool can never hold, with the others aborted), 404
     unknown model or route, 413 a body over ``max_body_bytes``, 503 + ``Retry-After`` when
     ``max_waiting_requests`` are already waiting, 500 "internal error" for an engine bug.
 """
@@ -25,6 +36,7 @@ Failure mode
 import argparse
 import threading
 import time
+import uuid
 from contextlib import asynccontextmanager
 from typing import Optional
 
@@ -44,8 +56,10 @@ def build_app(engine, **serving_kwargs):
     from minipaged.entrypoints.openai.protocol import (
         ChatCompletionRequest,
         CompletionRequest,
+        PromptError,
         error_body,
         render_chat,
+        split_prompts,
     )
     from minipaged.entrypoints.openai.serving import (
         ApiError,
@@ -146,40 +160,57 @@ def build_app(engine, **serving_kwargs):
     async def completions(request: Request):
         req = serving.validate(CompletionRequest, await serving.read_json(request))
         serving.check_model(req.model)
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            if len(prompt) != 1:
-                raise ApiError(
-                    400,
-                    "prompt: a list of several prompts is not supported; send one request per prompt",
-                    "prompt",
-                )
-            prompt = prompt[0]
-        if req.echo:
-            raise ApiError(400, "echo is not supported", "echo")
-        _, ids = serving.tokenize(prompt, "prompt")
-        params = serving.make_params(req, len(ids), DEFAULT_COMPLETION_MAX_TOKENS)
-        stream = serving.submit(params, ids)
+        try:
+            prompts = split_prompts(req.prompt)
+        except PromptError as e:
+            raise ApiError(400, str(e), e.param)
+        if req.echo and req.logprobs is not None:
+            # NOTE: vLLM answers echo + logprobs with the prompt's logprobs too
+            # (prompt_logprobs); this engine does not compute those.
+            raise ApiError(400, "echo and logprobs together are not supported (no prompt logprobs)", "echo")
+        # NOTE: as vLLM: max_tokens=0 is allowed with echo only (the prompt and nothing
+        # more); the engine still runs one step (max_tokens=1), its token not returned.
+        echo_only = req.echo and req.max_tokens == 0
+        if echo_only:
+            req = req.model_copy(update={"max_tokens": 1})
+        texts, items = [], []
+        for name, prompt in prompts:
+            _, ids = serving.tokenize(prompt, name)
+            params = serving.make_params(req, len(ids), DEFAULT_COMPLETION_MAX_TOKENS, name)
+            # echo: the prompt as sent; a token-id prompt detokenized (vLLM: decode(ids))
+            texts.append(prompt if isinstance(prompt, str) else tokenizer.decode(ids))
+            items.append((params, ids))
+        prompt_lens = [len(ids) for _, ids in items]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = serving.submit_all(items, rid)  # one prompt: the engine request is rid itself
+        n = params.n
+        echo = texts if req.echo else None
         created, model = int(time.time()), serving.model_name
-        head = {"id": stream.request_id, "object": "text_completion", "created": created, "model": model}
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         if not req.stream:
-            out = await serving.final_output(request, stream)
-            if out is None:
+            outs = await serving.final_outputs(request, streams)
+            if outs is None:
                 return Response(status_code=499)
-            choices = []
-            for c in out.outputs:
-                reason = finish_reason_of(c)
-                choices.append(
-                    {
-                        "index": c.index,
-                        "text": c.text,
-                        "finish_reason": reason,
-                        "stop_reason": c.stop_reason,
-                        "logprobs": completion_logprobs(tokenizer, c.token_ids, getattr(c, "logprobs", None)),
-                    }
-                )
-            ntok = sum(len(c.token_ids) for c in out.outputs)
-            return {**head, "choices": choices, "usage": usage_of(len(ids), ntok)}
+            choices, ntok = [], 0
+            for p, out in enumerate(outs):
+                for c in out.outputs:
+                    reason, stop_reason = finish_reason_of(c), c.stop_reason
+                    text = c.text
+                    lps = completion_logprobs(tokenizer, c.token_ids, getattr(c, "logprobs", None))
+                    if echo_only:
+                        text, lps, reason, stop_reason = "", None, "length", None
+                    else:
+                        ntok += len(c.token_ids)
+                    choices.append(
+                        {
+                            "index": p * n + c.index,
+                            "text": (texts[p] if req.echo else "") + text,
+                            "finish_reason": reason,
+                            "stop_reason": stop_reason,
+                            "logprobs": lps,
+                        }
+                    )
+            return {**head, "choices": choices, "usage": usage_of(sum(prompt_lens), ntok)}
 
         def choice(index, text, token_ids, lps, offset, reason, stop_reason):
             return {
@@ -191,8 +222,10 @@ def build_app(engine, **serving_kwargs):
             }
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = serving.sse_events(stream, head, params, len(ids), include_usage, choice)
-        return SSEResponse(events, lambda: serving.async_engine.abort(stream.request_id))
+        events = serving.sse_events(
+            streams, head, params, prompt_lens, include_usage, choice, echo=echo, echo_only=echo_only
+        )
+        return SSEResponse(events, lambda: serving.abort_all(streams))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -254,10 +287,10 @@ def build_app(engine, **serving_kwargs):
             for j in range(params.n)
         ]
         events = serving.sse_events(
-            stream,
+            [stream],
             {**head, "object": "chat.completion.chunk"},
             params,
-            len(ids),
+            [len(ids)],
             include_usage,
             choice,
             first,

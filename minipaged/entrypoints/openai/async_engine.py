@@ -14,7 +14,9 @@ The loop (one turn)::
 Inputs
     ``add_request(request_id, prompt_token_ids, params)`` -> a ``RequestStream`` whose
     ``queue`` yields ``RequestOutput``s: one each time the request has new tokens, the last
-    with ``finished=True``. ``abort(request_id)``: the request leaves the engine before the
+    with ``finished=True``. ``add_requests(items, queue)``: several requests (the prompts of
+    one ``/v1/completions`` call), all accepted or none, joining the same step, their
+    outputs on one shared queue. ``abort(request_id)``: the request leaves the engine before the
     next step and its blocks are freed (``LLMEngine.abort_request``).
 Invariants
     only the loop touches the engine, and never while a step runs; with
@@ -150,16 +152,31 @@ class AsyncEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> RequestStream:
         """Queue a request for the next step; ``QueueFull`` when too many are waiting."""
-        if request_id in self.streams:
-            raise ValueError(f"request_id {request_id!r} is already in the server")
+        return self.add_requests([(request_id, prompt_token_ids, params)])[0]
+
+    def add_requests(
+        self, items: list[tuple[str, list[int], SamplingParams]], queue: Optional[asyncio.Queue] = None
+    ) -> list[RequestStream]:
+        """Queue several requests for the same next step, all or none: ``QueueFull`` when
+        they do not all fit in the waiting queue. With ``queue``, every stream shares it
+        (one reader sees the outputs of all, in the order the engine made them)."""
+        rids = [rid for rid, _, _ in items]
+        for rid in rids:
+            if rid in self.streams or rids.count(rid) > 1:
+                raise ValueError(f"request_id {rid!r} is already in the server")
         waiting = self.num_waiting()
-        if waiting >= self.max_waiting_requests:
+        if waiting + len(items) > self.max_waiting_requests:
             raise QueueFull(waiting)
-        stream = RequestStream(request_id, params.n, len(prompt_token_ids), time.monotonic())
-        self.streams[request_id] = stream
-        self._pending.append(("add", request_id, list(prompt_token_ids), params))
+        streams = []
+        for rid, ids, params in items:
+            stream = RequestStream(rid, params.n, len(ids), time.monotonic())
+            if queue is not None:
+                stream.queue = queue
+            self.streams[rid] = stream
+            self._pending.append(("add", rid, list(ids), params))
+            streams.append(stream)
         self._wake.set()
-        return stream
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Abort before the next step (no-op for a finished or unknown request)."""

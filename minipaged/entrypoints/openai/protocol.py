@@ -3,7 +3,8 @@
 Mirrors vLLM ``vllm/entrypoints/openai/protocol.py`` (a small subset of its fields).
 
 Inputs
-    a JSON body of ``/v1/completions`` (``CompletionRequest``) or ``/v1/chat/completions``
+    a JSON body of ``/v1/completions`` (``CompletionRequest``; its ``prompt`` in any of
+    OpenAI's four forms, ``split_prompts``) or ``/v1/chat/completions``
     (``ChatCompletionRequest``). Types are strict (``"5"`` is not an int) and unknown
     fields are refused, so a typo is a 400 rather than a silently ignored knob.
 Outputs
@@ -11,7 +12,7 @@ Outputs
     OpenAI fields the engine's ``SamplingParams`` does not have (yet) are refused with a
     400 naming the field when set to anything but their neutral value.
 Failure mode
-    ``ValueError`` naming the field; the server turns it into ``error_body(...)``, the
+    ``ValueError`` naming the field (``PromptError.param``: which prompt); the server turns it into ``error_body(...)``, the
     OpenAI error shape ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from http import HTTPStatus
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -111,14 +112,56 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``: one prompt, a string or a list of token ids."""
+    """``POST /v1/completions``: one prompt or several (``split_prompts``)."""
 
-    prompt: Union[str, list[int], list[str]]
+    prompt: Union[str, list[Any]]  # NOTE: the four forms are told apart by split_prompts
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     echo: bool = False
 
     def _logprobs(self) -> Optional[int]:
         return self.logprobs
+
+
+class PromptError(ValueError):
+    """A bad ``prompt``; ``param`` names it (``prompt``, ``prompt[2]``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
+
+
+def _kind(x) -> str:
+    if isinstance(x, bool):
+        return "bool"
+    return {int: "int", str: "str", list: "list"}.get(type(x), type(x).__name__)
+
+
+def split_prompts(prompt) -> list[tuple[str, Union[str, list]]]:
+    """OpenAI's four forms of ``prompt`` -> ``[(name, one prompt)]``, the name for errors.
+
+    ``"text"`` and ``[1, 2, 3]`` are one prompt, named ``prompt``; ``["a", "b"]`` and
+    ``[[1, 2], [3]]`` are several, named ``prompt[0]``, ``prompt[1]``... A list mixing
+    the forms, or of anything else, is a ``PromptError`` naming the first odd element.
+    The prompts themselves (empty, too long, ids outside the vocabulary) are checked by
+    ``LLMEngine.tokenize`` under these names.
+    """
+    if isinstance(prompt, str):
+        return [("prompt", prompt)]
+    if not prompt:
+        raise PromptError("prompt is an empty list: send at least one prompt", "prompt")
+    kinds = [_kind(x) for x in prompt]
+    for i, k in enumerate(kinds):
+        if k not in ("int", "str", "list") or k != kinds[0]:
+            raise PromptError(
+                f"prompt[{i}] is a {k} (prompt[0] is a {kinds[0]}): prompt must be {PROMPT_FORMS}",
+                f"prompt[{i}]",
+            )
+    if kinds[0] == "int":
+        return [("prompt", list(prompt))]
+    return [(f"prompt[{i}]", p) for i, p in enumerate(prompt)]
 
 
 class TextPart(BaseModel):

@@ -4,14 +4,16 @@ Mirrors vLLM ``vllm/entrypoints/openai/serving_engine.py`` (+ the delta logic of
 ``serving_completion.py`` / ``serving_chat.py``).
 
 Inputs
-    a raw HTTP request (``read_json`` -> dict, ``validate`` -> a ``protocol`` model), then a
-    prompt's token ids and ``SamplingParams`` (``make_params``) -> a ``RequestStream``
-    (``submit``). Outputs: the final ``RequestOutput`` (``final_output``), or its text
-    deltas (``TextDeltas``) for Server-Sent Events (``SSEResponse``).
+    a raw HTTP request (``read_json`` -> dict, ``validate`` -> a ``protocol`` model), then
+    each prompt's token ids and ``SamplingParams`` (``make_params``) -> one
+    ``RequestStream`` per prompt, all on one queue, joining the same engine step
+    (``submit_all``). Outputs: the final ``RequestOutput`` of each (``final_outputs``), or
+    their text deltas (``TextDeltas``) for Server-Sent Events (``sse_events``,
+    ``SSEResponse``), choice ``j`` of prompt ``p`` numbered ``p * n + j`` as in vLLM.
 Invariants
     text sent so far is always a prefix of the final text (``TextDeltas`` holds back what may
-    still change); a request whose client is gone is aborted (``final_output``,
-    ``SSEResponse.on_close``).
+    still change); when the client is gone or one prompt fails, every prompt's request is
+    aborted (``final_outputs``, ``SSEResponse.on_close``), so no block stays held.
 Failure mode
     ``ApiError(status, message, param)``: the routes answer it in the OpenAI error shape.
 """
@@ -183,7 +185,9 @@ class OpenAIServing:
                 param="model",
             )
 
-    def make_params(self, req, prompt_len: int, default_max_tokens: int):
+    def make_params(self, req, prompt_len: int, default_max_tokens: int, name: str = "prompt"):
+        """``SamplingParams`` of ``req`` for a prompt of ``prompt_len`` tokens (``name`` says
+        which prompt in errors); 400 if the prompt and ``max_tokens`` overflow the context."""
         from minipaged.sampling_params import SamplingParams
 
         if req.n > self.max_n:
@@ -195,9 +199,10 @@ class OpenAIServing:
             raise ApiError(400, str(e))
         limit = self.engine.max_model_len
         if prompt_len + params.max_tokens > limit:
+            which = "" if name == "prompt" else f" for {name}"
             raise ApiError(
                 400,
-                f"this model's maximum context length is {limit} tokens; the request asks for "
+                f"this model's maximum context length is {limit} tokens; the request asks{which} for "
                 f"{prompt_len + params.max_tokens} ({prompt_len} in the prompt, max_tokens="
                 f"{params.max_tokens}); reduce the prompt or max_tokens",
                 param="max_tokens",
@@ -211,15 +216,44 @@ class OpenAIServing:
             raise ApiError(400, str(e), param=param)
 
     def submit(self, params, ids: list[int]):
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        """One request -> its ``RequestStream``."""
+        return self.submit_all([(params, ids)])[0]
+
+    def submit_all(self, items: list, request_id: Optional[str] = None) -> list:
+        """Several ``(params, ids)`` -> their ``RequestStream``s, sharing one queue, all
+        queued for the same engine step, or none (503 when the waiting queue cannot take
+        them all). One prompt is the engine request ``request_id``; several are
+        ``{request_id}-{p}`` (as vLLM numbers them)."""
+        rid = request_id or f"cmpl-{uuid.uuid4().hex}"
+        limit = self.async_engine.max_waiting_requests
+        if len(items) > limit:
+            raise ApiError(
+                400,
+                f"prompt holds {len(items)} prompts; this server takes at most {limit} in one request",
+                "prompt",
+            )
+        rids = [rid] if len(items) == 1 else [f"{rid}-{p}" for p in range(len(items))]
         try:
-            return self.async_engine.add_request(rid, ids, params)
+            return self.async_engine.add_requests(
+                [(r, ids, params) for r, (params, ids) in zip(rids, items)], queue=asyncio.Queue()
+            )
         except QueueFull as e:
             raise ApiError(503, str(e), headers={"Retry-After": str(e.retry_after)})
 
-    # -- running one request -------------------------------------------------------------
+    def abort_all(self, streams) -> None:
+        for stream in streams:
+            self.async_engine.abort(stream.request_id)  # no-op once finished
+
+    # -- running requests ----------------------------------------------------------------
     async def final_output(self, request, stream):
-        """Wait for the finished output; abort if the client disconnects first."""
+        """Wait for the finished output of one request (None if the client went away)."""
+        outs = await self.final_outputs(request, [stream])
+        return None if outs is None else outs[0]
+
+    async def final_outputs(self, request, streams) -> Optional[list]:
+        """The finished output of each stream, in order; ``None`` (all aborted) if the
+        client disconnects first. Every stream is aborted on the way out (a no-op for the
+        finished ones), so an error in one leaves nothing of the others in the engine."""
 
         async def disconnected() -> None:
             while (await request.receive())["type"] != "http.disconnect":
@@ -227,78 +261,99 @@ class OpenAIServing:
 
         watch = asyncio.create_task(disconnected())
         try:
+            done: dict = {}
+            items = self.outputs(streams)
             while True:
-                get = asyncio.create_task(stream.queue.get())
-                done, _ = await asyncio.wait({get, watch}, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:
+                get = asyncio.create_task(anext(items, None))
+                finished, _ = await asyncio.wait({get, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in finished:
                     get.cancel()
+                    await asyncio.gather(get, return_exceptions=True)
                     return None  # the client is gone
                 item = get.result()
-                if isinstance(item, ValueError):  # refused by the engine: the caller's input
-                    raise ApiError(400, str(item))
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    return item
+                if item is None:
+                    return [done[p] for p in range(len(streams))]
+                p, out = item
+                if out.finished:
+                    done[p] = out
         finally:
             watch.cancel()
-            self.async_engine.abort(stream.request_id)  # no-op once finished
+            self.abort_all(streams)
 
-    async def outputs(self, stream) -> AsyncIterator:
-        """Each output of ``stream`` until the finished one."""
-        while True:
-            item = await stream.queue.get()
+    async def outputs(self, streams) -> AsyncIterator:
+        """``(p, output)`` for each output of each of ``streams`` (one shared queue), in the
+        order the engine made them, until every one has sent its finished output."""
+        index = {s.request_id: p for p, s in enumerate(streams)}
+        queue = streams[0].queue
+        left = set(index)
+        while left:
+            item = await queue.get()
             if isinstance(item, ValueError):  # refused by the engine: the caller's input
                 raise ApiError(400, str(item))
             if isinstance(item, BaseException):
                 raise item
-            yield item
+            p = index[item.request_id]
+            if item.finished and len(streams) > 1:
+                for c in item.outputs:  # one prompt refused: the whole request fails now
+                    if c.finish_reason == "refused":
+                        raise ApiError(
+                            400,
+                            f"prompt[{p}] can never fit in this server's KV cache: {c.stop_reason}",
+                            f"prompt[{p}]",
+                        )
+            yield p, item
             if item.finished:
-                return
+                left.discard(item.request_id)
 
     async def sse_events(
         self,
-        stream,
+        streams,
         head: dict,
         params,
-        prompt_len: int,
+        prompt_lens: list[int],
         include_usage: bool,
         choice: Callable,
         first: Optional[list] = None,
+        echo: Optional[list[str]] = None,
+        echo_only: bool = False,
     ) -> AsyncIterator[str]:
         """The Server-Sent Events of one streamed answer: ``head`` + ``choices`` per step
         with new text, ``choice(index, text, token_ids, logprobs, offset, finish_reason,
-        stop_reason)`` building each; then the usage (if asked) and ``[DONE]``. An error
+        stop_reason)`` building each; then the usage (if asked, summed over all prompts)
+        and ``[DONE]``. Choice ``j`` of prompt ``p`` is ``index = p * n + j``. With
+        ``echo`` (each prompt's text), a choice's first chunk starts with its prompt; with
+        ``echo_only`` (max_tokens=0) it is all the choice sends, no token counted. An error
         after the headers went out is one event in the OpenAI error shape."""
-        deltas = TextDeltas(params.n, getattr(params, "stop", None))
-        ntok = 0
+        n = params.n
+        deltas = [TextDeltas(n, getattr(params, "stop", None)) for _ in streams]
+        ntok = [0] * len(streams)
+        echoed: set[int] = set()
         try:
             if first:
                 yield sse({**head, "choices": first})
-            async for out in self.outputs(stream):
+            async for p, out in self.outputs(streams):
                 choices = []
                 for c in out.outputs:
+                    i = p * n + c.index
                     done = c.finish_reason is not None
                     reason = finish_reason_of(c) if done else None
-                    offset = len(deltas.text[c.index])
-                    text, new_ids, new_lps = deltas.delta(c, done)
+                    stop_reason = c.stop_reason if done else None
+                    offset = len(deltas[p].text[c.index])
+                    text, new_ids, new_lps = deltas[p].delta(c, done)
+                    if echo_only:
+                        text, new_ids, new_lps = "", [], []
+                        reason, stop_reason = ("length", None) if done else (None, None)
+                    if echo is not None and i not in echoed:
+                        echoed.add(i)
+                        text = echo[p] + text
                     if text or done or new_lps:
-                        choices.append(
-                            choice(
-                                c.index,
-                                text,
-                                new_ids,
-                                new_lps,
-                                offset,
-                                reason,
-                                c.stop_reason if done else None,
-                            )
-                        )
-                ntok = sum(len(c.token_ids) for c in out.outputs)
+                        choices.append(choice(i, text, new_ids, new_lps, offset, reason, stop_reason))
+                if not echo_only:
+                    ntok[p] = sum(len(c.token_ids) for c in out.outputs)
                 if choices:
                     yield sse({**head, "choices": choices})
             if include_usage:
-                yield sse({**head, "choices": [], "usage": usage_of(prompt_len, ntok)})
+                yield sse({**head, "choices": [], "usage": usage_of(sum(prompt_lens), sum(ntok))})
         except ApiError as e:
             yield sse(error_body(e.message, e.status, e.param))
         except EngineError as e:
