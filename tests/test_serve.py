@@ -22,20 +22,14 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi", reason="fastapi is not installed")
 pytest.importorskip("uvicorn", reason="uvicorn is not installed")
 
+from _serve_helpers import offline, openai_client, serve_engine, wait_idle  # noqa: E402
+
 from minipaged import LLM, SamplingParams  # noqa: E402
 from minipaged.entrypoints.openai.api_server import BackgroundServer  # noqa: E402
 from minipaged.entrypoints.openai.live import fetch_trace  # noqa: E402
 from minipaged.entrypoints.openai.protocol import ChatMessage, render_chat  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a big"]
-SP_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-
-
-def needs_field(name: str):
-    return pytest.mark.skipif(
-        name not in SP_FIELDS,
-        reason=f"SamplingParams has no field {name!r} yet (the sampling branch adds it)",
-    )
 
 
 @pytest.fixture(scope="module")
@@ -45,39 +39,22 @@ def llm():
 
 @pytest.fixture(scope="module")
 def server(llm):
-    from minipaged.engine.llm_engine import LLMEngine
-
-    e = llm.llm_engine
-    engine = LLMEngine(e.config, model=e.model, tokenizer=e.tokenizer)
-    with BackgroundServer(engine, check_invariants=True, max_n=4) as srv:
+    with serve_engine(llm) as srv:
         yield srv
-    assert srv.serving.async_engine.errors == []
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
-def offline(llm, prompts, **kw):
-    return llm.generate(prompts, SamplingParams(**kw), use_tqdm=False)
+SP_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
-def wait_idle(server, timeout=30.0):
-    """Until the engine holds no request and every block is free again."""
-    engine = server.serving.engine
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (
-            not server.serving.async_engine.streams
-            and not engine.has_unfinished_requests()
-            and engine.kv_cache_manager.get_num_free_blocks() == engine.num_blocks
-        ):
-            return
-        time.sleep(0.05)
-    raise AssertionError(
-        f"not idle after {timeout} s: {engine.get_num_unfinished_requests()} unfinished, "
-        f"{engine.num_blocks - engine.kv_cache_manager.get_num_free_blocks()} blocks held"
+def needs_field(name: str):
+    return pytest.mark.skipif(
+        name not in SP_FIELDS,
+        reason=f"SamplingParams has no field {name!r} yet (the sampling branch adds it)",
     )
 
 
