@@ -116,3 +116,16 @@ def test_engine_refuses_the_backend_off_cpu_or_float32(kwargs):
 
     with pytest.raises(ValueError, match="attention_backend='cpu' runs float32 on the CPU"):
         EngineConfig(attention_backend="cpu", **kwargs)
+
+
+def test_auto_picks_the_fastest_backend_that_runs_here():
+    import importlib.util
+
+    from minipaged.config import EngineConfig
+
+    assert EngineConfig(attention_backend="auto").attention_backend == "cpu"  # this module needs a compiler
+    assert EngineConfig(attention_backend="auto", dtype="bfloat16").attention_backend == "torch"
+    on_gpu = "triton" if importlib.util.find_spec("triton") else "torch"
+    assert EngineConfig(attention_backend="auto", device="cuda").attention_backend == on_gpu
+    # a block size the Triton kernel cannot address falls back to the torch reference
+    assert EngineConfig(attention_backend="auto", device="cuda", block_size=12).attention_backend == "torch"
