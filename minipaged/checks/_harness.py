@@ -209,6 +209,37 @@ def expect_invariants(what: str, obj: Any) -> None:
         raise Mismatch(f"{what}: invariant broken: {e}") from None
 
 
+def check_step_predictions(
+    exercise_id: str,
+    predict: Callable[[], Any],
+    fn_name: str,
+    expected: list,
+    normalize: Callable[[Any], Any],
+    picture: Callable[[int], str],
+    picture_title: str,
+    length_note: str = "one per step",
+) -> None:
+    """A prediction exercise: ``predict()`` returns one entry per step of a reference run, and
+    entry ``i``, after ``normalize``, must equal ``expected[i]``. Case ``i`` checks steps 0..i,
+    so the first wrong step is the one reported, with ``picture(i)`` (the run as the engine
+    shows it) under ``picture_title``."""
+
+    def run_one(i):
+        got = predict()
+        if not isinstance(got, list) or len(got) != len(expected):
+            raise Mismatch(
+                f"{fn_name}() must return a list of {len(expected)} dicts ({length_note}), got {got!r}"
+            )
+        norm = normalize(got[i])
+        if norm != expected[i]:
+            raise Mismatch(
+                f"step {i}:\n    expected {expected[i]!r}\n    got      {norm!r}\n  {picture_title}:\n"
+                + _indent(picture(i))
+            )
+
+    run_cases(exercise_id, range(len(expected)), run_one, describe=lambda i: f"steps 0..{i} of the run")
+
+
 def check_concept_questions(exercise_id: str, concept_answers: Any, key: dict) -> None:
     """The concept-questions check every exercise notebook ends with.
 

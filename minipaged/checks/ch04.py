@@ -30,6 +30,7 @@ import random
 
 from minipaged.checks._harness import (
     check_concept_questions,
+    check_step_predictions,
     exercise,
     expect_equal,
     expect_true,
@@ -301,28 +302,23 @@ def reference_steps(requests=PREDICT_REQUESTS, **knobs):
 def check_predict_steps(predict_steps) -> None:
     require_callable("ex4.4", predict_steps, "predict_steps")
     from minipaged import viz
-    from minipaged.checks._harness import Mismatch
 
     trace = reference_steps()
-    expected = [dict(s.scheduled) for s in trace.steps]
+    check_step_predictions(
+        "ex4.4",
+        predict_steps,
+        "predict_steps",
+        [dict(s.scheduled) for s in trace.steps],
+        _scheduled,
+        lambda i: viz.step_text(trace, i),
+        "the scheduler's picture of this step",
+        f"one per step: the run takes {len(trace.steps)} steps",
+    )
 
-    def run_one(i):
-        got = predict_steps()
-        if not isinstance(got, list) or len(got) != len(expected):
-            raise Mismatch(
-                f"predict_steps() must return a list of {len(expected)} dicts, one per step "
-                f"(the run takes {len(expected)} steps), got {got!r}"
-            )
-        step = got[i]
-        norm = {str(k): v for k, v in step.items() if v} if isinstance(step, dict) else step
-        if norm != expected[i]:
-            raise Mismatch(
-                f"step {i}:\n    expected {expected[i]!r}\n    got      {norm!r}\n"
-                "  the scheduler's picture of this step:\n"
-                + "\n".join("    " + ln for ln in viz.step_text(trace, i).splitlines())
-            )
 
-    run_cases("ex4.4", range(len(expected)), run_one, describe=lambda i: f"steps 0..{i} of the run")
+def _scheduled(step):
+    """A predicted step as the reference writes it: request id (str) -> tokens, zeros dropped."""
+    return {str(k): v for k, v in step.items() if v} if isinstance(step, dict) else step
 
 
 # -- ex4.5: the engine loop, and what max_num_seqs buys ---------------------------------------

@@ -33,6 +33,7 @@ import random
 from minipaged.checks._harness import (
     Mismatch,
     check_concept_questions,
+    check_step_predictions,
     exercise,
     expect_equal,
     expect_true,
@@ -245,28 +246,27 @@ def check_predict_run(predict_run) -> None:
     trace = reference_steps(PREDICT_REQUESTS, **PREDICT_KNOBS)
     expected = [{"scheduled": dict(s.scheduled), "preempted": list(s.preempted_ids)} for s in trace.steps]
 
-    def run_one(i):
-        got = predict_run()
-        if not isinstance(got, list) or len(got) != len(expected):
-            raise Mismatch(
-                f"predict_run() must return a list of {len(expected)} dicts, one per step "
-                f"(the run takes {len(expected)} steps), got {got!r}"
-            )
-        step = got[i]
-        norm = step
-        if isinstance(step, dict):
-            norm = {
-                "scheduled": {str(k): v for k, v in dict(step.get("scheduled") or {}).items() if v},
-                "preempted": list(step.get("preempted") or []),
-            }
-        if norm != expected[i]:
-            raise Mismatch(
-                f"step {i}:\n    expected {expected[i]!r}\n    got      {norm!r}\n"
-                "  the scheduler's picture of this step:\n"
-                + "\n".join("    " + ln for ln in viz.step_text(trace, i).splitlines())
-            )
+    check_step_predictions(
+        "ex5.5",
+        predict_run,
+        "predict_run",
+        expected,
+        _scheduled_and_preempted,
+        lambda i: viz.step_text(trace, i),
+        "the scheduler's picture of this step",
+        f"one per step: the run takes {len(expected)} steps",
+    )
 
-    run_cases("ex5.5", range(len(expected)), run_one, describe=lambda i: f"steps 0..{i} of the run")
+
+def _scheduled_and_preempted(step):
+    """A predicted step as the reference writes it: {"scheduled": id -> tokens (zeros dropped),
+    "preempted": [ids]}."""
+    if not isinstance(step, dict):
+        return step
+    return {
+        "scheduled": {str(k): v for k, v in dict(step.get("scheduled") or {}).items() if v},
+        "preempted": list(step.get("preempted") or []),
+    }
 
 
 # -- ex5.6: design an admission rule, measure it ---------------------------------------------

@@ -26,11 +26,13 @@ from minipaged.checks._harness import (
     ExerciseFailure,
     Mismatch,
     check_concept_questions,
+    check_step_predictions,
     exercise,
     expect_raises,
     require_callable,
     run_cases,
 )
+from minipaged.checks.ch04 import _scheduled
 from minipaged.sim import (
     A100_40GB,
     OPT_13B,
@@ -66,23 +68,16 @@ def check_predict_steps(predict_steps) -> None:
     trace = reference_run().trace
     expected = [dict(s.scheduled) for s in trace.steps]
 
-    def run_one(i):
-        got = predict_steps()
-        if not isinstance(got, list) or len(got) != len(expected):
-            raise Mismatch(
-                f"predict_steps() must return a list of {len(expected)} dicts (one per step of the "
-                f"run, until every request is done), got {got!r}"
-            )
-        step = got[i]
-        norm = {str(k): v for k, v in step.items() if v} if isinstance(step, dict) else step
-        if norm != expected[i]:
-            raise Mismatch(
-                f"step {i}:\n    expected {expected[i]!r}\n    got      {norm!r}\n"
-                "  the simulator's run:\n"
-                + "\n".join("    " + ln for ln in viz.timeline_text(trace).splitlines())
-            )
-
-    run_cases("ex7.1", range(len(expected)), run_one, describe=lambda i: f"steps 0..{i} of the run")
+    check_step_predictions(
+        "ex7.1",
+        predict_steps,
+        "predict_steps",
+        expected,
+        _scheduled,
+        lambda i: viz.timeline_text(trace),
+        "the simulator's run",
+        "one per step of the run, until every request is done",
+    )
 
 
 # -- ex7.2: the sustainable rate of a latency curve ------------------------------------------
