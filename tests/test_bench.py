@@ -175,6 +175,7 @@ def test_cli_saves_the_profile_and_its_figure(tmp_path, capsys):
         and "--save-profile" in saved["command"]
     )
     assert len(saved["runs"]) in (1, 2) and all(b["num_seqs"] == 64 for b in saved["runs"].values())
+    assert "serving" not in saved  # only (a) ran: no a/b floor to record
     assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

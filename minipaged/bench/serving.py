@@ -1165,6 +1165,17 @@ def save_profile(report: dict, path, command: str, figure=None) -> None:
         "torch": torch.__version__,
         "runs": {labels.get(k, k): b for k, b in reversed(list(p["forward_breakdowns"].items()))},
     }
+    if "matmul_floor" in report:  # the same run's serving side: why a/b stops where it does
+        systems = report["systems"]
+        out["serving"] = {
+            "attention_backend": report["attention_backend"],
+            "wall_s": {m["label"]: m["wall_s"] for m in systems.values() if "wall_s" in m},
+            "steps": {m["label"]: m["steps"] for m in systems.values() if "steps" in m},
+            "computed_tokens": {
+                m["label"]: m["computed_tokens"] for m in systems.values() if "computed_tokens" in m
+            },
+            "matmul_floor_s": report["matmul_floor"]["seconds"],
+        }
     path = Path(path)
     path.write_text(dumps_json(out, indent=2) + "\n")
     ax = plot_forward_breakdown(out["runs"])
