@@ -22,30 +22,14 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi", reason="fastapi is not installed")
 pytest.importorskip("uvicorn", reason="uvicorn is not installed")
 
-from _serve_helpers import offline, openai_client, serve_engine, wait_idle  # noqa: E402
+from _serve_helpers import offline, wait_idle  # noqa: E402
 
-from minipaged import LLM, SamplingParams  # noqa: E402
+from minipaged import SamplingParams  # noqa: E402
 from minipaged.entrypoints.openai.api_server import BackgroundServer  # noqa: E402
 from minipaged.entrypoints.openai.live import fetch_trace  # noqa: E402
 from minipaged.entrypoints.openai.protocol import ChatMessage, render_chat  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a big"]
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM()
-
-
-@pytest.fixture(scope="module")
-def server(llm):
-    with serve_engine(llm) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
 
 
 SP_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}

@@ -181,6 +181,29 @@ def expect_equal(what: str, expected: Any, got: Any) -> None:
         raise Mismatch(f"{what}:\n    expected {expected!r}\n    got      {got!r}")
 
 
+def expect_close(what: str, expected: float, got: Any, abs_tol: float = 0.0) -> None:
+    """``got`` is a number within 1e-9 (relative) of ``expected``."""
+    try:
+        ok = math.isclose(float(got), expected, rel_tol=1e-9, abs_tol=abs_tol)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise Mismatch(f"{what}:\n    expected {expected!r}\n    got      {got!r}")
+
+
+def expect_close_to_reference(
+    what: str, reference: Callable[[], float], student: Callable[[], Any], abs_tol: float = 0.0
+) -> None:
+    """``student()`` returns ``reference()`` (``expect_close``), or raises ``ValueError`` where
+    the reference does (a caller error)."""
+    try:
+        expected = reference()
+    except ValueError:
+        expect_raises("a caller error", ValueError, student)
+        return
+    expect_close(what, expected, student(), abs_tol)
+
+
 def expect_true(what: str, ok: bool, detail: str = "") -> None:
     if not ok:
         raise Mismatch(what + (f"\n    {detail}" if detail else ""))
@@ -217,12 +240,14 @@ def check_step_predictions(
     normalize: Callable[[Any], Any],
     picture: Callable[[int], str],
     picture_title: str,
-    length_note: str = "one per step",
+    length_note: Optional[str] = None,
 ) -> None:
     """A prediction exercise: ``predict()`` returns one entry per step of a reference run, and
     entry ``i``, after ``normalize``, must equal ``expected[i]``. Case ``i`` checks steps 0..i,
     so the first wrong step is the one reported, with ``picture(i)`` (the run as the engine
-    shows it) under ``picture_title``."""
+    shows it) under ``picture_title``. ``length_note`` says what the list holds (default: one
+    entry per step, and how many steps the run takes)."""
+    length_note = length_note or f"one per step: the run takes {len(expected)} steps"
 
     def run_one(i):
         got = predict()

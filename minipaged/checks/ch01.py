@@ -23,7 +23,6 @@ against the package (``minipaged.core.kv.contiguous`` and ``KVCacheManager``). P
 
 from __future__ import annotations
 
-import math
 import random
 
 from minipaged.checks._harness import (
@@ -31,6 +30,7 @@ from minipaged.checks._harness import (
     Mismatch,
     check_concept_questions,
     exercise,
+    expect_close,
     expect_equal,
     expect_raises,
     require_callable,
@@ -187,13 +187,9 @@ def check_paged_token_fraction(paged_token_fraction) -> None:
     def run_one(case):
         seq_lens, block_size = case
         expected = ref_paged_token_fraction(seq_lens, block_size)
-        got = paged_token_fraction(list(seq_lens), block_size)
-        try:
-            ok = math.isclose(float(got), expected, rel_tol=1e-9, abs_tol=1e-12)
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise Mismatch(f"token fraction:\n    expected {expected!r}\n    got      {got!r}")
+        expect_close(
+            "token fraction", expected, paged_token_fraction(list(seq_lens), block_size), abs_tol=1e-12
+        )
 
     def describe(case):
         return f"paged_token_fraction(seq_lens={case[0]}, block_size={case[1]})"
@@ -235,7 +231,6 @@ def reference_starts():
 @exercise(CHECKS, "ex1.4", "predict where a contiguous allocator puts each request")
 def check_predict_regions(predict_regions) -> None:
     require_callable("ex1.4", predict_regions, "predict_regions")
-    from minipaged.checks._harness import Mismatch
 
     starts, pictures = reference_starts()
     allocs = [i for i, (_, f) in enumerate(CONTIG_EVENTS) if f is not None]
@@ -279,7 +274,7 @@ def ref_max_batch(model, gpu, seq_len, gpu_memory_utilization=0.9, activation_re
 @exercise(CHECKS, "ex1.5", "how many sequences fit a GPU's KV budget (measure)")
 def check_max_batch(max_batch) -> None:
     require_callable("ex1.5", max_batch, "max_batch(model, gpu, seq_len, ...)")
-    from minipaged.checks._harness import Mismatch, _print, _redirect_stdout, _StringIO, expect_raises
+    from minipaged.checks._harness import _print, _redirect_stdout, _StringIO, expect_raises
     from minipaged.sim.cost_model import GPUS, MODELS
 
     rng = random.Random("ex1.5")

@@ -312,7 +312,6 @@ def check_predict_steps(predict_steps) -> None:
         _scheduled,
         lambda i: viz.step_text(trace, i),
         "the scheduler's picture of this step",
-        f"one per step: the run takes {len(trace.steps)} steps",
     )
 
 

@@ -42,6 +42,13 @@ from typing import Optional
 
 import torch
 
+from minipaged.kernels.reference import (
+    _check_cache,
+    _default_scale,
+    attend_prefills,
+    build_attn_metadata,
+)
+
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
 # -ffast-math lets the compiler reorder the sums so that they vectorize; it is given to the
 # compile step only: linking with it would pull in crtfastmath.o, which sets flush-to-zero for
@@ -183,8 +190,6 @@ def reshape_and_cache_cpu(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 def paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale=None) -> torch.Tensor:
     """Decode attention through block tables, in C. q [B, H, D] -> [B, H, D] (float32, CPU)."""
-    from minipaged.kernels.reference import _check_cache, _default_scale
-
     _check_cache(q, k_cache, v_cache)
     q = _rows("q", q)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -222,8 +227,6 @@ def paged_attention_cpu(
     """``paged_attention_torch``'s contract (q [T, H, D] -> [T, H, D]): decode rows in C, prefill
     rows in the torch backend's padded SDPA buckets. ``metadata``: ``build_attn_metadata(...,
     decodes=False)`` for this step, built here when None."""
-    from minipaged.kernels.reference import _default_scale, attend_prefills, build_attn_metadata
-
     if max_query_len == 1:  # decode only: every row is its sequence's one query
         return paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale)
     scale = _default_scale(q.shape[2], scale)

@@ -246,12 +246,12 @@ class TorchAttnMetadata:
     """
 
     decode_rows: Optional[torch.Tensor]  # [Bd] query row of each decode sequence; None = every row
-    block_ids: torch.Tensor  # [NB] physical block of each (decode sequence, logical block) pair
-    seq_of_block: torch.Tensor  # [NB] the decode sequence (0 .. Bd - 1) the pair belongs to
-    key_bias: torch.Tensor  # [NB, block_size] fp32: 0, or -inf at slots past seq_len
+    # the decode pairs; None when planned with decodes=False (another kernel attends the decodes)
+    block_ids: Optional[torch.Tensor]  # [NB] physical block of each (decode sequence, logical block) pair
+    seq_of_block: Optional[torch.Tensor]  # [NB] the decode sequence (0 .. Bd - 1) the pair belongs to
+    key_bias: Optional[torch.Tensor]  # [NB, block_size] fp32: 0, or -inf at slots past seq_len
     num_decodes: int  # Bd
     decode_seqs: Optional[torch.Tensor] = None  # [Bd] the decode sequences (batch index); None = all
-    split_kv: bool = True  # False: decode pairs not planned (the "cpu" backend attends decodes in C)
     # one padded call per bucket of prefill sequences: (rows [t], seqs [b], cu [b + 1], max q_len, max seq_len)
     prefill_buckets: list = field(default_factory=list)
 
@@ -273,23 +273,26 @@ def build_attn_metadata(
     seq_lens_host = seq_lens.tolist()  # [B]
     num_seqs = len(seq_lens_host)
 
+    decode_seqs = [b for b in range(num_seqs) if cu_host[b + 1] - cu_host[b] == 1]
+
     # 1. Decodes: every (sequence, logical block j) pair, packed sequence after sequence.
-    split_kv, decodes = decodes, [b for b in range(num_seqs) if cu_host[b + 1] - cu_host[b] == 1]
-    dec = torch.tensor(decodes if split_kv else [], dtype=torch.long, device=device)  # [Bd]
-    dec_lens = seq_lens.to(device=device, dtype=torch.long)[dec]  # [Bd]
-    nb = (dec_lens + block_size - 1) // block_size  # [Bd] blocks of each decode sequence
-    seq_of_block = torch.repeat_interleave(torch.arange(dec.shape[0], device=device), nb)  # [NB]
-    first = nb.cumsum(0) - nb  # [Bd] first pair of each sequence
-    j = torch.arange(seq_of_block.shape[0], device=device) - first[seq_of_block]  # [NB] logical block
-    block_ids = block_tables[dec].long()[seq_of_block, j]  # [NB] physical block
-    slot_pos = j[:, None] * block_size + torch.arange(block_size, device=device)  # [NB, bs] token position
-    key_bias = torch.zeros(slot_pos.shape, device=device)  # [NB, bs]
-    key_bias.masked_fill_(slot_pos >= dec_lens[seq_of_block, None], float("-inf"))
+    block_ids = seq_of_block = key_bias = None
+    if decodes:
+        dec = torch.tensor(decode_seqs, dtype=torch.long, device=device)  # [Bd]
+        dec_lens = seq_lens.to(device=device, dtype=torch.long)[dec]  # [Bd]
+        nb = (dec_lens + block_size - 1) // block_size  # [Bd] blocks of each decode sequence
+        seq_of_block = torch.repeat_interleave(torch.arange(dec.shape[0], device=device), nb)  # [NB]
+        first = nb.cumsum(0) - nb  # [Bd] first pair of each sequence
+        j = torch.arange(seq_of_block.shape[0], device=device) - first[seq_of_block]  # [NB] logical block
+        block_ids = block_tables[dec].long()[seq_of_block, j]  # [NB] physical block
+        slot_pos = j[:, None] * block_size + torch.arange(block_size, device=device)  # [NB, bs] position
+        key_bias = torch.zeros(slot_pos.shape, device=device)  # [NB, bs]
+        key_bias.masked_fill_(slot_pos >= dec_lens[seq_of_block, None], float("-inf"))
 
     # 2. Prefills (rows with q_len > 1): a few padded calls over length buckets (``_length_buckets``).
     buckets = []
     for bucket in (
-        _length_buckets(cu_host, seq_lens_host, block_size, row_cost) if len(decodes) < num_seqs else []
+        _length_buckets(cu_host, seq_lens_host, block_size, row_cost) if len(decode_seqs) < num_seqs else []
     ):
         q_lens = [cu_host[b + 1] - cu_host[b] for b in bucket]
         if max(q_lens) == 1:
@@ -304,18 +307,16 @@ def build_attn_metadata(
                 max(seq_lens_host[b] for b in bucket),
             )
         )
+    every_row = len(decode_seqs) == num_seqs
     return TorchAttnMetadata(
         decode_rows=None
-        if len(decodes) == num_seqs
-        else torch.tensor([cu_host[b] for b in decodes], dtype=torch.long, device=device),
+        if every_row
+        else torch.tensor([cu_host[b] for b in decode_seqs], dtype=torch.long, device=device),
         block_ids=block_ids,
         seq_of_block=seq_of_block,
         key_bias=key_bias,
-        num_decodes=len(decodes),
-        decode_seqs=None
-        if len(decodes) == num_seqs
-        else torch.tensor(decodes, dtype=torch.long, device=device),
-        split_kv=split_kv,
+        num_decodes=len(decode_seqs),
+        decode_seqs=None if every_row else torch.tensor(decode_seqs, dtype=torch.long, device=device),
         prefill_buckets=buckets,
     )
 
@@ -359,7 +360,7 @@ def paged_attention_torch(
         metadata = build_attn_metadata(
             block_tables, cu_seqlens_q, seq_lens, k_cache.shape[1], q.shape[1] * q.shape[2]
         )
-    if not metadata.split_kv:
+    if metadata.block_ids is None:
         raise ValueError("metadata was planned without decodes (decodes=False); plan it with decodes=True")
     rows = metadata.decode_rows
     if rows is None:  # a decode-only step: every row is a decode, in order
