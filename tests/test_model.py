@@ -53,23 +53,38 @@ def _configs():
     }
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "gpt2"])
+def _cpu_available() -> bool:
+    from minipaged.kernels import cpu
+
+    return cpu.available()
+
+
+# every architecture on the readable torch backend, and on the "cpu" backend (the C kernels:
+# attention, RMSNorm, RoPE, SiLU-and-mul) where a C compiler builds them
+_PAIRS = [(arch, "torch") for arch in ("llama", "mistral", "qwen2", "gpt2")] + [
+    pytest.param((arch, "cpu"), marks=pytest.mark.skipif(not _cpu_available(), reason="no C compiler"))
+    for arch in ("llama", "mistral", "qwen2", "gpt2")
+]
+
+
+@pytest.fixture(scope="module", params=_PAIRS, ids=lambda p: "-".join(p) if isinstance(p, tuple) else str(p))
 def pair(request, tmp_path_factory):
-    """(transformers model, minipaged model) with the same weights."""
+    """(name, transformers model, minipaged model) with the same weights."""
     torch.manual_seed(0)
-    config = _configs()[request.param]
+    arch, backend = request.param
+    config = _configs()[arch]
     hf = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(0.05 * torch.randn_like(p))  # biases != 0, norm weights != 1
-    path = tmp_path_factory.mktemp(request.param)
+    path = tmp_path_factory.mktemp(arch)
     hf.save_pretrained(path)
     # NOTE: greedy generate must not stop at EOS: the paged loop below never does.
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
-    model, tokenizer = load_model(str(path))
+    model, tokenizer = load_model(str(path), attention_backend=backend)
     assert tokenizer is None  # the tiny checkpoints ship no tokenizer
-    return request.param, hf, model
+    return f"{arch} ({backend})", hf, model
 
 
 # ---------------------------------------------------------------------------------------
@@ -212,8 +227,8 @@ def test_model_attributes(pair):
     assert model.max_model_len == 64
     assert model.eos_token_id == 2 and model.eos_token_ids == [2]
     assert model.dtype == torch.float32 and model.device == torch.device("cpu")
-    expected_kv = {"llama": 2, "mistral": 1, "qwen2": 2, "gpt2": 4}[name]
-    expected_d = {"llama": 16, "mistral": 24, "qwen2": 16, "gpt2": 16}[name]
+    expected_kv = {"llama": 2, "mistral": 1, "qwen2": 2, "gpt2": 4}[name.split()[0]]
+    expected_d = {"llama": 16, "mistral": 24, "qwen2": 16, "gpt2": 16}[name.split()[0]]
     assert (model.num_kv_heads, model.head_dim, model.num_heads) == (expected_kv, expected_d, 4)
     caches = model.allocate_kv_caches(7, BLOCK_SIZE)
     assert len(caches) == model.num_layers

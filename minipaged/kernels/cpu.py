@@ -49,7 +49,12 @@ from minipaged.kernels.reference import (
     build_attn_metadata,
 )
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCE = CSRC / "paged_attention_cpu.c"  # the attention kernel (chapter 03 tours it)
+# Everything compiled into the one library: the attention kernel, the small layers
+# (``layers_cpu.c``: RMSNorm, RoPE, SiLU-and-mul) and the header they share.
+SOURCES = (SOURCE, CSRC / "layers_cpu.c")
+HEADERS = (CSRC / "exp_nonpos.h",)
 # -ffast-math lets the compiler reorder the sums so that they vectorize; it is given to the
 # compile step only: linking with it would pull in crtfastmath.o, which sets flush-to-zero for
 # the whole process when the library is loaded.
@@ -84,7 +89,7 @@ def _cache_dir() -> Path:
 
 
 def _compile(out: Path) -> None:
-    """Compile SOURCE into the shared library ``out``; -march=native when the compiler takes it."""
+    """Compile SOURCES into the shared library ``out``; -march=native when the compiler takes it."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
@@ -92,11 +97,12 @@ def _compile(out: Path) -> None:
     errors = []
     for extra in (NATIVE_FLAGS, ()):
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
-            steps = (
-                [cc, *COMPILE_FLAGS, *extra, "-c", str(SOURCE), "-o", str(obj)],
-                [cc, "-shared", str(obj), "-o", str(lib)],
-            )
+            objs = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
+            lib = Path(tmp) / "k.so"
+            steps = [
+                [cc, *COMPILE_FLAGS, *extra, "-I", str(CSRC), "-c", str(src), "-o", str(obj)]
+                for src, obj in zip(SOURCES, objs)
+            ] + [[cc, "-shared", *map(str, objs), "-o", str(lib)]]
             for cmd in steps:
                 res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
                 if res.returncode != 0:
@@ -105,14 +111,15 @@ def _compile(out: Path) -> None:
             else:
                 os.replace(lib, out)  # atomic: concurrent builders never see half a library
                 return
-    raise RuntimeError("could not compile the cpu attention kernel: " + " | ".join(errors))
+    raise RuntimeError("could not compile the cpu kernels: " + " | ".join(errors))
 
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL:
     """The compiled kernel library, built once per (source, flags, machine) and cached on disk."""
     key = hashlib.sha256(
-        SOURCE.read_bytes() + repr((COMPILE_FLAGS, NATIVE_FLAGS, _machine_key())).encode()
+        b"".join(f.read_bytes() for f in SOURCES + HEADERS)
+        + repr((COMPILE_FLAGS, NATIVE_FLAGS, _machine_key())).encode()
     ).hexdigest()[:16]
     path = _cache_dir() / f"paged_attention_cpu_{key}.so"
     if not path.exists():
@@ -123,6 +130,12 @@ def _library() -> ctypes.CDLL:
     lib.paged_attention_decode_f32.restype = i64
     lib.reshape_and_cache_f32.argtypes = [p, i64, p, i64, p, p, i64, p, i64, i64]
     lib.reshape_and_cache_f32.restype = i64
+    lib.rms_norm_f32.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
+    lib.rms_norm_f32.restype = None
+    lib.rotary_neox_f32.argtypes = [p, i64, i64, i64, i64, p, p, p, i64]
+    lib.rotary_neox_f32.restype = i64
+    lib.silu_and_mul_f32.argtypes = [p, p, i64, i64]
+    lib.silu_and_mul_f32.restype = None
     return lib
 
 
@@ -242,4 +255,70 @@ def paged_attention_cpu(
             q[rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale
         )  # [Bd, H, D]
     attend_prefills(q, k_cache, v_cache, block_tables, seq_lens, metadata, scale, out)
+    return out
+
+
+# -- the small layers (csrc/layers_cpu.c): forward_cpu of RMSNorm, RoPE, SiLU-and-mul -------
+def _contiguous_2d(name: str, t: torch.Tensor) -> None:
+    _check(name, t)
+    if t.dim() != 2 or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous [rows, n] tensor, got shape {tuple(t.shape)}")
+
+
+def rms_norm_cpu(x, weight, eps: float, residual=None):
+    """RMSNorm of x [T, hidden] in C. With ``residual``: ``residual += x`` in place first and the
+    sum is normalised (vLLM's ``fused_add_rms_norm``); returns ``(out, residual)`` then, else out."""
+    _contiguous_2d("x", x)
+    _check("weight", weight)
+    if weight.shape != (x.shape[1],):
+        raise ValueError(f"weight must be [{x.shape[1]}], got {tuple(weight.shape)}")
+    if residual is not None:
+        _contiguous_2d("residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    out = torch.empty_like(x)
+    _lib().rms_norm_f32(
+        out.data_ptr(), x.data_ptr(), None if residual is None else residual.data_ptr(),
+        weight.data_ptr(), x.shape[0], x.shape[1], eps,
+    )  # fmt: skip
+    return out if residual is None else (out, residual)
+
+
+def rotary_neox_cpu(x, positions, cos_cache, sin_cache, num_heads: int, head_dim: int) -> None:
+    """Neox RoPE in place on the first ``num_heads * head_dim`` columns of x [T, >=] (rows may be
+    apart, e.g. the q and k columns of a fused qkv output), at ``positions`` [T] (int64), with
+    cos/sin caches [max_positions, head_dim / 2] (``RotaryEmbedding.cos_cache``)."""
+    _check("x", x)
+    for name, t in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+        _check(name, t)
+        if t.dim() != 2 or t.shape[1] != head_dim // 2 or not t.is_contiguous():
+            raise ValueError(
+                f"{name} must be a contiguous [max_positions, {head_dim // 2}], got {tuple(t.shape)}"
+            )
+    if head_dim % 2 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] < num_heads * head_dim:
+        raise ValueError(
+            f"x must be [T, >= {num_heads} * {head_dim}] with contiguous rows and head_dim even, "
+            f"got shape {tuple(x.shape)}"
+        )
+    if positions.shape != (x.shape[0],):
+        raise ValueError(f"positions must be [{x.shape[0]}], got {tuple(positions.shape)}")
+    pos = positions.to(torch.int64).contiguous()
+    bad = _lib().rotary_neox_f32(
+        x.data_ptr(), x.stride(0), x.shape[0], num_heads, head_dim, pos.data_ptr(),
+        cos_cache.data_ptr(), sin_cache.data_ptr(), cos_cache.shape[0],
+    )  # fmt: skip
+    if bad:
+        raise IndexError(
+            f"positions[{bad - 1}] = {int(pos[bad - 1])} is outside the RoPE table "
+            f"(0 .. {cos_cache.shape[0] - 1}); rows from there on are not rotated"
+        )
+
+
+def silu_and_mul_cpu(x):
+    """silu(x[:, :n]) * x[:, n:] in C for x [T, 2n] (the fused gate_up output) -> [T, n]."""
+    _contiguous_2d("x", x)
+    if x.shape[1] % 2:
+        raise ValueError(f"x must have an even number of columns (gate, up), got {x.shape[1]}")
+    out = x.new_empty(x.shape[0], x.shape[1] // 2)
+    _lib().silu_and_mul_f32(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1] // 2)
     return out

@@ -3,6 +3,9 @@ the base class every paged model derives from.
 
 Mirrors vLLM ``vllm/model_executor/layers/layernorm.py`` (RMSNorm),
 ``rotary_embedding.py`` (RotaryEmbedding, neox style) and ``activation.py`` (SiluAndMul).
+As vLLM's ``CustomOp`` layers do, each has a readable ``forward_native`` (torch: the reference)
+and a ``forward_cpu`` (one C pass, ``minipaged/kernels/csrc/layers_cpu.c``), chosen once when the
+layer is built: ``impl="cpu"`` is what ``attention_backend="cpu"`` builds, ``"torch"`` the rest.
 
 Inputs / outputs
     All layers work on the flat token batch of one engine step: ``[T, hidden]`` rows, no
@@ -13,7 +16,10 @@ Inputs / outputs
 
 Invariants
     - ``RMSNorm`` and ``RotaryEmbedding`` compute in fp32 and cast back, as Hugging Face does,
-      so fp32 results match transformers to rounding.
+      so fp32 results match transformers to rounding; ``forward_cpu`` equals ``forward_native``
+      to rounding (``tests/test_layers_cpu.py``).
+    - ``RMSNorm(x, residual)`` is vLLM's fused residual add: it returns ``(norm(x + residual),
+      x + residual)``, so a pre-norm decoder carries the residual stream beside the hidden state.
     - ``PagedCausalLM.allocate_kv_caches`` returns one ``(k_cache, v_cache)`` pair per layer,
       each ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model's dtype/device.
 
@@ -23,23 +29,70 @@ Failure mode
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minipaged.kernels import cpu as cpu_kernels
+
+LAYER_IMPLS = ("torch", "cpu")
+
+
+def _check_impl(impl: str) -> str:
+    if impl not in LAYER_IMPLS:
+        raise ValueError(f"impl must be one of {LAYER_IMPLS}, got {impl!r}")
+    return impl
+
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight  (Llama, Mistral, Qwen2)."""
+    """y = x / sqrt(mean(x^2) + eps) * weight  (Llama, Mistral, Qwen2).
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    ``forward(x)`` -> y; ``forward(x, residual)`` -> ``(norm(x + residual), x + residual)``,
+    vLLM's fused residual add (``forward_cpu`` updates ``residual`` in place).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, impl: str = "torch"):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.impl = _check_impl(impl)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if self.impl == "cpu":
+            return self.forward_cpu(x, residual)
+        return self.forward_native(x, residual)
+
+    def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is not None:
+            residual = x + residual  # [T, hidden]: the residual stream, before the norm
+            return self.forward_native(residual), residual
+        if x.dtype != torch.float32:  # half precision: compute in fp32, as transformers does
+            return self.weight * self.forward_native(x.float()).to(x.dtype)
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))  # [T, hidden]
+
+    def forward_cpu(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        return cpu_kernels.rms_norm_cpu(x, self.weight, self.eps, residual)
+
+
+class SiluAndMul(nn.Module):
+    """silu(gate) * up for x = [gate, up] side by side ([T, 2n] -> [T, n]), as the fused
+    ``gate_up_proj`` writes them."""
+
+    def __init__(self, impl: str = "torch"):
+        super().__init__()
+        self.impl = _check_impl(impl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:  # half precision: compute in fp32, as transformers does
-            return self.weight * self.forward(x.float()).to(x.dtype)
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))  # [T, hidden]
+        if self.impl == "cpu":
+            return cpu_kernels.silu_and_mul_cpu(x)
+        return self.forward_native(x)
+
+    @staticmethod
+    def forward_native(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)  # 2 x [T, n]
+        return F.silu(gate) * up  # [T, n]
 
 
 def rope_parameters(config) -> dict:
@@ -124,6 +177,11 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """positions [T]; x [T, N, D] -> rotated x (``rotate(x, cos_sin(positions))``)."""
         return self.rotate(x, self.cos_sin(positions, x.dtype))
+
+    def rotate_cpu_(self, x: torch.Tensor, positions: torch.Tensor, num_heads: int, head_dim: int) -> None:
+        """``forward_cpu``: rotate the first ``num_heads`` heads of each row of x [T, >=] in
+        place, in C (the q and k columns of a fused qkv output; neox style only)."""
+        cpu_kernels.rotary_neox_cpu(x, positions, self.cos_cache, self.sin_cache, num_heads, head_dim)
 
 
 def get_act_fn(name: str):

@@ -13,6 +13,10 @@ One decoder layer, pre-norm::
     gate, up = split(gate_up_proj(norm(h)))             one matmul for both
     h = h + down_proj(silu(gate) * up)
 
+written as vLLM writes it: each layer returns its output and the residual stream apart, and the
+next norm adds them (``RMSNorm(x, residual)``), so the add costs no pass of its own on the
+``"cpu"`` backend, whose layers run in C (``minipaged.model.layers``: ``forward_cpu``).
+
 Inputs
     ``forward(inp: ModelInput, kv_caches)``: the flat token batch of one step (``input_ids``
     and ``positions`` [T]) and one ``(k_cache, v_cache)`` per layer.
@@ -40,7 +44,7 @@ from torch import nn
 
 from minipaged.model.attention import PagedAttention
 from minipaged.model.input import ModelInput
-from minipaged.model.layers import PagedCausalLM, RMSNorm, RotaryEmbedding, get_act_fn
+from minipaged.model.layers import PagedCausalLM, RMSNorm, RotaryEmbedding, SiluAndMul, get_act_fn
 
 # Projections fused at load time: (fused parameter, checkpoint name, shard). vLLM calls this
 # ``stacked_params_mapping``: the checkpoint keeps q/k/v and gate/up apart, the model runs one
@@ -57,13 +61,15 @@ STACKED_PARAMS = (
 class LlamaMLP(nn.Module):
     """SwiGLU: down_proj(act(gate_proj(x)) * up_proj(x)), gate and up as one matmul."""
 
-    def __init__(self, config):
+    def __init__(self, config, impl: str = "torch"):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = get_act_fn(config.hidden_act)
+        # NOTE: SiLU (every Llama / Mistral / Qwen2 checkpoint) gets vLLM's fused SiluAndMul
+        self.silu_and_mul = SiluAndMul(impl) if config.hidden_act in ("silu", "swish") else None
 
     def shard_rows(self, shard: str) -> slice:
         """Rows of ``gate_up_proj`` that hold checkpoint shard ``"gate"`` or ``"up"``."""
@@ -71,13 +77,17 @@ class LlamaMLP(nn.Module):
         return {"gate": slice(0, i), "up": slice(i, 2 * i)}[shard]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [T, intermediate]
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if self.silu_and_mul is not None:
+            return self.down_proj(self.silu_and_mul(gate_up))  # [T, hidden]
+        gate, up = gate_up.chunk(2, dim=-1)  # 2 x [T, intermediate]
         return self.down_proj(self.act_fn(gate) * up)  # [T, hidden]
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config, head_dim: int, rotary_emb: RotaryEmbedding, backend: str):
         super().__init__()
+        self.rope_in_c = backend == "cpu"  # RoPE in place, in C (RotaryEmbedding.rotate_cpu_)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim
@@ -104,7 +114,13 @@ class LlamaAttention(nn.Module):
         T = h.shape[0]
         qkv = self.qkv_proj(h)  # [T, q_size + 2 * kv_size]
         # q and k sit side by side: one RoPE call rotates both ([T, H + KVH, D]).
-        qk = self.rotary_emb.rotate(qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim), cos_sin)
+        if self.rope_in_c:
+            self.rotary_emb.rotate_cpu_(qkv, inp.positions, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim)
+        else:
+            qk = self.rotary_emb.rotate(
+                qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim), cos_sin
+            )
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, H, D], [T, KVH, D]
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         o = self.attn(q, k, v, kv_cache, inp)  # [T, H, D]
@@ -114,14 +130,22 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, head_dim: int, rotary_emb: RotaryEmbedding, backend: str):
         super().__init__()
+        impl = "cpu" if backend == "cpu" else "torch"  # the small layers in C with the C attention
         self.self_attn = LlamaAttention(config, head_dim, rotary_emb, backend)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, impl)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl)
 
-    def forward(self, cos_sin, h, kv_cache, inp: ModelInput) -> torch.Tensor:
-        h = h + self.self_attn(cos_sin, self.input_layernorm(h), kv_cache, inp)  # [T, hidden]
-        return h + self.mlp(self.post_attention_layernorm(h))  # [T, hidden]
+    def forward(self, cos_sin, h, residual, kv_cache, inp: ModelInput):
+        """h: the previous layer's output; residual: the stream before it (None in layer 0).
+        Returns this layer's (output, residual); their sum is the hidden state after the layer."""
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)  # residual += h, h = norm(residual)
+        h = self.self_attn(cos_sin, h, kv_cache, inp)  # [T, hidden]
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual  # [T, hidden] x 2
 
 
 class LlamaModel(nn.Module):
@@ -133,7 +157,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, head_dim, rotary_emb, backend) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "cpu" if backend == "cpu" else "torch")
 
 
 class LlamaForCausalLM(PagedCausalLM):
@@ -164,12 +188,18 @@ class LlamaForCausalLM(PagedCausalLM):
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model {self.num_layers}")
         h = self.model.embed_tokens(inp.input_ids)  # [T, hidden]
         # RoPE angles depend only on the positions: looked up once, rotated in every layer
-        cos_sin = self.model.rotary_emb.cos_sin(inp.positions, h.dtype)  # [T, 1, D/2] x 2
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(cos_sin, h, kv_cache, inp)  # [T, hidden]
+        # (the C RoPE looks them up itself)
+        layers = self.model.layers
+        cos_sin = (
+            None if layers[0].self_attn.rope_in_c else self.model.rotary_emb.cos_sin(inp.positions, h.dtype)
+        )
+        residual = None
+        for layer, kv_cache in zip(layers, kv_caches):
+            h, residual = layer(cos_sin, h, residual, kv_cache, inp)  # [T, hidden] x 2
         if not (inp.is_decode_only and h.shape[0] == inp.num_seqs):  # else every row is a last token
-            h = h[inp.logits_indices]  # [B, hidden]: only each sequence's last token
-        h = self.model.norm(h)  # [B, hidden]
+            idx = inp.logits_indices  # only each sequence's last token: [B, hidden] from here
+            h, residual = h[idx], residual[idx]
+        h, _ = self.model.norm(h, residual)  # [B, hidden]
         return self.lm_head(h).float()  # [B, vocab]
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

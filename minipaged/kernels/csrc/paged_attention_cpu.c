@@ -17,25 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* exp(x) for x <= 0, the softmax numerators: 2^n * p(r) with r = x - n ln2, |r| <= ln2 / 2
- * (Cody-Waite reduction, degree-6 polynomial). Branch-free, so the loop over keys vectorizes;
- * below -87 the result is ~0 anyway (smallest normal float ~ exp(-87.3)). */
-static inline float exp_nonpos(float x)
-{
-    x = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_roundf(x * 1.44269504088896341f); /* x / ln2 */
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { float f; int32_t i; } u = { .f = p };
-    u.i += (int32_t)n * (1 << 23); /* times 2^n: add n to the exponent bits (n >= -126) */
-    return u.f;
-}
+#include "exp_nonpos.h"
 
 /* Token i's key and value go to slot slot_mapping[i] (block = slot / block_size, offset =
  * slot % block_size); slots < 0 are padding and skipped. key, value [T, num_kv_heads, head_dim]
@@ -56,6 +38,34 @@ int64_t reshape_and_cache_f32(const float *key, int64_t key_stride, const float 
         memcpy(v_cache + slot * token_size, value + i * value_stride, token_size * sizeof(float));
     }
     return 0;
+}
+
+/* Ask for token row t of a sequence (block table `table`) to be brought into the cache. Every
+ * block is its own 4 KiB region somewhere in the pool, so the hardware prefetcher, which follows
+ * one address stream within a page, stops at every block: software says where the next rows are. */
+static inline void prefetch_row(const float *cache, const int32_t *table, int64_t t,
+                                int64_t block_size, int64_t block_stride, int64_t token_stride)
+{
+    const float *row = cache + (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride;
+    for (int64_t off = 0; off < token_stride; off += 16) /* one 64-byte line at a time */
+        __builtin_prefetch(row + off);
+}
+
+/* The number of token rows of sequence b that may be prefetched: its length rounded up to whole
+ * blocks, or 0 when b is past the batch or its table does not check out (nothing is read then). */
+static inline int64_t prefetchable(const int32_t *block_tables, const int32_t *seq_lens, int64_t b,
+                                   int64_t num_seqs, int64_t block_size, int64_t max_blocks,
+                                   int64_t num_cache_blocks)
+{
+    if (b >= num_seqs || seq_lens[b] < 0)
+        return 0;
+    const int64_t num_blocks = (seq_lens[b] + block_size - 1) / block_size;
+    if (num_blocks > max_blocks)
+        return 0;
+    for (int64_t j = 0; j < num_blocks; j++)
+        if (block_tables[b * max_blocks + j] < 0 || block_tables[b * max_blocks + j] >= num_cache_blocks)
+            return 0;
+    return num_blocks * block_size;
 }
 
 /* The kernel body; paged_attention_decode_f32 (below) calls it with head_dim a constant for
@@ -87,16 +97,21 @@ static inline __attribute__((always_inline)) int64_t decode(
         }
         const float *qb = q + b * q_stride;
         float *ob = out + b * num_heads * head_dim;
+        /* While this sequence computes, the next one's rows are prefetched: for each row read
+         * here, the same row of sequence b + 1 (then the rows it has beyond this one's length). */
+        const int32_t *next = table + max_blocks;
+        const int64_t next_rows = prefetchable(block_tables, seq_lens, b + 1, num_seqs, block_size,
+                                               max_blocks, num_cache_blocks);
 
         /* 1. Logits: every query head against every key, block by block (physical block
          *    table[j] holds the sequence's tokens j * block_size ...). */
         for (int64_t j = 0; j < num_blocks; j++) {
             const float *kb = k_cache + (int64_t)table[j] * block_stride;
-            if (j + 1 < num_blocks)
-                __builtin_prefetch(k_cache + (int64_t)table[j + 1] * block_stride);
             const int64_t n = len - j * block_size < block_size ? len - j * block_size : block_size;
             for (int64_t i = 0; i < n; i++) {
                 const int64_t t = j * block_size + i;
+                if (t < next_rows)
+                    prefetch_row(k_cache, next, t, block_size, block_stride, token_stride);
                 for (int64_t h = 0; h < num_heads; h++) {
                     const float *k = kb + i * token_stride + (h / group) * head_dim;
                     const float *qh = qb + h * head_dim;
@@ -107,12 +122,13 @@ static inline __attribute__((always_inline)) int64_t decode(
                 }
             }
         }
+        for (int64_t t = len; t < next_rows; t++)
+            prefetch_row(k_cache, next, t, block_size, block_stride, token_stride);
 
         /* 2. Softmax of each head's logits, in three passes: max, exp and sum, normalise. */
         for (int64_t h = 0; h < num_heads; h++) {
-            memset(ob + h * head_dim, 0, head_dim * sizeof(float));
             if (len == 0)
-                continue; /* an empty sequence attends to nothing: zeros, as the reference */
+                break; /* (a loop condition `&& len > 0` here stops the inner loops vectorizing) */
             float *sh = scores + h * len;
             float m = sh[0], l = 0.0f;
             for (int64_t t = 1; t < len; t++)
@@ -126,22 +142,26 @@ static inline __attribute__((always_inline)) int64_t decode(
                 sh[t] *= inv;
         }
 
-        /* 3. out[h] = sum over keys t of p[h, t] * v[t], block by block again. */
-        for (int64_t j = 0; j < num_blocks; j++) {
-            const float *vb = v_cache + (int64_t)table[j] * block_stride;
-            if (j + 1 < num_blocks)
-                __builtin_prefetch(v_cache + (int64_t)table[j + 1] * block_stride);
-            const int64_t n = len - j * block_size < block_size ? len - j * block_size : block_size;
-            for (int64_t i = 0; i < n; i++) {
-                const int64_t t = j * block_size + i;
-                for (int64_t h = 0; h < num_heads; h++) {
-                    const float *v = vb + i * token_stride + (h / group) * head_dim;
-                    const float p = scores[h * len + t];
-                    float *o = ob + h * head_dim;
+        /* 3. out[h] = sum over keys t of p[h, t] * v[t]: one head at a time, so that its sum
+         *    stays in registers (acc), block by block again. An empty sequence gets zeros. */
+        for (int64_t t = 0; t < next_rows; t++)
+            prefetch_row(v_cache, next, t, block_size, block_stride, token_stride);
+        for (int64_t h = 0; h < num_heads; h++) {
+            float acc[head_dim];
+            for (int64_t d = 0; d < head_dim; d++)
+                acc[d] = 0.0f;
+            const float *ph = scores + h * len;
+            for (int64_t j = 0; j < num_blocks; j++) {
+                const float *vb = v_cache + (int64_t)table[j] * block_stride + (h / group) * head_dim;
+                const int64_t n = len - j * block_size < block_size ? len - j * block_size : block_size;
+                for (int64_t i = 0; i < n; i++) {
+                    const float p = ph[j * block_size + i];
                     for (int64_t d = 0; d < head_dim; d++)
-                        o[d] += p * v[d];
+                        acc[d] += p * vb[i * token_stride + d];
                 }
             }
+            for (int64_t d = 0; d < head_dim; d++) /* a loop, not memcpy: acc stays in registers */
+                ob[h * head_dim + d] = acc[d];
         }
     }
     free(scores);
