@@ -19,7 +19,18 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"no C compiler here
 
 # (num_heads, num_kv_heads, head_dim, block_size): GQA, MHA, MQA; head_dim 32/64/128 take the
 # specialised paths, 17 and 8 the generic one; block sizes that are and are not powers of two.
-SHAPES = [(8, 2, 32, 16), (4, 4, 64, 3), (6, 1, 128, 1), (2, 2, 17, 32), (3, 3, 8, 5)]
+# Groups of 4 and 8 query heads per KV head with head_dim a multiple of 16 take the four-heads-
+# at-a-time passes (logits_x4 / values_x4); groups of 1, 6 and 3 the plain loops.
+SHAPES = [
+    (8, 2, 32, 16),
+    (4, 4, 64, 3),
+    (6, 1, 128, 1),
+    (2, 2, 17, 32),
+    (3, 3, 8, 5),
+    (8, 1, 64, 5),
+    (16, 2, 128, 16),
+    (4, 1, 48, 7),
+]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
