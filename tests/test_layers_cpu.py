@@ -115,3 +115,30 @@ def test_a_cpu_model_runs_its_small_layers_in_c(tmp_path):
         == "torch"
     )
     assert layer_c.self_attn.rope_in_c and not layer_t.self_attn.rope_in_c
+
+
+def test_use_backend_switches_every_layer_and_back(tmp_path):
+    """What the profile does to compare backends on one model: the switched model computes
+    what a model built for that backend computes, and switching back restores it."""
+    from minipaged import LLM, SamplingParams
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(tiny_llama_config()).save_pretrained(tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+
+    def run(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    llm = LLM(str(tmp_path), attention_backend="cpu")
+    want_cpu = run(llm)
+    model = llm.llm_engine.model
+    assert model.use_backend("torch") == "cpu"
+    assert model.model.norm.impl == "torch" and not model.model.layers[0].self_attn.rope_in_c
+    assert {m.backend for m in model.attention_layers()} == {"torch"}
+    assert run(llm) == run(LLM(str(tmp_path), attention_backend="torch")) == want_cpu
+    assert model.use_backend("cpu") == "torch"
+    assert model.model.layers[1].mlp.silu_and_mul.impl == "cpu" and model.model.layers[1].self_attn.rope_in_c
+    assert run(llm) == want_cpu
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        model.use_backend("cuda")

@@ -763,18 +763,13 @@ def matmul_floors(model, runs: dict, repeats: int = 5) -> dict:
 
 # -- where a decode step's forward goes: matmul floor, attention, the rest -------------
 def _with_backend(model, backend: str, fn):
-    """``fn()`` with every attention layer of ``model`` switched to ``backend``, then switched back."""
-    from minipaged.model.attention import PagedAttention
-
-    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
-    before = [m.backend for m in layers]
-    for m in layers:
-        m.backend = backend
+    """``fn()`` with ``model`` switched to ``backend`` (its attention layers, and the small layers
+    that the "cpu" backend runs in C: ``PagedCausalLM.use_backend``), then switched back."""
+    before = model.use_backend(backend)
     try:
         return fn()
     finally:
-        for m, b in zip(layers, before):
-            m.backend = b
+        model.use_backend(before)
 
 
 def _capture_step_input(engine):

@@ -272,6 +272,27 @@ class PagedCausalLM(nn.Module):
         assert self.max_model_len >= 1, f"max_model_len {self.max_model_len} < 1"
         assert self.num_layers == len(self.attention_layers()), "one attention layer per layer"
 
+    def use_backend(self, backend: str) -> str:
+        """Switch every layer to ``backend`` ("torch", "triton" or "cpu") after construction:
+        the attention layers, and the layers that have a ``forward_cpu`` (C on "cpu", torch
+        otherwise). Returns the backend it had, to switch back (the profile compares backends
+        on one model this way). The engine never switches; it builds the model for one backend."""
+        from minipaged.model.attention import ATTENTION_BACKENDS, PagedAttention
+
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+        layers = self.attention_layers()
+        before = layers[0].backend if layers else backend
+        impl = "cpu" if backend == "cpu" else "torch"
+        for m in self.modules():
+            if isinstance(m, PagedAttention):
+                m.backend = backend
+            elif isinstance(m, (RMSNorm, SiluAndMul)):
+                m.impl = impl
+            elif hasattr(m, "rope_in_c"):
+                m.rope_in_c = impl == "cpu"
+        return before
+
     def attention_layers(self) -> list:
         """The model's ``PagedAttention`` modules, in layer order."""
         from minipaged.model.attention import PagedAttention
