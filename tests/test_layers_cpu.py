@@ -95,6 +95,7 @@ def test_bad_input_names_the_problem():
         cpu.rotary_neox_cpu(x, torch.zeros(2, dtype=torch.long), cos, sin, 2, 8)
     with pytest.raises(IndexError, match=r"positions\[1\] = 16 is outside the RoPE table"):
         cpu.rotary_neox_cpu(x, torch.tensor([0, 16, 1]), cos, sin, 2, 8)
+    assert torch.equal(x, torch.ones(3, 16)), "a bad position rotates nothing"
     with pytest.raises(ValueError, match="impl must be one of"):
         RMSNorm(8, impl="cuda")
 

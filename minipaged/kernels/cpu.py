@@ -1,11 +1,16 @@
-"""The "cpu" attention backend: decode attention in C, reading keys and values in place.
+"""The "cpu" backend: decode attention in C, reading keys and values in place, and the small
+layers of a decoder step in C.
 
 Mirrors vLLM's CPU backend (``vllm/v1/attention/backends/cpu_attn.py`` calling the kernels of
-``csrc/cpu/attention.cpp``): on a CPU, the torch backend's cost at decode is not arithmetic but
-data movement and op count (gather every block, a dozen small ops per layer). One C loop per
+``csrc/cpu/attention.cpp``, and ``csrc/cpu/layernorm.cpp``, ``pos_encoding.cpp``,
+``activation.cpp``): on a CPU, the torch backend's cost at decode is not arithmetic but data
+movement and op count (gather every block, a dozen small ops per layer). One C loop per
 sequence reads each key and value once, in place through the block table, and keeps the
 logits in a scratch buffer: the structure of the original PagedAttention V1 kernel (chapter 03).
-The source, ``csrc/paged_attention_cpu.c``, is about 100 lines.
+Where a group of four query heads shares a KV head (GQA), it loads each key and value row once
+for the four. ``csrc/paged_attention_cpu.c`` holds the attention, ``csrc/layers_cpu.c``
+RMSNorm (with vLLM's fused residual add), neox RoPE and SiLU-and-mul, the ``forward_cpu`` of
+``minipaged.model.layers``.
 
 Inputs / outputs
     ``paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale)``: the
@@ -13,15 +18,18 @@ Inputs / outputs
     ``paged_attention_cpu(...)``: the varlen contract of ``paged_attention_torch``: decode rows
     go to the C kernel, prefill rows to the torch backend's padded SDPA buckets.
     ``reshape_and_cache_cpu(...)``: ``cache_ops.reshape_and_cache`` in C.
+    ``rms_norm_cpu``, ``rotary_neox_cpu`` (in place), ``silu_and_mul_cpu``: the small layers.
 
 Invariants
     float32 CPU tensors, caches contiguous ``[num_blocks, block_size, KVH, D]``; results equal
-    the torch reference to float rounding (``tests/test_kernels_cpu.py``).
+    the torch reference to float rounding (``tests/test_kernels_cpu.py``,
+    ``tests/test_layers_cpu.py``); an index out of range (block table, slot, RoPE position) is an
+    ``IndexError`` raised before anything is read or written out of bounds.
 
 Failure mode
     The library is compiled on first use with the system C compiler (``$CC``, else ``cc``) into
     ``$MINIPAGED_CACHE_DIR`` (default ``~/.cache/minipaged``, else a temporary folder), keyed by
-    the source, the flags and the machine. ``available()`` says whether that works here; when it does not, asking for the
+    the sources, the flags and the machine. ``available()`` says whether that works here; when it does not, asking for the
     backend raises ``RuntimeError`` naming the compiler's error (``EngineConfig`` checks it up
     front and raises ``ValueError``). Other dtypes or devices raise ``ValueError``.
 """
@@ -310,7 +318,7 @@ def rotary_neox_cpu(x, positions, cos_cache, sin_cache, num_heads: int, head_dim
     if bad:
         raise IndexError(
             f"positions[{bad - 1}] = {int(pos[bad - 1])} is outside the RoPE table "
-            f"(0 .. {cos_cache.shape[0] - 1}); rows from there on are not rotated"
+            f"(0 .. {cos_cache.shape[0] - 1}); nothing was rotated"
         )
 
 

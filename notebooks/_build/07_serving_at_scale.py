@@ -503,9 +503,10 @@ way: `minipaged.bench.serving.forward_breakdown` times one decode forward at 64 
 sequences, then the same weight matmuls alone (the **floor**: no step can be faster than
 its matmuls), then the attention layers; the rest is everything else (norms, activations,
 embedding, sampling's logits). `benchmarks/results/cpu_profile.json` holds a recorded run of
-one such step through both CPU attention backends: `"torch"`, the readable reference, and
-`"cpu"`, chapter 03's C kernel. The figure is drawn from it and the numbers below are read
-from it (the command that rewrites it is in the file):
+one such step through both CPU backends: `"torch"`, the readable reference, and `"cpu"`,
+chapter 03's C kernel with the step's small layers (RMSNorm with the residual add, RoPE,
+SiLU-and-mul) in C as well, as vLLM's CPU backend runs them. The figure is drawn from it and
+the numbers below are read from it (the command that rewrites it is in the file):
 """)
 
 code(r"""
@@ -531,9 +532,10 @@ md(r"""
 With the torch backend (the top bar) attention is nearly as large as the weight matmuls:
 torch has no op that multiplies through an index, so every layer first gathers every block of
 every sequence into a new tensor and then runs a dozen small ops over it. The C kernel (the
-bottom bar) reads the same keys and values in place, once, and the step comes close to its
-floor: the matmuls, the part every batched engine pays and the part a GPU does best, are most
-of it. What attention still costs is mostly memory traffic: each decode step reads every
+bottom bar) reads the same keys and values in place, once per group of four query heads, and
+the small layers each make one pass in C instead of a handful of torch ops; the step comes
+close to its floor: the matmuls, the part every batched engine pays and the part a GPU does
+best, are most of it. What attention still costs is mostly memory traffic: each decode step reads every
 cached key and value of every running sequence once per layer, so on a CPU a bigger batch is
 not free (section 2's "nearly free" regime does not hold), and longer contexts shift time to
 attention. These are CPU numbers of one process on a shared machine; a GPU splits the same

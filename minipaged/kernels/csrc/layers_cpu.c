@@ -41,15 +41,16 @@ void rms_norm_f32(float *out, float *x, float *residual, const float *weight, in
 /* Neox-style RoPE in place: x [rows, num_heads, head_dim] with rows row_stride floats apart;
  * each head's halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin) at the row's position,
  * cos/sin looked up in the caches [max_positions, head_dim / 2]. Returns 0, or r + 1 when row
- * r's position is outside the caches (rows from r on are not rotated). */
+ * r's position is outside the caches (then nothing is rotated). */
 int64_t rotary_neox_f32(float *x, int64_t row_stride, int64_t rows, int64_t num_heads,
                         int64_t head_dim, const int64_t *positions, const float *cos_cache,
                         const float *sin_cache, int64_t max_positions)
 {
-    const int64_t half = head_dim / 2;
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t r = 0; r < rows; r++)
         if (positions[r] < 0 || positions[r] >= max_positions)
             return r + 1;
+    const int64_t half = head_dim / 2;
+    for (int64_t r = 0; r < rows; r++) {
         const float *c = cos_cache + positions[r] * half, *s = sin_cache + positions[r] * half;
         for (int64_t h = 0; h < num_heads; h++) {
             float *x1 = x + r * row_stride + h * head_dim, *x2 = x1 + half;
