@@ -188,3 +188,17 @@ def test_matmul_floors_share_one_curve():
     steps = [(1, 1), (4, 4), (17, 3), (40, 2)]
     f = matmul_floors(model, {"once": steps, "twice": steps * 2, "idle": [(0, 0)]}, repeats=1)
     assert f["once"] > 0 and f["twice"] == pytest.approx(2 * f["once"]) and f["idle"] == 0
+
+
+def test_step_cost_split_recovers_a_hand_made_example():
+    """Two runs built from 2 ms per step and 0.5 ms per sequence-step beyond 1 s of matmuls each:
+    the split gives those back, and what they mean for a/b."""
+    from minipaged.bench.serving import step_cost_split
+
+    floors, steps, seq_steps = {"a": 1.0, "b": 1.0}, {"a": 100, "b": 300}, {"a": 1000, "b": 1000}
+    walls = {k: floors[k] + steps[k] * 0.002 + seq_steps[k] * 0.0005 for k in floors}  # a 1.7 s, b 2.1 s
+    split = step_cost_split(floors, walls, steps, seq_steps)
+    assert split["per_step_ms"] == pytest.approx(2.0) and split["per_seq_step_ms"] == pytest.approx(0.5)
+    assert split["a/b_if_free_per_seq"] == pytest.approx(round(1.6 / 1.2, 2))
+    assert split["per_step_ms_for_2x"] == pytest.approx(10.0)  # (2 * 1 - 1) s / (300 - 2 * 100) steps
+    assert step_cost_split(floors, {"a": 0.5, "b": 0.5}, steps, seq_steps) is None  # faster than the floor

@@ -543,6 +543,14 @@ def _measure(
             "seconds": {k: round(v, 6) for k, v in floors.items()},
             "a/b": round(floors["b"] / floors["a"], 2),
         }
+        split = step_cost_split(
+            floors,
+            {SYSTEMS[n][0]: systems[n]["wall_s"] for n in shapes},
+            {SYSTEMS[n][0]: len(v) for n, v in shapes.items()},
+            {SYSTEMS[n][0]: sum(b for _, b in v) for n, v in shapes.items()},
+        )
+        if split is not None:
+            report["matmul_floor"]["split"] = split
     if profile:
         report["profile"] = profile_step(
             model_obj,
@@ -758,6 +766,35 @@ def matmul_floors(model, runs: dict, repeats: int = 5) -> dict:
     return {
         name: sum(tokens.get(t, 0.0) + seqs.get(b, 0.0) for t, b in steps) / 1e3
         for name, steps in runs.items()
+    }
+
+
+def step_cost_split(floors: dict, walls: dict, steps: dict, seq_steps: dict) -> Optional[dict]:
+    """What (a) and (b) pay beyond their matmuls, split into a cost per step and a cost per
+    sequence-step, and what that means for a/b.
+
+    Each run's time beyond its matmul floor is ``steps * per_step + seq_steps * per_seq``
+    (``seq_steps``: the sequences summed over the run's steps); the two runs give two equations
+    for the two unknowns. Returns ``per_step_ms``, ``per_seq_step_ms``, ``a/b_if_free_per_seq``
+    (a/b with per_seq = 0: the most that cutting per-sequence work can give) and
+    ``per_step_ms_for_2x`` (the per-step cost a/b >= 2 would need, with per_seq = 0; None when
+    no per-step cost reaches 2x), or None when the runs do not give a positive split.
+    """
+    (sa, sb), (qa, qb) = (steps["a"], steps["b"]), (seq_steps["a"], seq_steps["b"])
+    ra, rb = walls["a"] - floors["a"], walls["b"] - floors["b"]
+    det = sa * qb - sb * qa
+    if det == 0:
+        return None
+    per_step, per_seq = (ra * qb - rb * qa) / det, (sa * rb - sb * ra) / det
+    if per_step <= 0 or per_seq <= 0:
+        return None
+    need = (2 * floors["a"] - floors["b"]) / (sb - 2 * sa) if sb > 2 * sa else None
+    return {
+        "per_step_ms": round(1e3 * per_step, 3),
+        "per_seq_step_ms": round(1e3 * per_seq, 4),
+        "seq_steps": {"a": qa, "b": qb},
+        "a/b_if_free_per_seq": round((floors["b"] + sb * per_step) / (floors["a"] + sa * per_step), 2),
+        "per_step_ms_for_2x": None if need is None else round(1e3 * need, 3),
     }
 
 
@@ -1069,6 +1106,18 @@ def format_report(r: dict) -> str:
             f"b {f['seconds']['b']:.2f} s; a/b would be {f['a/b']:.2f}x if nothing else took time "
             "(both compute the same tokens: what a's fewer steps save is b's per-step cost beyond them)"
         )
+        if "split" in f:
+            sp = f["split"]
+            lines.append(
+                f"beyond the matmuls: {sp['per_step_ms']:.2f} ms per step + {sp['per_seq_step_ms']:.3f} ms per "
+                f"sequence-step (a {sp['seq_steps']['a']}, b {sp['seq_steps']['b']} sequence-steps); with no "
+                f"per-sequence cost at all a/b would be {sp['a/b_if_free_per_seq']:.2f}x; a/b >= 2x needs "
+                + (
+                    f"{sp['per_step_ms_for_2x']:.2f} ms per step"
+                    if sp["per_step_ms_for_2x"] is not None
+                    else "more steps saved than this workload has"
+                )
+            )
     if "profile" in r:
         lines += ["", format_profile(r["profile"])]
     return "\n".join(lines)
@@ -1171,6 +1220,8 @@ def save_profile(report: dict, path, command: str, figure=None) -> None:
             },
             "matmul_floor_s": report["matmul_floor"]["seconds"],
         }
+        if "split" in report["matmul_floor"]:
+            out["serving"]["beyond_matmuls"] = report["matmul_floor"]["split"]
     path = Path(path)
     path.write_text(dumps_json(out, indent=2) + "\n")
     ax = plot_forward_breakdown(out["runs"])
