@@ -1193,7 +1193,7 @@ def save_profile(report: dict, path, command: str, figure=None) -> None:
     p = report["profile"]
     labels = {
         "torch": "attention_backend='torch' (the readable reference: gather, split-KV softmax)",
-        "cpu": "attention_backend='cpu' (the C kernel: keys and values read in place)",
+        "cpu": "attention_backend='cpu' (C: attention reading keys and values in place, and the small layers)",
         "triton": "attention_backend='triton'",
     }
     b0 = p["forward_breakdown"]

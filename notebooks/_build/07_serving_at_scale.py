@@ -571,8 +571,8 @@ is a cost per step times its steps plus a cost per sequence-step times its seque
 equations for the two costs. Both runs decode every request once per output token, so their
 sequence-steps are nearly equal and the per-sequence cost is paid the same by both: only the
 per-step cost can separate them. In the recorded run, a/b stays below 2x even with the
-per-sequence work free, and 2x would need each step to cost about twice what it does beyond
-its matmuls: a slower engine, not a faster one. The faster that per-step work gets, the closer a/b comes to the matmul ratio. On a
+per-sequence work free, and 2x would need each step to cost more beyond its matmuls than it
+does now: a slower engine, not a faster one. The faster that per-step work gets, the closer a/b comes to the matmul ratio. On a
 GPU a decode step reads the weights once whatever the batch (section 2), so it costs about the
 same at 4 sequences as at 64, and the time ratio comes close to the step ratio instead.
 
