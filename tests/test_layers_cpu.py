@@ -141,5 +141,9 @@ def test_use_backend_switches_every_layer_and_back(tmp_path):
     assert model.use_backend("cpu") == "torch"
     assert model.model.layers[1].mlp.silu_and_mul.impl == "cpu" and model.model.layers[1].self_attn.rope_in_c
     assert run(llm) == want_cpu
+    model.check_invariants()
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         model.use_backend("cuda")
+    model.model.norm.impl = "torch"  # one layer left behind: the model says so
+    with pytest.raises(AssertionError, match="small layers on"):
+        model.check_invariants()

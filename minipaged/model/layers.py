@@ -271,6 +271,12 @@ class PagedCausalLM(nn.Module):
         )
         assert self.max_model_len >= 1, f"max_model_len {self.max_model_len} < 1"
         assert self.num_layers == len(self.attention_layers()), "one attention layer per layer"
+        backends = {m.backend for m in self.attention_layers()}
+        impls = {m.impl for m in self.modules() if isinstance(m, (RMSNorm, SiluAndMul))}
+        impls |= {"cpu" if m.rope_in_c else "torch" for m in self.modules() if hasattr(m, "rope_in_c")}
+        assert len(backends) <= 1, f"attention layers on different backends: {sorted(backends)}"
+        want = {"cpu" if backends == {"cpu"} else "torch"} if backends else impls
+        assert impls <= want, f"small layers on {sorted(impls)} with attention on {sorted(backends)}"
 
     def use_backend(self, backend: str) -> str:
         """Switch every layer to ``backend`` ("torch", "triton" or "cpu") after construction:

@@ -190,9 +190,8 @@ class LlamaForCausalLM(PagedCausalLM):
         # RoPE angles depend only on the positions: looked up once, rotated in every layer
         # (the C RoPE looks them up itself)
         layers = self.model.layers
-        cos_sin = (
-            None if layers[0].self_attn.rope_in_c else self.model.rotary_emb.cos_sin(inp.positions, h.dtype)
-        )
+        rope_in_c = len(layers) > 0 and layers[0].self_attn.rope_in_c
+        cos_sin = None if rope_in_c else self.model.rotary_emb.cos_sin(inp.positions, h.dtype)
         residual = None
         for layer, kv_cache in zip(layers, kv_caches):
             h, residual = layer(cos_sin, h, residual, kv_cache, inp)  # [T, hidden] x 2
