@@ -191,17 +191,33 @@ def expect_close(what: str, expected: float, got: Any, abs_tol: float = 0.0) -> 
         raise Mismatch(f"{what}:\n    expected {expected!r}\n    got      {got!r}")
 
 
+def _against_reference(
+    reference: Callable[[], Any], student: Callable[[], Any], compare, caller_error: str
+) -> None:
+    """``compare(reference(), student())``, or ``student()`` raises ``ValueError`` where the
+    reference does (a caller error)."""
+    try:
+        expected = reference()
+    except ValueError:
+        expect_raises(caller_error, ValueError, student)
+        return
+    compare(expected, student())
+
+
 def expect_close_to_reference(
     what: str, reference: Callable[[], float], student: Callable[[], Any], abs_tol: float = 0.0
 ) -> None:
     """``student()`` returns ``reference()`` (``expect_close``), or raises ``ValueError`` where
     the reference does (a caller error)."""
-    try:
-        expected = reference()
-    except ValueError:
-        expect_raises("a caller error", ValueError, student)
-        return
-    expect_close(what, expected, student(), abs_tol)
+    _against_reference(reference, student, lambda e, g: expect_close(what, e, g, abs_tol), "a caller error")
+
+
+def expect_equal_to_reference(
+    what: str, reference: Callable[[], Any], student: Callable[[], Any], caller_error: str = "a caller error"
+) -> None:
+    """``student()`` returns ``reference()`` (``expect_equal``), or raises ``ValueError`` where
+    the reference does (``caller_error`` says what such a case is)."""
+    _against_reference(reference, student, lambda e, g: expect_equal(what, e, g), caller_error)
 
 
 def expect_true(what: str, ok: bool, detail: str = "") -> None:

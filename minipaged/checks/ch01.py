@@ -32,7 +32,7 @@ from minipaged.checks._harness import (
     exercise,
     expect_close,
     expect_equal,
-    expect_raises,
+    expect_equal_to_reference,
     require_callable,
     run_cases,
 )
@@ -151,12 +151,9 @@ def check_reserved_slots(reserved_slots) -> None:
             cases.append((rng.randint(1, 8), 0, 64, "pow2"))
 
     def run_one(case):
-        try:
-            expected = ref_reserved_slots(*case)
-        except ValueError:
-            expect_raises("a caller error", ValueError, lambda: reserved_slots(*case))
-            return
-        expect_equal("reserved slots", expected, reserved_slots(*case))
+        expect_equal_to_reference(
+            "reserved slots", lambda: ref_reserved_slots(*case), lambda: reserved_slots(*case)
+        )
 
     def describe(case):
         p, o, m, pol = case
@@ -274,7 +271,7 @@ def ref_max_batch(model, gpu, seq_len, gpu_memory_utilization=0.9, activation_re
 @exercise(CHECKS, "ex1.5", "how many sequences fit a GPU's KV budget (measure)")
 def check_max_batch(max_batch) -> None:
     require_callable("ex1.5", max_batch, "max_batch(model, gpu, seq_len, ...)")
-    from minipaged.checks._harness import _print, _redirect_stdout, _StringIO, expect_raises
+    from minipaged.checks._harness import _print, _redirect_stdout, _StringIO
     from minipaged.sim.cost_model import GPUS, MODELS
 
     rng = random.Random("ex1.5")
@@ -294,14 +291,12 @@ def check_max_batch(max_batch) -> None:
     def run_one(c):
         m, g, n, u, a = c
         args = (MODELS[m], GPUS[g], n, u, a)
-        try:
-            expected = ref_max_batch(*args)
-        except ValueError:
-            expect_raises("a caller error (or weights that do not fit)", ValueError, lambda: max_batch(*args))
-            return
-        got = max_batch(*args)
-        if got != expected or isinstance(got, bool):
-            raise Mismatch(f"sequences that fit:\n    expected {expected!r}\n    got      {got!r}")
+        expect_equal_to_reference(
+            "sequences that fit",
+            lambda: ref_max_batch(*args),
+            lambda: max_batch(*args),
+            caller_error="a caller error (or weights that do not fit)",
+        )
 
     verdict = _StringIO()
     with _redirect_stdout(verdict):

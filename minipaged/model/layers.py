@@ -273,7 +273,6 @@ class PagedCausalLM(nn.Module):
         assert self.num_layers == len(self.attention_layers()), "one attention layer per layer"
         backends = {m.backend for m in self.attention_layers()}
         impls = {m.impl for m in self.modules() if isinstance(m, (RMSNorm, SiluAndMul))}
-        impls |= {"cpu" if m.rope_in_c else "torch" for m in self.modules() if hasattr(m, "rope_in_c")}
         assert len(backends) <= 1, f"attention layers on different backends: {sorted(backends)}"
         want = {"cpu" if backends == {"cpu"} else "torch"} if backends else impls
         assert impls <= want, f"small layers on {sorted(impls)} with attention on {sorted(backends)}"
@@ -295,8 +294,6 @@ class PagedCausalLM(nn.Module):
                 m.backend = backend
             elif isinstance(m, (RMSNorm, SiluAndMul)):
                 m.impl = impl
-            elif hasattr(m, "rope_in_c"):
-                m.rope_in_c = impl == "cpu"
         return before
 
     def attention_layers(self) -> list:

@@ -87,7 +87,6 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, config, head_dim: int, rotary_emb: RotaryEmbedding, backend: str):
         super().__init__()
-        self.rope_in_c = backend == "cpu"  # RoPE in place, in C (RotaryEmbedding.rotate_cpu_)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim
@@ -104,6 +103,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
         self.rotary_emb = rotary_emb  # shared by all layers; holds no weights
         self.attn = PagedAttention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5, backend)
+
+    @property
+    def rope_in_c(self) -> bool:
+        """RoPE in place, in C (``RotaryEmbedding.rotate_cpu_``): with the "cpu" attention backend."""
+        return self.attn.backend == "cpu"
 
     def shard_rows(self, shard: str) -> slice:
         """Rows of ``qkv_proj`` that hold checkpoint shard ``"q"``, ``"k"`` or ``"v"``."""

@@ -33,6 +33,16 @@ from minipaged.viz import palette
 from minipaged.viz.snapshot import BlockSnapshot, snapshot
 
 FREED_EDGE = "#444444"  # dashed edge of a block freed at this step
+NEW_FRAME = dict(edgecolor=palette.BLACK, linewidth=2.2, zorder=2.6)  # a block allocated this step
+FREED_FRAME = dict(edgecolor=FREED_EDGE, linewidth=1.4, linestyle=(0, (2.5, 1.5)), zorder=2.6)
+
+
+def _frame(ax, x: float, y: float, inset: float, style: dict) -> None:
+    """An unfilled frame ``inset`` inside the unit cell at (x, y)."""
+    from matplotlib.patches import Rectangle
+
+    ax.add_patch(Rectangle((x + inset, y + inset), 1 - 2 * inset, 1 - 2 * inset, fill=False, **style))
+
 
 # -- text -------------------------------------------------------------------------
 
@@ -201,17 +211,7 @@ def draw_block_tables(
             if 0 < held < bs:  # the slots reserved but not holding a token yet: pale tail
                 ax_l.add_patch(Rectangle((j, y), held / bs, 1, facecolor=color, linewidth=0))
             if b in new:
-                ax_l.add_patch(
-                    Rectangle(
-                        (j + 0.03, y + 0.03),
-                        0.94,
-                        0.94,
-                        fill=False,
-                        edgecolor=palette.BLACK,
-                        linewidth=2.2,
-                        zorder=2.6,
-                    )
-                )
+                _frame(ax_l, j, y, 0.03, NEW_FRAME)
             if fs_l >= _draw.MIN_FONT:
                 label = str(b) + (f"(x{snap.ref_cnt[b]})" if snap.ref_cnt.get(b, 1) > 1 else "")
                 ax_l.text(
@@ -264,30 +264,9 @@ def draw_block_tables(
                     Rectangle((x, y), 1, 1, fill=False, hatch="....", edgecolor="#888888", linewidth=0)
                 )
         if b in new:
-            ax_p.add_patch(
-                Rectangle(
-                    (x + 0.04, y + 0.04),
-                    0.92,
-                    0.92,
-                    fill=False,
-                    edgecolor=palette.BLACK,
-                    linewidth=2.2,
-                    zorder=2.6,
-                )
-            )
+            _frame(ax_p, x, y, 0.04, NEW_FRAME)
         elif b in freed and b not in owners:  # NOTE: a freed block is never framed as new
-            ax_p.add_patch(
-                Rectangle(
-                    (x + 0.06, y + 0.06),
-                    0.88,
-                    0.88,
-                    fill=False,
-                    edgecolor=FREED_EDGE,
-                    linewidth=1.4,
-                    linestyle=(0, (2.5, 1.5)),
-                    zorder=2.6,
-                )
-            )
+            _frame(ax_p, x, y, 0.06, FREED_FRAME)
         if show_labels:
             if b in owners:  # readable on the part of the cell under the label
                 under = color if 2 * tokens.get(b, bs) >= bs else palette.lighten(color, 0.7)
