@@ -150,7 +150,9 @@ class LLMEngine:
         self.num_blocks = config.num_blocks_for(self.bytes_per_block)
         self.num_cpu_blocks = config.cpu_blocks_for(self.num_blocks)
         self.scheduler = self._make_scheduler()
-        self.executor = UniProcExecutor(model, self.num_blocks, config.block_size, self.num_cpu_blocks, config.device)
+        self.executor = UniProcExecutor(
+            model, self.num_blocks, config.block_size, self.num_cpu_blocks, config.device
+        )
         self.output_processor = OutputProcessor(tokenizer)  # text, stop strings, logprobs
         self.groups: dict[str, _RequestGroup] = {}  # unfinished caller requests
         self.seq_to_group: dict[str, _RequestGroup] = {}  # scheduler request id -> group
@@ -379,7 +381,9 @@ class LLMEngine:
             if req.is_finished:  # its last token also ended it by length or EOS
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, reason
             else:
-                stopped += self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED, reason)
+                stopped += self.scheduler.finish_requests(
+                    [req.request_id], RequestStatus.FINISHED_STOPPED, reason
+                )
         return stopped
 
     def _stopwatch(self):

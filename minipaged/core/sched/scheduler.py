@@ -86,7 +86,10 @@ class Scheduler:
         self.watermark = float(watermark)
         self.watermark_blocks = int(self.watermark * num_blocks)  # NOTE: as vLLM's manager
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, block_size, enable_caching=self.enable_prefix_caching, free_uncached_first=free_uncached_first
+            num_blocks,
+            block_size,
+            enable_caching=self.enable_prefix_caching,
+            free_uncached_first=free_uncached_first,
         )
         self.waiting: deque[Request] = deque()  # arrival order; preempted ones in front
         self.running: list[Request] = []  # arrival order (FCFS)
@@ -131,7 +134,9 @@ class Scheduler:
                 break  # the asking request preempted itself; those after it are gone too
             self._schedule(request, n, new_blocks, out)
             out.scheduled_cached_reqs.append(
-                CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
+                CachedRequestData(
+                    request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens
+                )
             )
             budget -= n
             i += 1
@@ -163,14 +168,18 @@ class Scheduler:
             out.admitted.append(request)
             self._schedule(request, n, new_blocks, out)
             # NOTE: fresh or resumed after recompute, the worker (re)builds it whole
-            out.scheduled_new_reqs.append(utils.new_request_data(request, kv.get_block_ids(request.request_id)))
+            out.scheduled_new_reqs.append(
+                utils.new_request_data(request, kv.get_block_ids(request.request_id))
+            )
             budget -= n
 
         if not (out.scheduled or out.preempted or out.refused) and (self.waiting or self.running):
             raise RuntimeError(  # NOTE: cannot happen (see "No livelock"); fail loudly
                 f"livelock: nothing scheduled with {len(self.running)} running and {len(self.waiting)} waiting"
             )
-        self._in_flight = self._last_output = utils.finish_step(out, self.max_num_batched_tokens, self.max_num_seqs)
+        self._in_flight = self._last_output = utils.finish_step(
+            out, self.max_num_batched_tokens, self.max_num_seqs
+        )
         self.num_steps += 1
         return out
 
@@ -206,7 +215,9 @@ class Scheduler:
         need = [
             r.request_id
             for r, n in output.scheduled
-            if not r.is_finished and r.num_computed_tokens + n == r.num_tokens and r.request_id not in sampled_token_ids
+            if not r.is_finished
+            and r.num_computed_tokens + n == r.num_tokens
+            and r.request_id not in sampled_token_ids
         ]
         if need:
             raise ValueError(f"sampled_token_ids lacks a token for requests {need}")
@@ -235,7 +246,9 @@ class Scheduler:
             del self.requests[request.request_id]
             self.finished_req_ids.add(request.request_id)
 
-    def finish_requests(self, request_ids, status: RequestStatus, reason: Optional[str] = None) -> list[Request]:
+    def finish_requests(
+        self, request_ids, status: RequestStatus, reason: Optional[str] = None
+    ) -> list[Request]:
         """Finish the named unfinished requests with ``status`` (vLLM's ``finish_requests``:
         aborts, and the stop strings the output processor found); unknown or finished ids
         are ignored, as in vLLM. Returns the requests finished."""
@@ -302,10 +315,15 @@ class Scheduler:
     def check_invariants(self) -> None:
         kv = self.kv_cache_manager
         kv.check_invariants()
-        assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > max_num_seqs {self.max_num_seqs}"
+        assert len(self.running) <= self.max_num_seqs, (
+            f"{len(self.running)} running > max_num_seqs {self.max_num_seqs}"
+        )
         utils.check_output(self._last_output, self.max_num_batched_tokens)
         waiting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        queues = {"waiting": (self.waiting, waiting, True), "running": (self.running, (RequestStatus.RUNNING,), True)}
+        queues = {
+            "waiting": (self.waiting, waiting, True),
+            "running": (self.running, (RequestStatus.RUNNING,), True),
+        }
         utils.check_queues(queues, self.requests)
         assert set(kv.block_tables) == {r.request_id for r in self.running}, (
             f"blocks held by {sorted(kv.block_tables)}, running {sorted(r.request_id for r in self.running)}"
@@ -314,7 +332,10 @@ class Scheduler:
         for r in self.waiting:
             assert r.num_computed_tokens == 0, f"waiting {r.request_id} has computed tokens"
         for r in self.running:
-            held, expected = kv.block_tables[r.request_id].num_tokens, r.num_computed_tokens + in_flight.get(r.request_id, 0)
+            held, expected = (
+                kv.block_tables[r.request_id].num_tokens,
+                r.num_computed_tokens + in_flight.get(r.request_id, 0),
+            )
             assert held == expected, f"running {r.request_id}: slots for {held} tokens, expected {expected}"
             assert in_flight or r.num_computed_tokens < r.num_tokens, f"running {r.request_id} is idle"
         if self.running and self.waiting:
