@@ -48,20 +48,35 @@ def find_stop_string(
     text: str, new_char_count: int, stop: list[str], include_in_output: bool
 ) -> Optional[tuple[str, int]]:
     """The stop string that ends within the last ``new_char_count`` characters of ``text``
-    and starts first, and the length to cut ``text`` to; None if there is none."""
+    and starts first, and the length to cut ``text`` to; None if there is none.
+
+    NOTE: only occurrences that end in the new characters count (older text was searched
+    before), so each stop string is looked for in a window of ``new_char_count +
+    len(s) - 1`` characters at the end of ``text``: the cost per token is bounded by the
+    stop strings' total length (capped in ``SamplingParams``), not by the text's."""
     if not new_char_count or not stop:
         return None
+    n = len(text)
+    longest = max(len(s) for s in stop)
+    base = max(0, n - new_char_count - longest + 1)
+    window = text[base:]  # the only text any occurrence that ends in the new characters touches
     best: Optional[tuple[int, str]] = None
     for s in stop:
-        # NOTE: only occurrences that end in the new characters: older text was searched.
-        start = max(0, len(text) - new_char_count - len(s) + 1)
-        idx = text.find(s, start)
+        start = max(0, n - new_char_count - len(s) + 1) - base
+        idx = window.find(s, start)
         if idx != -1 and (best is None or idx < best[0]):
             best = (idx, s)
     if best is None:
         return None
     idx, s = best
+    idx += base
     return s, idx + len(s) if include_in_output else idx
+
+
+# NOTE: a UTF-8 character is at most 4 bytes, so at most 4 byte-level tokens; a window that
+# still ends in U+FFFD after this many tokens holds a real replacement character (invalid
+# bytes) and is emitted, so the decode window stays bounded.
+MAX_PENDING_TOKENS = 8
 
 
 class IncrementalDetokenizer:
@@ -93,7 +108,9 @@ class IncrementalDetokenizer:
         """The text the newest token adds ("" while it ends in an unfinished character)."""
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.token_ids[self.prefix_offset :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        pending = len(self.token_ids) - self.read_offset
+        ready = len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd")
+        if ready or (pending >= MAX_PENDING_TOKENS and len(new_text) >= len(prefix_text)):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
             return new_text[len(prefix_text) :]
         return ""

@@ -521,3 +521,21 @@ class Scheduler:
             )
             if not in_flight:
                 assert r.num_computed_tokens < r.num_tokens, f"running {r.request_id} is idle"
+
+    # -- a step that raised -----------------------------------------------------------
+    def fail_step(
+        self, output: Optional[SchedulerOutput], reason: str = "the engine step failed"
+    ) -> list[Request]:
+        """After the step of ``output`` raised (before or inside ``update_from_output``):
+        finish every still-unfinished request it scheduled as FINISHED_ABORTED with
+        ``stop_reason`` = ``reason``, free their blocks and clear the in-flight step, so that
+        ``schedule()`` runs again. Returns the requests it finished (as vLLM fails every
+        request of a step whose engine core raised)."""
+        failed = []
+        for req, _ in [] if output is None else output.scheduled:
+            if not req.is_finished:
+                self.abort_request(req.request_id)  # frees its blocks; the layers' hooks too
+                req.stop_reason = reason
+                failed.append(req)
+        self._in_flight = None
+        return failed
