@@ -512,7 +512,7 @@ class AsyncEngine:
                 stream.queue.put_nowait(out)
             elif new > 0 and stream.stream:
                 stream.queue.put_nowait(out)
-                unread = stream.queue.unread.get(rid, 0)
+                unread = getattr(stream.queue, "unread", {}).get(rid, 0)  # an asyncio.Queue: 0
                 if unread >= self.max_unread_steps:  # the client reads nothing: let it go
                     self.abort(rid)
                     stream.queue.put_nowait(
