@@ -68,6 +68,7 @@ def build_app(engine, **serving_kwargs):
     from fastapi.responses import HTMLResponse, JSONResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
+    from minipaged.entrypoints.openai.async_engine import EngineError
     from minipaged.entrypoints.openai.live import LIVE_PAGE
     from minipaged.entrypoints.openai.protocol import (
         ChatCompletionRequest,
@@ -119,6 +120,10 @@ def build_app(engine, **serving_kwargs):
         loc = [str(x) for x in err.get("loc", ()) if x not in ("query", "body", "path")]
         param = ".".join(loc) or None
         return error(400, f"{param}: {err.get('msg', 'invalid value')}", param)
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(request, exc):  # logged once by the engine loop already
+        return error(500, "internal server error")
 
     @app.exception_handler(Exception)
     async def _internal(request, exc):  # NOTE: the traceback goes to the log, not the client
@@ -503,7 +508,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="longest prompt in characters, refused before tokenizing (default: 32 per context token)",
     )
     g.add_argument(
-        "--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT, help="seconds for a request body to arrive"
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT,
+        help="seconds for a request body to arrive",
     )
     g.add_argument(
         "--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT, help="seconds for request headers"

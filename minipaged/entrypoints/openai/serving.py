@@ -34,6 +34,7 @@ Failure mode
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -233,7 +234,9 @@ class OpenAIServing:
                 400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
             )
         except RecursionError:
-            raise ApiError(400, "request body is not valid JSON here: nested too deeply")
+            field = _deep_field(text)
+            where = f"{field} is" if field else "request body is"
+            raise ApiError(400, f"{where} nested too deeply to parse", field)
         except ValueError as e:  # e.g. an integer over Python's 4300-digit limit
             raise ApiError(400, f"request body is not valid JSON here: {e}")
         if not isinstance(body, dict):
@@ -286,7 +289,9 @@ class OpenAIServing:
         vocab = int(self.engine.model.vocab_size)
         if params.top_k > vocab:
             raise ApiError(
-                400, f"top_k must be at most the vocabulary ({vocab}), or 0 / -1 for off; got {params.top_k}", "top_k"
+                400,
+                f"top_k must be at most the vocabulary ({vocab}), or 0 / -1 for off; got {params.top_k}",
+                "top_k",
             )
         limit = self.engine.max_model_len
         if prompt_len + params.max_tokens > limit:
@@ -383,7 +388,9 @@ class OpenAIServing:
         rids = [rid] if len(items) == 1 else [f"{rid}-{p}" for p in range(len(items))]
         try:
             return self.async_engine.add_requests(
-                [(r, ids, params) for r, (params, ids) in zip(rids, items)], queue=OutputQueue(), stream=stream
+                [(r, ids, params) for r, (params, ids) in zip(rids, items)],
+                queue=OutputQueue(),
+                stream=stream,
             )
         except QueueFull as e:
             raise ApiError(503, str(e), headers={"Retry-After": str(e.retry_after)})
@@ -567,6 +574,29 @@ def _field_of(message: str) -> Optional[str]:
     """The field a ``SamplingParams`` error message starts with (its first word)."""
     head = message.split(" ", 1)[0].split("=", 1)[0].rstrip(":")
     return head if head.isidentifier() else None
+
+
+_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}:]')
+
+
+def _deep_field(text: str, depth_limit: int = 64) -> Optional[str]:
+    """The top-level key of a JSON object text under which nesting first passes
+    ``depth_limit`` (to name the field of a body too deep for ``json.loads``)."""
+    depth, key, last = 0, None, None
+    for m in _JSON_TOKENS.finditer(text):
+        t = m.group()
+        if t in ("[", "{"):
+            depth += 1
+            if depth > depth_limit:
+                return key
+        elif t in ("]", "}"):
+            depth -= 1
+        elif t == ":":
+            if depth == 1:
+                key = last
+        elif depth == 1:
+            last = t[1:-1]
+    return None
 
 
 def _has_surrogate(text: str) -> bool:
