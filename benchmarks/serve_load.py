@@ -179,9 +179,11 @@ async def scenario_logprobs(url: str) -> float:
         task = asyncio.create_task(_run_hostile(c, started, stop))
         await asyncio.wait_for(started.wait(), 300)
         busy = await _greedy_latency(c)
+        running = not task.done()
         stop.set()
         await task
-    return busy / alone
+    assert running, "the n=16 stream ended before the greedy request did"
+    return alone, busy
 
 
 async def scenario_unread(url: str, host: str, port: int, num: int = 3) -> float:
@@ -196,7 +198,7 @@ async def scenario_unread(url: str, host: str, port: int, num: int = 3) -> float
         busy = await _greedy_latency(c)
         for s in socks:
             s.close()
-    return busy / alone
+    return alone, busy
 
 
 async def scenario_stop_strings(url: str) -> float:
@@ -214,7 +216,7 @@ async def scenario_stop_strings(url: str) -> float:
         busy = await _greedy_latency(c)
         code = (await hostile).status_code
     assert code == 400, f"100,000 stop strings answered {code}"
-    return busy / alone
+    return alone, busy
 
 
 async def scenario_big_prompt(url: str) -> tuple[float, float]:
@@ -289,24 +291,30 @@ def run_fairness(args) -> int:
         rss_warm = _rss_mb(proc.pid)
         print(f"minipaged serve fairness (pid {proc.pid}), median of {args.trials} trials")
         rows = {
-            "greedy while n=16 logprobs=20 max_tokens=480 streams (x alone)": lambda: scenario_logprobs(url),
-            "greedy while 3 such streams are left unread (x alone)": lambda: scenario_unread(
-                url, "127.0.0.1", port
-            ),
-            "greedy while 100,000 stop strings are sent (x alone)": lambda: scenario_stop_strings(url),
+            "greedy while an n=16 logprobs=20 max_tokens=480 stream runs": lambda: scenario_logprobs(url),
+            "greedy while 3 such streams are left unread": lambda: scenario_unread(url, "127.0.0.1", port),
+            "greedy while another client sends 100,000 stop strings": lambda: scenario_stop_strings(url),
         }
+        print(f"  {'scenario':<62} {'alone s':>8} {'busy s':>7} {'ratio':>6}  (ratio of each trial)")
         for name, fn in rows.items():
-            vals = [asyncio.run(fn()) for _ in range(args.trials)]
-            print(f"  {name:<66} {statistics.median(vals):6.2f}   ({', '.join(f'{v:.2f}' for v in vals)})")
-            time.sleep(1.0)  # the aborted streams leave the engine
+            res = []
+            for _ in range(args.trials):
+                res.append(asyncio.run(fn()))
+                time.sleep(1.0)  # the aborted streams leave the engine
+            ratios = [b / a for a, b in res]
+            print(
+                f"  {name:<62} {statistics.median(a for a, _ in res):8.3f} "
+                f"{statistics.median(b for _, b in res):7.3f} {statistics.median(ratios):6.2f}  "
+                f"({', '.join(f'{v:.2f}' for v in ratios)})"
+            )
         res = [asyncio.run(scenario_big_prompt(url)) for _ in range(args.trials)]
         gaps, answers = [g for g, _ in res], [a for _, a in res]
         print(
-            f"  {'a stream largest gap while a 4 MB prompt is answered (s)':<66} "
+            f"  {'a stream largest gap while a 4 MB prompt is answered (s)':<62} "
             f"{statistics.median(gaps):6.3f}   ({', '.join(f'{g:.3f}' for g in gaps)})"
         )
         print(
-            f"  {'the 4 MB prompt answered in (s)':<66} {statistics.median(answers):6.3f}   "
+            f"  {'the 4 MB prompt answered in (s)':<62} {statistics.median(answers):6.3f}   "
             f"({', '.join(f'{a:.3f}' for a in answers)})"
         )
         time.sleep(2.0)

@@ -48,6 +48,7 @@ import asyncio
 import dataclasses
 import functools
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -233,7 +234,8 @@ def _release_memory() -> None:
 
     NOTE: a burst of big answers (16 x 480 tokens with 20 logprobs each) leaves hundreds of
     MB freed but still mapped in glibc's per-thread arenas; trimming when the engine goes
-    idle keeps the server's RSS near its warm-up value."""
+    idle keeps the server's RSS near its warm-up value. It runs in a thread of its own
+    (ctypes releases the GIL), never on the event loop, so no stream waits for it."""
     global _malloc_trim
     if _malloc_trim is None:
         try:
@@ -242,14 +244,17 @@ def _release_memory() -> None:
             _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
         except (OSError, AttributeError):
             _malloc_trim = False
-    if _malloc_trim:
-        import gc
+    if _malloc_trim and not _trimming.locked():
+        threading.Thread(target=_trim, name="minipaged-malloc-trim", daemon=True).start()
 
-        gc.collect()
+
+def _trim() -> None:
+    with _trimming:
         _malloc_trim(0)
 
 
 _malloc_trim = None
+_trimming = threading.Lock()
 
 
 class AsyncEngine:
