@@ -18,7 +18,9 @@ How the text grows
     UTF-8 character; SentencePiece drops a word's leading space at a window's start), so
     each step decodes a small window: ``decode(ids[prefix_offset:])`` minus
     ``decode(ids[prefix_offset:read_offset])``; a delta that ends in U+FFFD (an unfinished
-    character) is held back until the next token completes it. The window starts at the
+    character) is held back until the next token completes it, for at most
+    ``MAX_PENDING_TOKENS`` tokens (then the U+FFFD is real: invalid bytes), so the window,
+    and the cost of a token, stays bounded. The window starts at the
     first output token, so the text is ``tokenizer.decode(output_token_ids)``, the text
     minipaged returns for every request. (vLLM starts it on the last 5 prompt tokens; with
     a tokenizer that joins tokens by spaces that adds a leading space.)
