@@ -465,3 +465,41 @@ def test_trace_can_be_turned_off(llm):
         for path in ("/trace", "/trace?format=json", "/"):
             r = httpx.get(srv.url + path, timeout=30)
             assert r.status_code == 404 and "--disable-trace" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("layers", ["Scheduler", "EngineScheduler swap"])
+def test_scheduler_fail_step_frees_the_step_and_schedules_again(layers):
+    """``Scheduler.fail_step(output)``: the step's unfinished requests are FINISHED_ABORTED
+    with the reason, their blocks free, the in-flight step cleared; a request that was not
+    in the step is untouched and the next ``schedule()`` runs it."""
+    from minipaged.core import Request, RequestStatus, Scheduler
+    from minipaged.core.sched import EngineScheduler
+
+    if layers == "Scheduler":
+        sched = Scheduler(num_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    else:
+        sched = EngineScheduler(
+            num_blocks=8,
+            block_size=4,
+            max_num_seqs=2,
+            max_num_batched_tokens=64,
+            preemption_mode="swap",
+            num_cpu_blocks=8,
+        )
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    reqs = [Request(f"r{i}", [1, 2, 3, 4, 5], params, eos_token_id=None) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    out = sched.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["r0", "r1"]
+    with pytest.raises(RuntimeError, match="twice"):
+        sched.schedule()  # what the server hit on every request after the overflow
+    failed = sched.fail_step(out, "engine error: RuntimeError: Overflow")
+    assert [r.request_id for r in failed] == ["r0", "r1"]
+    assert all(r.status == RequestStatus.FINISHED_ABORTED and "Overflow" in r.stop_reason for r in failed)
+    assert sched.kv_cache_manager.get_num_free_blocks() == 8
+    sched.check_invariants()
+    out = sched.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["r2"] and reqs[2].status == RequestStatus.RUNNING
+    sched.update_from_output(out, {"r2": 7})
+    sched.check_invariants()
