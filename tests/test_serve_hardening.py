@@ -139,7 +139,7 @@ def _sampler_overflow(engine, monkeypatch):
     """The issue's trigger: a top_k beyond int64 made into a tensor inside the sampler."""
     import torch
 
-    real = engine.sampler.sample
+    real = engine.model_runner.sampler.sample  # NOTE: the worker samples (vLLM v1)
 
     def sample(logits, reqs, seeds):
         if not hasattr(sample, "done"):
@@ -147,7 +147,7 @@ def _sampler_overflow(engine, monkeypatch):
             torch.tensor([9223372036854775808])  # RuntimeError: Overflow when unpacking long
         return real(logits, reqs, seeds)
 
-    engine.sampler.sample = sample
+    engine.model_runner.sampler.sample = sample
 
 
 def _forward_raises(engine, monkeypatch):
@@ -164,15 +164,17 @@ def _forward_raises(engine, monkeypatch):
 
 def _stop_check_raises(engine, monkeypatch):
     """Inside update_from_output, after the token was appended: a half-updated step."""
-    real = engine.scheduler.stop_checker
+    from minipaged.core.sched import utils
 
-    def check(req, stopped):
+    real = utils.check_stop
+
+    def check(req, max_model_len):
         if req.num_output_tokens == 3 and not hasattr(check, "done"):
             check.done = True
             raise RuntimeError("injected fault in the stop check")
-        return real(req, stopped)
+        return real(req, max_model_len)
 
-    engine.scheduler.stop_checker = check
+    monkeypatch.setattr(utils, "check_stop", check)
 
 
 def _schedule_raises(engine, monkeypatch):
