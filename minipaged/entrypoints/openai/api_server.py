@@ -422,10 +422,28 @@ def uvicorn_config(
     )
 
 
+# seconds a server whose engine core process died keeps answering 503 before it exits
+DEAD_CORE_EXIT_DELAY = 3.0
+
+
+def exit_when_core_dies(serving, server, delay: float = DEAD_CORE_EXIT_DELAY) -> None:
+    """A server over an engine core process shuts itself down ``delay`` seconds after the
+    core dies (503 with the reason until then); a no-op for an in-process engine."""
+    import asyncio
+
+    ae = serving.async_engine
+    if hasattr(ae, "on_core_death"):
+        ae.on_core_death = lambda: asyncio.get_running_loop().call_later(
+            delay, lambda: setattr(server, "should_exit", True)
+        )
+
+
 class BackgroundServer:
     """``minipaged serve`` in a thread of this process (tests, notebooks).
 
-    ``BackgroundServer(engine, port=0).start()`` binds 127.0.0.1 on a free port; ``.url``
+    ``BackgroundServer(engine, port=0).start()`` binds 127.0.0.1 on a free port (``engine``:
+    an ``LLMEngine`` stepped in this process, or an ``EngineCoreClient`` whose core runs
+    in its own process, as ``minipaged serve`` by default); ``.url``
     is its base URL, ``.serving`` the ``OpenAIServing``; ``.stop()`` ends it (also on
     ``with``). Loopback only unless ``host`` says otherwise.
     """
@@ -442,6 +460,7 @@ class BackgroundServer:
             self.app, host=host, port=port, log_level=log_level, header_timeout=header_timeout
         )
         self.server = uvicorn.Server(config)
+        exit_when_core_dies(self.serving, self.server)
         self.host = host
         self._thread: Optional[threading.Thread] = None
 
@@ -528,6 +547,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="turn off /trace and the live page (they show every client's request ids and lengths)",
     )
     g.add_argument(
+        "--no-engine-process",
+        dest="engine_process",
+        action="store_false",
+        help="step the engine in this process (default: an engine-core process, as vLLM v1)",
+    )
+    g.add_argument(
         "--check-invariants",
         action="store_true",
         help="run LLMEngine.check_invariants() after every step (slow; for tests)",
@@ -585,7 +610,17 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     try:
-        engine = LLMEngine(EngineConfig(**{k: getattr(args, k) for k in ENGINE_ARGS}))
+        config = EngineConfig(**{k: getattr(args, k) for k in ENGINE_ARGS})
+        if args.engine_process:
+            from minipaged.engine.core_client import EngineCoreClient
+
+            engine = EngineCoreClient(config, check_invariants=args.check_invariants, threads=args.threads)
+        else:
+            engine = LLMEngine(config)
+    except ValueError as e:
+        print(f"minipaged serve: {e}")
+        return 2
+    try:
         app = build_app(
             engine,
             served_model_name=args.served_model_name,
@@ -599,17 +634,27 @@ def run(args: argparse.Namespace) -> int:
             max_unread_steps=args.max_unread_steps,
             enable_trace=not args.disable_trace,
         )
-        config = uvicorn_config(app, args.host, args.port, args.log_level, args.header_timeout)
+        uconfig = uvicorn_config(app, args.host, args.port, args.log_level, args.header_timeout)
     except ValueError as e:
         print(f"minipaged serve: {e}")
+        if args.engine_process:
+            engine.shutdown()
         return 2
+    serving = app.state.serving
+    where = f"engine core process pid {engine.pid}" if args.engine_process else "engine in-process"
     print(
-        f"minipaged serve: {app.state.serving.model_name} on http://{args.host}:{args.port} "
-        f"(live view at /, metrics at /metrics)",
+        f"minipaged serve: {serving.model_name} on http://{args.host}:{args.port} "
+        f"(live view at /, metrics at /metrics; {where})",
         flush=True,
     )
-    uvicorn.Server(config).run()
-    return 0
+    server = uvicorn.Server(uconfig)
+    exit_when_core_dies(serving, server)
+    try:
+        server.run()
+    finally:
+        if args.engine_process:
+            engine.shutdown()  # NOTE: a no-op when the lifespan already stopped it
+    return 1 if getattr(serving.async_engine, "core_died", False) else 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -44,6 +44,7 @@ from starlette.responses import Response
 
 from minipaged.entrypoints.openai.async_engine import (
     AsyncEngine,
+    AsyncMPEngine,
     EngineDead,
     EngineError,
     OutputQueue,
@@ -168,7 +169,11 @@ class OpenAIServing:
         self.max_n = min(max_n, engine.config.max_num_seqs)
         self.max_body_bytes = max_body_bytes
         self.metrics = ServerMetrics(self.model_name)
-        self.async_engine = AsyncEngine(
+        from minipaged.engine.core_client import EngineCoreClient
+
+        # NOTE: an engine core in its own process (minipaged serve's default), or in-process
+        cls = AsyncMPEngine if isinstance(engine, EngineCoreClient) else AsyncEngine
+        self.async_engine = cls(
             engine,
             max_waiting_requests=max_waiting_requests,
             check_invariants=check_invariants,
@@ -447,6 +452,8 @@ class OpenAIServing:
             item = await queue.get()
             if isinstance(item, ValueError):  # refused by the engine: the caller's input
                 raise ApiError(400, str(item))
+            if isinstance(item, EngineDead):  # the engine core process died mid-request
+                raise ApiError(503, str(item))
             if isinstance(item, StreamOverflow):
                 raise ApiError(408, str(item))
             if isinstance(item, BaseException):
