@@ -22,7 +22,13 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi", reason="fastapi is not installed")
 pytest.importorskip("uvicorn", reason="uvicorn is not installed")
 
-from _serve_helpers import offline, wait_idle  # noqa: E402
+from _serve_helpers import (  # noqa: E402
+    ENGINE_MODES,
+    free_blocks,
+    offline,
+    serve_engine,
+    wait_idle,
+)
 
 from minipaged import SamplingParams  # noqa: E402
 from minipaged.entrypoints.openai.api_server import BackgroundServer  # noqa: E402
@@ -30,6 +36,13 @@ from minipaged.entrypoints.openai.live import fetch_trace  # noqa: E402
 from minipaged.entrypoints.openai.protocol import ChatMessage, render_chat  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a big"]
+
+
+@pytest.fixture(scope="module", params=ENGINE_MODES)
+def server(request, llm):
+    """Every test on this fixture runs twice: engine in-process, and an engine-core process."""
+    with serve_engine(llm, engine_process=request.param == "engine-process") as srv:
+        yield srv
 
 
 SP_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -269,7 +282,7 @@ def test_disconnect_mid_stream_frees_blocks(server, client):
         if n == 3:
             break
     engine = server.serving.engine
-    assert engine.kv_cache_manager.get_num_free_blocks() < engine.num_blocks
+    assert free_blocks(server) < engine.num_blocks
     stream.close()  # the client goes away mid-stream
     wait_idle(server)
     m = metrics(server)
@@ -288,7 +301,7 @@ def test_disconnect_while_waiting_for_a_non_streaming_answer(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(head + body)
         deadline = time.monotonic() + 30
-        while engine.kv_cache_manager.get_num_free_blocks() == engine.num_blocks:
+        while free_blocks(server) == engine.num_blocks:
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.02)
     # the socket is closed before any answer: the request is aborted, its blocks freed
