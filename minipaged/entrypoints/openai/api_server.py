@@ -17,7 +17,8 @@ Routes
     ``echo`` with ``logprobs`` is a 400 (vLLM adds the prompt's logprobs; this engine has
     none). ``GET /metrics`` (Prometheus text, ``metrics.py``); ``GET /trace`` (the live
     ``EngineTrace``: SSE of step events, or ``?format=json`` for the recent steps);
-    ``GET /`` (the live page); ``GET /health``.
+    ``GET /`` (the live page); ``GET /health``; ``GET /profile`` (seconds per part of the
+    server's work, ``profile.py``: what ``benchmarks/serve_load.py --profile`` prints).
 Invariants
     a client that disconnects (mid-stream or while waiting) has its requests (every
     prompt's) aborted and their KV blocks freed before the next engine step; one engine,
@@ -155,6 +156,13 @@ def build_app(engine, **serving_kwargs):
                 }
             ],
         }
+
+    @app.get("/profile")
+    async def profile():  # seconds per part of the server's work (profile.py)
+        from minipaged.entrypoints.openai.profile import PROFILE
+
+        core = getattr(serving.async_engine, "client", None)
+        return PROFILE.snapshot(None if core is None else core.stats.get("step_seconds", 0.0))
 
     @app.get("/metrics")
     async def metrics():

@@ -58,6 +58,7 @@ from typing import Optional
 
 from minipaged.engine.detokenizer import IncrementalDetokenizer
 from minipaged.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from minipaged.entrypoints.openai.profile import PROFILE
 from minipaged.sampling_params import SamplingParams
 from minipaged.viz.palette import FREE_GREY, STATE_COLORS, owner_color
 
@@ -309,6 +310,7 @@ class AsyncEngine:
 
     # -- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
+        PROFILE.install(asyncio.get_running_loop())
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._loop(), name="minipaged-engine-loop")
 
@@ -466,9 +468,12 @@ class AsyncEngine:
         """In the engine thread: one step, then the outputs of the requests that moved
         (the finished ones; partial ones for streamed requests only)."""
         engine = self.engine
+        t0 = time.perf_counter()
         finished = engine.step()
+        PROFILE.add("engine_step", time.perf_counter() - t0)
         if self.check_invariants:
             engine.check_invariants()
+        t0 = time.perf_counter()
         rec = engine.trace.steps[-1]
         outs = {o.request_id: o for o in finished}
         moved = {_group_id(sid, tracked) for sid in rec.scheduled}
@@ -480,6 +485,7 @@ class AsyncEngine:
                 self.num_logprob_dicts += sum(map(len, progress.logprobs)) - before
                 if out is not None:
                     outs[rid] = out
+        PROFILE.add("detokenize", time.perf_counter() - t0)
         event = dataclasses.asdict(rec)
         event["requests"] = {
             rid: dict(engine.trace.requests[rid])
@@ -646,7 +652,6 @@ class AsyncMPEngine(AsyncEngine):
         self._loop_ref: Optional[asyncio.AbstractEventLoop] = None
         self.core_died = False
         self.on_core_death = None  # called once when the core process dies
-        self.detokenize_seconds = 0.0  # the reader thread's work on outputs (the profile)
 
     async def start(self) -> None:
         self._loop_ref = asyncio.get_running_loop()
@@ -697,7 +702,7 @@ class AsyncMPEngine(AsyncEngine):
                 t0 = time.perf_counter()
                 with self._lock:
                     outs, stops = self.outputs.process(seqs)
-                self.detokenize_seconds += time.perf_counter() - t0
+                PROFILE.add("detokenize", time.perf_counter() - t0)
                 if stops:
                     try:
                         self.client.send(("stop", stops))
