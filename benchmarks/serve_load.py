@@ -268,7 +268,7 @@ PROFILE_ROWS = [
     ("tokenize", "tokenizing (tokenizer thread)"),
     ("detokenize", "detokenizing + stop strings + logprobs"),
     ("engine_step", "engine step"),
-    ("gil_wait", "GIL wait (probe thread, per wall second)"),
+    ("gil_wait", "GIL + CPU wait (a probe thread's lateness)"),
 ]
 
 

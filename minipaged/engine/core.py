@@ -315,11 +315,15 @@ def run_engine_core(config, conn_in, conn_out, options: dict) -> None:
     # NOTE: Ctrl-C reaches the whole process group; the frontend decides when the core stops
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        threads = options.pop("threads", 0)
-        if threads:
-            import torch
+        import os
 
-            torch.set_num_threads(threads)
+        import torch
+
+        threads = options.pop("threads", 0)
+        # NOTE: by default one CPU is left to the frontend process (vLLM's CPU backend
+        # reserves one too, VLLM_CPU_NUM_OF_RESERVED_CPU): torch's threads wait on each
+        # other, so one of them descheduled by the frontend stalls every op of the step
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) - 1))
         from minipaged.engine.llm_engine import LLMEngine
 
         core = EngineCore(LLMEngine(config), **options)

@@ -566,7 +566,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run LLMEngine.check_invariants() after every step (slow; for tests)",
     )
     g.add_argument(
-        "--threads", type=non_negative_int, default=0, help="torch CPU threads (0 = torch's default)"
+        "--threads",
+        type=non_negative_int,
+        default=0,
+        help="torch CPU threads (0: torch's default in-process; all CPUs but one in an engine-core process)",
     )
     g.add_argument("--log-level", default="info")
     e = parser.add_argument_group("engine")

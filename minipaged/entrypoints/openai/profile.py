@@ -16,7 +16,10 @@ The parts (each measured where it happens, with ``time.perf_counter``)
     ``engine_step``: ``LLMEngine.step()`` (the engine thread in-process; the core process
         reports its own, which runs *beside* the frontend rather than inside it);
     ``gil_wait``: a probe thread sleeps 5 ms again and again and sums how late it wakes:
-        the time a thread that is ready to run waits for the interpreter lock.
+        the time a thread that is ready to run waits for the interpreter lock, *and* for a
+        CPU when the machine has fewer free cores than runnable threads (the probe cannot
+        tell the two apart). Every part is wall time, so a thread that is descheduled
+        while in it counts too: on an oversubscribed machine all parts swell.
     Shares can sum to more than 1: threads (and the core process) run at the same time.
 
 Failure mode: none; ``install`` on a loop without a selector (e.g. uvloop) measures no
