@@ -1,8 +1,11 @@
 """AsyncEngine: one ``LLMEngine`` stepping in a thread while HTTP handlers come and go.
 
-Mirrors vLLM ``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate`` / ``abort``), without
-its engine-core process: one asyncio task runs the loop, the model step runs off the
-event loop in a single worker thread, and handlers talk to the loop through a queue.
+Mirrors vLLM ``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate`` / ``abort``). Two
+forms, one interface: ``AsyncEngine`` steps the engine in this process (one asyncio task
+runs the loop, the model step runs off the event loop in a single worker thread, and
+handlers talk to the loop through a queue: ``minipaged serve --no-engine-process``);
+``AsyncMPEngine`` (at the end of this file) talks to an engine core in its own process
+(``minipaged/engine/core.py``), as vLLM v1 does and ``minipaged serve`` does by default.
 
 The loop (one turn)::
 
