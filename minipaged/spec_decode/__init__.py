@@ -7,10 +7,12 @@
 - ``RejectionSampler`` (``rejection_sampler.py``): one target forward scores every draft;
   greedy acceptance keeps outputs identical to plain greedy decoding, the
   accept-with-min(1, p/q) rule keeps the target's distribution when sampling.
+- ``analysis.py``: acceptance replayed offline; when speculation pays (the cost model).
 
 Mirrors vLLM ``vllm/v1/spec_decode/`` and ``vllm/v1/sample/rejection_sampler.py``.
 """
 
+from minipaged.spec_decode.analysis import cost_model_speedup, expected_tokens_per_step, replay_greedy
 from minipaged.spec_decode.config import SPEC_METHODS, SpeculativeConfig
 from minipaged.spec_decode.draft_model import DraftModelProposer, DraftSeq, build_model_input
 from minipaged.spec_decode.ngram_proposer import NgramProposer
@@ -32,6 +34,9 @@ __all__ = [
     "SpecDecodeStats",
     "SpeculativeConfig",
     "build_model_input",
+    "cost_model_speedup",
+    "expected_tokens_per_step",
+    "replay_greedy",
     "compute_probs",
     "row_contexts",
 ]
