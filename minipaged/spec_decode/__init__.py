@@ -14,7 +14,12 @@ Mirrors vLLM ``vllm/v1/spec_decode/`` and ``vllm/v1/sample/rejection_sampler.py`
 
 from minipaged.spec_decode.analysis import cost_model_speedup, expected_tokens_per_step, replay_greedy
 from minipaged.spec_decode.config import SPEC_METHODS, SpeculativeConfig
-from minipaged.spec_decode.draft_model import DraftModelProposer, DraftSeq, build_model_input
+from minipaged.spec_decode.draft_model import (
+    DraftModelProposer,
+    DraftSeq,
+    build_model_input,
+    write_layer_skip_draft,
+)
 from minipaged.spec_decode.ngram_proposer import NgramProposer
 from minipaged.spec_decode.rejection_sampler import (
     RejectionSampler,
@@ -39,4 +44,5 @@ __all__ = [
     "replay_greedy",
     "compute_probs",
     "row_contexts",
+    "write_layer_skip_draft",
 ]

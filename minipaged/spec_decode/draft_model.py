@@ -160,3 +160,30 @@ class DraftModelProposer:
                 tok = exponential_race(q[r], noise)
             drafts[i].append(tok)
             probs[i].append(q[r])
+
+
+def write_layer_skip_draft(model_dir, out_dir, num_layers: int) -> str:
+    """Write a draft checkpoint made of the first ``num_layers`` decoder layers of the model in
+    ``model_dir``, with its embeddings, final norm and LM head (an early-exit "self-draft", as
+    in LayerSkip, Elhoushi et al. 2024): same vocabulary and tokenizer, a fraction of the cost,
+    no training. Returns ``out_dir`` as a string."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    total = hf.config.num_hidden_layers
+    if not isinstance(num_layers, int) or not 1 <= num_layers < total:
+        raise ValueError(f"num_layers must be an int in [1, {total - 1}], got {num_layers!r}")
+    hf.model.layers = hf.model.layers[:num_layers]
+    hf.config.num_hidden_layers = num_layers
+    if getattr(hf.config, "layer_types", None):
+        hf.config.layer_types = hf.config.layer_types[:num_layers]
+    out = Path(out_dir)
+    hf.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        src = Path(model_dir) / name
+        if src.exists():
+            shutil.copy(src, out / name)
+    return str(out)

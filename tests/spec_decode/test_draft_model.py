@@ -123,3 +123,20 @@ def test_drafts_stop_at_the_draft_models_context(draft):
     tokens = [7] * L
     (d,), _ = prop.propose([DraftSeq(table, 0, tokens, 3, _greedy_req(tokens[:-1], tokens[-1:]))])
     assert len(d) == 2  # pass 1 writes position max_model_len - 1, the last one
+
+
+def test_layer_skip_draft_is_the_first_layers(ckpt, hf, tmp_path):
+    from minipaged.spec_decode import write_layer_skip_draft
+
+    path = write_layer_skip_draft(ckpt, tmp_path / "draft", 1)
+    small, _ = load_model(path)
+    assert small.num_layers == 1 and small.vocab_size == VOCAB
+    # its greedy next token is transformers' model cut after layer 0, norm and LM head
+    ids = torch.tensor([[5, 17, 33, 8]])
+    with torch.no_grad():
+        h = hf.model(ids, output_hidden_states=True).hidden_states[1]  # after layer 0
+        want = hf.lm_head(hf.model.norm(h))[0, -1]
+        got = small.forward(build_model_input([([0, 1], 0, [5, 17, 33, 8])], BS), small.allocate_kv_caches(2, BS))[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="num_layers"):
+        write_layer_skip_draft(ckpt, tmp_path / "bad", 2)  # the tiny model has 2 layers
