@@ -12,7 +12,12 @@
 Mirrors vLLM ``vllm/v1/spec_decode/`` and ``vllm/v1/sample/rejection_sampler.py``.
 """
 
-from minipaged.spec_decode.analysis import cost_model_speedup, expected_tokens_per_step, replay_greedy
+from minipaged.spec_decode.analysis import (
+    cost_model_speedup,
+    expected_tokens_per_step,
+    replay_greedy,
+    teacher_forced_proposer,
+)
 from minipaged.spec_decode.config import SPEC_METHODS, SpeculativeConfig
 from minipaged.spec_decode.draft_model import (
     DraftModelProposer,
@@ -44,5 +49,6 @@ __all__ = [
     "replay_greedy",
     "compute_probs",
     "row_contexts",
+    "teacher_forced_proposer",
     "write_layer_skip_draft",
 ]

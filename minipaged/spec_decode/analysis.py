@@ -11,6 +11,12 @@ roofline (``minipaged/sim/cost_model.py``).
     Returns ``(num_drafts, num_accepted)`` per decode step (the prefill that made
     ``output[0]`` is not a decode step). Each step yields ``num_accepted + 1`` tokens; the
     last step may propose fewer than ``k`` (only ``max_tokens - 1`` more are useful).
+``teacher_forced_proposer(draft_model, prompt, output)``
+    the ``propose`` of a greedy draft model for ``replay_greedy``, from *one* forward of the
+    draft over prompt + output: while the drafts match, the draft's context is the real
+    one, so its argmax at each real position is the draft it would have proposed there;
+    after the first mismatch the drafts differ but are rejected anyway, so the counts are
+    exactly those of the online run.
 ``expected_tokens_per_step(acceptance_rate, k)``
     With each draft accepted independently with probability ``a``, a step yields
     ``(1 - a^(k+1)) / (1 - a)`` tokens (``k + 1`` when ``a == 1``).
@@ -55,6 +61,26 @@ def replay_greedy(
         steps.append((len(drafts), a))
         i += a + 1
     return steps
+
+
+def teacher_forced_proposer(draft_model, prompt_token_ids, output_token_ids, block_size: int = 16):
+    """``propose(ctx, n)`` for ``replay_greedy``: the draft's argmax at every real position."""
+    import torch
+
+    from minipaged.spec_decode.draft_model import build_model_input
+
+    seq = list(prompt_token_ids) + list(output_token_ids)
+    num_blocks = -(-len(seq) // block_size)
+    kv = draft_model.allocate_kv_caches(num_blocks, block_size)
+    inp = build_model_input([(list(range(num_blocks)), 0, seq)], block_size, draft_model.device)
+    inp.logits_indices = torch.arange(len(seq), device=inp.input_ids.device)  # every row
+    with torch.inference_mode():
+        preds = draft_model.forward(inp, kv).argmax(dim=-1).tolist()  # [T]
+
+    def propose(ctx: list[int], n: int) -> list[int]:
+        return preds[len(ctx) - 1 : len(ctx) - 1 + n]
+
+    return propose
 
 
 def expected_tokens_per_step(acceptance_rate: float, k: int) -> float:

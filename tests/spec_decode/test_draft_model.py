@@ -140,3 +140,37 @@ def test_layer_skip_draft_is_the_first_layers(ckpt, hf, tmp_path):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="num_layers"):
         write_layer_skip_draft(ckpt, tmp_path / "bad", 2)  # the tiny model has 2 layers
+
+
+def test_teacher_forced_replay_counts_what_the_online_drafts_would(draft, hf):
+    """The replay's (drafts, accepted) per step equal those of DraftModelProposer run step by
+    step against a reference output (here: the checkpoint's greedy continuation with every
+    fifth token changed, so some drafts are rejected)."""
+    from minipaged.spec_decode import replay_greedy, teacher_forced_proposer
+
+    prompt = [5, 17, 33, 8, 41]
+    out = []
+    for i in range(14):
+        t = hf_greedy(hf, prompt + out, 1)[0]
+        out.append((t + 1) % VOCAB if i % 5 == 3 else t)
+    k = 3
+    replayed = replay_greedy(prompt, out, teacher_forced_proposer(draft, prompt, out, BS), k)
+    # online: the proposer with its paged cache, fed exactly what the target would keep
+    prop = DraftModelProposer(draft, num_blocks=16, block_size=BS, num_speculative_tokens=k)
+    table = list(range(8))
+    start, fed, i, online = 0, prompt + out[:1], 1, []
+    while i < len(out):
+        n = min(k, len(out) - 1 - i)
+        (d,), _ = prop.propose([DraftSeq(table, start, fed, n, _greedy_req(prompt, out[:i]))])
+        a = 0
+        while a < len(d) and d[a] == out[i + a]:
+            a += 1
+        online.append((len(d), a))
+        # as the engine will: start at the target's num_computed_tokens, which lags the
+        # known tokens by one (x, the last sampled), and feed x, the accepted drafts and
+        # the target's own next token
+        start += len(fed) - 1
+        fed = out[i - 1 : i + a + 1]
+        i += a + 1
+    assert replayed == online
+    assert any(a < d for d, a in online) and any(a > 0 for _, a in online)
