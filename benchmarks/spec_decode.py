@@ -2,7 +2,7 @@
 without speculation, at batch 1 and 32 (issue 27).
 
     python benchmarks/spec_decode.py [--batch 1 32] [--k 4] [--max-tokens 48] [--threads 1]
-                                     [--draft-layers 1] [--repeats 5]
+                                     [--draft-layers 1] [--repeats 5] [--json PATH]
 
 For each batch size B, one run of the target without speculation makes the reference greedy
 outputs (and its tokens/s). Then, per method:
@@ -28,6 +28,7 @@ what 1 does; at batch 32 on a CPU the matmuls are compute-bound, 1 + k tokens co
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -71,7 +72,11 @@ def step_time(model, batch: int, context: int, num_new: int, repeats: int, block
     kv = model.allocate_kv_caches(batch * per_seq, block_size)
     g = torch.Generator().manual_seed(0)
     items = [
-        (list(range(b * per_seq, (b + 1) * per_seq)), 0, torch.randint(0, model.vocab_size, (context,), generator=g).tolist())
+        (
+            list(range(b * per_seq, (b + 1) * per_seq)),
+            0,
+            torch.randint(0, model.vocab_size, (context,), generator=g).tolist(),
+        )
         for b in range(batch)
     ]
     with torch.inference_mode():
@@ -102,6 +107,7 @@ def main() -> None:
     ap.add_argument("--prompt-lookup", type=int, nargs=2, default=[1, 3], metavar=("MIN", "MAX"))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", help="also write the numbers to this file (chapter 10 reads it)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     k = args.k
@@ -111,8 +117,18 @@ def main() -> None:
     ngram = NgramProposer(args.prompt_lookup[0], args.prompt_lookup[1], k)
     llm = LLM(seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    print(f"course model ({target.num_layers} layers), draft = its first {args.draft_layers} layer(s); "
-          f"k={k}, max_tokens={args.max_tokens}, threads={args.threads}")
+    results = {
+        "k": k,
+        "max_tokens": args.max_tokens,
+        "draft_layers": args.draft_layers,
+        "threads": args.threads,
+        "prompt_lookup": list(args.prompt_lookup),
+        "batches": {},
+    }
+    print(
+        f"course model ({target.num_layers} layers), draft = its first {args.draft_layers} layer(s); "
+        f"k={k}, max_tokens={args.max_tokens}, threads={args.threads}"
+    )
     for B in args.batch:
         t = time.perf_counter()
         outs = llm.generate(prompts(B), params, use_tqdm=False)
@@ -121,19 +137,39 @@ def main() -> None:
         ctx = round(statistics.mean(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) / 2 for o in outs))
         t_decode = step_time(target, B, ctx, 1, args.repeats)
         t_verify = step_time(target, B, ctx, 1 + k, args.repeats)
-        t_draft = step_time(draft, B, ctx, 1 + k, args.repeats) + (k - 1) * step_time(draft, B, ctx, 1, args.repeats)
+        t_draft = step_time(draft, B, ctx, 1 + k, args.repeats) + (k - 1) * step_time(
+            draft, B, ctx, 1, args.repeats
+        )
         ctxs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
         t_ngram = median_time(lambda: [ngram.propose(c) for c in ctxs], args.repeats)
         plain = B / t_decode
-        print(f"\nbatch {B}: end-to-end without speculation {n_out / wall:.1f} tokens/s "
-              f"({n_out} tokens, {wall:.2f} s, prefill included)")
-        print(f"  one step at context {ctx}: decode (B x 1) {t_decode * 1e3:.2f} ms, verify (B x {1 + k}) "
-              f"{t_verify * 1e3:.2f} ms = {t_verify / t_decode:.2f}x; draft passes {t_draft * 1e3:.2f} ms; "
-              f"n-gram lookup {t_ngram * 1e3:.2f} ms")
+        print(
+            f"\nbatch {B}: end-to-end without speculation {n_out / wall:.1f} tokens/s "
+            f"({n_out} tokens, {wall:.2f} s, prefill included)"
+        )
+        print(
+            f"  one step at context {ctx}: decode (B x 1) {t_decode * 1e3:.2f} ms, verify (B x {1 + k}) "
+            f"{t_verify * 1e3:.2f} ms = {t_verify / t_decode:.2f}x; draft passes {t_draft * 1e3:.2f} ms; "
+            f"n-gram lookup {t_ngram * 1e3:.2f} ms"
+        )
         print(f"  decode only: {plain:.1f} tokens/s")
+        row = results["batches"][str(B)] = {
+            "end_to_end_tokens_per_s": n_out / wall,
+            "context": ctx,
+            "decode_ms": t_decode * 1e3,
+            "verify_ms": t_verify * 1e3,
+            "draft_ms": t_draft * 1e3,
+            "ngram_ms": t_ngram * 1e3,
+            "decode_only_tokens_per_s": plain,
+            "methods": {},
+        }
         for name, propose_for, t_extra in (
             ("ngram", lambda o: ngram.propose, t_ngram),
-            ("draft_model", lambda o: teacher_forced_proposer(draft, o.prompt_token_ids, o.outputs[0].token_ids), t_draft),
+            (
+                "draft_model",
+                lambda o: teacher_forced_proposer(draft, o.prompt_token_ids, o.outputs[0].token_ids),
+                t_draft,
+            ),
         ):
             steps = [
                 s
@@ -146,8 +182,20 @@ def main() -> None:
             mean_drafts = statistics.mean(d for d, _ in steps)
             t_step = t_decode + (t_verify - t_decode) * mean_drafts / k
             spec = B * per_step / (t_step + t_extra)
-            print(f"  {name:11s}: acceptance {rate:.2f}, accepted tokens per step {per_step - 1:.2f} "
-                  f"(mean length {per_step:.2f}); {spec:.1f} tokens/s = {spec / plain:.2f}x decode only")
+            print(
+                f"  {name:11s}: acceptance {rate:.2f}, accepted tokens per step {per_step - 1:.2f} "
+                f"(mean length {per_step:.2f}); {spec:.1f} tokens/s = {spec / plain:.2f}x decode only"
+            )
+            row["methods"][name] = {
+                "acceptance_rate": rate,
+                "mean_acceptance_length": per_step,
+                "tokens_per_s": spec,
+                "speedup": spec / plain,
+            }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, sort_keys=True)
+        print(f"\nwrote {args.json}")
 
 
 if __name__ == "__main__":

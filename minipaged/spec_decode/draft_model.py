@@ -121,7 +121,9 @@ class DraftModelProposer:
         limit = int(self.model.max_model_len)
         # how many each seq may propose: pass j writes position start + L - 1 + j
         want = [min(s.num_drafts, limit - (s.start + len(s.token_ids)) + 1, self.k) for s in seqs]
-        inp = build_model_input([(s.block_ids, s.start, s.token_ids) for s in seqs], self.block_size, self.device)
+        inp = build_model_input(
+            [(s.block_ids, s.start, s.token_ids) for s in seqs], self.block_size, self.device
+        )
         logits = self.model.forward(inp, self.kv_caches)  # [B, V] each seq's last row
         live = [i for i, n in enumerate(want) if n > 0]
         for j in range(max(want, default=0)):
@@ -131,7 +133,9 @@ class DraftModelProposer:
                     (seqs[i].block_ids, seqs[i].start + len(seqs[i].token_ids) - 1 + j, [drafts[i][-1]])
                     for i in live
                 ]
-                logits = self.model.forward(build_model_input(items, self.block_size, self.device), self.kv_caches)
+                logits = self.model.forward(
+                    build_model_input(items, self.block_size, self.device), self.kv_caches
+                )
                 rows = list(range(len(live)))
             else:
                 rows = live
@@ -182,7 +186,12 @@ def write_layer_skip_draft(model_dir, out_dir, num_layers: int) -> str:
         hf.config.layer_types = hf.config.layer_types[:num_layers]
     out = Path(out_dir)
     hf.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+    ):
         src = Path(model_dir) / name
         if src.exists():
             shutil.copy(src, out / name)

@@ -96,7 +96,9 @@ def row_contexts(req, draft_token_ids: Sequence[int]) -> list[RowContext]:
     """The ``m + 1`` rows of a request with drafts ``d_1 .. d_m``: row j sees d_1 .. d_j."""
     out = list(req.output_token_ids)
     return [
-        RowContext(req.prompt_token_ids, out + list(draft_token_ids[:j]), req.sampling_params, req.eos_token_id)
+        RowContext(
+            req.prompt_token_ids, out + list(draft_token_ids[:j]), req.sampling_params, req.eos_token_id
+        )
         for j in range(len(draft_token_ids) + 1)
     ]
 

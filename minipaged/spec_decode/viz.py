@@ -102,7 +102,9 @@ def draw_block_table_steps(steps: Sequence[BlockTableStep]):
             ax.text(x0 + bs / 2, y + 0.95, f"block {b}", ha="center", va="bottom", fontsize=7)
             for j in range(bs):
                 k = kinds[i * bs + j]
-                ax.add_patch(Rectangle((x0 + j, y), 0.9, 0.8, facecolor=COLORS[k], edgecolor="#333333", lw=0.6))
+                ax.add_patch(
+                    Rectangle((x0 + j, y), 0.9, 0.8, facecolor=COLORS[k], edgecolor="#333333", lw=0.6)
+                )
         ax.text(-0.5, y + 0.4, f"step {s.step}", ha="right", va="center", fontsize=8)
     ax.set_xlim(-3.5, width)
     ax.set_ylim(-0.3, len(steps) + 0.3)

@@ -136,7 +136,9 @@ def test_layer_skip_draft_is_the_first_layers(ckpt, hf, tmp_path):
     with torch.no_grad():
         h = hf.model(ids, output_hidden_states=True).hidden_states[1]  # after layer 0
         want = hf.lm_head(hf.model.norm(h))[0, -1]
-        got = small.forward(build_model_input([([0, 1], 0, [5, 17, 33, 8])], BS), small.allocate_kv_caches(2, BS))[0]
+        got = small.forward(
+            build_model_input([([0, 1], 0, [5, 17, 33, 8])], BS), small.allocate_kv_caches(2, BS)
+        )[0]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="num_layers"):
         write_layer_skip_draft(ckpt, tmp_path / "bad", 2)  # the tiny model has 2 layers

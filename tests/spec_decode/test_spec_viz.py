@@ -7,11 +7,22 @@ from minipaged.spec_decode.viz import BlockTableStep, block_table_text, draw_blo
 
 def test_slots_by_hand():
     # 5 tokens computed, the last sampled at position 5, 3 drafts, 1 accepted, 2 lookahead
-    s = BlockTableStep(step=4, block_ids=[7, 2, 9], block_size=4, num_computed=5, num_drafts=3, num_accepted=1, num_lookahead=2)
+    s = BlockTableStep(
+        step=4,
+        block_ids=[7, 2, 9],
+        block_size=4,
+        num_computed=5,
+        num_drafts=3,
+        num_accepted=1,
+        num_lookahead=2,
+    )
     assert s.slot_kinds() == "####" + "#xAR" + "RLL."
     assert s.num_kept == 7
     text = block_table_text([s])
-    assert text.splitlines()[0] == "step  4  [ 7: ####] [ 2: #xAR] [ 9: RLL.]  drafts 3, accepted 1, kept 7 slots"
+    assert (
+        text.splitlines()[0]
+        == "step  4  [ 7: ####] [ 2: #xAR] [ 9: RLL.]  drafts 3, accepted 1, kept 7 slots"
+    )
 
 
 def test_bad_records():
