@@ -149,8 +149,14 @@ class EngineConfig:
     # only (None -> its own default, core.sched.paper.DEFAULT_WATERMARK; v1's is 0.0)
     scheduler_reserve_full_isl: bool = True
     watermark: Optional[float] = None
+    # speculative decoding: None, or {"method": "ngram" | "draft_model", ...} (vLLM's names;
+    # minipaged.spec_decode.config.SpeculativeConfig, which it becomes here)
+    speculative_config: Optional[object] = None
 
     def __post_init__(self) -> None:
+        from minipaged.spec_decode.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.attention_backend == "auto" and isinstance(self.device, str) and self.dtype in DTYPES:
             backend = best_attention_backend(self.device, self.dtype)
             bs = self.block_size
@@ -196,6 +202,14 @@ class EngineConfig:
             raise ValueError(f"device must be a string such as 'cpu' or 'cuda', got {self.device!r}")
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        spec = self.speculative_config
+        if spec is not None:
+            spec.verify_budget(self.max_num_batched_tokens)
+            for name, v1 in (("scheduling", "continuous"), ("preemption_mode", "recompute"), ("parallel_sampling", "prefix")):
+                if getattr(self, name) != v1:
+                    raise ValueError(
+                        f"speculative_config runs on vLLM v1's scheduler ({name}={v1!r}), got {name}={getattr(self, name)!r}"
+                    )
         if self.attention_backend == "triton":
             bs = self.block_size
             if bs > TRITON_MAX_BLOCK_SIZE or bs & (bs - 1):

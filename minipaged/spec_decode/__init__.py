@@ -7,48 +7,43 @@
 - ``RejectionSampler`` (``rejection_sampler.py``): one target forward scores every draft;
   greedy acceptance keeps outputs identical to plain greedy decoding, the
   accept-with-min(1, p/q) rule keeps the target's distribution when sampling.
+- ``scheduling.py``: the v1 scheduler's helpers (drafts to schedule, lookahead slots, how
+  far a verified request advances); pure Python, like ``minipaged.core``.
 - ``analysis.py``: acceptance replayed offline; when speculation pays (the cost model).
+- ``viz.py``: one request's block table across speculative steps.
 
 Mirrors vLLM ``vllm/v1/spec_decode/`` and ``vllm/v1/sample/rejection_sampler.py``.
+
+NOTE: the names below are imported on first use, so that the torch-free parts
+(``config``, ``scheduling``) can be imported by ``minipaged.config`` and the scheduler
+without importing torch.
 """
 
-from minipaged.spec_decode.analysis import (
-    cost_model_speedup,
-    expected_tokens_per_step,
-    replay_greedy,
-    teacher_forced_proposer,
-)
-from minipaged.spec_decode.config import SPEC_METHODS, SpeculativeConfig
-from minipaged.spec_decode.draft_model import (
-    DraftModelProposer,
-    DraftSeq,
-    build_model_input,
-    write_layer_skip_draft,
-)
-from minipaged.spec_decode.ngram_proposer import NgramProposer
-from minipaged.spec_decode.rejection_sampler import (
-    RejectionSampler,
-    RowContext,
-    SpecDecodeStats,
-    compute_probs,
-    row_contexts,
-)
+import importlib
 
-__all__ = [
-    "SPEC_METHODS",
-    "DraftModelProposer",
-    "DraftSeq",
-    "NgramProposer",
-    "RejectionSampler",
-    "RowContext",
-    "SpecDecodeStats",
-    "SpeculativeConfig",
-    "build_model_input",
-    "cost_model_speedup",
-    "expected_tokens_per_step",
-    "replay_greedy",
-    "compute_probs",
-    "row_contexts",
-    "teacher_forced_proposer",
-    "write_layer_skip_draft",
-]
+_EXPORTS = {
+    "SPEC_METHODS": "config",
+    "SpeculativeConfig": "config",
+    "NgramProposer": "ngram_proposer",
+    "DraftModelProposer": "draft_model",
+    "DraftSeq": "draft_model",
+    "build_model_input": "draft_model",
+    "write_layer_skip_draft": "draft_model",
+    "RejectionSampler": "rejection_sampler",
+    "RowContext": "rejection_sampler",
+    "SpecDecodeStats": "rejection_sampler",
+    "compute_probs": "rejection_sampler",
+    "row_contexts": "rejection_sampler",
+    "cost_model_speedup": "analysis",
+    "expected_tokens_per_step": "analysis",
+    "replay_greedy": "analysis",
+    "teacher_forced_proposer": "analysis",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'minipaged.spec_decode' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"minipaged.spec_decode.{_EXPORTS[name]}"), name)

@@ -21,15 +21,18 @@ def test_usable_drafts_stop_at_max_tokens_and_the_context():
     assert usable_drafts(r, [1, 2], None) == []
     r = _decoding(prompt_len=5, out_len=3, max_tokens=100)
     assert usable_drafts(r, [1, 2, 3, 4], max_model_len=10) == [1]  # 8 tokens; 9 fed at most
+    r = _decoding(out_len=3, max_tokens=100)
+    assert usable_drafts(r, [1, 2, 3, 4], None, budget=3) == [1, 2]  # 1 + 2 tokens fit
+    assert usable_drafts(r, [1, 2, 3, 4], None, budget=1) == []  # a plain decode still runs
 
 
 def test_lookahead_is_capped_by_the_refusal_bound():
     r = _decoding(out_len=3, max_tokens=8)  # max kv tokens 5 + 8 - 1 = 12; computed 7
     assert get_max_num_kv_tokens(r) == 12
-    assert num_lookahead_slots(r, 3, 4, None) == 2  # 7 + 3 + 2 = 12
-    assert num_lookahead_slots(r, 1, 4, None) == 4
-    assert num_lookahead_slots(r, 1, 0, None) == 0  # n-gram: none
-    assert num_lookahead_slots(r, 5, 4, None) == 0
+    assert num_lookahead_slots(r, 7 + 3, 4, None) == 2  # 7 + 3 + 2 = 12
+    assert num_lookahead_slots(r, 7 + 1, 4, None) == 4
+    assert num_lookahead_slots(r, 7 + 1, 0, None) == 0  # n-gram: none
+    assert num_lookahead_slots(r, 7 + 5, 4, None) == 0
 
 
 def test_num_verified():

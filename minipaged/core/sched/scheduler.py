@@ -53,6 +53,7 @@ from minipaged.core.kv.kv_cache_manager import KVCacheManager
 from minipaged.core.sched import utils
 from minipaged.core.sched.output import CachedRequestData, SchedulerOutput
 from minipaged.core.sched.request import Request, RequestStatus
+from minipaged.spec_decode import scheduling as spec
 
 
 class Scheduler:
@@ -68,6 +69,7 @@ class Scheduler:
         free_uncached_first: bool = False,
         scheduler_reserve_full_isl: bool = True,
         watermark: float = 0.0,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             check_positive_int(name, locals()[name])
@@ -85,6 +87,10 @@ class Scheduler:
         self.scheduler_reserve_full_isl = bool(scheduler_reserve_full_isl)
         self.watermark = float(watermark)
         self.watermark_blocks = int(self.watermark * num_blocks)  # NOTE: as vLLM's manager
+        # speculative decoding: KV slots reserved past each request's scheduled tokens (the
+        # draft model writes there), and the drafts proposed for each running request
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_token_ids: dict[str, list[int]] = {}
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, enable_caching=self.enable_prefix_caching, free_uncached_first=free_uncached_first
         )
@@ -116,11 +122,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            drafts = spec.take_drafts(self.spec_token_ids, request, self.max_model_len, budget)
+            n = self._num_new_tokens(request, request.num_computed_tokens, budget, len(drafts))
             if n == 0:
                 i += 1
                 continue
-            while (new_blocks := kv.allocate_slots(request, n)) is None:
+            ahead = spec.reserve_lookahead(out, request, request.num_computed_tokens + n, self.num_lookahead_tokens, self.max_model_len)
+            while (new_blocks := kv.allocate_slots(request, n + ahead)) is None:
                 # The pool is full: preempt the last of running (never one scheduled this
                 # step: we go front to back) and retry.
                 victim = self.running.pop()
@@ -130,6 +138,7 @@ class Scheduler:
             if new_blocks is None:
                 break  # the asking request preempted itself; those after it are gone too
             self._schedule(request, n, new_blocks, out)
+            spec.record_drafts(out, request, n, drafts)
             out.scheduled_cached_reqs.append(
                 CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
             )
@@ -145,7 +154,7 @@ class Scheduler:
                 break
             new_blocks = kv.allocate_slots(
                 request,
-                n,
+                n + spec.reserve_lookahead(out, request, num_computed + n, self.num_lookahead_tokens, self.max_model_len),
                 computed,
                 full_sequence_must_fit=self.scheduler_reserve_full_isl,
                 watermark_blocks=self.watermark_blocks if self.running else 0,
@@ -174,8 +183,8 @@ class Scheduler:
         self.num_steps += 1
         return out
 
-    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
-        left = request.num_tokens - num_computed
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int, num_drafts: int = 0) -> int:
+        left = request.num_tokens + num_drafts - num_computed
         return utils.num_new_tokens(left, budget, self.enable_chunked_prefill, self.max_num_batched_tokens)
 
     def _schedule(self, request: Request, n: int, new_blocks, out: SchedulerOutput) -> None:
@@ -184,11 +193,13 @@ class Scheduler:
         # NOTE: as vLLM v1, the blocks this step fills are cached now, before the forward:
         # a request admitted later in this step may hit them (the forward writes every K/V
         # of a layer before any attention reads it).
-        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens + n)
+        # Drafts are not cached: a block is cached once its tokens are known (vLLM's rule).
+        self.kv_cache_manager.cache_blocks(request, min(request.num_computed_tokens + n, request.num_tokens))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute: free the blocks; it waits again, at the front (vLLM's _preempt_request)."""
         self.kv_cache_manager.free(request)
+        self.spec_token_ids.pop(request.request_id, None)  # drafts in flight are dropped
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -197,16 +208,18 @@ class Scheduler:
         out.preempted_req_ids.add(request.request_id)
 
     # -- after the model ran ----------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict) -> list[Request]:
         """Advance the scheduled requests, append each sampled token and stop the requests
         it ends (``check_stop``); return every request finished this step, refused ones
-        first. A request whose known tokens are all computed now needs a sampled token."""
+        first. A request whose known tokens are all computed now needs a sampled token;
+        one verified with drafts gets a list (accepted drafts + 1) and advances by the
+        accepted count only: its rejected slots are given back and rewritten next step."""
         if output is not self._in_flight:
             raise ValueError("update_from_output() needs the output of the last schedule()")
         need = [
             r.request_id
             for r, n in output.scheduled
-            if not r.is_finished and r.num_computed_tokens + n == r.num_tokens and r.request_id not in sampled_token_ids
+            if not r.is_finished and r.num_computed_tokens + n >= r.num_tokens and r.request_id not in sampled_token_ids
         ]
         if need:
             raise ValueError(f"sampled_token_ids lacks a token for requests {need}")
@@ -214,18 +227,29 @@ class Scheduler:
         for request, n in output.scheduled:
             if request.is_finished:  # aborted between schedule() and here
                 continue
-            request.num_computed_tokens += n
-            if request.num_computed_tokens == request.num_tokens:  # else a prefill chunk
-                request.append_output_token_id(sampled_token_ids[request.request_id])
-                if utils.check_stop(request, self.max_model_len):
+            drafts = output.scheduled_spec_decode_tokens.get(request.request_id, [])
+            for t in spec.advance(request, n, drafts, sampled_token_ids.get(request.request_id, [])):  # [] for a chunk
+                request.append_output_token_id(t)
+                if utils.check_stop(request, self.max_model_len):  # the rest of the tokens are dropped
+                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
                     self._free_request(request)
                     finished.append(request)
+                    break
+            if not request.is_finished and self.kv_cache_manager.block_tables[request.request_id].num_tokens > request.num_computed_tokens:
+                self.kv_cache_manager.trim_slots(request, request.num_computed_tokens)  # rejected + lookahead
         output.finished = finished
         self._in_flight = None
         return finished
 
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """The drafts proposed after this step, for the next one (vLLM's name)."""
+        for rid, drafts in draft_token_ids.items():
+            if rid in self.requests and self.requests[rid].status == RequestStatus.RUNNING:
+                self.spec_token_ids[rid] = list(drafts)
+
     def _free_request(self, request: Request) -> None:
         """Forget a finished request: blocks back to the pool, its id to the worker."""
+        self.spec_token_ids.pop(request.request_id, None)
         if request.status != RequestStatus.FINISHED_IGNORED:
             if request in self.running:
                 self.running.remove(request)
@@ -314,7 +338,8 @@ class Scheduler:
         for r in self.waiting:
             assert r.num_computed_tokens == 0, f"waiting {r.request_id} has computed tokens"
         for r in self.running:
-            held, expected = kv.block_tables[r.request_id].num_tokens, r.num_computed_tokens + in_flight.get(r.request_id, 0)
+            ahead = self._in_flight.num_lookahead_slots.get(r.request_id, 0) if in_flight else 0
+            held, expected = kv.block_tables[r.request_id].num_tokens, r.num_computed_tokens + in_flight.get(r.request_id, 0) + ahead
             assert held == expected, f"running {r.request_id}: slots for {held} tokens, expected {expected}"
             assert in_flight or r.num_computed_tokens < r.num_tokens, f"running {r.request_id} is idle"
         if self.running and self.waiting:
