@@ -17,7 +17,10 @@ outputs (and its tokens/s). Then, per method:
   average is costed linearly between the two), and the draft's passes (one chunk + k - 1
   decodes); n-gram lookup timed too;
 - tokens/s with speculation = B x tokens per step / (verification + drafting), next to the
-  measured decode-only tokens/s.
+  measured decode-only tokens/s (the projection from one step's costs);
+- end to end: ``LLM(speculative_config=...)`` on the same prompts, its tokens/s (wall,
+  prefill included) beside the run without, its acceptance from the engine's
+  ``spec_decode_stats``, and whether its outputs equal the reference token for token.
 
 Numbers are from one process on this machine (timings are medians of ``--repeats``). They say
 when speculation loses: at batch 1 the forward is weight-bound and 1 + k tokens cost about
@@ -85,17 +88,24 @@ def step_time(model, batch: int, context: int, num_new: int, repeats: int, block
         inp = build_model_input(tail, block_size)
         if num_new > 1:  # a verification reads every row's logits
             inp.logits_indices = torch.arange(batch * num_new)
-        return median_time(lambda: model.forward(inp, kv), repeats)
+
+        def forward():
+            inp.attn_metadata = None  # NOTE: a real step builds its attention plan anew
+            model.forward(inp, kv)
+
+        return median_time(forward, repeats)
 
 
-def acceptance(steps: list[tuple[int, int]]) -> tuple[float, float]:
-    """(acceptance rate, mean tokens per verification step) of replayed steps."""
+def acceptance(steps: list[tuple[int, int]]) -> tuple[float, float, float]:
+    """Of replayed steps: (acceptance rate, mean acceptance length over the steps that had
+    drafts: 1 + accepted, vLLM's metric, tokens per decode step over all of them)."""
     drafted = [(d, a) for d, a in steps if d > 0]
     nd = sum(d for d, _ in drafted)
     na = sum(a for _, a in drafted)
     rate = na / nd if nd else 0.0
+    mean_len = 1.0 + na / len(drafted) if drafted else 1.0
     tokens_per_step = sum(a + 1 for _, a in steps) / len(steps) if steps else 1.0
-    return rate, tokens_per_step
+    return rate, mean_len, tokens_per_step
 
 
 def main() -> None:
@@ -114,6 +124,17 @@ def main() -> None:
     target, _ = load_model(None)
     draft_dir = write_layer_skip_draft(COURSE_MODEL_DIR, tempfile.mkdtemp(prefix="draft_"), args.draft_layers)
     draft, _ = load_model(draft_dir)
+    lo, hi = args.prompt_lookup
+    specs = {
+        "ngram": {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_min": lo,
+            "prompt_lookup_max": hi,
+        },
+        "draft_model": {"method": "draft_model", "num_speculative_tokens": k, "model": draft_dir},
+    }
+    spec_llms = {name: LLM(seed=0, speculative_config=spec) for name, spec in specs.items()}
     ngram = NgramProposer(args.prompt_lookup[0], args.prompt_lookup[1], k)
     llm = LLM(seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -176,22 +197,44 @@ def main() -> None:
                 for o in outs
                 for s in replay_greedy(o.prompt_token_ids, o.outputs[0].token_ids, propose_for(o), k)
             ]
-            rate, per_step = acceptance(steps)
+            rate, mean_len, per_step = acceptance(steps)
             # NOTE: rows per sequence are 1 + its drafts: the verification's cost is taken
             # between the decode's (no drafts) and the full B x (1 + k) one, linearly
             mean_drafts = statistics.mean(d for d, _ in steps)
             t_step = t_decode + (t_verify - t_decode) * mean_drafts / k
             spec = B * per_step / (t_step + t_extra)
             print(
-                f"  {name:11s}: acceptance {rate:.2f}, accepted tokens per step {per_step - 1:.2f} "
-                f"(mean length {per_step:.2f}); {spec:.1f} tokens/s = {spec / plain:.2f}x decode only"
+                f"  {name:11s}: acceptance {rate:.2f}, mean acceptance length {mean_len:.2f}, accepted tokens "
+                f"per step {per_step - 1:.2f}; projected {spec:.1f} tokens/s = {spec / plain:.2f}x decode only"
             )
             row["methods"][name] = {
                 "acceptance_rate": rate,
-                "mean_acceptance_length": per_step,
+                "mean_acceptance_length": mean_len,
+                "accepted_tokens_per_step": per_step - 1,
                 "tokens_per_s": spec,
                 "speedup": spec / plain,
             }
+        for name, sllm in spec_llms.items():
+            engine = sllm.llm_engine
+            engine.spec_decode_stats.__init__()  # this batch's numbers only
+            t = time.perf_counter()
+            souts = sllm.generate(prompts(B), params, use_tqdm=False)
+            swall = time.perf_counter() - t
+            st = engine.spec_decode_stats
+            same = all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs, souts))
+            rate = sum(len(o.outputs[0].token_ids) for o in souts) / swall
+            print(
+                f"  end to end, {name:11s}: {rate:.1f} tokens/s = {rate / (n_out / wall):.2f}x without; "
+                f"acceptance {st.acceptance_rate:.2f}, mean acceptance length {st.mean_acceptance_length:.2f}; "
+                f"outputs equal: {same}"
+            )
+            row["methods"][name].update(
+                end_to_end_tokens_per_s=rate,
+                end_to_end_speedup=rate / (n_out / wall),
+                end_to_end_acceptance_rate=st.acceptance_rate,
+                end_to_end_mean_acceptance_length=st.mean_acceptance_length,
+                outputs_equal=same,
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, sort_keys=True)
