@@ -106,7 +106,7 @@ class ModelRunner:
         """One step: update, copy blocks, forward, sample (see the module docstring)."""
         logits, req_ids = self.compute_logits(scheduler_output)
         if self.spec is not None and logits is not None:
-            return self.spec.sample_and_propose(self, scheduler_output, logits, req_ids)
+            return self.spec.sample_and_propose(self, scheduler_output, logits, req_ids, ModelRunnerOutput())
         t0 = time.perf_counter()
         out = ModelRunnerOutput()
         # the rows whose request has all its known tokens computed now get a new one

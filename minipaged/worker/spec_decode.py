@@ -4,7 +4,7 @@ Mirrors the spec-decode part of vLLM v1 ``vllm/v1/worker/gpu_model_runner.py``
 (``execute_model``: the rejection sampler on the draft rows, then ``propose_draft_token_ids``).
 
 Inputs
-    ``sample_and_propose(runner, scheduler_output, logits, req_ids)``: the runner's states
+    ``sample_and_propose(runner, scheduler_output, logits, req_ids, out)``: the runner's states
     (already advanced by every scheduled token), the step's output (plain half: its
     ``scheduled_spec_decode_tokens``) and the target's logits: one row per request, or
     ``1 + m`` rows for a request verified with ``m`` drafts (``prepare_inputs`` asks the
@@ -53,10 +53,8 @@ class SpecDecodeRunner:
         p = r.sampling_params
         return p.logprobs is None and not p.stop
 
-    def sample_and_propose(self, runner, so, logits: torch.Tensor, req_ids: list[str]):
-        from minipaged.worker.model_runner import ModelRunnerOutput
-
-        out = ModelRunnerOutput()
+    def sample_and_propose(self, runner, so, logits: torch.Tensor, req_ids: list[str], out):
+        """Fill ``out`` (an empty ``ModelRunnerOutput``): tokens, then the next drafts."""
         drafts_of = so.scheduled_spec_decode_tokens
         starts, first_row, row = {}, {}, 0
         for rid in req_ids:  # the runner advanced each by every scheduled token
