@@ -235,7 +235,7 @@ class Scheduler:
                     self._free_request(request)
                     finished.append(request)
                     break
-            if not request.is_finished and self.kv_cache_manager.block_tables[request.request_id].num_tokens > request.num_computed_tokens:
+            if not request.is_finished and (drafts or output.num_lookahead_slots.get(request.request_id)):
                 self.kv_cache_manager.trim_slots(request, request.num_computed_tokens)  # rejected + lookahead
         output.finished = finished
         self._in_flight = None
