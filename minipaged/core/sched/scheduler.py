@@ -40,6 +40,12 @@ Failure modes
     (FCFS). No livelock: the first running request is its own victim only if it alone
     exceeds the pool, which refusal excludes; a step that does nothing while requests
     wait raises RuntimeError.
+Speculative decoding (``minipaged/spec_decode/``)
+    A decoding request with drafts (``update_draft_token_ids``) is scheduled its last token
+    and the drafts that fit the budget (``scheduled_spec_decode_tokens``), plus
+    ``num_lookahead_tokens`` KV slots outside the budget for a draft model's writes. After
+    verification it advances by ``1 + accepted`` only and the rest of its slots are given
+    back (``trim_slots``); the next step rewrites them. Preemption drops its drafts.
 The paper's scheduler (vLLM v0: sequence groups, swap, copy-on-write) is ``paper.py``.
 """
 
@@ -242,9 +248,11 @@ class Scheduler:
         return finished
 
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
-        """The drafts proposed after this step, for the next one (vLLM's name)."""
+        """The drafts proposed after this step, for the next one (vLLM's name): kept for the
+        running requests that decode (all their tokens but the newest computed)."""
         for rid, drafts in draft_token_ids.items():
-            if rid in self.requests and self.requests[rid].status == RequestStatus.RUNNING:
+            r = self.requests.get(rid)
+            if r is not None and r.status == RequestStatus.RUNNING and r.num_computed_tokens == r.num_tokens - 1:
                 self.spec_token_ids[rid] = list(drafts)
 
     def _free_request(self, request: Request) -> None:
