@@ -14,13 +14,12 @@ import random
 
 import pytest
 import torch
+from _counting_model import CountingModel, counting_reference  # noqa: E402
 
 from minipaged import SamplingParams
 from minipaged.config import EngineConfig
 from minipaged.engine.llm_engine import LLMEngine
 from minipaged.trace import EngineTrace
-
-from _counting_model import CountingModel, counting_reference  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
 

@@ -517,7 +517,9 @@ def test_scheduler_random_workloads(c, specs):
 
 
 @settings(max_examples=150, deadline=None)
-@given(c=config, specs=st.lists(request_spec, min_size=1, max_size=8), pressure=st.booleans(), full=st.booleans())
+@given(
+    c=config, specs=st.lists(request_spec, min_size=1, max_size=8), pressure=st.booleans(), full=st.booleans()
+)
 def test_v1_scheduler_alone_random_workloads(c, specs, pressure, full):
     """vLLM v1's ``Scheduler``: both admission rules (``scheduler_reserve_full_isl``),
     recompute only."""
@@ -540,7 +542,10 @@ def test_v1_scheduler_equals_paper_scheduler_with_paper_mechanisms_off():
     for _ in range(20):
         reqs = [(rng.randint(0, 6), rng.randint(1, 20), rng.randint(1, 12)) for _ in range(10)]
         traces = []
-        for cls, extra in ((Scheduler, {"scheduler_reserve_full_isl": False}), (PaperScheduler, {"watermark": None})):
+        for cls, extra in (
+            (Scheduler, {"scheduler_reserve_full_isl": False}),
+            (PaperScheduler, {"watermark": None}),
+        ):
             s = cls(num_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=12, **extra)
             arrivals = {}
             for i, (at, plen, mt) in enumerate(reqs):

@@ -58,7 +58,9 @@ class MinipagedSide:
             enable_prefix_caching=config["enable_prefix_caching"],
             free_uncached_first=free_uncached_first,  # vLLM 0.32's free order (BlockPool)
         )
-        self.scheduler = Scheduler(config["num_blocks"], config["block_size"], **kwargs, **_OPTIONS[admission])
+        self.scheduler = Scheduler(
+            config["num_blocks"], config["block_size"], **kwargs, **_OPTIONS[admission]
+        )
 
     def add_request(self, r: dict) -> None:
         from minipaged.core import Request

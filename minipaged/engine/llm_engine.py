@@ -58,6 +58,7 @@ from minipaged.core.sched import (
     Scheduler,
     SchedulerOutput,
     StaticBatchScheduler,
+    spec,
 )
 from minipaged.engine.output_processor import OutputProcessor
 from minipaged.engine.outputs import RequestOutput
@@ -150,7 +151,9 @@ class LLMEngine:
         self.num_blocks = config.num_blocks_for(self.bytes_per_block)
         self.num_cpu_blocks = config.cpu_blocks_for(self.num_blocks)
         self.scheduler = self._make_scheduler()
-        self.executor = UniProcExecutor(model, self.num_blocks, config.block_size, self.num_cpu_blocks, config.device)
+        self.executor = UniProcExecutor(
+            model, self.num_blocks, config.block_size, self.num_cpu_blocks, config.device
+        )
         self.output_processor = OutputProcessor(tokenizer)  # text, stop strings, logprobs
         self.groups: dict[str, _RequestGroup] = {}  # unfinished caller requests
         self.seq_to_group: dict[str, _RequestGroup] = {}  # scheduler request id -> group
@@ -178,7 +181,9 @@ class LLMEngine:
 
         draft = None
         if spec.method == "draft_model":
-            draft, _ = load_model_checked(dataclasses.replace(self.config, model=spec.model, speculative_config=None))
+            draft, _ = load_model_checked(
+                dataclasses.replace(self.config, model=spec.model, speculative_config=None)
+            )
             spec.verify_draft_model(self.model.vocab_size, draft.vocab_size)
         self.model_runner.enable_speculation(spec, draft)
         self.spec_decode_stats = SpecDecodeStats()
@@ -208,13 +213,12 @@ class LLMEngine:
                 num_cpu_blocks=self.num_cpu_blocks,
                 parallel_sampling=c.parallel_sampling,
             )
-        lookahead = 0 if c.speculative_config is None else c.speculative_config.num_lookahead_tokens
-        return Scheduler(
-            **kwargs,
-            scheduler_reserve_full_isl=c.scheduler_reserve_full_isl,
-            watermark=c.watermark or 0.0,
-            num_lookahead_tokens=lookahead,
+        sched = Scheduler(
+            **kwargs, scheduler_reserve_full_isl=c.scheduler_reserve_full_isl, watermark=c.watermark or 0.0
         )
+        if c.speculative_config is not None:  # KV slots for a draft model's writes past each step
+            sched.spec_decode.num_lookahead_tokens = c.speculative_config.num_lookahead_tokens
+        return sched
 
     def _new_trace(self, meta: Optional[dict] = None) -> EngineTrace:
         c = self.config
@@ -387,7 +391,12 @@ class LLMEngine:
         """Each scheduled request's table as the step runs it (before rejected slots go)."""
         kv = self.kv_cache_manager
         return {
-            r.request_id: (kv.get_block_ids(r.request_id), r.num_computed_tokens, len(out.scheduled_spec_decode_tokens.get(r.request_id, ())), out.num_lookahead_slots.get(r.request_id, 0))
+            r.request_id: (
+                kv.get_block_ids(r.request_id),
+                r.num_computed_tokens,
+                len(out.scheduled_spec_decode_tokens.get(r.request_id, ())),
+                out.num_lookahead_slots.get(r.request_id, 0),
+            )
             for r, _ in out.scheduled
         }
 
@@ -399,7 +408,7 @@ class LLMEngine:
             self.spec_decode_stats.observe(num_drafts, accepted)
             step[rid] = (blocks, computed, num_drafts, accepted, ahead)
         self.spec_decode_log.append(step)
-        self.scheduler.update_draft_token_ids(result.draft_token_ids)
+        spec.update_draft_token_ids(self.scheduler, result.draft_token_ids)  # for the next step
 
     def _sampled_requests(self, out, result) -> list[Request]:
         """The requests that got a token this step (fork children after their parents)."""
@@ -420,7 +429,9 @@ class LLMEngine:
             if req.is_finished:  # its last token also ended it by length or EOS
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, reason
             else:
-                stopped += self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED, reason)
+                stopped += self.scheduler.finish_requests(
+                    [req.request_id], RequestStatus.FINISHED_STOPPED, reason
+                )
         return stopped
 
     def _stopwatch(self):

@@ -13,7 +13,9 @@ from minipaged.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 
 class UniProcExecutor:
-    def __init__(self, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, device: str = "cpu") -> None:
+    def __init__(
+        self, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, device: str = "cpu"
+    ) -> None:
         self.model_runner = ModelRunner(model, num_blocks, block_size, num_cpu_blocks, device)
 
     def execute_model(self, scheduler_output) -> ModelRunnerOutput:

@@ -72,7 +72,9 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, device: str = "cpu") -> None:
+    def __init__(
+        self, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, device: str = "cpu"
+    ) -> None:
         from minipaged.engine.sampler import Sampler
 
         self.model = model
@@ -92,14 +94,19 @@ class ModelRunner:
             for k, _ in self.kv_caches:
                 shape = (num_cpu_blocks,) + tuple(k.shape[1:])  # [num_cpu_blocks, bs, KVH, D]
                 self.cpu_kv_caches.append(
-                    (torch.zeros(shape, dtype=k.dtype, pin_memory=pin), torch.zeros(shape, dtype=k.dtype, pin_memory=pin))
+                    (
+                        torch.zeros(shape, dtype=k.dtype, pin_memory=pin),
+                        torch.zeros(shape, dtype=k.dtype, pin_memory=pin),
+                    )
                 )
 
     def enable_speculation(self, speculative_config, draft_model=None) -> None:
         """Propose drafts after each step and verify them in the next (``SpecDecodeRunner``)."""
         from minipaged.worker.spec_decode import SpecDecodeRunner
 
-        self.spec = SpecDecodeRunner(speculative_config, draft_model, self.num_blocks, self.block_size, self.device)
+        self.spec = SpecDecodeRunner(
+            speculative_config, draft_model, self.num_blocks, self.block_size, self.device
+        )
 
     # -- the step --------------------------------------------------------------------
     def execute_model(self, scheduler_output) -> ModelRunnerOutput:
@@ -110,7 +117,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         out = ModelRunnerOutput()
         # the rows whose request has all its known tokens computed now get a new one
-        rows = [b for b, rid in enumerate(req_ids) if self.requests[rid].num_computed_tokens == self.requests[rid].num_tokens]
+        rows = [
+            b
+            for b, rid in enumerate(req_ids)
+            if self.requests[rid].num_computed_tokens == self.requests[rid].num_tokens
+        ]
         reqs = [self.requests[req_ids[b]] for b in rows]
         for parent, child in scheduler_output.fork_sample_ids:  # paper: the child samples
             rows.append(req_ids.index(parent))  # from its parent's row (one prefill for all)
@@ -125,7 +136,10 @@ class ModelRunner:
         # output position alone (see sampler.py), never by its place in the batch.
         from minipaged.engine.sampler import sample_seed
 
-        seeds = [0 if r.sampling_params.temperature == 0.0 else sample_seed(r.base_seed, len(r.output_token_ids)) for r in reqs]
+        seeds = [
+            0 if r.sampling_params.temperature == 0.0 else sample_seed(r.base_seed, len(r.output_token_ids))
+            for r in reqs
+        ]
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]  # [S, V]
         with torch.inference_mode():
@@ -180,7 +194,9 @@ class ModelRunner:
         for cached in scheduler_output.scheduled_cached_reqs:
             r = self.requests.get(cached.req_id)
             if r is None:
-                raise RuntimeError(f"the scheduler sent request {cached.req_id!r} as cached, but this worker never got it")
+                raise RuntimeError(
+                    f"the scheduler sent request {cached.req_id!r} as cached, but this worker never got it"
+                )
             if self.spec is not None:  # NOTE: the scheduler gave back the slots past the
                 del r.block_ids[-(-cached.num_computed_tokens // self.block_size) :]  # verified ones
             r.block_ids.extend(cached.new_block_ids)
@@ -259,12 +275,18 @@ class ModelRunner:
                     swap_blocks(k, ck, pairs) if to_cpu else swap_blocks(ck, k, pairs)
                     swap_blocks(v, cv, pairs) if to_cpu else swap_blocks(cv, v, pairs)
         if scheduler_output.blocks_to_copy:
-            copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], scheduler_output.blocks_to_copy)
+            copy_blocks(
+                [k for k, _ in self.kv_caches],
+                [v for _, v in self.kv_caches],
+                scheduler_output.blocks_to_copy,
+            )
 
     def check_invariants(self) -> None:
         """Every layer has a K and a V cache of the pool's shape; the CPU pool mirrors it;
         every request's table can hold its computed tokens."""
-        assert len(self.kv_caches) == self.model.num_layers, f"{len(self.kv_caches)} cache pairs for {self.model.num_layers} layers"
+        assert len(self.kv_caches) == self.model.num_layers, (
+            f"{len(self.kv_caches)} cache pairs for {self.model.num_layers} layers"
+        )
         for i, (k, v) in enumerate(self.kv_caches):
             assert k.shape == v.shape and k.shape[:2] == (self.num_blocks, self.block_size), (
                 f"layer {i}: caches {tuple(k.shape)} / {tuple(v.shape)}, want [{self.num_blocks}, {self.block_size}, KVH, D]"

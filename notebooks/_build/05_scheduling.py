@@ -492,7 +492,7 @@ md(r"""
 
 Chapter 04 showed vLLM v1's `Scheduler.schedule` (recompute preemption included). The
 `EngineScheduler` used here stacks the paper's layers on it, each in its own module and each
-through a hook of the base. Swap (`minipaged/core/sched/swap.py`, removed in vLLM v1) overrides
+through a hook of the base. Swap (`minipaged/core/sched/paper.py`, removed in vLLM v1) overrides
 what eviction does and lets swapped requests back in arrival order, merged with `waiting`:
 """)
 
@@ -502,7 +502,7 @@ print(inspect.getsource(SwapPreemption._admit_next))
 """)
 
 md(r"""
-Watermark admission (`minipaged/core/sched/admission.py`, vLLM v0's rule; vLLM v1 admits a
+Watermark admission (`minipaged/core/sched/paper.py`, vLLM v0's rule; vLLM v1 admits a
 request as soon as its first chunk fits) asks the `KVCacheManager`, which alone counts
 blocks, whether the whole prefill fits beside what the running requests still need:
 """)
@@ -597,7 +597,7 @@ md(r"""
 * **Sarathi-Serve** (Agrawal et al., OSDI 2024): chunked prefill and stall-free batching
   under a token budget; vLLM v1 keeps chunked prefill always on.
 * The paper's v0.2: `vllm/core/scheduler.py` (`_preempt`, `_preempt_by_recompute`,
-  `_preempt_by_swap`) ↔ `minipaged/core/sched/swap.py`, `minipaged/core/sched/admission.py`;
+  `_preempt_by_swap`) ↔ `minipaged/core/sched/paper.py`, `minipaged/core/sched/paper.py`;
   the block copies of a swap: `vllm/worker/cache_engine.py` (`swap_in`, `swap_out`) ↔
   `minipaged/kernels/cache_ops.py` (`swap_blocks`).
 * vLLM v1: `vllm/v1/core/sched/scheduler.py` (`schedule`: the token budget

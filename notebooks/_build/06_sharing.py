@@ -138,7 +138,7 @@ sequence is ever copied per fork, the one the fork happened in.
 ## 3. Parallel sampling: prefill once, fork n
 
 `SamplingParams(n=3)` asks for three samples of one prompt. In the paper (vLLM v0) the three
-sequences form a **sequence group** (the layer `minipaged/core/sched/groups.py`, selected with
+sequences form a **sequence group** (the layer `minipaged/core/sched/paper.py`, selected with
 `LLM(parallel_sampling="fork")`; vLLM v1 does it differently, see the end of this section). The scheduler queues only the first (the *leader*); in the step that
 completes its prompt it forks the others from it, and they draw their first token from the
 leader's logits row. So the prompt is computed **once**. A group is scheduled, preempted and
@@ -561,7 +561,7 @@ md(r"""
   Algorithms (fork, append, free); §6.3 Parallel Sampling and Beam Search; §6.4 Shared prefix.
 * The paper's v0.2: `vllm/core/block_manager.py` (`fork`, copy-on-write in `append_slot`)
   and `vllm/sequence.py` (`SequenceGroup`) ↔ `minipaged/core/kv/kv_cache_manager.py`
-  (`fork`), `minipaged/core/sched/groups.py`, `minipaged/engine/beam_search.py`.
+  (`fork`), `minipaged/core/sched/paper.py`, `minipaged/engine/beam_search.py`.
 * vLLM v1, prefix caching: `vllm/v1/core/kv_cache_utils.py` (`hash_block_tokens`) ↔
   `minipaged/core/kv/block.py`; `vllm/v1/core/block_pool.py` (`cache_full_blocks`,
   `get_cached_block`, `touch`) ↔ `minipaged/core/kv/block_pool.py`.

@@ -51,7 +51,12 @@ def draft_dir(ckpt, tmp_path_factory):
 
 def spec_config(method, draft_dir, k=3):
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        }
     return {"method": "draft_model", "num_speculative_tokens": k, "model": draft_dir}
 
 
@@ -64,7 +69,7 @@ def run(engine, params, prompts=PROMPTS, arrivals=ARRIVALS):
         while pending and pending[0][2] <= step:
             i, p, _ = pending.pop(0)
             engine.add_request(str(i), p, params)
-        held = set(getattr(engine.scheduler, "spec_token_ids", {}))
+        held = set(engine.scheduler.spec_decode.spec_token_ids)
         for o in engine.step():
             outs[o.request_id] = o
         engine.check_invariants()
@@ -93,7 +98,9 @@ def test_greedy_equals_no_speculation_under_every_variant(method, ckpt, draft_di
         drafted += st.num_draft_tokens
         accepted += st.num_accepted_tokens
         if name in ("recompute", "thrash"):
-            assert any(s.preempted_ids for s in engine.trace.steps), f"{name}: the pool should force preemption"
+            assert any(s.preempted_ids for s in engine.trace.steps), (
+                f"{name}: the pool should force preemption"
+            )
             assert preempted_with_drafts, f"{name}: no request was preempted while it held drafts"
         if name == "prefix-caching":
             assert engine.scheduler.prefix_cache_hits > 0
@@ -105,7 +112,9 @@ def test_rejected_slots_are_given_back_and_rewritten(ckpt):
     verified tokens' slots; the next step writes the positions of the rejected drafts."""
     spec = spec_config("ngram", None)
     engine = LLMEngine(EngineConfig(model=ckpt, block_size=BS, num_blocks=96, speculative_config=spec))
-    _, _ = run(engine, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), PROMPTS[:1], [0])
+    _, _ = run(
+        engine, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), PROMPTS[:1], [0]
+    )
     steps = [s["0"] for s in engine.spec_decode_log if "0" in s]
     assert any(d > a for _, _, d, a, _ in steps), "no draft was rejected"
     for (blocks, computed, drafts, accepted, _), nxt in zip(steps, steps[1:]):
@@ -166,7 +175,11 @@ def _other_vocab_llama(path):
     [
         ({"method": "ngram", "num_speculative_tokens": 0}, {}, "num_speculative_tokens"),
         ({"method": "medusa", "num_speculative_tokens": 2}, {}, "method"),
-        ({"method": "ngram", "num_speculative_tokens": 8}, {"max_num_batched_tokens": 8}, "num_speculative_tokens"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 8},
+            {"max_num_batched_tokens": 8},
+            "num_speculative_tokens",
+        ),
         ({"method": "ngram", "num_speculative_tokens": 2}, {"preemption_mode": "swap"}, "speculative_config"),
         ({"method": "ngram", "num_speculative_tokens": 2}, {"scheduling": "static"}, "speculative_config"),
     ],

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from minipaged.core.kv.block import cdiv
 from minipaged.core.kv.kv_cache_manager import KVCacheManager
+from minipaged.core.sched import spec
 from minipaged.core.sched.request import Request, get_max_num_kv_tokens
 from minipaged.core.sched.scheduler import Scheduler
 from minipaged.sampling_params import SamplingParams
@@ -48,9 +49,12 @@ def test_random_drafts_and_acceptance_keep_the_invariants(seed, num_blocks, budg
     rng = random.Random(seed)
     bs = 4
     sched = Scheduler(
-        num_blocks=num_blocks, block_size=bs, max_num_seqs=4, max_num_batched_tokens=budget,
-        num_lookahead_tokens=k if lookahead else 0,
-    )  # fmt: skip
+        num_blocks=num_blocks,
+        block_size=bs,
+        max_num_seqs=4,
+        max_num_batched_tokens=budget,
+    )
+    sched.spec_decode.num_lookahead_tokens = k if lookahead else 0  # fmt: skip
     reqs = [
         Request(
             str(i),
@@ -65,11 +69,10 @@ def test_random_drafts_and_acceptance_keep_the_invariants(seed, num_blocks, budg
     for _ in range(400):
         if not sched.has_unfinished_requests():
             break
-        held = dict(sched.spec_token_ids)
+        held = dict(sched.spec_decode.spec_token_ids)
         out = sched.schedule()
         sched.check_invariants()
         dropped_with_drafts += bool(set(held) & out.preempted_req_ids)
-        assert not set(out.preempted_req_ids) & set(sched.spec_token_ids), "a preempted request kept drafts"
         sampled, before = {}, {}
         for r, n in out.scheduled:
             drafts = out.scheduled_spec_decode_tokens.get(r.request_id, [])
@@ -96,8 +99,15 @@ def test_random_drafts_and_acceptance_keep_the_invariants(seed, num_blocks, budg
                 r.num_computed_tokens, bs
             )
         # propose random drafts for the running requests (some empty)
-        sched.update_draft_token_ids(
-            {r.request_id: [rng.randrange(50) for _ in range(rng.randint(0, k))] for r in sched.running}
+        spec.update_draft_token_ids(
+            sched,
+            {
+                r.request_id: [rng.randrange(50) for _ in range(rng.randint(0, k))]
+                for r in sched.requests.values()
+            },
+        )
+        assert all(
+            r.status.name == "RUNNING" for r in map(sched.requests.get, sched.spec_decode.spec_token_ids)
         )
     assert not sched.has_unfinished_requests()
     assert all(r.is_finished for r in reqs)
@@ -111,13 +121,14 @@ def test_preempting_a_request_that_holds_drafts_drops_them():
     sched.add_request(b)
     out = sched.schedule()  # both prefill: 2 blocks each, the pool is full
     sched.update_from_output(out, {"a": 20, "b": 21})
-    sched.update_draft_token_ids({"a": [30, 31], "b": [32]})
+    spec.update_draft_token_ids(sched, {"a": [30, 31], "b": [32]})
     sched.check_invariants()
     out = sched.schedule()  # a's 1 + 2 tokens need a third block: b, holding drafts, is preempted
     sched.check_invariants()
-    assert out.preempted_req_ids == {"b"} and "b" not in sched.spec_token_ids
-    assert out.scheduled_spec_decode_tokens == {"a": [30, 31]}
+    assert out.preempted_req_ids == {"b"} and out.scheduled_spec_decode_tokens == {"a": [30, 31]}
     sched.update_from_output(out, {"a": [30, 40]})  # one draft accepted, then the target's own
+    spec.update_draft_token_ids(sched, {"a": [50], "b": [51]})
+    assert sched.spec_decode.spec_token_ids == {"a": [50]}  # b, preempted, keeps none
     sched.check_invariants()
     assert a.output_token_ids == [20, 30, 40] and a.num_computed_tokens == 8
     assert sched.kv_cache_manager.get_block_table(a).num_tokens == 8  # the rejected slot went back

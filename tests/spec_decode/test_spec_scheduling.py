@@ -1,10 +1,10 @@
-"""spec_decode/scheduling.py by hand: usable drafts, lookahead slots, how far a step advances."""
+"""core/sched/spec.py by hand: usable drafts, lookahead slots, how far a step advances."""
 
 import pytest
 
 from minipaged.core.sched.request import Request, get_max_num_kv_tokens
+from minipaged.core.sched.spec import num_lookahead_slots, num_verified, usable_drafts
 from minipaged.sampling_params import SamplingParams
-from minipaged.spec_decode.scheduling import num_lookahead_slots, num_verified, usable_drafts
 
 
 def _decoding(prompt_len=5, out_len=3, max_tokens=8):

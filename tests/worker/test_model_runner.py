@@ -15,6 +15,7 @@ import pickle
 
 import pytest
 import torch
+from _counting_model import CountingModel, counting_reference  # noqa: E402
 
 from minipaged import SamplingParams
 from minipaged.config import EngineConfig
@@ -22,8 +23,6 @@ from minipaged.core.sched.output import CachedRequestData, NewRequestData, Sched
 from minipaged.core.sched.request import Request
 from minipaged.engine.llm_engine import LLMEngine
 from minipaged.worker import ModelRunner
-
-from _counting_model import CountingModel, counting_reference  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 
@@ -90,7 +89,9 @@ def test_inputs_of_a_hand_written_output():
 
 def test_a_cached_request_the_worker_never_got_is_a_scheduler_bug():
     runner = ModelRunner(CountingModel(), num_blocks=8, block_size=4)
-    bad = SchedulerOutput(scheduled_cached_reqs=[CachedRequestData("x", [0], 0)], num_scheduled_tokens={"x": 1})
+    bad = SchedulerOutput(
+        scheduled_cached_reqs=[CachedRequestData("x", [0], 0)], num_scheduled_tokens={"x": 1}
+    )
     with pytest.raises(RuntimeError, match="'x'"):
         runner.execute_model(bad)
 
@@ -143,7 +144,9 @@ def test_replayed_outputs_drive_a_fresh_runner_alone(name):
 
 
 def test_the_engine_forgets_finished_requests():
-    engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 16, num_blocks=20, block_size=4), model=CountingModel())
+    engine = LLMEngine(
+        EngineConfig(kv_cache_memory=1 << 16, num_blocks=20, block_size=4), model=CountingModel()
+    )
     for i in range(5):
         engine.add_request(str(i), [1, 2, 3 + i], SamplingParams(temperature=0.0, max_tokens=3 + i))
     while engine.has_unfinished_requests():

@@ -79,13 +79,19 @@ def _request_id(request) -> str:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool = False, free_uncached_first: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = False,
+        free_uncached_first: bool = False,
     ) -> None:
         check_positive_int("block_size", block_size)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching, free_uncached_first=free_uncached_first)
+        self.block_pool = BlockPool(
+            num_blocks, enable_caching=enable_caching, free_uncached_first=free_uncached_first
+        )
         # request_id -> its block table (blocks, tokens, slot formula)
         self.block_tables: dict[str, BlockTable] = {}
 
@@ -189,13 +195,17 @@ class KVCacheManager:
                 hashes.append(parent)
         return hashes[:num_blocks]
 
-    def get_computed_blocks(self, request, max_num_tokens: int | None = None) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(
+        self, request, max_num_tokens: int | None = None
+    ) -> tuple[list[KVCacheBlock], int]:
         """The cached blocks of the request's longest cached prefix and its token count:
         at most ``num_tokens - 1`` (and ``max_num_tokens``) tokens; ``([], 0)`` when
         caching is off. Not yet shared: pass them to ``allocate_slots``."""
         if not self.enable_caching:
             return [], 0
-        limit = request.num_tokens - 1 if max_num_tokens is None else min(request.num_tokens - 1, max_num_tokens)
+        limit = (
+            request.num_tokens - 1 if max_num_tokens is None else min(request.num_tokens - 1, max_num_tokens)
+        )
         hits: list[KVCacheBlock] = []
         for h in self._block_hashes(request, max(0, limit) // self.block_size):
             block = self.block_pool.get_cached_block(h)
@@ -278,7 +288,9 @@ def check_tables(pool: BlockPool, tables: dict[str, BlockTable], block_size: int
         assert len(t.blocks) == cdiv(t.num_tokens, block_size), (
             f"{where}table of {rid!r}: {len(t.blocks)} blocks for {t.num_tokens} tokens (block_size {block_size})"
         )
-        assert t.num_cached_blocks <= len(t.blocks), f"{rid!r}: {t.num_cached_blocks} cached blocks > its table"
+        assert t.num_cached_blocks <= len(t.blocks), (
+            f"{rid!r}: {t.num_cached_blocks} cached blocks > its table"
+        )
         for b in t.blocks:
             holders[b.block_id] = holders.get(b.block_id, 0) + 1
     for b in pool.blocks:

@@ -28,9 +28,9 @@ from __future__ import annotations
 from typing import Optional
 
 from minipaged.core.kv.contiguous import ContiguousAllocator
+from minipaged.core.sched import utils
 from minipaged.core.sched.output import SchedulerOutput
 from minipaged.core.sched.request import Request, RequestStatus
-from minipaged.core.sched import utils
 from minipaged.core.sched.scheduler import Scheduler
 from minipaged.trace import StepRecord
 
@@ -112,7 +112,9 @@ class OrcaScheduler(Scheduler):
             out.admitted.append(req)
             out.scheduled.append((req, n))
             budget -= n
-        self._in_flight = self._last_output = utils.finish_step(out, self.max_num_batched_tokens, self.max_num_seqs)
+        self._in_flight = self._last_output = utils.finish_step(
+            out, self.max_num_batched_tokens, self.max_num_seqs
+        )
         self.num_steps += 1
         return out
 

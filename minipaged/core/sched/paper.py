@@ -103,7 +103,9 @@ class PaperScheduler:
         if preemption_mode == "swap" and num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")
         if parallel_sampling not in PARALLEL_SAMPLING:
-            raise ValueError(f"parallel_sampling must be one of {PARALLEL_SAMPLING}, got {parallel_sampling!r}")
+            raise ValueError(
+                f"parallel_sampling must be one of {PARALLEL_SAMPLING}, got {parallel_sampling!r}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -174,7 +176,9 @@ class PaperScheduler:
 
         # 2. SWAPPED or WAITING, whichever head arrived first, unless this step preempted.
         while not preempted and budget > 0:
-            if self.swapped and not (self.waiting and self.waiting[0].arrival_order < self.swapped[0].arrival_order):
+            if self.swapped and not (
+                self.waiting and self.waiting[0].arrival_order < self.swapped[0].arrival_order
+            ):
                 admitted = self._swap_in_next(budget, out)
             else:
                 admitted = self._admit_next(budget, out)
@@ -194,7 +198,9 @@ class PaperScheduler:
                 f"{self._num_queued() - len(self.running)} other unfinished requests"
             )
         out.blocks_to_copy = self.kv_cache_manager.take_pending_copies()  # copy-on-write
-        self._in_flight = self._last_output = utils.finish_step(out, self.max_num_batched_tokens, self.max_num_seqs)
+        self._in_flight = self._last_output = utils.finish_step(
+            out, self.max_num_batched_tokens, self.max_num_seqs
+        )
         self.num_steps += 1
         return out
 
@@ -250,7 +256,10 @@ class PaperScheduler:
             ((request, n),) = plan
             blocks = kv.allocate_slots(request, n, computed)
             return None if blocks is None else [blocks]
-        if kv.get_num_blocks_needed_group([r for r, _ in plan], [n for _, n in plan]) > kv.get_num_free_blocks():
+        if (
+            kv.get_num_blocks_needed_group([r for r, _ in plan], [n for _, n in plan])
+            > kv.get_num_free_blocks()
+        ):
             return None
         allocated = [kv.allocate_slots(r, n) if n > 0 else [] for r, n in plan]
         assert all(a is not None for a in allocated), "the block count promised room"
@@ -289,7 +298,9 @@ class PaperScheduler:
             child.status = RequestStatus.RUNNING
             utils.insert_by_arrival(self.running, child)
             out.forks.append((request, child))
-            out.scheduled_new_reqs.append(utils.new_request_data(child, self.kv_cache_manager.get_block_ids(child.request_id)))
+            out.scheduled_new_reqs.append(
+                utils.new_request_data(child, self.kv_cache_manager.get_block_ids(child.request_id))
+            )
             self._synced.add(child.request_id)
             if child.num_computed_tokens == child.num_tokens:
                 out.fork_samples.append((request, child))
@@ -411,9 +422,15 @@ class PaperScheduler:
         need = [
             r.request_id
             for r, n in output.scheduled
-            if not r.is_finished and r.num_computed_tokens + n == r.num_tokens and r.request_id not in sampled_token_ids
+            if not r.is_finished
+            and r.num_computed_tokens + n == r.num_tokens
+            and r.request_id not in sampled_token_ids
         ]
-        need += [c.request_id for _, c in output.fork_samples if not c.is_finished and c.request_id not in sampled_token_ids]
+        need += [
+            c.request_id
+            for _, c in output.fork_samples
+            if not c.is_finished and c.request_id not in sampled_token_ids
+        ]
         if need:
             raise ValueError(f"sampled_token_ids lacks a token for requests {need}")
         finished: list[Request] = list(output.refused)
@@ -453,7 +470,9 @@ class PaperScheduler:
             for s in g.seqs:
                 self.seq_groups.pop(s.request_id, None)
 
-    def finish_requests(self, request_ids, status: RequestStatus, reason: Optional[str] = None) -> list[Request]:
+    def finish_requests(
+        self, request_ids, status: RequestStatus, reason: Optional[str] = None
+    ) -> list[Request]:
         """As ``Scheduler.finish_requests``; finishing any sequence of a group that has
         not forked yet finishes the whole group (its held sequences have nothing of their own)."""
         done = []
@@ -529,7 +548,9 @@ class PaperScheduler:
     def check_invariants(self) -> None:
         kv = self.kv_cache_manager
         kv.check_invariants()
-        assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > max_num_seqs {self.max_num_seqs}"
+        assert len(self.running) <= self.max_num_seqs, (
+            f"{len(self.running)} running > max_num_seqs {self.max_num_seqs}"
+        )
         utils.check_output(self._last_output, self.max_num_batched_tokens)
         waiting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         queues = {
@@ -540,17 +561,26 @@ class PaperScheduler:
         }
         utils.check_queues(queues, self.requests)
         running_ids = {r.request_id for r in self.running}
-        assert set(kv.block_tables) == running_ids, f"device blocks held by {sorted(kv.block_tables)}, running {sorted(running_ids)}"
-        assert set(kv.cpu_block_tables) == {r.request_id for r in self.swapped}, "CPU blocks held by others than swapped"
+        assert set(kv.block_tables) == running_ids, (
+            f"device blocks held by {sorted(kv.block_tables)}, running {sorted(running_ids)}"
+        )
+        assert set(kv.cpu_block_tables) == {r.request_id for r in self.swapped}, (
+            "CPU blocks held by others than swapped"
+        )
         for r in list(self.waiting) + self._held_seqs():
             assert r.num_computed_tokens == 0, f"waiting {r.request_id} has computed tokens"
         in_flight = {} if self._in_flight is None else self._in_flight.num_scheduled_tokens
         for r in self.running:
-            held, expected = kv.block_tables[r.request_id].num_tokens, r.num_computed_tokens + in_flight.get(r.request_id, 0)
+            held, expected = (
+                kv.block_tables[r.request_id].num_tokens,
+                r.num_computed_tokens + in_flight.get(r.request_id, 0),
+            )
             assert held == expected, f"running {r.request_id}: slots for {held} tokens, expected {expected}"
             assert in_flight or r.num_computed_tokens < r.num_tokens, f"running {r.request_id} is idle"
         for r in self.swapped:
-            assert kv.cpu_block_tables[r.request_id].num_tokens == r.num_computed_tokens, f"swapped {r.request_id}: CPU blocks"
+            assert kv.cpu_block_tables[r.request_id].num_tokens == r.num_computed_tokens, (
+                f"swapped {r.request_id}: CPU blocks"
+            )
             assert r.num_computed_tokens < r.num_tokens, f"swapped {r.request_id} has nothing to do"
         others = [r for q in (self.waiting, self.swapped) for r in q]
         if self.running and others:
@@ -560,5 +590,10 @@ class PaperScheduler:
         for g in {id(g): g for g in self.seq_groups.values()}.values():
             assert g.unfinished, f"group {g.group_id} is done but still registered"
             if g.forked:
-                places = {"running" if r in self.running else "swapped" if r in self.swapped else "elsewhere" for r in g.unfinished}
-                assert places in ({"running"}, {"swapped"}), f"group {g.group_id}: sequences split across {sorted(places)}"
+                places = {
+                    "running" if r in self.running else "swapped" if r in self.swapped else "elsewhere"
+                    for r in g.unfinished
+                }
+                assert places in ({"running"}, {"swapped"}), (
+                    f"group {g.group_id}: sequences split across {sorted(places)}"
+                )

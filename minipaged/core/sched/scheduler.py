@@ -40,12 +40,12 @@ Failure modes
     (FCFS). No livelock: the first running request is its own victim only if it alone
     exceeds the pool, which refusal excludes; a step that does nothing while requests
     wait raises RuntimeError.
-Speculative decoding (``minipaged/spec_decode/``)
-    A decoding request with drafts (``update_draft_token_ids``) is scheduled its last token
-    and the drafts that fit the budget (``scheduled_spec_decode_tokens``), plus
+Speculative decoding (``spec.py``; proposers and verification in ``minipaged/spec_decode/``)
+    A decoding request with drafts (``spec.update_draft_token_ids``) is scheduled its last
+    token and the drafts that fit the budget (``scheduled_spec_decode_tokens``), plus
     ``num_lookahead_tokens`` KV slots outside the budget for a draft model's writes. After
     verification it advances by ``1 + accepted`` only and the rest of its slots are given
-    back (``trim_slots``); the next step rewrites them. Preemption drops its drafts.
+    back (``trim_slots``); the next step rewrites them. A preempted request loses its drafts.
 The paper's scheduler (vLLM v0: sequence groups, swap, copy-on-write) is ``paper.py``.
 """
 
@@ -56,10 +56,9 @@ from typing import Optional
 
 from minipaged.core.kv.block import check_positive_int
 from minipaged.core.kv.kv_cache_manager import KVCacheManager
-from minipaged.core.sched import utils
+from minipaged.core.sched import spec, utils
 from minipaged.core.sched.output import CachedRequestData, SchedulerOutput
 from minipaged.core.sched.request import Request, RequestStatus
-from minipaged.spec_decode import scheduling as spec
 
 
 class Scheduler:
@@ -75,7 +74,6 @@ class Scheduler:
         free_uncached_first: bool = False,
         scheduler_reserve_full_isl: bool = True,
         watermark: float = 0.0,
-        num_lookahead_tokens: int = 0,
     ) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             check_positive_int(name, locals()[name])
@@ -93,12 +91,12 @@ class Scheduler:
         self.scheduler_reserve_full_isl = bool(scheduler_reserve_full_isl)
         self.watermark = float(watermark)
         self.watermark_blocks = int(self.watermark * num_blocks)  # NOTE: as vLLM's manager
-        # speculative decoding: KV slots reserved past each request's scheduled tokens (the
-        # draft model writes there), and the drafts proposed for each running request
-        self.num_lookahead_tokens = num_lookahead_tokens
-        self.spec_token_ids: dict[str, list[int]] = {}
+        self.spec_decode = spec.SpecDecodeState()  # speculative decoding: lookahead, drafts
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, block_size, enable_caching=self.enable_prefix_caching, free_uncached_first=free_uncached_first
+            num_blocks,
+            block_size,
+            enable_caching=self.enable_prefix_caching,
+            free_uncached_first=free_uncached_first,
         )
         self.waiting: deque[Request] = deque()  # arrival order; preempted ones in front
         self.running: list[Request] = []  # arrival order (FCFS)
@@ -128,12 +126,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            drafts = spec.take_drafts(self.spec_token_ids, request, self.max_model_len, budget)
-            n = self._num_new_tokens(request, request.num_computed_tokens, budget, len(drafts))
+            n, ahead = spec.plan(self, out, request, budget)  # its tokens (+ drafts), lookahead slots
             if n == 0:
                 i += 1
                 continue
-            ahead = spec.reserve_lookahead(out, request, request.num_computed_tokens + n, self.num_lookahead_tokens, self.max_model_len)
             while (new_blocks := kv.allocate_slots(request, n + ahead)) is None:
                 # The pool is full: preempt the last of running (never one scheduled this
                 # step: we go front to back) and retry.
@@ -144,9 +140,10 @@ class Scheduler:
             if new_blocks is None:
                 break  # the asking request preempted itself; those after it are gone too
             self._schedule(request, n, new_blocks, out)
-            spec.record_drafts(out, request, n, drafts)
             out.scheduled_cached_reqs.append(
-                CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
+                CachedRequestData(
+                    request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens
+                )
             )
             budget -= n
             i += 1
@@ -160,7 +157,7 @@ class Scheduler:
                 break
             new_blocks = kv.allocate_slots(
                 request,
-                n + spec.reserve_lookahead(out, request, num_computed + n, self.num_lookahead_tokens, self.max_model_len),
+                n + spec.reserve_lookahead(self, out, request, num_computed + n),
                 computed,
                 full_sequence_must_fit=self.scheduler_reserve_full_isl,
                 watermark_blocks=self.watermark_blocks if self.running else 0,
@@ -178,19 +175,23 @@ class Scheduler:
             out.admitted.append(request)
             self._schedule(request, n, new_blocks, out)
             # NOTE: fresh or resumed after recompute, the worker (re)builds it whole
-            out.scheduled_new_reqs.append(utils.new_request_data(request, kv.get_block_ids(request.request_id)))
+            out.scheduled_new_reqs.append(
+                utils.new_request_data(request, kv.get_block_ids(request.request_id))
+            )
             budget -= n
 
         if not (out.scheduled or out.preempted or out.refused) and (self.waiting or self.running):
             raise RuntimeError(  # NOTE: cannot happen (see "No livelock"); fail loudly
                 f"livelock: nothing scheduled with {len(self.running)} running and {len(self.waiting)} waiting"
             )
-        self._in_flight = self._last_output = utils.finish_step(out, self.max_num_batched_tokens, self.max_num_seqs)
+        self._in_flight = self._last_output = utils.finish_step(
+            out, self.max_num_batched_tokens, self.max_num_seqs
+        )
         self.num_steps += 1
         return out
 
-    def _num_new_tokens(self, request: Request, num_computed: int, budget: int, num_drafts: int = 0) -> int:
-        left = request.num_tokens + num_drafts - num_computed
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        left = request.num_tokens - num_computed
         return utils.num_new_tokens(left, budget, self.enable_chunked_prefill, self.max_num_batched_tokens)
 
     def _schedule(self, request: Request, n: int, new_blocks, out: SchedulerOutput) -> None:
@@ -205,7 +206,6 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute: free the blocks; it waits again, at the front (vLLM's _preempt_request)."""
         self.kv_cache_manager.free(request)
-        self.spec_token_ids.pop(request.request_id, None)  # drafts in flight are dropped
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -219,13 +219,15 @@ class Scheduler:
         it ends (``check_stop``); return every request finished this step, refused ones
         first. A request whose known tokens are all computed now needs a sampled token;
         one verified with drafts gets a list (accepted drafts + 1) and advances by the
-        accepted count only: its rejected slots are given back and rewritten next step."""
+        accepted count only (``spec.advance``)."""
         if output is not self._in_flight:
             raise ValueError("update_from_output() needs the output of the last schedule()")
         need = [
             r.request_id
             for r, n in output.scheduled
-            if not r.is_finished and r.num_computed_tokens + n >= r.num_tokens and r.request_id not in sampled_token_ids
+            if not r.is_finished
+            and r.num_computed_tokens + n >= r.num_tokens
+            and r.request_id not in sampled_token_ids
         ]
         if need:
             raise ValueError(f"sampled_token_ids lacks a token for requests {need}")
@@ -233,31 +235,18 @@ class Scheduler:
         for request, n in output.scheduled:
             if request.is_finished:  # aborted between schedule() and here
                 continue
-            drafts = output.scheduled_spec_decode_tokens.get(request.request_id, [])
-            for t in spec.advance(request, n, drafts, sampled_token_ids.get(request.request_id, [])):  # [] for a chunk
-                request.append_output_token_id(t)
-                if utils.check_stop(request, self.max_model_len):  # the rest of the tokens are dropped
-                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+            for t in spec.advance(self.kv_cache_manager, request, n, output, sampled_token_ids):
+                request.append_output_token_id(t)  # none for a prefill chunk
+                if utils.check_stop(request, self.max_model_len):
                     self._free_request(request)
                     finished.append(request)
-                    break
-            if not request.is_finished and (drafts or output.num_lookahead_slots.get(request.request_id)):
-                self.kv_cache_manager.trim_slots(request, request.num_computed_tokens)  # rejected + lookahead
+                    break  # NOTE: the tokens after a stop are dropped
         output.finished = finished
         self._in_flight = None
         return finished
 
-    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
-        """The drafts proposed after this step, for the next one (vLLM's name): kept for the
-        running requests that decode (all their tokens but the newest computed)."""
-        for rid, drafts in draft_token_ids.items():
-            r = self.requests.get(rid)
-            if r is not None and r.status == RequestStatus.RUNNING and r.num_computed_tokens == r.num_tokens - 1:
-                self.spec_token_ids[rid] = list(drafts)
-
     def _free_request(self, request: Request) -> None:
         """Forget a finished request: blocks back to the pool, its id to the worker."""
-        self.spec_token_ids.pop(request.request_id, None)
         if request.status != RequestStatus.FINISHED_IGNORED:
             if request in self.running:
                 self.running.remove(request)
@@ -267,7 +256,9 @@ class Scheduler:
             del self.requests[request.request_id]
             self.finished_req_ids.add(request.request_id)
 
-    def finish_requests(self, request_ids, status: RequestStatus, reason: Optional[str] = None) -> list[Request]:
+    def finish_requests(
+        self, request_ids, status: RequestStatus, reason: Optional[str] = None
+    ) -> list[Request]:
         """Finish the named unfinished requests with ``status`` (vLLM's ``finish_requests``:
         aborts, and the stop strings the output processor found); unknown or finished ids
         are ignored, as in vLLM. Returns the requests finished."""
@@ -334,20 +325,27 @@ class Scheduler:
     def check_invariants(self) -> None:
         kv = self.kv_cache_manager
         kv.check_invariants()
-        assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > max_num_seqs {self.max_num_seqs}"
+        assert len(self.running) <= self.max_num_seqs, (
+            f"{len(self.running)} running > max_num_seqs {self.max_num_seqs}"
+        )
         utils.check_output(self._last_output, self.max_num_batched_tokens)
         waiting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        queues = {"waiting": (self.waiting, waiting, True), "running": (self.running, (RequestStatus.RUNNING,), True)}
+        queues = {
+            "waiting": (self.waiting, waiting, True),
+            "running": (self.running, (RequestStatus.RUNNING,), True),
+        }
         utils.check_queues(queues, self.requests)
         assert set(kv.block_tables) == {r.request_id for r in self.running}, (
             f"blocks held by {sorted(kv.block_tables)}, running {sorted(r.request_id for r in self.running)}"
         )
-        in_flight = {} if self._in_flight is None else self._in_flight.num_scheduled_tokens
+        in_flight = spec.slots_in_flight(self._in_flight)  # scheduled + lookahead slots
         for r in self.waiting:
             assert r.num_computed_tokens == 0, f"waiting {r.request_id} has computed tokens"
         for r in self.running:
-            ahead = self._in_flight.num_lookahead_slots.get(r.request_id, 0) if in_flight else 0
-            held, expected = kv.block_tables[r.request_id].num_tokens, r.num_computed_tokens + in_flight.get(r.request_id, 0) + ahead
+            held, expected = (
+                kv.block_tables[r.request_id].num_tokens,
+                r.num_computed_tokens + in_flight.get(r.request_id, 0),
+            )
             assert held == expected, f"running {r.request_id}: slots for {held} tokens, expected {expected}"
             assert in_flight or r.num_computed_tokens < r.num_tokens, f"running {r.request_id} is idle"
         if self.running and self.waiting:

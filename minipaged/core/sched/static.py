@@ -71,7 +71,9 @@ class StaticBatchScheduler(Scheduler):
                 self.running.append(request)
                 out.admitted.append(request)
                 out.new_block_ids.extend(b.block_id for b in new_blocks)
-                out.scheduled_new_reqs.append(utils.new_request_data(request, kv.get_block_ids(request.request_id)))
+                out.scheduled_new_reqs.append(
+                    utils.new_request_data(request, kv.get_block_ids(request.request_id))
+                )
         admitted = set(map(id, out.admitted))
         token_budget = self.max_num_batched_tokens
         for request in self.running:
@@ -80,9 +82,13 @@ class StaticBatchScheduler(Scheduler):
                 continue  # a whole prompt that does not fit this step waits for the next
             out.scheduled.append((request, n))
             if id(request) not in admitted:
-                out.scheduled_cached_reqs.append(CachedRequestData(request.request_id, [], request.num_computed_tokens))
+                out.scheduled_cached_reqs.append(
+                    CachedRequestData(request.request_id, [], request.num_computed_tokens)
+                )
             token_budget -= n
-        self._in_flight = self._last_output = utils.finish_step(out, self.max_num_batched_tokens, self.max_num_seqs)
+        self._in_flight = self._last_output = utils.finish_step(
+            out, self.max_num_batched_tokens, self.max_num_seqs
+        )
         self.num_steps += 1
         return out
 
@@ -91,9 +97,14 @@ class StaticBatchScheduler(Scheduler):
         kv.check_invariants()
         utils.check_output(self._last_output, self.max_num_batched_tokens)
         waiting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        queues = {"waiting": (self.waiting, waiting, True), "running": (self.running, (RequestStatus.RUNNING,), True)}
+        queues = {
+            "waiting": (self.waiting, waiting, True),
+            "running": (self.running, (RequestStatus.RUNNING,), True),
+        }
         utils.check_queues(queues, self.requests)
-        assert set(kv.block_tables) == {r.request_id for r in self.running}, "blocks held by others than the batch"
+        assert set(kv.block_tables) == {r.request_id for r in self.running}, (
+            "blocks held by others than the batch"
+        )
         in_flight = {} if self._in_flight is None else self._in_flight.num_scheduled_tokens
         for r in self.running:
             held = kv.block_tables[r.request_id].num_tokens
