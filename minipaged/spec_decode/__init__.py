@@ -7,16 +7,16 @@
 - ``RejectionSampler`` (``rejection_sampler.py``): one target forward scores every draft;
   greedy acceptance keeps outputs identical to plain greedy decoding, the
   accept-with-min(1, p/q) rule keeps the target's distribution when sampling.
-- ``scheduling.py``: the v1 scheduler's helpers (drafts to schedule, lookahead slots, how
-  far a verified request advances); pure Python, like ``minipaged.core``.
+- the scheduler's side (drafts to schedule, lookahead slots, how far a verified request
+  advances, which slots go back) is ``minipaged/core/sched/spec.py``, pure Python like the
+  rest of ``minipaged.core``; the worker's side is ``minipaged/worker/spec_decode.py``.
 - ``analysis.py``: acceptance replayed offline; when speculation pays (the cost model).
 - ``viz.py``: one request's block table across speculative steps.
 
 Mirrors vLLM ``vllm/v1/spec_decode/`` and ``vllm/v1/sample/rejection_sampler.py``.
 
-NOTE: the names below are imported on first use, so that the torch-free parts
-(``config``, ``scheduling``) can be imported by ``minipaged.config`` and the scheduler
-without importing torch.
+NOTE: the names below are imported on first use, so that ``minipaged.config`` can import
+the torch-free ``config`` without importing torch.
 """
 
 import importlib
