@@ -205,7 +205,11 @@ class EngineConfig:
         spec = self.speculative_config
         if spec is not None:
             spec.verify_budget(self.max_num_batched_tokens)
-            for name, v1 in (("scheduling", "continuous"), ("preemption_mode", "recompute"), ("parallel_sampling", "prefix")):
+            for name, v1 in (
+                ("scheduling", "continuous"),
+                ("preemption_mode", "recompute"),
+                ("parallel_sampling", "prefix"),
+            ):
                 if getattr(self, name) != v1:
                     raise ValueError(
                         f"speculative_config runs on vLLM v1's scheduler ({name}={v1!r}), got {name}={getattr(self, name)!r}"

@@ -63,7 +63,11 @@ class SpecDecodeRunner:
             row += 1 + len(drafts_of.get(rid, ()))
         if row != logits.shape[0]:
             raise RuntimeError(f"{logits.shape[0]} logits rows for {row} sampled positions")
-        sampled = [rid for rid in req_ids if runner.requests[rid].num_computed_tokens >= runner.requests[rid].num_tokens]
+        sampled = [
+            rid
+            for rid in req_ids
+            if runner.requests[rid].num_computed_tokens >= runner.requests[rid].num_tokens
+        ]
         plain = [rid for rid in sampled if rid not in drafts_of]
         verified = [rid for rid in sampled if rid in drafts_of]
         if plain:  # no drafts: the engine's Sampler, exactly as without speculation
@@ -76,7 +80,9 @@ class SpecDecodeRunner:
 
     def _verify(self, runner, logits, verified, drafts_of, first_row, out) -> None:
         reqs = [runner.requests[rid] for rid in verified]
-        rows = [i for rid in verified for i in range(first_row[rid], first_row[rid] + 1 + len(drafts_of[rid]))]
+        rows = [
+            i for rid in verified for i in range(first_row[rid], first_row[rid] + 1 + len(drafts_of[rid]))
+        ]
         seeds = [sample_seed(r.base_seed, len(r.output_token_ids)) for r in reqs]
         qs = None
         if any(rid in self.draft_probs for rid in verified):
@@ -99,7 +105,11 @@ class SpecDecodeRunner:
                 for rid in req_ids
                 if rid in sampled
                 and self.wants_drafts(runner.requests[rid])
-                and (d := self.proposer.propose(runner.requests[rid].prompt_token_ids + runner.requests[rid].output_token_ids))
+                and (
+                    d := self.proposer.propose(
+                        runner.requests[rid].prompt_token_ids + runner.requests[rid].output_token_ids
+                    )
+                )
             }
         seqs, ids = [], []
         for rid in req_ids:
@@ -110,7 +120,11 @@ class SpecDecodeRunner:
             feed_last = rid in sampled and end < capacity  # the new token, if it has a slot
             n = min(self.k, capacity - end) if feed_last and self.wants_drafts(r) else 0
             seed = sample_seed(r.base_seed, len(r.output_token_ids))
-            seqs.append(DraftSeq(list(r.block_ids), starts[rid], tokens[starts[rid] : end + int(feed_last)], n, r, seed))
+            seqs.append(
+                DraftSeq(
+                    list(r.block_ids), starts[rid], tokens[starts[rid] : end + int(feed_last)], n, r, seed
+                )
+            )
             ids.append(rid)
         seqs_ids = [(s, rid) for s, rid in zip(seqs, ids) if s.token_ids]
         drafts, probs = self.proposer.propose([s for s, _ in seqs_ids])

@@ -170,7 +170,9 @@ class KVCacheManager:
         a table always holds ``ceil(num_tokens / block_size)`` blocks."""
         t = self.block_tables.get(_request_id(request))
         if t is None or not 0 < num_tokens <= t.num_tokens:
-            raise ValueError(f"num_tokens must be in [1, {0 if t is None else t.num_tokens}], got {num_tokens!r}")
+            raise ValueError(
+                f"num_tokens must be in [1, {0 if t is None else t.num_tokens}], got {num_tokens!r}"
+            )
         keep = cdiv(num_tokens, self.block_size)
         freed = t.blocks[keep:]
         del t.blocks[keep:]
