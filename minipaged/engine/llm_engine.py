@@ -491,6 +491,37 @@ class LLMEngine:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def fail_step(self, exc: BaseException) -> list[RequestOutput]:
+        """Recover from a ``step()`` that raised ``exc``: every request of the failed step
+        (all the sequences of its caller request, and those it swapped out: their copy may
+        be half made) is finished as "abort" with ``stop_reason`` naming the error, its
+        blocks freed, the scheduler's in-flight step cleared, so the next ``step()`` runs.
+        Returns the outputs of every request this leaves finished (the failed ones, and any
+        the failed step had already finished or refused); the others go on unharmed."""
+        reason = f"engine error: {type(exc).__name__}: {exc}"
+        # NOTE: the step's SchedulerOutput, if schedule() returned and update_from_output()
+        # did not finish; else the failure is traced to the requests of the last step.
+        out = getattr(self.scheduler, "_in_flight", None)
+        suspects = [r.request_id for r in self.scheduler.fail_step(out, reason)]
+        if out is not None:
+            suspects += [r.request_id for r in out.swapped_out]
+        elif self.trace.steps:
+            suspects += list(self.trace.steps[-1].scheduled)
+        for sid in suspects:
+            group = self.seq_to_group.get(sid)
+            for r in [] if group is None else group.seqs:
+                if not r.is_finished:
+                    self.scheduler.abort_request(r.request_id)
+                    r.stop_reason = reason
+        done = []
+        for group in list(self.groups.values()):
+            if group.finished:
+                for r in group.seqs:
+                    self._note_finished(r)
+                done.append(self.make_output(group))
+                self._pop_group(group)
+        return done
+
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
         self.executor.check_invariants()

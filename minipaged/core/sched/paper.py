@@ -493,13 +493,17 @@ class PaperScheduler:
     def abort_request(self, request_id: str) -> None:
         self.finish_requests([request_id], RequestStatus.FINISHED_ABORTED, "aborted")
 
-    def fail_step(self, output: SchedulerOutput, error: str = "engine step failed") -> list[Request]:
-        """As ``Scheduler.fail_step``."""
-        ids = [r.request_id for r, _ in output.scheduled] + [c.request_id for _, c in output.forks]
-        done = self.finish_requests(ids, RequestStatus.FINISHED_ABORTED, f"aborted: {error}")
-        if output is self._in_flight:
-            self._in_flight = None
-        return done
+    def fail_step(
+        self, output: Optional[SchedulerOutput], reason: str = "the engine step failed"
+    ) -> list[Request]:
+        """As ``Scheduler.fail_step`` (the children forked in that step too)."""
+        ids = (
+            []
+            if output is None
+            else [r.request_id for r, _ in output.scheduled] + [c.request_id for _, c in output.forks]
+        )
+        self._in_flight = None
+        return self.finish_requests(ids, RequestStatus.FINISHED_ABORTED, reason)
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

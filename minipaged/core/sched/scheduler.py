@@ -279,14 +279,16 @@ class Scheduler:
         """Finish ``request_id`` with FINISHED_ABORTED and free its blocks (vLLM: abort)."""
         self.finish_requests([request_id], RequestStatus.FINISHED_ABORTED, "aborted")
 
-    def fail_step(self, output: SchedulerOutput, error: str = "engine step failed") -> list[Request]:
-        """The step of ``output`` raised: abort its unfinished requests, free their blocks
-        and clear the in-flight step, so that the next ``schedule()`` works."""
-        ids = [r.request_id for r, _ in output.scheduled]
-        done = self.finish_requests(ids, RequestStatus.FINISHED_ABORTED, f"aborted: {error}")
-        if output is self._in_flight:
-            self._in_flight = None
-        return done
+    def fail_step(
+        self, output: Optional[SchedulerOutput], reason: str = "the engine step failed"
+    ) -> list[Request]:
+        """The step of ``output`` raised (before or inside ``update_from_output``): finish
+        its unfinished requests as FINISHED_ABORTED with ``stop_reason`` = ``reason``, free
+        their blocks and clear the in-flight step, so that ``schedule()`` runs again (vLLM
+        fails every request of a step whose engine core raised). Returns them."""
+        ids = [] if output is None else [r.request_id for r, _ in output.scheduled]
+        self._in_flight = None
+        return self.finish_requests(ids, RequestStatus.FINISHED_ABORTED, reason)
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
