@@ -15,7 +15,7 @@ RMSNorm (with vLLM's fused residual add), neox RoPE and SiLU-and-mul, the ``forw
 Inputs / outputs
     ``paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale)``: the
     decode contract of ``reference.paged_attention_ref`` (q [B, H, D] -> [B, H, D]).
-    ``paged_attention_cpu(...)``: the varlen contract of ``paged_attention_torch``: decode rows
+    ``paged_attention_cpu(...)``: the varlen contract of ``torch_backend.paged_attention_torch``: decode rows
     go to the C kernel, prefill rows to the torch backend's padded SDPA buckets.
     ``reshape_and_cache_cpu(...)``: ``cache_ops.reshape_and_cache`` in C.
     ``rms_norm_cpu``, ``rotary_neox_cpu`` (in place), ``silu_and_mul_cpu``: the small layers.
@@ -50,12 +50,8 @@ from typing import Optional
 
 import torch
 
-from minipaged.kernels.reference import (
-    _check_cache,
-    _default_scale,
-    attend_prefills,
-    build_attn_metadata,
-)
+from minipaged.kernels.reference import _check_cache, _default_scale
+from minipaged.kernels.torch_backend import attend_prefills, build_attn_metadata
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "paged_attention_cpu.c"  # the attention kernel (chapter 03 tours it)

@@ -25,8 +25,11 @@ Invariants
       first layer and keeps the plan on ``inp.attn_metadata`` for the other layers, as vLLM
       builds its attention metadata once per step for all layers.
 
+The backend is chosen once for the engine (``minipaged.kernels.selector.get_attn_backend``) and
+set on every layer by ``PagedCausalLM.use_backend``; ``backend`` is one of its ``ATTENTION_BACKENDS``.
+
 Failure mode
-    An unknown backend raises ``ValueError``; "triton" without Triton installed, or "cpu"
+    "triton" without Triton installed, or "cpu"
     without a C compiler, raises ``RuntimeError`` from ``minipaged.kernels`` when called. A slot mapping or block table
     that points at another sequence's blocks silently mixes sequences: the scheduler and
     ``KVCacheManager`` own that invariant, not this layer.
@@ -39,28 +42,22 @@ from torch import nn
 
 from minipaged import kernels
 from minipaged.kernels import cpu as cpu_kernels
-from minipaged.kernels.reference import build_attn_metadata
+from minipaged.kernels.torch_backend import build_attn_metadata, paged_attention_torch
 from minipaged.model.input import ModelInput
-
-ATTENTION_BACKENDS = ("torch", "triton", "cpu")
 
 
 class PagedAttention(nn.Module):
     """Attention over a paged KV cache. Holds no weights, only the head geometry."""
 
-    def __init__(
-        self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, backend: str = "torch"
-    ):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float):
         super().__init__()
-        if backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
-        self.backend = backend
+        self.backend = "torch"  # set for the whole model by PagedCausalLM.use_backend
 
     def forward(
         self,
@@ -89,7 +86,7 @@ class PagedAttention(nn.Module):
                     self.num_heads * self.head_dim,
                     decodes=not on_cpu,
                 )
-            attend = cpu_kernels.paged_attention_cpu if on_cpu else kernels.paged_attention_torch
+            attend = cpu_kernels.paged_attention_cpu if on_cpu else paged_attention_torch
             return attend(
                 q,
                 k_cache,

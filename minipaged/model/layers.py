@@ -35,7 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minipaged.config import kv_cache_bytes_per_block
 from minipaged.kernels import cpu as cpu_kernels
+from minipaged.kernels.selector import ATTENTION_BACKENDS
 
 LAYER_IMPLS = ("torch", "cpu")
 
@@ -261,9 +263,10 @@ class PagedCausalLM(nn.Module):
         return [(torch.zeros(shape, **kw), torch.zeros(shape, **kw)) for _ in range(self.num_layers)]
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """Bytes one block takes across all layers, keys and values."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+        """Bytes one block takes across all layers, keys and values
+        (``minipaged.config.kv_cache_bytes_per_block`` with this model's shape and dtype)."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return kv_cache_bytes_per_block(self.num_layers, block_size, self.num_kv_heads, self.head_dim, dtype)
 
     def check_invariants(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, (
@@ -278,11 +281,12 @@ class PagedCausalLM(nn.Module):
         assert impls <= want, f"small layers on {sorted(impls)} with attention on {sorted(backends)}"
 
     def use_backend(self, backend: str) -> str:
-        """Switch every layer to ``backend`` ("torch", "triton" or "cpu") after construction:
-        the attention layers, and the layers that have a ``forward_cpu`` (C on "cpu", torch
-        otherwise). Returns the backend it had, to switch back (the profile compares backends
-        on one model this way). The engine never switches; it builds the model for one backend."""
-        from minipaged.model.attention import ATTENTION_BACKENDS, PagedAttention
+        """Set every layer to ``backend`` ("torch", "triton" or "cpu"): the attention layers, and
+        the layers that have a ``forward_cpu`` (C on "cpu", torch otherwise). The loader calls it
+        once with the engine's backend (``minipaged.kernels.selector.get_attn_backend`` chose it);
+        models are built on "torch". Returns the backend it had, to switch back (the profile
+        compares backends on one model this way)."""
+        from minipaged.model.attention import PagedAttention
 
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
