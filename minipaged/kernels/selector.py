@@ -42,7 +42,9 @@ TRITON_MAX_BLOCK_SIZE = 256  # what the Triton kernel addresses (paged_attention
 
 
 def _triton_block_size_ok(block_size) -> bool:
-    return block_size is None or (1 <= block_size <= TRITON_MAX_BLOCK_SIZE and not block_size & (block_size - 1))
+    return block_size is None or (
+        1 <= block_size <= TRITON_MAX_BLOCK_SIZE and not block_size & (block_size - 1)
+    )
 
 
 def _cuda_capability(device: str):
