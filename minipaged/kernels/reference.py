@@ -32,9 +32,12 @@ Invariants
       ``0 .. seq_lens[b] - q_len + j`` (causal, aligned bottom-right).
     - ``scale`` defaults to ``1 / sqrt(head_dim)``. Low-precision inputs are computed in
       fp32 and cast back to ``q.dtype``.
+    - A quantized cache (int8 or float8_e4m3fn, ``quant.py``) is read as ``stored * k_scale``
+      (keys) and ``stored * v_scale`` (values), in fp32: the *dequantized reference* every
+      backend's quantized path is tested against.
 
 Failure mode
-    Inconsistent shapes raise ``ValueError`` naming the argument. Values are not checked
+    Inconsistent shapes, or a bad ``k_scale`` / ``v_scale``, raise ``ValueError`` naming the argument. Values are not checked
     (that would need a device sync): a block table entry outside the cache raises torch's
     ``IndexError``; a sequence with ``seq_lens[b] < q_len`` is the caller's bug.
 
@@ -50,6 +53,8 @@ import math
 from typing import Optional
 
 import torch
+
+from minipaged.kernels.quant import check_kv_scales, dequantize, is_quantized
 
 
 def _default_scale(head_dim: int, scale: Optional[float]) -> float:
@@ -76,15 +81,23 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
 
 
 def _gather_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V of one sequence as contiguous tensors, read token by token through its table."""
+    """K/V of one sequence as contiguous tensors, read token by token through its table
+    (dequantized to fp32 when the cache is quantized)."""
     block_size = k_cache.shape[1]
     positions = torch.arange(seq_len, device=k_cache.device)  # [L]
     block_ids = block_table.long()[positions // block_size]  # [L] physical block of each token
     offsets = positions % block_size  # [L] slot inside that block
     k = k_cache[block_ids, offsets]  # [L, KVH, D]
     v = v_cache[block_ids, offsets]  # [L, KVH, D]
+    if is_quantized(k_cache.dtype):
+        return dequantize(k, k_scale), dequantize(v, v_scale)  # [L, KVH, D] fp32 each
     return k, v
 
 
@@ -139,13 +152,18 @@ def paged_attention_ref(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: Optional[float] = None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Decode attention through block tables, one sequence at a time (readable, slow).
 
     q [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim]. The single query
     of sequence ``b`` is its newest token and attends to all ``seq_lens[b]`` cached tokens.
+    ``k_scale`` / ``v_scale``: the scales of a quantized cache (``quant.py``).
     """
     _check_cache(q, k_cache, v_cache)
+    check_kv_scales("paged_attention_ref", k_cache, k_scale, v_scale)
     num_seqs = q.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}")
@@ -154,7 +172,7 @@ def paged_attention_ref(
     out = torch.empty_like(q)  # [B, H, D]
     for b in range(num_seqs):
         seq_len = int(seq_lens[b])
-        k, v = _gather_kv(k_cache, v_cache, block_tables[b], seq_len)  # [L, KVH, D] each
+        k, v = _gather_kv(k_cache, v_cache, block_tables[b], seq_len, k_scale, v_scale)  # [L, KVH, D]
         out[b] = contiguous_attention(q[b : b + 1], k, v, causal=False, scale=scale)[0]
     return out
 
@@ -167,6 +185,9 @@ def paged_attention_prefill_ref(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: Optional[float] = None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal varlen attention through block tables over a cached prefix (readable, slow).
 
@@ -175,6 +196,7 @@ def paged_attention_prefill_ref(
     its ``seq_lens[b]`` tokens. Decode rows (``q_len == 1``) are a special case.
     """
     _check_cache(q, k_cache, v_cache)
+    check_kv_scales("paged_attention_prefill_ref", k_cache, k_scale, v_scale)
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if num_seqs < 0 or cu_seqlens_q.shape != (num_seqs + 1,):
         raise ValueError(
@@ -189,6 +211,6 @@ def paged_attention_prefill_ref(
         if end == start:
             continue
         seq_len = int(seq_lens[b])
-        k, v = _gather_kv(k_cache, v_cache, block_tables[b], seq_len)  # [L, KVH, D] each
+        k, v = _gather_kv(k_cache, v_cache, block_tables[b], seq_len, k_scale, v_scale)  # [L, KVH, D]
         out[start:end] = contiguous_attention(q[start:end], k, v, causal=True, scale=scale)
     return out

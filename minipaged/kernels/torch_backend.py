@@ -35,10 +35,18 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from minipaged.kernels.quant import check_kv_scales, is_quantized
 from minipaged.kernels.reference import _check_cache, _default_scale
 
 
-def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks_used: int) -> torch.Tensor:
+def _as_float(kv: torch.Tensor, scale: float) -> torch.Tensor:
+    """Gathered cache rows in fp32: dequantized (``stored * scale``) when the cache is quantized."""
+    return kv.float() * scale if is_quantized(kv.dtype) else kv.float()
+
+
+def _gather_blocks(
+    cache: torch.Tensor, block_tables: torch.Tensor, num_blocks_used: int, scale: float = 1.0
+) -> torch.Tensor:
     """All sequences' K (or V) at once: [B, max_blocks] ids -> [B, KVH, nb * block_size, D] fp32."""
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, head_dim = cache.shape
@@ -47,7 +55,7 @@ def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks_u
     # ``cache[table]`` (advanced indexing); the values are the same.
     kv = cache.flatten(1).index_select(0, table)  # [B * nb, block_size * KVH * D]
     kv = kv.view(num_seqs, num_blocks_used * block_size, num_kv_heads, head_dim)  # [B, Lk, KVH, D]
-    return kv.transpose(1, 2).float()  # [B, KVH, Lk, D]
+    return _as_float(kv.transpose(1, 2), scale)  # [B, KVH, Lk, D]
 
 
 def _sdpa_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float):
@@ -167,6 +175,8 @@ def paged_attention_torch(
     max_seq_len: int,
     scale: Optional[float] = None,
     metadata: Optional[TorchAttnMetadata] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Vectorized paged attention for a whole batch (decode, prefill or both), in torch.
 
@@ -179,9 +189,11 @@ def paged_attention_torch(
     of its own sequence only, packed (no padding to the longest sequence), and merges the
     per-block softmaxes. Prefill rows: per bucket of similar lengths, gather the blocks,
     pad the query rows, one masked SDPA call (``_paged_attention_padded``); decode rows and
-    prefill rows never share a call. Computed in fp32, returned in ``q.dtype``.
+    prefill rows never share a call. Computed in fp32, returned in ``q.dtype``. A quantized
+    cache is dequantized as it is gathered (``k_scale`` / ``v_scale``, ``quant.py``).
     """
     _check_cache(q, k_cache, v_cache)
+    check_kv_scales("paged_attention_torch", k_cache, k_scale, v_scale)
     num_seqs = seq_lens.shape[0]
     if cu_seqlens_q.shape != (num_seqs + 1,):
         raise ValueError(f"cu_seqlens_q must be [{num_seqs + 1}], got {tuple(cu_seqlens_q.shape)}")
@@ -199,16 +211,18 @@ def paged_attention_torch(
         raise ValueError("metadata was planned without decodes (decodes=False); plan it with decodes=True")
     rows = metadata.decode_rows
     if rows is None:  # a decode-only step: every row is a decode, in order
-        return _decode_split_kv(q, k_cache, v_cache, metadata, scale).to(q.dtype)  # [B, H, D]
+        return _decode_split_kv(q, k_cache, v_cache, metadata, scale, k_scale, v_scale).to(q.dtype)
 
     out = torch.empty_like(q)  # [T, H, D]
     if rows.shape[0] > 0:
-        out[rows] = _decode_split_kv(q[rows], k_cache, v_cache, metadata, scale).to(q.dtype)
-    attend_prefills(q, k_cache, v_cache, block_tables, seq_lens, metadata, scale, out)
+        out[rows] = _decode_split_kv(q[rows], k_cache, v_cache, metadata, scale, k_scale, v_scale).to(q.dtype)
+    attend_prefills(q, k_cache, v_cache, block_tables, seq_lens, metadata, scale, out, k_scale, v_scale)
     return out
 
 
-def attend_prefills(q, k_cache, v_cache, block_tables, seq_lens, metadata, scale, out) -> None:
+def attend_prefills(
+    q, k_cache, v_cache, block_tables, seq_lens, metadata, scale, out, k_scale=1.0, v_scale=1.0
+) -> None:
     """Write the prefill rows of ``out`` (q_len > 1): one padded, masked SDPA call per
     bucket of ``metadata.prefill_buckets`` (``_paged_attention_padded``)."""
     for rows_t, idx, bucket_cu, bucket_max_q, bucket_max_seq in metadata.prefill_buckets:
@@ -222,10 +236,14 @@ def attend_prefills(q, k_cache, v_cache, block_tables, seq_lens, metadata, scale
             bucket_max_q,
             bucket_max_seq,
             scale,
+            k_scale,
+            v_scale,
         )  # [t, H, D]
 
 
-def _decode_split_kv(q, k_cache, v_cache, meta: TorchAttnMetadata, scale: float) -> torch.Tensor:
+def _decode_split_kv(
+    q, k_cache, v_cache, meta: TorchAttnMetadata, scale: float, k_scale: float = 1.0, v_scale: float = 1.0
+) -> torch.Tensor:
     """Decode attention over every decode sequence's blocks at once, block by block.
 
     q [Bd, H, D] (one query per sequence) -> [Bd, H, D] fp32. Split-KV, as in the Triton
@@ -241,18 +259,14 @@ def _decode_split_kv(q, k_cache, v_cache, meta: TorchAttnMetadata, scale: float)
     seq = meta.seq_of_block  # [NB]
 
     # 1. Gather each pair's block: whole blocks, a plain row copy each.
-    k = (
-        k_cache.flatten(1)
-        .index_select(0, meta.block_ids)
-        .view(nb, block_size, num_kv_heads, head_dim)
-        .float()
-    )
-    v = (
-        v_cache.flatten(1)
-        .index_select(0, meta.block_ids)
-        .view(nb, block_size, num_kv_heads, head_dim)
-        .float()
-    )
+    k = _as_float(
+        k_cache.flatten(1).index_select(0, meta.block_ids).view(nb, block_size, num_kv_heads, head_dim),
+        k_scale,
+    )  # [NB, bs, KVH, D] fp32
+    v = _as_float(
+        v_cache.flatten(1).index_select(0, meta.block_ids).view(nb, block_size, num_kv_heads, head_dim),
+        v_scale,
+    )  # [NB, bs, KVH, D] fp32
     # 2. Each pair's query, kv-head major: the G query heads of a kv head are G rows (GQA).
     qb = (
         q.float().reshape(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).index_select(1, seq)
@@ -334,7 +348,7 @@ def _split_bucket(bucket: list[int], q_lens: list[int], keys: list[int], cost: i
 
 
 def _paged_attention_padded(
-    q, k_cache, v_cache, block_tables, cu, seq_lens, max_query_len, max_seq_len, scale
+    q, k_cache, v_cache, block_tables, cu, seq_lens, max_query_len, max_seq_len, scale, k_scale, v_scale
 ):
     """The body of ``paged_attention_torch``: pad queries, one masked SDPA, unpad."""
     total_q, num_heads, head_dim = q.shape
@@ -344,8 +358,8 @@ def _paged_attention_padded(
     kv_len = num_blocks_used * block_size
 
     # 1. Gather K/V through the block tables.
-    k = _gather_blocks(k_cache, block_tables, num_blocks_used)  # [B, KVH, Lk, D]
-    v = _gather_blocks(v_cache, block_tables, num_blocks_used)  # [B, KVH, Lk, D]
+    k = _gather_blocks(k_cache, block_tables, num_blocks_used, k_scale)  # [B, KVH, Lk, D]
+    v = _gather_blocks(v_cache, block_tables, num_blocks_used, v_scale)  # [B, KVH, Lk, D]
 
     # 2. Pad the packed query rows: row j of sequence b is q[cu[b] + j] when j < q_len[b].
     seq_lens_l = seq_lens.to(device=device, dtype=torch.long)  # [B]
