@@ -40,6 +40,8 @@ PARALLEL_SAMPLING = ("prefix", "fork")
 SCHEDULING_POLICIES = ("continuous", "static")
 DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# bytes per cached element for each kv_cache_dtype (None: the model dtype's), vLLM's names
+KV_CACHE_BYTES = {"auto": None, "fp8": 1, "fp8_e4m3": 1, "int8": 1}
 DEFAULT_KV_CACHE_MEMORY = 64 * 1024 * 1024  # 64 MiB: ample for the course model on a CPU
 
 
@@ -116,6 +118,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     scheduling: str = "continuous"
     attention_backend: str = "torch"
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "fp8" (= "fp8_e4m3") or "int8"
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
@@ -134,7 +137,9 @@ class EngineConfig:
         (``minipaged.kernels.selector.get_attn_backend``: the one place a backend is chosen)."""
         from minipaged.kernels.selector import get_attn_backend
 
-        return get_attn_backend(self.attention_backend, self.device, self.dtype, "auto", self.block_size)
+        return get_attn_backend(
+            self.attention_backend, self.device, self.dtype, self.kv_cache_dtype, self.block_size
+        )
 
     def check_invariants(self) -> None:
         """Validate every field; ``ValueError`` names the first bad argument."""
@@ -167,6 +172,10 @@ class EngineConfig:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if not isinstance(self.attention_backend, str):
             raise ValueError(f"attention_backend must be a string, got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_BYTES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {tuple(KV_CACHE_BYTES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.attention_backend != "auto":
             self._attn_backend()  # ValueError for a backend that cannot run here
 
@@ -230,7 +239,18 @@ class EngineConfig:
 
 
 def kv_cache_bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: str,
+    kv_cache_dtype: str = "auto",
 ) -> int:
-    """Bytes of one block across all layers, K and V: 2 * L * bs * H_kv * D * bytes."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * DTYPE_BYTES[dtype]
+    """Bytes of one block across all layers, K and V: 2 * L * bs * H_kv * D * bytes, with the
+    bytes of ``kv_cache_dtype`` (1 for "fp8" / "int8"; the model ``dtype``'s for "auto"). The one
+    place a block's size is computed (the engine, the model and the benchmarks call it). The
+    per-layer scales of a quantized cache are two floats per layer, not per block: not counted."""
+    if kv_cache_dtype not in KV_CACHE_BYTES:
+        raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_BYTES)}, got {kv_cache_dtype!r}")
+    elem = KV_CACHE_BYTES[kv_cache_dtype] or DTYPE_BYTES[dtype]
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem

@@ -52,6 +52,7 @@ class ModelRunner:
         block_size: int,
         num_cpu_blocks: int = 0,
         device: str = "cpu",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model
         self.num_blocks = num_blocks
@@ -59,7 +60,12 @@ class ModelRunner:
         self.num_cpu_blocks = num_cpu_blocks
         self.device = torch.device(device)
         # Per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
-        self.kv_caches = model.allocate_kv_caches(num_blocks, block_size)
+        # An int8 / fp8 cache (kv_cache_dtype) is allocated in 8 bits, its scales calibrated first.
+        self.kv_caches = (
+            model.allocate_kv_caches(num_blocks, block_size)
+            if kv_cache_dtype == "auto"
+            else model.allocate_kv_caches(num_blocks, block_size, kv_cache_dtype)
+        )
         self.cpu_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         if num_cpu_blocks > 0:
             pin = self.device.type == "cuda"

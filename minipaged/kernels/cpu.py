@@ -274,7 +274,9 @@ def paged_attention_cpu(
     rows in the torch backend's padded SDPA buckets. ``metadata``: ``build_attn_metadata(...,
     decodes=False)`` for this step, built here when None."""
     if max_query_len == 1:  # decode only: every row is its sequence's one query
-        return paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+        return paged_attention_decode_cpu(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
+        )
     scale = _default_scale(q.shape[2], scale)
     if metadata is None:
         metadata = build_attn_metadata(

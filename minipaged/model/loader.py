@@ -44,7 +44,7 @@ import torch
 
 from minipaged.kernels.selector import ATTENTION_BACKENDS
 from minipaged.model.gpt2 import GPT2LMHeadModel
-from minipaged.model.layers import PagedCausalLM, resolve_dtype
+from minipaged.model.layers import CALIBRATION_TEXT, PagedCausalLM, resolve_dtype
 from minipaged.model.llama import LlamaForCausalLM
 
 COURSE_MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "course_model"
@@ -222,4 +222,5 @@ def load_model(
     tokenizer = None
     if not os.path.isdir(src) or any(os.path.isfile(os.path.join(src, f)) for f in _TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(src)
+        paged.calibration_ids = tokenizer(CALIBRATION_TEXT)["input_ids"]  # for an int8 / fp8 KV cache
     return paged, tokenizer
