@@ -2,7 +2,7 @@
 the same KV budget in fp32 / bf16 / fp8 / int8.
 
     python benchmarks/kv_cache_dtype.py [--prompts 16] [--max-tokens 32] [--stories 40]
-                                        [--budget-kib 512] [--requests 32] [--backend torch]
+                                        [--budget-kib 512] [--requests 32] [--backend torch] [--threads 1]
 
 Prints, per kv_cache_dtype (the model in fp32): greedy agreement with transformers over a prompt
 set (prompts: the first 8 tokens of held-out stories of the course corpus; the share of
@@ -16,6 +16,8 @@ format of the cache; every matmul still runs in the model dtype.
 from __future__ import annotations
 
 import argparse
+
+import torch
 
 from minipaged import LLM
 from minipaged.bench.kv_quant import greedy_agreement, held_out_stories, hf_greedy, perplexity, same_budget
@@ -33,7 +35,10 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-kib", type=int, default=512, help="KV budget of the same-budget run")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--backend", default="torch", help="attention backend of the accuracy runs")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     model, tok = load_model(attention_backend=args.backend)
     stories = held_out_stories(args.stories + args.prompts)

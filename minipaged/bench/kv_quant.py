@@ -83,8 +83,15 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list
     """transformers' greedy continuation of each prompt, fp32, ``max_tokens`` tokens past any EOS
     (a plain argmax loop over the full sequence, no KV cache at all): the reference."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # NOTE: no progress bar in a notebook's output
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
     out = []
     for p in prompts:
         ids = list(p)
