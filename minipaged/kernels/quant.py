@@ -53,11 +53,11 @@ import math
 
 import torch
 
-from minipaged.kernels.selector import KV_CACHE_DTYPES
-
 # The largest level of each 8-bit cache dtype (symmetric: int8 leaves -128 unused).
 QUANT_MAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 KV_CACHE_TORCH_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
+# vLLM's names: "auto" = the model dtype; "fp8" is an alias of "fp8_e4m3" (what vLLM's "fp8" means)
+KV_CACHE_DTYPES = ("auto", *KV_CACHE_TORCH_DTYPES)
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

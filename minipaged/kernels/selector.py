@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import importlib.util
 
+from minipaged.kernels.quant import KV_CACHE_DTYPES
+
 ATTENTION_BACKENDS = ("torch", "triton", "cpu")
-# vLLM's names: "auto" = the model dtype; "fp8" is an alias of "fp8_e4m3" (what vLLM's "fp8" means)
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 TRITON_MAX_BLOCK_SIZE = 256  # what the Triton kernel addresses (paged_attention.py, _check_common)
 
 

@@ -251,3 +251,21 @@ def test_bad_kv_cache_dtype_and_scales_raise_value_errors_naming_them(monkeypatc
         selector.get_attn_backend("triton", "cuda", "bfloat16", "fp8")
     assert selector.get_attn_backend("auto", "cuda", "bfloat16", "fp8") == "torch"
     assert selector.get_attn_backend("auto", "cuda", "bfloat16", "int8") == "triton"
+
+
+@needs_cc
+@pytest.mark.parametrize("kd", ["fp8", "int8"])
+def test_torch_and_cpu_backends_generate_the_same_greedy_tokens_on_a_quantized_cache(kd):
+    """End to end through the engine: the two CPU backends read the same 8-bit cache alike."""
+    from minipaged import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    prompts = ["Once upon a time", "Tom had a red ball."]
+    outs = {
+        be: [
+            o.outputs[0].token_ids
+            for o in LLM(kv_cache_dtype=kd, attention_backend=be).generate(prompts, params)
+        ]
+        for be in ("torch", "cpu")
+    }
+    assert outs["torch"] == outs["cpu"] and all(len(t) == 12 for t in outs["torch"])
