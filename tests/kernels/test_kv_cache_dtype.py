@@ -210,7 +210,7 @@ def test_llm_allocates_the_cache_in_the_dtype_with_calibrated_scales(kd):
 
     llm = LLM(kv_cache_dtype=kd, num_blocks=8)
     engine = llm.llm_engine
-    k_cache = engine.model_runner.kv_caches[0][0]
+    k_cache = engine.executor.model_runner.kv_caches[0][0]
     assert k_cache.dtype == kv_cache_torch_dtype(kd, torch.float32) and k_cache.element_size() == 1
     assert engine.bytes_per_block * 4 == kv_cache_bytes_per_block(
         engine.model.num_layers, 16, engine.model.num_kv_heads, engine.model.head_dim, "float32"
