@@ -146,13 +146,23 @@ class LLMEngine:
         self.eos_token_ids: list[int] = [int(e) for e in eos]
         self.max_model_len = self._resolve_max_model_len(config, model)
         self.bytes_per_block = kv_cache_bytes_per_block(
-            model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, config.dtype
+            model.num_layers,
+            config.block_size,
+            model.num_kv_heads,
+            model.head_dim,
+            config.dtype,
+            config.kv_cache_dtype,
         )
         self.num_blocks = config.num_blocks_for(self.bytes_per_block)
         self.num_cpu_blocks = config.cpu_blocks_for(self.num_blocks)
         self.scheduler = self._make_scheduler()
         self.executor = UniProcExecutor(
-            model, self.num_blocks, config.block_size, self.num_cpu_blocks, config.device
+            model,
+            self.num_blocks,
+            config.block_size,
+            self.num_cpu_blocks,
+            config.device,
+            config.kv_cache_dtype,
         )
         self.output_processor = OutputProcessor(tokenizer)  # text, stop strings, logprobs
         self.groups: dict[str, _RequestGroup] = {}  # unfinished caller requests
