@@ -89,5 +89,10 @@ def test_chapter_prints_no_exercise_body(chapter):
     outs = stored_outputs(os.path.join(REPO, "notebooks", chapter))
     bodies = {f"{ex} ({p})": body(resolve(p)) for ex, ps in EXERCISE_BODIES.items() for p in ps}
     bodies.update({f"solution of {k}": v for k, v in solution_blocks().items()})
-    found = [f"cell {i} prints the body of {name}" for i, text in outs for name, b in bodies.items() if contains(text, b)]
+    found = [
+        f"cell {i} prints the body of {name}"
+        for i, text in outs
+        for name, b in bodies.items()
+        if contains(text, b)
+    ]
     assert not found, f"{chapter}: " + "; ".join(found)

@@ -29,7 +29,10 @@ import textwrap
 # ("module:qualname"). The chapters show these by contract only.
 EXERCISE_BODIES: dict[str, tuple[str, ...]] = {
     "ex2.3": ("minipaged.core.kv.kv_cache_manager:KVCacheManager.allocate_slots",),
-    "ex2.4": ("minipaged.core.kv.block_table:BlockTable.slot", "minipaged.core.kv.block_table:BlockTable.slot_mapping"),
+    "ex2.4": (
+        "minipaged.core.kv.block_table:BlockTable.slot",
+        "minipaged.core.kv.block_table:BlockTable.slot_mapping",
+    ),
     "ex3.2": ("minipaged.kernels.reference:paged_attention_ref",),
     "ex3.3": ("minipaged.kernels.paged_attention:_attend_kv_range",),
     "ex3.4": ("minipaged.kernels.paged_attention:_paged_attention_reduce_kernel",),
@@ -94,7 +97,9 @@ def kernel_pseudocode(fn) -> str:
     """The pseudocode block of a kernel's docstring (after ``Pseudocode::``), dedented."""
     doc = inspect.getdoc(_python_fn(fn)) or ""
     if "Pseudocode::" not in doc:
-        raise ValueError(f"fn: {getattr(fn, '__qualname__', fn)!r} has no 'Pseudocode::' block in its docstring")
+        raise ValueError(
+            f"fn: {getattr(fn, '__qualname__', fn)!r} has no 'Pseudocode::' block in its docstring"
+        )
     head, pseudo = doc.split("Pseudocode::", 1)
     return head.strip() + "\n\npseudocode:\n" + textwrap.dedent(pseudo).strip("\n")
 
