@@ -369,17 +369,16 @@ def draw_timeline(
     if cursor is not None:
         for a in (ax_s, ax_t):
             a.axvspan(cursor - 0.5, cursor + 0.5, color=palette.BLACK, alpha=0.12, zorder=0, linewidth=0)
-        # NOTE: on a narrow column an outline would cover the cell it marks, so the
-        # frame then spans a few columns around it and stays thin.
-        pad = 0 if cw >= 8 else math.ceil(2.5 / max(cw, 0.1))
+        # NOTE: the frame is exactly the step's column; on a narrow column a thick outline
+        # would cover the cells it marks, so its line thins with the column (cw points wide).
         ax.add_patch(
             Rectangle(
-                (cursor - 0.5 - pad, -0.5),
-                1 + 2 * pad,
+                (cursor - 0.5, -0.5),
+                1,
                 R,
                 fill=False,
                 edgecolor=palette.BLACK,
-                linewidth=2.0 if pad == 0 else 1.0,
+                linewidth=2.0 if cw >= 8 else max(0.5, min(1.5, cw / 5)),
                 clip_on=False,
             )
         )
@@ -433,7 +432,8 @@ def timeline(trace: EngineTrace, *, cursor: Optional[int] = None, managed: bool 
         fig = _draw.new_figure(figure_size(trace), managed=managed)
         draw_timeline(fig, trace, cursor=cursor, cells=cells)
         fig.suptitle(
-            f"Active sequences per engine step ({len(cells.order)} requests, {cells.num_steps} steps)",
+            f"Active sequences per engine step ({_draw.plural(len(cells.order), 'request')}, "
+            f"{_draw.plural(cells.num_steps, 'step')})",
             x=0.01,
             ha="left",
             fontsize=11,

@@ -120,12 +120,14 @@ m.check_invariants()
 """)
 
 md(r"""
-The same picture as a figure: `x2` marks a block with `ref_cnt` 2, the thick edge the block
-just allocated.
+The same picture as a figure, at the copy-on-write moment: `x2` marks a block with
+`ref_cnt` 2, the thick edge the block just allocated, and the arrow the copy the engine
+does before the model writes B's token (block 1, A's and until now B's, into B's new
+block 2):
 """)
 
 code(r"""
-fig = viz.block_tables(m, new_block_ids=[2])
+fig = viz.block_tables(m, new_block_ids=[2], copies=copies)
 plt.show()
 plt.close(fig)
 """)

@@ -56,15 +56,19 @@ def stats(trace):
 """)
 
 md(r"""
-## 1. Admission: whole prompt + watermark (v0) vs first chunk (v1)
+## 1. Admission: whole prompt + watermark (v0) vs `scheduler_reserve_full_isl` (v1)
 
 The paper's scheduler admits a waiting request only when the blocks for its whole prompt
-fit and a watermark of the pool stays free (v0 `BlockSpaceManager.can_allocate`). v1 admits
-a request when the blocks for the chunk it computes *this step* are free
-(`KVCacheManager.allocate_slots` on that chunk). v1's rule starts work sooner; with long
-prompts and a tight pool it can start prefills the pool cannot finish, and the preemptions
-that follow throw the chunks away (chapter 05, section 5a). Eight 40-token prompts,
-16 output tokens each, a budget of 32 tokens per step, 20 blocks of 4:
+fit and a watermark of the pool stays free (v0 `BlockSpaceManager.can_allocate`, 1 % by
+default). v1 names its rule by one setting. With `scheduler_reserve_full_isl=True`, vLLM's
+default, a request is admitted only when the blocks for its whole sequence are free,
+although only its first chunk runs this step (`allocate_slots(...,
+full_sequence_must_fit=True)`). With `False` it is admitted as soon as the blocks for the
+chunk it computes *this step* are free. The second rule starts work sooner; with long
+prompts and a tight pool it starts prefills the pool cannot finish, and the preemptions
+that follow throw the chunks away (chapter 05, section 5a): that over-admission is why the
+first is the default. Eight 40-token prompts, 16 output tokens each, a budget of 32 tokens
+per step, 20 blocks of 4:
 """)
 
 code(r"""
@@ -72,20 +76,23 @@ def long_prompts():
     return [make(f"r{i}", 40, 16) for i in range(8)]
 
 
-print(f"{'admission':28s}{'steps':>6s}{'computed':>10s}{'recomputed':>12s}{'preemptions':>13s}")
-for label, wm in (("v0: whole prompt, watermark", 0.05), ("v1: first chunk", None)):
+print(f"{'admission':42s}{'steps':>6s}{'computed':>10s}{'recomputed':>12s}{'preemptions':>13s}")
+for label, wm in (("v0: whole prompt, watermark 5%", 0.05),
+                  ("v1: reserve_full_isl=True (the default)", 0.0),
+                  ("v1: reserve_full_isl=False (first chunk)", None)):
     s = EngineScheduler(num_blocks=20, block_size=4, max_num_batched_tokens=32, watermark=wm)
     t = run_scheduler(s, long_prompts(), fake_model)
     computed, recomputed, preemptions, _ = stats(t)
-    print(f"{label:28s}{len(t):6d}{computed:10d}{recomputed:12d}{preemptions:13d}")
+    print(f"{label:42s}{len(t):6d}{computed:10d}{recomputed:12d}{preemptions:13d}")
 """)
 
 md(r"""
-Same steps, and v1's rule recomputes more than twice the tokens it needs. v1's rule starts
-work as soon as any memory is free and needs no tuning knob; it pays only when the pool is
-tight for the prompts in flight, and with prefix caching on a re-admitted request finds its
-full prompt blocks still cached unless they were evicted in between. minipaged keeps v0's
-watermark as its default because the course runs small pools.
+First-chunk admission recomputes more than twice the tokens it needs; reserving the whole
+sequence recomputes fewer, and the watermark on top none. First-chunk admission pays only
+when the pool is tight for the prompts in flight, and with prefix caching on a re-admitted
+request finds its full prompt blocks still cached unless they were evicted in between; but
+a serving engine cannot know when its pool is tight, so vLLM reserves by default.
+minipaged keeps a 5 % watermark as its default because the course runs small pools.
 
 ## 2. Preemption: swap or recompute, and who is the victim
 
@@ -114,11 +121,12 @@ is fast (many tokens per forward pass). v1 chose recompute for simplicity: no CP
 pool, no swap queue, one less state per request.
 
 **The victim.** v0 preempts the *latest-arrived* running sequence group (lowest FCFS
-priority). v1 preempts `self.running.pop()`, the last of `running`, which it keeps in
-*scheduling* order: a request that resumes after a preemption is appended at the end and is
-the next victim, whatever its arrival. minipaged keeps `running` in arrival order, so its
-"last of running" is always the latest arrival and the two rules coincide here; in vLLM
-they differ only once a preempted request has resumed. In the run above the victims were:
+priority). v1 preempts `self.running.pop()`, the last of `running`. Under FCFS these are
+the same request: a preempted request goes back to the front of `waiting`, nothing
+overtakes it, so `running` stays in arrival order (chapter 05 checks it on 200 random
+workloads: zero preemptions where the two rules differ). They differ under priority
+scheduling (`policy="priority"`), where v1 preempts the least important running request,
+`max(running, key=(priority, arrival_time))`. In the run above the victims were:
 """)
 
 code(r"""
@@ -138,8 +146,9 @@ whole. vLLM v1 has no such distinction: a request is just "`num_computed_tokens`
 `num_tokens` in total", and every step gives each scheduled request
 `min(num_tokens - num_computed_tokens, budget left)` tokens from **one** budget,
 `max_num_batched_tokens`. A long prompt is thereby split into chunks that ride along with
-the running decodes, and chunked prefill is always on. Four decoding requests; a 100-token
-prompt arrives at step 5:
+the running decodes. Chunked prefill is on by default (`enable_chunked_prefill=True`); v1
+still has the switch, and with it off a prompt must fit the budget whole. Four decoding
+requests; a 100-token prompt arrives at step 5:
 """)
 
 code(r"""
@@ -294,9 +303,11 @@ md(r"""
 
 ## Recap
 
-* v1 keeps the paper's two ideas and simplifies the policies: first-chunk admission,
-  recompute only, one token budget with chunked prefill always on, `n > 1` as child
-  requests over the prefix cache, prefix caching on by default.
+* v1 keeps the paper's two ideas and simplifies the policies: admission named by
+  `scheduler_reserve_full_isl` (default `True`, the whole sequence must fit, against the
+  thrash of first-chunk admission), recompute only (the victim, the last of `running`, is
+  the paper's latest arrival under FCFS), one token budget with chunked prefill on by
+  default, `n > 1` as child requests over the prefix cache, prefix caching on by default.
 * Each change was measured above on the same workload as its v0 counterpart: what it costs
   (recomputed tokens, a few tail tokens per child) and what it saves (a CPU pool, a
   copy-on-write path, steps that mix prefill and decode).
