@@ -78,7 +78,10 @@ def _names(snap: BlockSnapshot) -> dict[str, str]:
 def _row_name(snap: BlockSnapshot, rid: str, names: dict[str, str]) -> str:
     if rid in snap.row_names:
         return snap.row_names[rid]
-    return f"{rid} ({names[rid]})" if names[rid] != rid else rid
+    if names[rid] == rid:
+        return rid
+    # NOTE: a long id (a server's uuid) would crowd the panel: its short name alone
+    return f"{rid} ({names[rid]})" if len(rid) <= 12 else names[rid]
 
 
 def block_tables_text(source, step: Optional[int] = None, *, columns: int = 8, **kwargs) -> str:

@@ -33,7 +33,9 @@ md("## Setup")
 code(r"""
 import math
 
-from minipaged import SamplingParams
+import matplotlib.pyplot as plt
+
+from minipaged import SamplingParams, viz
 from minipaged.core import EngineScheduler, Request
 from minipaged.trace import run_scheduler
 
@@ -53,6 +55,57 @@ def stats(trace):
     preemptions = sum(len(st.preempted_ids) for st in trace.steps)
     peak = trace.num_blocks - min(st.num_free_blocks for st in trace.steps)
     return computed, computed - useful, preemptions, peak
+
+
+def side_by_side(traces):
+    # each pair's timelines on one step axis
+    fig = viz.timelines(traces)
+    plt.show()
+    plt.close(fig)
+""")
+
+md(r"""
+## 0. The two schedulers
+
+Every pair below runs the same requests through two loops. Their contracts:
+
+**Contract card · the paper's scheduler (vLLM v0)** (`EngineScheduler` with the paper's
+layers: `core/sched/admission.py`, `swap.py`, `groups.py`; vLLM v0 `vllm/core/scheduler.py`,
+`vllm/core/block_manager.py`)
+
+| | |
+|---|---|
+| **inputs** | sequence groups (a request, or its `n` samples / beams) arriving over time; `max_num_seqs`, `max_num_batched_tokens`, a device pool and a CPU pool of blocks, `watermark`, `preemption_mode` (`"recompute"` or `"swap"`) |
+| **outputs** | per step a `SchedulerOutput`: the groups that run and their tokens, the blocks to swap out / in / copy (copy-on-write), the preempted and finished requests |
+| **invariants** | each group is in exactly one of waiting / running / swapped / finished; admission only when the whole prompt's blocks fit with `watermark` of the pool spare; the victim is the latest-arrived running group, preempted all or nothing (its blocks to the CPU pool, or freed for recompute); swapped groups come back before new ones (FCFS); a block's `ref_cnt` equals the tables holding it |
+| **failure modes** | a request that can never fit is refused (`FINISHED_IGNORED`), the others run; a full CPU pool falls back to recompute; the silent one: a watermark too small for the pool, and swap traffic that costs more than recompute would |
+| **hand-check** | the cell below: A and B, 3-token prompts, 4 blocks of 2; B is swapped out at step 2 and back in at step 4, so it decodes 1 token there |
+
+**Contract card · vLLM v1's scheduler** (`minipaged.core.Scheduler`, options of vLLM's
+names; vLLM `vllm/v1/core/sched/scheduler.py`)
+
+| | |
+|---|---|
+| **inputs** | requests arriving over time (`n > 1` is `n` child requests); `max_num_seqs`, one token budget `max_num_batched_tokens`, one pool of blocks; `scheduler_reserve_full_isl`, `enable_chunked_prefill`, `enable_prefix_caching` |
+| **outputs** | per step a `SchedulerOutput`: `num_scheduled_tokens` per request (a decode, or a prefill chunk), the new block ids, the preempted and finished request ids; no swap lists |
+| **invariants** | running first, then waiting in FCFS order; tokens scheduled <= `max_num_batched_tokens`, running <= `max_num_seqs`; when `allocate_slots` returns `None` the last of `running` is preempted (recompute: its blocks freed, `num_computed_tokens = 0`) and the allocation retried; no admission in a step that preempted; a finished request is forgotten |
+| **failure modes** | a request that can never fit is refused; the silent one: with `scheduler_reserve_full_isl=False` and a tight pool, over-admission and thrash (section 1) |
+| **hand-check** | the same cell: B is preempted at step 2 and recomputed at step 4, prompt and its 2 output tokens, 5 tokens |
+""")
+
+code(r"""
+def ab():
+    return [make("A", 3, 4), make("B", 3, 4)]
+
+
+paper = run_scheduler(EngineScheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16,
+                                      preemption_mode="swap", num_cpu_blocks=4), ab(), fake_model)
+v1 = run_scheduler(EngineScheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16, watermark=None),
+                   ab(), fake_model)
+print("paper (swap):", [st.scheduled for st in paper.steps])
+print("v1 (recompute):", [st.scheduled for st in v1.steps])
+assert paper.steps[2].swapped_out_ids == ["B"] and paper.steps[4].scheduled == {"B": 1}
+assert v1.steps[2].preempted_ids == ["B"] and v1.steps[4].scheduled == {"B": 5}
 """)
 
 md(r"""
@@ -77,13 +130,15 @@ def long_prompts():
 
 
 print(f"{'admission':42s}{'steps':>6s}{'computed':>10s}{'recomputed':>12s}{'preemptions':>13s}")
+admission = {}
 for label, wm in (("v0: whole prompt, watermark 5%", 0.05),
                   ("v1: reserve_full_isl=True (the default)", 0.0),
                   ("v1: reserve_full_isl=False (first chunk)", None)):
     s = EngineScheduler(num_blocks=20, block_size=4, max_num_batched_tokens=32, watermark=wm)
-    t = run_scheduler(s, long_prompts(), fake_model)
+    t = admission[label] = run_scheduler(s, long_prompts(), fake_model)
     computed, recomputed, preemptions, _ = stats(t)
     print(f"{label:42s}{len(t):6d}{computed:10d}{recomputed:12d}{preemptions:13d}")
+side_by_side(admission)
 """)
 
 md(r"""
@@ -105,13 +160,16 @@ preempted request frees its blocks and resets `num_computed_tokens` to 0
 
 code(r"""
 print(f"{'mode':10s}{'steps':>6s}{'computed':>10s}{'recomputed':>12s}{'recompute preemptions':>23s}{'swap-outs':>11s}")
+preemption = {}
 for mode in ("swap", "recompute"):
     s = EngineScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64, preemption_mode=mode,
                         num_cpu_blocks=64 if mode == "swap" else 0)
-    t = run_scheduler(s, [make(f"r{i}", 8, 24) for i in range(6)], fake_model)
+    t = preemption[f"v0: {mode}" if mode == "swap" else f"v1: {mode}"] = run_scheduler(
+        s, [make(f"r{i}", 8, 24) for i in range(6)], fake_model)
     computed, recomputed, preemptions, _ = stats(t)
     swap_outs = sum(len(st.swapped_out_ids) for st in t.steps)
     print(f"{mode:10s}{len(t):6d}{computed:10d}{recomputed:12d}{preemptions:23d}{swap_outs:11d}")
+side_by_side(preemption)
 """)
 
 md(r"""
@@ -156,13 +214,16 @@ def decodes_and_a_long_prompt():
     return {0: [make(f"d{i}", 4, 40) for i in range(4)], 5: [make("long", 100, 4)]}
 
 
+chunking = {}
 for chunked, budget in ((True, 32), (False, 128)):
     s = EngineScheduler(num_blocks=128, block_size=4, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
-    t = run_scheduler(s, decodes_and_a_long_prompt(), fake_model)
+    t = chunking[f"chunked prefill {'on' if chunked else 'off'}, budget {budget}"] = run_scheduler(
+        s, decodes_and_a_long_prompt(), fake_model)
     with_decodes = [st for st in t.steps if st.decode_ids]
     worst = max(with_decodes, key=lambda st: sum(st.scheduled.values()))
     print(f"chunked prefill {'on ' if chunked else 'off'} (budget {budget:3d}): {len(t)} steps; "
           f"largest step with decodes: step {worst.step}, {sum(worst.scheduled.values())} tokens {worst.scheduled}")
+side_by_side(chunking)
 """)
 
 md(r"""
@@ -184,15 +245,18 @@ tail block itself. One request, n = 4, a 30-token prompt, blocks of 4 (7 full bl
 
 code(r"""
 print(f"{'parallel_sampling':18s}{'steps':>6s}{'tokens computed':>17s}{'peak blocks':>13s}{'cache hits':>12s}")
+sampling = {}
 for mode in ("fork", "prefix"):
     s = EngineScheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64, parallel_sampling=mode,
                         enable_prefix_caching=(mode == "prefix"))
     group = [make(f"a.{i}", 30, 10) for i in range(4)]
     t = run_scheduler(s, [group], lambda r: 7 + int(r.request_id[-1]))  # each sample draws its own token
+    sampling["v0: copy-on-write fork" if mode == "fork" else "v1: children over the prefix cache"] = t
     computed, _, _, peak = stats(t)
     print(f"{mode:18s}{len(t):6d}{computed:17d}{peak:13d}{s.prefix_cache_hits:12d}")
     if mode == "prefix":  # the 3 children after the first find the 7 full prompt blocks cached
         assert s.prefix_cache_hits == 3 * 7 * 4
+side_by_side(sampling)
 """)
 
 md(r"""
@@ -214,14 +278,16 @@ and 8 tokens of their own:
 
 code(r"""
 SYSTEM = [(11 * j + 5) % 50 for j in range(32)]
+caching_runs = {}
 for caching in (False, True):
     s = EngineScheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=caching)
     reqs = {k: [make(f"q{k}", 40, 4, SYSTEM + [k] * 8)] for k in range(8)}  # one arrival per step
-    t = run_scheduler(s, reqs, fake_model)
+    t = caching_runs[f"{'v1: ' if caching else 'v0: no '}prefix caching"] = run_scheduler(s, reqs, fake_model)
     computed, _, _, peak = stats(t)
     prompt_tokens = sum(r.num_prompt_tokens for rs in reqs.values() for r in rs)
     print(f"prefix caching {'on ' if caching else 'off'}: {computed:4d} tokens computed, "
           f"{s.prefix_cache_hits:3d} of {prompt_tokens} prompt tokens found cached, peak {peak} blocks")
+side_by_side(caching_runs)
 """)
 
 md(r"""
