@@ -7,11 +7,13 @@ nor the reference solution of any exercise notebook (its ``### BEGIN SOLUTION`` 
 comments and lines under 8 characters ignored) appears, in order, in one output. The run
 is three lines, or the whole body if it is shorter. The instructor's appendix
 (``notebooks/10_instructor_appendix.ipynb``) is the one notebook allowed to print them.
+A chapter's stored output also never shows ``inf`` or ``nan`` as a number.
 """
 
 import glob
 import json
 import os
+import re
 
 import pytest
 
@@ -96,3 +98,17 @@ def test_chapter_prints_no_exercise_body(chapter):
         if contains(text, b)
     ]
     assert not found, f"{chapter}: " + "; ".join(found)
+
+
+INF_NAN = re.compile(r"(?<![A-Za-z_\"'])(inf|nan|infx)(?![A-Za-z_\"'(])")
+
+
+@pytest.mark.parametrize("chapter", [os.path.basename(p) for p in CHAPTERS])
+def test_chapter_prints_no_inf_or_nan(chapter):
+    # a number a student reads is never inf or nan: a chapter says what it means instead
+    found = [
+        f"cell {i}: ...{text[max(0, m.start() - 40) : m.end() + 10]!r}..."
+        for i, text in stored_outputs(os.path.join(REPO, "notebooks", chapter))
+        for m in INF_NAN.finditer(text)
+    ]
+    assert not found, f"{chapter} prints inf or nan: " + "; ".join(found)

@@ -129,8 +129,10 @@ for b in (1, 8, 16, 32, 64, 128, 256):
     print(f"{b:6d} {c.time_s * 1e3:8.2f} {c.bound:>8} {c.time_s / b * 1e3:9.3f}")
 c = cm.breakdown([(2048, 0)])
 print(f"prefill of 2048 tokens: {c.time_s * 1e3:.1f} ms, {c.bound}-bound")
+ridge_400 = cm.decode_ridge_batch(400)
 print(f"decode becomes compute-bound past {cm.decode_ridge_batch(0):.0f} sequences of 0 context; "
-      f"with 400 tokens of context: {cm.decode_ridge_batch(400)}")
+      f"with 400 tokens of context: "
+      + (f"past {ridge_400:.0f}" if ridge_400 != float("inf") else "never (each sequence's KV read grows with the batch)"))
 """)
 
 md(r"""
