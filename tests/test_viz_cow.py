@@ -8,11 +8,11 @@ import pytest  # noqa: E402
 from matplotlib.patches import FancyArrowPatch  # noqa: E402
 
 from minipaged import viz  # noqa: E402
-from minipaged.core import KVCacheManager  # noqa: E402
+from minipaged.core import BlockSpaceManager  # noqa: E402
 
 
 def _forked():
-    m = KVCacheManager(num_blocks=8, block_size=4)
+    m = BlockSpaceManager(num_blocks=8, block_size=4)
     m.allocate_slots("A", 6)
     m.fork("A", "B")
     m.allocate_slots("B", 1)  # B writes into the shared, partly filled block 1: copy first

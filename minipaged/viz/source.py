@@ -36,8 +36,8 @@ EXERCISE_BODIES: dict[str, tuple[str, ...]] = {
     "ex3.2": ("minipaged.kernels.reference:paged_attention_ref",),
     "ex3.3": ("minipaged.kernels.paged_attention:_attend_kv_range",),
     "ex3.4": ("minipaged.kernels.paged_attention:_paged_attention_reduce_kernel",),
-    "ex6.1": ("minipaged.core.kv.kv_cache_manager:KVCacheManager.fork",),
-    "ex6.2": ("minipaged.core.kv.kv_cache_manager:KVCacheManager.allocate_slots",),
+    "ex6.1": ("minipaged.core.kv.block_manager_v0:BlockSpaceManager.fork",),
+    "ex6.2": ("minipaged.core.kv.block_manager_v0:BlockSpaceManager.allocate_slots",),
     "ex6.4": ("minipaged.core.kv.kv_cache_manager:KVCacheManager.get_computed_blocks",),
 }
 

@@ -521,7 +521,7 @@ md(r"""
 >
 > | | the paper (vLLM v0) | vLLM v1 (`vllm/v1/core/sched/scheduler.py`) |
 > |---|---|---|
-> | admission | a request is admitted only if its *whole* prompt's blocks fit, leaving a watermark free (`BlockSpaceManager.can_allocate`; `core/sched/admission.py`) | by default (`scheduler_reserve_full_isl=True`) only when the blocks for its *whole* sequence are free, although only the first chunk runs this step; with `False`, as soon as its *first chunk's* blocks are free |
+> | admission | a request is admitted only if its *whole* prompt's blocks fit, leaving a watermark free (`BlockSpaceManager.can_allocate`; `core/sched/paper.py`) | by default (`scheduler_reserve_full_isl=True`) only when the blocks for its *whole* sequence are free, although only the first chunk runs this step; with `False`, as soon as its *first chunk's* blocks are free |
 > | preemption victim | the latest-arrived sequence group | the last request of `running` |
 > | token budget | separate prefill and decode steps (a step ran prompts *or* decodes) | one unified budget, `max_num_batched_tokens`, shared by decodes and prefill chunks in the same step |
 > | chunked prefill | not in the paper (added later in v0) | on by default (`enable_chunked_prefill=True`; it can still be turned off): a request is just "computed tokens so far"; a prompt is split across steps |
@@ -529,14 +529,13 @@ md(r"""
 > Chapter 05 runs the admission rules and preemption victims side by side; chapter 08
 > runs all of them.
 >
-> **Which vLLM setting each minipaged option is.** vLLM's default,
-> `scheduler_reserve_full_isl=True`, is `EngineScheduler(watermark=0.0)`: a request is
-> admitted only when the blocks for its whole sequence are free. vLLM made it the default
-> because the other rule over-admits when prefills are chunked, and thrashes (chapter 05,
-> section 5a, measures it). The base `Scheduler` (first chunk fits) is vLLM v1 with
-> `scheduler_reserve_full_isl=False`. minipaged's default `watermark=0.05` is the default
-> rule plus 5% of the pool kept free, vLLM's `watermark` option (off by default in v1; v0
-> kept 1%). `benchmarks/vllm_diff`
+> **Which vLLM setting each minipaged option is.** `Scheduler` takes vLLM's names. Its
+> default, as vLLM's, is `scheduler_reserve_full_isl=True`: a request is admitted only when
+> the blocks for its whole sequence are free. vLLM made it the default because the other
+> rule, `scheduler_reserve_full_isl=False` (admitted when its first chunk fits),
+> over-admits when prefills are chunked, and thrashes (chapter 05, section 5a, measures
+> it). `Scheduler(watermark=0.05)` also keeps 5% of the pool free, vLLM's `watermark`
+> option (off by default in v1; v0 kept 1%, the course's `PaperScheduler` 5%). `benchmarks/vllm_diff`
 > runs each pair through 103 workloads step by step against vLLM's own `Scheduler` and finds
 > them identical (with vLLM's free-queue order turned on: `free_uncached_first=True`).
 """)

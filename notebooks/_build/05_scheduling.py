@@ -33,8 +33,8 @@ import inspect
 import matplotlib.pyplot as plt
 
 from minipaged import viz
-from minipaged.core import EngineScheduler, Request, RequestStatus
-from minipaged.core.sched import SwapPreemption, WatermarkAdmission
+from minipaged.core import EngineScheduler, Request, RequestStatus, Scheduler
+from minipaged.core.sched import PaperScheduler
 from minipaged.trace import run_scheduler
 from minipaged.sampling_params import SamplingParams
 
@@ -154,8 +154,9 @@ for chunked, budget in ((True, 16), (False, 48)):
 md(r"""
 ## 3. Memory pressure
 
-**Contract card · preemption** (`Scheduler._preempt` / `_evict` in
-`minipaged.core.sched.scheduler`, swap in `minipaged.core.sched.swap.SwapPreemption`;
+**Contract card · preemption** (`Scheduler._preempt` in `minipaged.core.sched.scheduler`,
+recompute only, as vLLM v1; swap in the paper's loop, `PaperScheduler._preempt` in
+`minipaged.core.sched.paper`;
 vLLM v1 `vllm/v1/core/sched/scheduler.py`, the paper's v0 `vllm/core/scheduler.py`)
 
 | | |
@@ -347,11 +348,12 @@ work. vLLM v1 names its admission rule by one setting, `scheduler_reserve_full_i
   first chunk is computed this step. vLLM made it the default for exactly the thrash this
   section measures.
 * **a `watermark`** on top (a fraction of the pool kept free at admission; vLLM's
-  `watermark` option, off by default in v1; the paper's v0 block manager kept 1 %). It is
-  minipaged's default, with 5 %, because the course runs small pools.
+  `watermark` option, off by default in v1; the paper's v0 block manager kept 1 %, the
+  course's paper scheduler 5 %, because the course runs small pools).
 
-In minipaged these are `EngineScheduler(watermark=None)`, `EngineScheduler(watermark=0.0)`
-and `EngineScheduler()`. The workload: eight requests with 40-token prompts and 16 output
+In minipaged these are options of vLLM v1's loop under vLLM's names:
+`Scheduler(scheduler_reserve_full_isl=False)`, `Scheduler()` and `Scheduler(watermark=0.05)`.
+The workload: eight requests with 40-token prompts and 16 output
 tokens, a token budget of 32 per step (so a prompt takes two chunks), blocks of 4. One
 request at full length needs 14 blocks. Count the **recomputed tokens** (computed tokens
 minus the ones a run without preemption computes) and the preemptions under each rule:
@@ -364,14 +366,14 @@ def long_prompts():
 
 # admission rule -> the scheduler's keyword arguments
 RULES = {
-    "reserve_full_isl=False": {"watermark": None},  # first chunk
-    "reserve_full_isl=True": {"watermark": 0.0},  # whole sequence: vLLM's default
-    "True + watermark 5%": {},  # minipaged's default
+    "reserve_full_isl=False": {"scheduler_reserve_full_isl": False},  # first chunk
+    "reserve_full_isl=True": {},  # whole sequence: vLLM's default
+    "True + watermark 5%": {"watermark": 0.05},
 }
 
 
 def thrash_run(num_blocks, rule):
-    s = EngineScheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=32, **RULES[rule])
+    s = Scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=32, **RULES[rule])
     t = run_scheduler(s, long_prompts(), fake_model)
     computed, wasted, _ = costs(t)
     preemptions = sum(len(st.preempted_ids) for st in t.steps)
@@ -460,9 +462,10 @@ forever. A prompt longer than `max_model_len` is a caller error: `add_request` r
 code(r"""
 s = EngineScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=32, max_model_len=128)
 huge = make("huge", 60, 20)  # 79 tokens of K/V > 64 slots
-t = run_scheduler(s, [make("ok1", 8, 4), huge, make("ok2", 8, 4)], fake_model)
-for rid in ("ok1", "huge", "ok2"):
-    r = s.finished[rid]
+reqs = [make("ok1", 8, 4), huge, make("ok2", 8, 4)]
+t = run_scheduler(s, reqs, fake_model)
+for r in reqs:  # NOTE: the scheduler forgot them when they finished; the caller keeps them
+    rid = r.request_id
     print(f"{rid:5} {r.status.name:17} out={r.num_output_tokens}  {r.stop_reason}")
 print([st.scheduled for st in t.steps])
 
@@ -472,8 +475,9 @@ except ValueError as e:
     print("ValueError:", e)
 
 s_off = EngineScheduler(num_blocks=64, block_size=4, max_num_batched_tokens=32, enable_chunked_prefill=False)
-run_scheduler(s_off, [make("L", 40, 4)], fake_model)
-print(s_off.finished["L"].stop_reason)
+long_prompt = make("L", 40, 4)
+run_scheduler(s_off, [long_prompt], fake_model)
+print(long_prompt.stop_reason)
 """)
 
 md(r"""
@@ -522,7 +526,7 @@ md(r"""
 > | victim | the latest-arrived sequence group (lowest FCFS priority) | `self.running.pop()`: the last of `running` (with `policy="priority"`: the lowest priority, ties to the latest arrival) |
 > | admission | whole prompt plus a watermark (`can_allocate`, 1 % by default) | `scheduler_reserve_full_isl=True` (the default): the whole sequence's blocks must be free; `False`: the first chunk's |
 >
-> Section 5a measured the admission rules; swap is the `SwapPreemption` layer toured below.
+> Section 5a measured the admission rules; swap is the paper's loop, toured below.
 
 **Under FCFS the two victims are the same request.** v1 keeps `running` in the order it
 admitted requests, and a preempted request goes back to the *front* of `waiting`. Waiting
@@ -545,14 +549,14 @@ def random_workload(seed):
         arrivals.setdefault(rng.randint(0, 12), []).append(make(f"r{i}", rng.randint(1, 40), rng.randint(1, 30)))
     longest = max(r.num_prompt_tokens + r.max_tokens for rs in arrivals.values() for r in rs)
     knobs = dict(block_size=4, num_blocks=-(-longest // 4) + rng.randint(0, 8),
-                 max_num_batched_tokens=rng.choice([16, 32, 64]), watermark=None)
+                 max_num_batched_tokens=rng.choice([16, 32, 64]), scheduler_reserve_full_isl=False)
     return arrivals, knobs
 
 
 def victims_under_both_rules(seed):
     # (preemptions, how many of them the paper's rule would have chosen differently)
     arrivals, knobs = random_workload(seed)
-    s = EngineScheduler(**knobs)
+    s = Scheduler(**knobs)  # vLLM v1's loop: running.pop() is the victim
     arrival_rank, preemptions, differ, step = {}, 0, 0, 0
     while step <= max(arrivals) or s.has_unfinished_requests():
         for r in arrivals.get(step, []):
@@ -601,25 +605,26 @@ md(r"""
 ## 6. Code tour
 
 Chapter 04 showed vLLM v1's `Scheduler.schedule` (recompute preemption included). The
-`EngineScheduler` used here stacks the paper's layers on it, each in its own module and each
-through a hook of the base. Swap (`minipaged/core/sched/swap.py`, removed in vLLM v1) overrides
-what eviction does and lets swapped requests back in arrival order, merged with `waiting`:
+`EngineScheduler` used here is the paper's scheduler (`PaperScheduler`,
+`minipaged/core/sched/paper.py`): its own loop, shaped like vLLM v0's, beside v1's. Swap
+(removed in vLLM v1) is how it preempts when the CPU pool has room, and swapped requests come
+back in arrival order, merged with `waiting`:
 """)
 
 code(r"""
-print(inspect.getsource(SwapPreemption._evict))
-print(inspect.getsource(SwapPreemption._admit_next))
+print(inspect.getsource(PaperScheduler._preempt))
+print(inspect.getsource(PaperScheduler._swap_in_next))
 """)
 
 md(r"""
-Watermark admission (`minipaged/core/sched/admission.py`: with `watermark=0.0` vLLM v1's
-default `scheduler_reserve_full_isl=True`, with a watermark also vLLM v0's rule) asks the
-`KVCacheManager`, which alone counts blocks, whether the whole sequence fits beside what
-the running requests still need:
+Watermark admission (`minipaged/core/sched/paper.py`, vLLM v0's rule: the whole prompt
+plus `watermark` of the pool spare; vLLM v1's default, `scheduler_reserve_full_isl=True`,
+reserves the whole sequence without a watermark) asks the block manager, which alone counts
+blocks, whether the whole prefill fits beside what the running requests still need:
 """)
 
 code(r"""
-print(inspect.getsource(WatermarkAdmission._can_admit))
+print(inspect.getsource(PaperScheduler._can_admit))
 """)
 
 md(r"""
@@ -712,7 +717,7 @@ md(r"""
   under a token budget; vLLM v1 enables chunked prefill by default (`enable_chunked_prefill`,
   which it still lets you turn off).
 * The paper's v0.2: `vllm/core/scheduler.py` (`_preempt`, `_preempt_by_recompute`,
-  `_preempt_by_swap`) ↔ `minipaged/core/sched/swap.py`, `minipaged/core/sched/admission.py`;
+  `_preempt_by_swap`) ↔ `minipaged/core/sched/paper.py`, `minipaged/core/sched/paper.py`;
   the block copies of a swap: `vllm/worker/cache_engine.py` (`swap_in`, `swap_out`) ↔
   `minipaged/kernels/cache_ops.py` (`swap_blocks`).
 * vLLM v1: `vllm/v1/core/sched/scheduler.py` (`schedule`: the token budget

@@ -12,9 +12,10 @@ md(r"""
 The vLLM paper (Kwon et al., SOSP 2023) describes what is now called **vLLM v0**. vLLM
 **v1** (the engine rewritten in 2024–2025, `vllm/v1/`) keeps its two ideas, paged KV memory
 and continuous batching, and changes most of the policies around them. minipaged's base
-`Scheduler` is v1's rule; the paper's mechanisms are layers that can be switched on
-(`core/sched/admission.py`, `swap.py`, `groups.py`). This chapter runs each pair side by
-side on the same workload.
+`Scheduler` is v1's loop (`core/sched/scheduler.py`); the paper's scheduler is its own loop
+beside it (`core/sched/paper.py`, `PaperScheduler`, with its block manager
+`core/kv/block_manager_v0.py`). This chapter runs each pair side by side on the same
+workload.
 
 **You will learn**
 
@@ -36,7 +37,7 @@ import math
 import matplotlib.pyplot as plt
 
 from minipaged import SamplingParams, viz
-from minipaged.core import EngineScheduler, Request
+from minipaged.core import EngineScheduler, Request, Scheduler
 from minipaged.trace import run_scheduler
 
 
@@ -69,9 +70,9 @@ md(r"""
 
 Every pair below runs the same requests through two loops. Their contracts:
 
-**Contract card · the paper's scheduler (vLLM v0)** (`EngineScheduler` with the paper's
-layers: `core/sched/admission.py`, `swap.py`, `groups.py`; vLLM v0 `vllm/core/scheduler.py`,
-`vllm/core/block_manager.py`)
+**Contract card · the paper's scheduler (vLLM v0)** (`minipaged.core.PaperScheduler`, alias
+`EngineScheduler`: `core/sched/paper.py` over `core/kv/block_manager_v0.py`; vLLM v0
+`vllm/core/scheduler.py`, `vllm/core/block_manager.py`)
 
 | | |
 |---|---|
@@ -100,8 +101,7 @@ def ab():
 
 paper = run_scheduler(EngineScheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16,
                                       preemption_mode="swap", num_cpu_blocks=4), ab(), fake_model)
-v1 = run_scheduler(EngineScheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16, watermark=None),
-                   ab(), fake_model)
+v1 = run_scheduler(Scheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16), ab(), fake_model)
 print("paper (swap):", [st.scheduled for st in paper.steps])
 print("v1 (recompute):", [st.scheduled for st in v1.steps])
 assert paper.steps[2].swapped_out_ids == ["B"] and paper.steps[4].scheduled == {"B": 1}
@@ -130,12 +130,14 @@ def long_prompts():
 
 
 print(f"{'admission':42s}{'steps':>6s}{'computed':>10s}{'recomputed':>12s}{'preemptions':>13s}")
+KNOBS = dict(num_blocks=20, block_size=4, max_num_batched_tokens=32)
 admission = {}
-for label, wm in (("v0: whole prompt, watermark 5%", 0.05),
-                  ("v1: reserve_full_isl=True (the default)", 0.0),
-                  ("v1: reserve_full_isl=False (first chunk)", None)):
-    s = EngineScheduler(num_blocks=20, block_size=4, max_num_batched_tokens=32, watermark=wm)
-    t = admission[label] = run_scheduler(s, long_prompts(), fake_model)
+for label, make_scheduler in (
+    ("v0: whole prompt, watermark 5%", lambda: EngineScheduler(watermark=0.05, **KNOBS)),
+    ("v1: reserve_full_isl=True (the default)", lambda: Scheduler(**KNOBS)),
+    ("v1: reserve_full_isl=False (first chunk)", lambda: Scheduler(scheduler_reserve_full_isl=False, **KNOBS)),
+):
+    t = admission[label] = run_scheduler(make_scheduler(), long_prompts(), fake_model)
     computed, recomputed, preemptions, _ = stats(t)
     print(f"{label:42s}{len(t):6d}{computed:10d}{recomputed:12d}{preemptions:13d}")
 side_by_side(admission)
@@ -147,7 +149,7 @@ sequence recomputes fewer, and the watermark on top none. First-chunk admission 
 when the pool is tight for the prompts in flight, and with prefix caching on a re-admitted
 request finds its full prompt blocks still cached unless they were evicted in between; but
 a serving engine cannot know when its pool is tight, so vLLM reserves by default.
-minipaged keeps a 5 % watermark as its default because the course runs small pools.
+The course's paper scheduler keeps a 5 % watermark because the course runs small pools.
 
 ## 2. Preemption: swap or recompute, and who is the victim
 
