@@ -130,8 +130,14 @@ class EngineConfig:
     # only (None -> its own default, core.sched.paper.DEFAULT_WATERMARK; v1's is 0.0)
     scheduler_reserve_full_isl: bool = True
     watermark: Optional[float] = None
+    # speculative decoding: None, or {"method": "ngram" | "draft_model", ...} (vLLM's names;
+    # minipaged.spec_decode.config.SpeculativeConfig, which it becomes here)
+    speculative_config: Optional[object] = None
 
     def __post_init__(self) -> None:
+        from minipaged.spec_decode.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         self.check_invariants()
         if self.attention_backend == "auto":
             self.attention_backend = self._attn_backend()  # resolved once, here
@@ -177,6 +183,18 @@ class EngineConfig:
             raise ValueError(f"device must be a string such as 'cpu' or 'cuda', got {self.device!r}")
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        spec = self.speculative_config
+        if spec is not None:
+            spec.verify_budget(self.max_num_batched_tokens)
+            for name, v1 in (
+                ("scheduling", "continuous"),
+                ("preemption_mode", "recompute"),
+                ("parallel_sampling", "prefix"),
+            ):
+                if getattr(self, name) != v1:
+                    raise ValueError(
+                        f"speculative_config runs on vLLM v1's scheduler ({name}={v1!r}), got {name}={getattr(self, name)!r}"
+                    )
         if not isinstance(self.attention_backend, str):
             raise ValueError(f"attention_backend must be a string, got {self.attention_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_BYTES:
