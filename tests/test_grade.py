@@ -23,7 +23,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from minipaged.checks.grade import (
+from minipaged.grading.grade import (
     build_plan,
     format_table,
     grade_many,
@@ -37,7 +37,7 @@ from minipaged.checks.notebook import (
     make_student_copy,
     read_submission,
 )
-from minipaged.checks.sandbox import probe
+from minipaged.grading.sandbox import probe
 
 SUBMISSIONS = Path(__file__).parent / "fixtures" / "submissions"
 EXPECTED = json.loads((SUBMISSIONS / "expected.json").read_text())
@@ -314,7 +314,7 @@ def test_sandbox_hides_the_grader_the_notebooks_and_the_package_files(tmp_path):
     if not (ISOLATION.bwrap and ISOLATION.user):
         pytest.skip("needs the bubblewrap sandbox and a separate user: " + "; ".join(ISOLATION.missing))
     import minipaged
-    from minipaged.checks._executor import KernelRunner
+    from minipaged.grading.executor import KernelRunner
 
     pkg = Path(minipaged.__file__).resolve().parent
     probe_src = f"""
@@ -348,7 +348,7 @@ print(json.dumps(out))
 
 
 def test_output_is_capped_per_cell(tmp_path):
-    from minipaged.checks._executor import MAX_OUTPUT_BYTES, KernelRunner
+    from minipaged.grading.executor import MAX_OUTPUT_BYTES, KernelRunner
 
     runner = KernelRunner(cwd=str(tmp_path), timeout=300, isolation=ISOLATION)
     runner.start()
@@ -366,7 +366,7 @@ def test_output_is_capped_per_cell(tmp_path):
 
 
 def test_one_oversize_output_message_is_dropped_and_the_kernel_replaced(tmp_path):
-    from minipaged.checks._executor import MAX_MESSAGE_BYTES, KernelRunner
+    from minipaged.grading.executor import MAX_MESSAGE_BYTES, KernelRunner
 
     runner = KernelRunner(cwd=str(tmp_path), timeout=300, isolation=ISOLATION)
     runner.start()
@@ -394,7 +394,7 @@ def test_csv_is_written_after_each_submission(tmp_path):
 
 def test_scan_passes_every_authored_solution_and_setup():
     from minipaged.checks.notebook import cell_role
-    from minipaged.checks.scan import scan_cells
+    from minipaged.grading.scan import scan_cells
 
     for chapter, a in AUTHORED.items():
         cells = [cell_source(c) for c in a.nb.cells if c.cell_type == "code" and cell_role(c) != "check"]
@@ -429,14 +429,14 @@ def test_scan_passes_every_authored_solution_and_setup():
     ],
 )
 def test_scan_finds_banned_constructs(src, rule):
-    from minipaged.checks.scan import scan_source
+    from minipaged.grading.scan import scan_source
 
     found = scan_source(src, "ch02")
     assert rule in {f.rule for f in found}, found
 
 
 def test_scan_allows_what_solutions_need():
-    from minipaged.checks.scan import scan_cells
+    from minipaged.grading.scan import scan_cells
 
     cells = [
         "from minipaged.core import FreeKVCacheBlockQueue, KVCacheBlock, KVCacheManager, cdiv",
@@ -454,7 +454,7 @@ def test_scan_allows_what_solutions_need():
 
 
 def test_nbgrader_metadata_one_grade_cell_per_exercise():
-    from minipaged.checks.nbgrader_export import to_nbgrader
+    from minipaged.grading.nbgrader_export import to_nbgrader
 
     for chapter, a in AUTHORED.items():
         nb = to_nbgrader(a.nb, chapter)

@@ -77,7 +77,7 @@ def run(args) -> int:
         chapters = [c for c in chapters if c in args.chapter]
 
     if args.nbgrader:
-        from minipaged.checks.nbgrader_export import write_assignment
+        from minipaged.grading.nbgrader_export import write_assignment
 
         try:
             written = write_assignment(authored, args.nbgrader, args.assignment, chapters, force=args.force)

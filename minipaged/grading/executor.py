@@ -19,7 +19,7 @@ Invariants
     with ``stop_on_error=False`` so an error never makes the kernel skip later requests.
 
 Sandbox
-    with ``isolation`` (``minipaged.checks.sandbox.Isolation``) the kernel command is wrapped
+    with ``isolation`` (``minipaged.grading.sandbox.Isolation``) the kernel command is wrapped
     in prlimit / bwrap / setpriv, the kernel gets a per-run folder for its connection file
     and Unix sockets (``transport="ipc"``: the sandbox has no network), a stripped
     environment, and interrupts go over the control channel (a signal to the process group

@@ -119,14 +119,14 @@ def grader_check_source(authored_check_source: str) -> str:
     """The cell the grader runs for a check: the armed guard, never the student's ``check``."""
     ex, names = check_call(authored_check_source)
     return (
-        "from minipaged.checks._guard import graded_check as _mp_graded_check\n"
+        "from minipaged.grading.guard import graded_check as _mp_graded_check\n"
         f"_mp_graded_check({ex!r}{''.join(', ' + n for n in names)})"
     )
 
 
 def prelude_source(chapter: str, exercises: list[str]) -> str:
     return (
-        "import minipaged.checks._guard as _mp_guard\n"
+        "import minipaged.grading.guard as _mp_guard\n"
         f"_mp_guard.arm({chapter!r}, {list(exercises)!r})\n"
         "del _mp_guard"
     )
@@ -136,7 +136,7 @@ def build_plan(nb, authored) -> list[_PlanCell]:
     """The cells to run: the student's code cells, with the authored check cells restored
     (as grader check cells) right after each exercise's last solution cell."""
     from minipaged.checks.notebook import cell_exercise, cell_role, cell_source
-    from minipaged.checks.scan import scan_cells
+    from minipaged.grading.scan import scan_cells
 
     plan: list[_PlanCell] = []
     last_solution_pos: dict[str, int] = {}
@@ -215,7 +215,7 @@ def _run_plan(
     isolation=None,
     max_restarts: int = MAX_RESTARTS,
 ) -> list[_Run]:
-    from minipaged.checks._executor import CellRun, KernelRunner
+    from minipaged.grading.executor import CellRun, KernelRunner
 
     runner = KernelRunner(cwd=cwd, timeout=timeout, isolation=isolation)
     results: list[_Run] = []
@@ -623,7 +623,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from minipaged.checks.notebook import load_authored
-    from minipaged.checks.sandbox import Limits, probe
+    from minipaged.grading.sandbox import Limits, probe
 
     if not (math.isfinite(args.timeout) and args.timeout > 0) or not (
         math.isfinite(args.budget) and args.budget > 0
