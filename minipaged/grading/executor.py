@@ -42,8 +42,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-MAX_OUTPUT_BYTES = 1_000_000  # output kept per cell; the rest is read and dropped
-MAX_MESSAGE_BYTES = 32 * 2**20  # larger messages from the kernel are dropped unread (ZMQ_MAXMSGSIZE)
+MAX_OUTPUT_BYTES = 64 * 2**10  # output kept per student cell; the rest is read and dropped
+MAX_ERROR_BYTES = 4 * 2**10  # an exception's text kept per cell
+MAX_MESSAGE_BYTES = 16 * 2**20  # larger messages from the kernel are dropped unread (ZMQ_MAXMSGSIZE)
 IOPUB_LOST_AFTER = 10.0  # seconds of IOPub silence after the execute reply: the output channel is gone
 
 
@@ -169,6 +170,12 @@ class KernelRunner:
         except RuntimeError as e:
             self.shutdown()
             raise RuntimeError(f"the Jupyter kernel did not start: {e}") from None
+        if iso is not None and iso.user and self._rundir is not None:
+            # NOTE: the kernel has bound its sockets; from now on the folder is root's and
+            # read-only to the sandbox user, so no student cell can write to the host's disk
+            # through it (the sockets keep working: connecting needs no write permission)
+            os.chown(self._rundir, 0, 0)
+            os.chmod(self._rundir, 0o755)
 
     def shutdown(self) -> None:
         if self.kc is not None:
@@ -203,14 +210,20 @@ class KernelRunner:
         return self.km is not None and self.km.is_alive()
 
     # -- one cell ----------------------------------------------------------------------
-    def run(self, code: str, timeout: Optional[float] = None, store_history: bool = True) -> CellRun:
+    def run(
+        self,
+        code: str,
+        timeout: Optional[float] = None,
+        store_history: bool = True,
+        max_output_bytes: Optional[int] = None,
+    ) -> CellRun:
         assert self.kc is not None and self.km is not None, "start() the kernel first"
         limit = self.timeout if timeout is None else float(timeout)
         msg_id = self.kc.execute(code, store_history=store_history, allow_stdin=False, stop_on_error=False)
         stdout, outputs, error = [], [], ""
         early_reply, quiet_since = None, time.monotonic()
         kept = 0  # bytes of output kept so far (all kinds together)
-        cap = self.max_output_bytes
+        cap = self.max_output_bytes if max_output_bytes is None else int(max_output_bytes)
         deadline = time.monotonic() + limit
         interrupted = False
         while True:
@@ -272,10 +285,10 @@ class KernelRunner:
                     if content.get("name") == "stdout":
                         stdout.append(text)
             elif kind == "error":
-                outputs.append(
-                    {"output_type": "error", "ename": content["ename"], "evalue": content["evalue"]}
-                )
-                error = _first_lines(f"{content['ename']}: {content['evalue']}")
+                # NOTE: an exception's text is kept bounded (a 100 MB message is cut here)
+                ename, evalue = _clip(str(content.get("ename", "")), 200), _clip(str(content.get("evalue", "")), MAX_ERROR_BYTES)
+                outputs.append({"output_type": "error", "ename": ename, "evalue": evalue})
+                error = _first_lines(f"{ename}: {evalue}")
             elif kind in ("execute_result", "display_data", "update_display_data"):
                 if kept < cap:
                     text = _clip(str(content.get("data", {}).get("text/plain", "")), cap - kept)
@@ -287,7 +300,7 @@ class KernelRunner:
             status = "error"
             if not error:
                 c = reply["content"]
-                error = _first_lines(f"{c.get('ename', 'Error')}: {c.get('evalue', '')}")
+                error = _first_lines(f"{_clip(str(c.get('ename', 'Error')), 200)}: {_clip(str(c.get('evalue', '')), MAX_ERROR_BYTES)}")
         elif error:
             status = "error"
         if interrupted:

@@ -9,10 +9,10 @@ Concept
     exist only in this process: the kernel runs in the sandbox, as another user, and
     never sees them.
 
-    It is a ``ProcessPoolExecutor`` of spawned Python processes (no fork of the grader's
-    threads and sockets), one per grading job, so a slow reference (ex7.3 runs the
+    It is a small pool of ``python -m minipaged.grading.trusted`` processes (JSON lines on
+    their stdin / stdout), one per grading job, so a slow reference (ex7.3 runs the
     simulator) does not hold the others, and the grader's own memory stays small (torch
-    is imported here, not in the grader).
+    is imported there, not in the grader).
 
 Inputs / outputs
     ``TrustedChecker(key_path, jobs)``; ``payload(exercise_id, seed) -> (json, nonce)``;
@@ -54,13 +54,22 @@ def load_key(key_path) -> dict:
     return key
 
 
-def make_payload(exercise_id: str, seed: str) -> tuple[str, str]:
+def default_key_path(source=None) -> Optional[str]:
+    """``_instructor/key.json`` in the authored notebooks' folder, if it is there."""
+    from minipaged.checks.notebook import default_authored_dir
+
+    path = Path(source) if source else default_authored_dir()
+    key = path / "_instructor" / "key.json"
+    return str(key) if key.is_file() else None
+
+
+def make_payload(exercise_id: str, seed: str, student_seed=None) -> tuple[str, str]:
     from minipaged.checks import get_spec
     from minipaged.checks._spec import make_cases
     from minipaged.grading.codec import dumps
 
     nonce = secrets.token_hex(8)
-    return dumps({"nonce": nonce, "cases": make_cases(get_spec(exercise_id), seed)}), nonce
+    return dumps({"nonce": nonce, "cases": make_cases(get_spec(exercise_id), f"{seed}|{student_seed}", student_seed)}), nonce
 
 
 def judge_result(exercise_id: str, payload_json: str, result_text: str, key_path: Optional[str]):
@@ -74,27 +83,111 @@ def judge_result(exercise_id: str, payload_json: str, result_text: str, key_path
         return False, f"the grader's checker failed: {type(e).__name__}: {e}"
 
 
-class TrustedChecker:
-    """A pool of trusted checker processes (``jobs`` of them)."""
+class _Worker:
+    """One trusted checker process: ``python -m minipaged.grading.trusted``, JSON lines."""
 
-    def __init__(self, key_path: Optional[str] = None, jobs: int = 1) -> None:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
+    def __init__(self, key_path: Optional[str]) -> None:
+        import os
+        import subprocess
+        import sys
 
-        self.key_path = str(key_path) if key_path else None
-        self.pool = ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=multiprocessing.get_context("spawn"))
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "minipaged.grading.trusted"] + ([key_path] if key_path else []),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+            encoding="utf-8",
+        )
 
-    def payload(self, exercise_id: str, seed: str) -> tuple[str, str]:
-        return self.pool.submit(make_payload, exercise_id, seed).result()
-
-    def judge(self, exercise_id: str, payload_json: str, result_text: str) -> tuple[bool, str]:
-        return self.pool.submit(judge_result, exercise_id, payload_json, result_text, self.key_path).result()
+    def call(self, request: dict):
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the trusted checker process exited")
+        return json.loads(line)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        except Exception:  # pragma: no cover - best effort
+            self.proc.kill()
+
+
+class TrustedChecker:
+    """A pool of ``jobs`` trusted checker processes; thread-safe (one call per process at a time)."""
+
+    def __init__(self, key_path: Optional[str] = None, jobs: int = 1) -> None:
+        import queue
+
+        key_path = key_path or default_key_path()
+        self.key_path = str(key_path) if key_path else None
+        self.jobs = max(1, jobs)
+        self._idle: queue.Queue = queue.Queue()
+        self._all: list = []
+        for _ in range(self.jobs):
+            self._idle.put(None)  # started on first use
+
+    def _call(self, request: dict):
+        w = self._idle.get()
+        try:
+            if w is None or w.proc.poll() is not None:
+                w = _Worker(self.key_path)
+                self._all.append(w)
+            return w.call(request)
+        except (OSError, RuntimeError, ValueError):
+            w = None  # a fresh one next time
+            raise
+        finally:
+            self._idle.put(w)
+
+    def payload(self, exercise_id: str, seed: str, student_seed=None) -> tuple[str, str]:
+        r = self._call({"op": "payload", "exercise": exercise_id, "seed": seed, "student_seed": student_seed})
+        return r["payload"], r["nonce"]
+
+    def judge(self, exercise_id: str, payload_json: str, result_text: str) -> tuple[bool, str]:
+        try:
+            r = self._call({"op": "judge", "exercise": exercise_id, "payload": payload_json, "result": result_text})
+        except (OSError, RuntimeError, ValueError) as e:
+            return False, f"the grader's checker failed: {e}"
+        return bool(r["passed"]), str(r["message"])
+
+    def close(self) -> None:
+        for w in self._all:
+            w.close()
+        self._all = []
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def serve(key_path: Optional[str]) -> None:
+    """The worker loop: one JSON request per line on stdin, one JSON answer per line on stdout."""
+    import sys
+
+    out = sys.stdout
+    sys.stdout = sys.stderr  # NOTE: nothing a reference prints may corrupt the answers
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req["op"] == "payload":
+            payload, nonce = make_payload(req["exercise"], req["seed"], req.get("student_seed"))
+            answer = {"payload": payload, "nonce": nonce}
+        else:
+            passed, message = judge_result(req["exercise"], req["payload"], req["result"], key_path)
+            answer = {"passed": passed, "message": message}
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    import sys
+
+    serve(sys.argv[1] if len(sys.argv) > 1 else None)
