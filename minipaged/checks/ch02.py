@@ -267,7 +267,9 @@ def observe_allocate_slots(case, allocate_slots) -> list:
             inv = "hold"
         except AssertionError as e:
             inv = {"broken": True, "_message": str(e)[:300]}
-        steps.append({"call": call, "{request: [num_tokens, block ids]}": _manager_state(m), "invariants": inv})
+        steps.append(
+            {"call": call, "{request: [num_tokens, block ids]}": _manager_state(m), "invariants": inv}
+        )
     return steps
 
 
@@ -439,7 +441,9 @@ def _fit_cases(rng):
     cases = [([5, 3, 4], 4, 2), ([1], 1, 1), ([3, 3], 2, 2), ([], 3, 4)]
     for _ in range(120):
         n = rng.randint(0, 10)
-        cases.append(([rng.randint(1, 40) for _ in range(n)], rng.randint(1, 24), rng.choice([1, 2, 4, 8, 16])))
+        cases.append(
+            ([rng.randint(1, 40) for _ in range(n)], rng.randint(1, 24), rng.choice([1, 2, 4, 8, 16]))
+        )
     return cases + [([3, 0, 2], 8, 2), ([4, -1], 8, 2)]
 
 
@@ -474,7 +478,10 @@ QUESTIONS = {
     "q1": ("slot of token 5 with block_table [3, 1, 4] and block_size 4", None),
     "q2": ("blocks a request holds after allocating 3, then 2 more tokens, with block_size 2", None),
     "q3": ("which end of the free queue does a new block come from", ("front", "back")),
-    "q4": ("the largest block size of FIT_BLOCK_SIZES that still fits as many FIT_LENS requests as block_size 1", None),
+    "q4": (
+        "the largest block size of FIT_BLOCK_SIZES that still fits as many FIT_LENS requests as block_size 1",
+        None,
+    ),
 }
 register(SPECS, concept_spec("ex2.7", "concept questions (numbers and choices)", QUESTIONS))
 

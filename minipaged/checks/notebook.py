@@ -45,6 +45,7 @@ from typing import Optional
 import nbformat
 
 from minipaged.checks._harness import pass_line
+from minipaged.checks._spec import recorded_line
 
 SOLUTION_BEGIN = "### BEGIN SOLUTION"
 SOLUTION_END = "### END SOLUTION"
@@ -165,7 +166,10 @@ def parse_authored(
             if ex not in solutions:
                 raise ValueError(f"{path}: check cell {i} ({ex}) comes before any solution cell of {ex}")
             # NOTE: a measuring check prints its figures first; the verdict is the last line
-            if require_outputs and not _stdout_text(cell).endswith(pass_line(ex) + "\n"):
+            if require_outputs and not (
+                _stdout_text(cell).endswith(pass_line(ex) + "\n")
+                or _stdout_text(cell).endswith(recorded_line(ex) + "\n")
+            ):
                 raise ValueError(
                     f"{path}: check cell {i} ({ex}) does not hold the output {pass_line(ex)!r}; "
                     "execute the authored notebook first (see notebooks/exercises/_build/)"

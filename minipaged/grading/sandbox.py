@@ -133,7 +133,7 @@ class Isolation:
             ]
         return out + list(cmd)
 
-    def for_slot(self, slot: int) -> "Isolation":
+    def for_slot(self, slot: int) -> Isolation:
         """This isolation for concurrent slot ``slot``: its own uid (``slot_user``), created
         when the grader runs as root; the same user, said in ``missing``, where it cannot be."""
         iso = Isolation(
