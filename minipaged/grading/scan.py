@@ -67,6 +67,7 @@ BANNED_MODULES = (
     "subprocess",
     "multiprocessing",
     "minipaged.checks",
+    "minipaged.grading",
     "jupyter_client",
     "zmq",
 )
