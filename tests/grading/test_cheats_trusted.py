@@ -255,4 +255,5 @@ def test_resource_attacks_leave_classmates_and_the_grader_alone(tmp_path):
     for p in paths:
         want = 7 if "honest" in Path(p).name else 0
         assert scores[p] == want, (p, scores[p])
+    print(f"grader peak RSS {rss_kb / 1024:.0f} MB")
     assert rss_kb < 500 * 1024, f"grader peak RSS {rss_kb / 1024:.0f} MB"
