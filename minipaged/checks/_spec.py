@@ -255,6 +255,13 @@ def judge(spec: Spec, cases: list, got_text: str, key: Optional[dict] = None) ->
             return False, f"{head}\n  your code raised {got[i]['raised']}: {msg}{tail}"
         where, e, g = d
         where = where.removeprefix("value.").removeprefix("value")
+        if type(g) is dict and "raised" in g and not (type(e) is dict and "raised" in e):
+            return False, f"{head}\n  {where or 'result'}: your code raised {g['raised']}: {g.get('_message', '')}{tail}"
+        if type(e) is dict and "raised" in e and not (type(g) is dict and "raised" in g) and spec.kind == "function":
+            shown = _show(g.get("returned", g)) if type(g) is dict else _show(g)
+            return False, f"{head}\n  {where or 'result'}: expected {e['raised']} (a caller error), but your code returned {shown}{tail}"
+        if type(g) is dict and type(e) is dict and "raised" in g and "raised" in e:
+            return False, f"{head}\n  {where or 'result'}: expected {e['raised']}, but your code raised {g['raised']}: {g.get('_message', '')}{tail}"
         if spec.kind == "prediction":
             return False, f"{head}\n  {where or 'your answer'}: not right (you gave {_show(g)}){tail}"
         return False, f"{head}\n  {where or 'result'}:\n    expected {_show(e)}\n    got      {_show(g)}{tail}"
@@ -263,8 +270,6 @@ def judge(spec: Spec, cases: list, got_text: str, key: Optional[dict] = None) ->
 
 def _judge_secret(spec: Spec, cases: list, got: list, key: Optional[dict]) -> tuple[bool, str]:
     ex = spec.exercise_id
-    if not key or ex not in key:
-        raise ValueError(f"{ex}: the instructor's key has no answers for {ex} (pass --key FILE)")
     wrong = total = 0
     for case, rec in zip(cases, got):
         if "raised" in rec:
@@ -336,6 +341,12 @@ def answers_shape(question_ids, choices: Optional[dict] = None) -> Callable[[Any
     return shape
 
 
+def _from_key(key: Optional[dict], exercise_id: str) -> dict:
+    if not key or exercise_id not in key:
+        raise ValueError(f"the instructor's key has no answers for {exercise_id} (pass --key FILE)")
+    return key[exercise_id]
+
+
 def concept_spec(exercise_id: str, title: str, questions: dict, fn_name: str = "concept_answers") -> Spec:
     """The concept-questions exercise: ``questions`` maps a question id to (what is asked, the
     allowed choices or ``None`` for a number). The answers are in the instructor's key only."""
@@ -350,7 +361,7 @@ def concept_spec(exercise_id: str, title: str, questions: dict, fn_name: str = "
         f"{fn_name}()",
         cases=lambda rng: [None],
         observe=observe,
-        expected=lambda case, key: key[exercise_id],
+        expected=lambda case, key: _from_key(key, exercise_id),
         kind="secret",
         shape=answers_shape(list(questions), choices),
     )

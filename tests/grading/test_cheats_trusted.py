@@ -22,7 +22,7 @@ import nbformat
 import pytest
 
 from minipaged.checks.notebook import cell_exercise, cell_role, load_authored
-from minipaged.grading.grade import grade_many, grade_notebook
+from minipaged.grading.grade import grade_notebook
 from minipaged.grading.sandbox import probe
 from minipaged.grading.trusted import TrustedChecker
 
