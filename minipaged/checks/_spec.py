@@ -182,7 +182,7 @@ def diff(expected: Any, got: Any, rel_tol: float, abs_tol: float, path: str = ""
         ke = sorted(k for k in expected if not k.startswith("_"))
         kg = sorted(k for k in got if not k.startswith("_"))
         if ke != kg:
-            return (path or "keys", ke, kg)
+            return (path, expected, got)
         for k in ke:
             d = diff(expected[k], got[k], rel_tol, abs_tol, f"{path}.{k}" if path else k)
             if d:

@@ -44,7 +44,7 @@ from typing import Optional
 
 MAX_OUTPUT_BYTES = 64 * 2**10  # output kept per student cell; the rest is read and dropped
 MAX_ERROR_BYTES = 4 * 2**10  # an exception's text kept per cell
-MAX_MESSAGE_BYTES = 16 * 2**20  # larger messages from the kernel are dropped unread (ZMQ_MAXMSGSIZE)
+MAX_MESSAGE_BYTES = 32 * 2**20  # larger messages from the kernel are dropped unread (ZMQ_MAXMSGSIZE)
 IOPUB_LOST_AFTER = 10.0  # seconds of IOPub silence after the execute reply: the output channel is gone
 
 
