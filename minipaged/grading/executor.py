@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 MAX_OUTPUT_BYTES = 64 * 2**10  # output kept per student cell; the rest is read and dropped
+RECEIVE_QUEUE_MESSAGES = 32  # IOPub messages ZeroMQ holds for the grader before it drops new ones
 MAX_ERROR_BYTES = 4 * 2**10  # an exception's text kept per cell
 MAX_MESSAGE_BYTES = 32 * 2**20  # larger messages from the kernel are dropped unread (ZMQ_MAXMSGSIZE)
 IOPUB_LOST_AFTER = 10.0  # seconds of IOPub silence after the execute reply: the output channel is gone
@@ -132,6 +133,10 @@ class KernelRunner:
         iso = self.isolation
         ctx = zmq.Context()
         ctx.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        # NOTE: a kernel that prints faster than the grader reads must not queue its output
+        # in the grader's memory (ZeroMQ's default is 1000 messages per socket: 1 GB of 1 MB
+        # prints); past this many waiting messages IOPub drops them, the cap drops the rest
+        ctx.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
         kwargs = {"kernel_name": self.kernel_name, "context": ctx}
         env, cwd = self.env, self.cwd
         if iso is not None:
