@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 MAX_OUTPUT_BYTES = 64 * 2**10  # output kept per student cell; the rest is read and dropped
-RECEIVE_QUEUE_MESSAGES = 32  # IOPub messages ZeroMQ holds for the grader before it drops new ones
+RECEIVE_QUEUE_MESSAGES = 4  # IOPub messages (each at most MAX_MESSAGE_BYTES) ZeroMQ holds before dropping new ones
 MAX_ERROR_BYTES = 4 * 2**10  # an exception's text kept per cell
 MAX_MESSAGE_BYTES = 32 * 2**20  # larger messages from the kernel are dropped unread (ZMQ_MAXMSGSIZE)
 IOPUB_LOST_AFTER = 10.0  # seconds of IOPub silence after the execute reply: the output channel is gone
@@ -266,6 +266,8 @@ class KernelRunner:
                     if r.get("parent_header", {}).get("msg_id") == msg_id:
                         early_reply, quiet_since = r, time.monotonic()
                 elif early_reply is not None and time.monotonic() - quiet_since > IOPUB_LOST_AFTER:
+                    if self._iopub_alive():
+                        break  # NOTE: only dropped output (the receive queue was full): the cell is done
                     self.shutdown()
                     return CellRun(
                         "died",
@@ -313,6 +315,20 @@ class KernelRunner:
                 "timeout", "".join(stdout), f"did not finish within {limit:g} s (interrupted)", outputs
             )
         return CellRun(status, "".join(stdout), error, outputs)
+
+    def _iopub_alive(self, wait: float = 5.0) -> bool:
+        """Does IOPub still carry messages? (A kernel_info request makes the kernel publish
+        its busy/idle status there.) False after ZeroMQ dropped the connection."""
+        probe = self.kc.kernel_info()
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                msg = self.kc.get_iopub_msg(timeout=0.5)
+            except queue.Empty:
+                continue
+            if msg.get("parent_header", {}).get("msg_id") == probe:
+                return True
+        return False
 
     def _shell_reply(self, msg_id: str):
         deadline = time.monotonic() + 10.0

@@ -223,13 +223,17 @@ RESOURCE_ATTACKS = {
 }
 
 _GRADER = """
-import json, resource, sys
+import json, sys
 from minipaged.checks.notebook import load_authored
 from minipaged.grading.grade import grade_many
 from minipaged.grading.sandbox import probe
 res = grade_many(sys.argv[1:], load_authored(), timeout=30, jobs=2, isolation=probe())
 print("MPOUT " + json.dumps({r.submission: r.score for r in res}))
-print("MAXRSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+# NOTE: VmHWM, the peak RSS of this process's own memory: getrusage's ru_maxrss would
+# carry over the peak of the pytest process this one was forked from (Linux keeps it
+# across exec)
+hwm = next(ln for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
+print("MAXRSS_KB", int(hwm.split()[1]))
 """
 
 
