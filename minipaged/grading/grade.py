@@ -398,6 +398,8 @@ def grade_notebook(
                     reason = "the check printed no results (the driver cell did not run to its end)"
                 else:
                     ok, reason = checker.judge(cell.exercise, r.payload, r.result)
+                    # one line for the table and the CSV, as the in-kernel checks' reasons
+                    reason = "" if ok else " | ".join(ln.strip() for ln in reason.splitlines()[:6])
                     if ok:
                         reason = ""
                     elif reason.startswith("the grader's checker failed"):
