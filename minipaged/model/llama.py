@@ -85,7 +85,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, head_dim: int, rotary_emb: RotaryEmbedding, backend: str):
+    def __init__(self, config, head_dim: int, rotary_emb: RotaryEmbedding):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -102,7 +102,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)  # q, k, v fused
         self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
         self.rotary_emb = rotary_emb  # shared by all layers; holds no weights
-        self.attn = PagedAttention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5, backend)
+        self.attn = PagedAttention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5)
 
     @property
     def rope_in_c(self) -> bool:
@@ -132,13 +132,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, head_dim: int, rotary_emb: RotaryEmbedding, backend: str):
+    def __init__(self, config, head_dim: int, rotary_emb: RotaryEmbedding):
         super().__init__()
-        impl = "cpu" if backend == "cpu" else "torch"  # the small layers in C with the C attention
-        self.self_attn = LlamaAttention(config, head_dim, rotary_emb, backend)
-        self.mlp = LlamaMLP(config, impl)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl)
+        self.self_attn = LlamaAttention(config, head_dim, rotary_emb)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, cos_sin, h, residual, kv_cache, inp: ModelInput):
         """h: the previous layer's output; residual: the stream before it (None in layer 0).
@@ -153,21 +152,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, head_dim: int, backend: str):
+    def __init__(self, config, head_dim: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         rotary_emb = RotaryEmbedding(config, head_dim)
         self.rotary_emb = rotary_emb  # one table for all layers
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, head_dim, rotary_emb, backend) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, head_dim, rotary_emb) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "cpu" if backend == "cpu" else "torch")
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(PagedCausalLM):
     """Llama / Mistral / Qwen2 causal LM reading and writing a paged KV cache."""
 
-    def __init__(self, config, attention_backend: str = "torch", eos_token_ids=None):
+    def __init__(self, config, eos_token_ids=None):
         super().__init__()
         self.config = config
         self.num_layers = config.num_hidden_layers
@@ -181,7 +180,7 @@ class LlamaForCausalLM(PagedCausalLM):
             self.max_model_len = min(self.max_model_len, int(window))
         self.eos_token_ids = list(eos_token_ids or [])
 
-        self.model = LlamaModel(config, self.head_dim, attention_backend)
+        self.model = LlamaModel(config, self.head_dim)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

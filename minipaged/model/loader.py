@@ -8,7 +8,8 @@ Inputs
     local directory in Hugging Face format, or a hub id such as ``"HuggingFaceTB/SmolLM2-135M"``
     (downloaded by transformers where a network is reachable). ``dtype``: "float32",
     "float16" or "bfloat16". ``device``: anything ``torch.device`` accepts.
-    ``attention_backend``: "torch", "triton" or "cpu".
+    ``attention_backend``: "torch", "triton" or "cpu" (``EngineConfig`` resolves "auto" first,
+    ``minipaged.kernels.selector``), set on every layer by ``PagedCausalLM.use_backend``.
 Output
     ``(model, tokenizer)``: a ``PagedCausalLM`` in eval mode on ``device`` in ``dtype`` with
     the checkpoint's weights, and the checkpoint's transformers tokenizer (``None`` for a
@@ -41,9 +42,9 @@ from pathlib import Path
 
 import torch
 
-from minipaged.model.attention import ATTENTION_BACKENDS
+from minipaged.kernels.selector import ATTENTION_BACKENDS
 from minipaged.model.gpt2 import GPT2LMHeadModel
-from minipaged.model.layers import PagedCausalLM, resolve_dtype
+from minipaged.model.layers import CALIBRATION_TEXT, PagedCausalLM, resolve_dtype
 from minipaged.model.llama import LlamaForCausalLM
 
 COURSE_MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "course_model"
@@ -210,9 +211,10 @@ def load_model(
 
     # 2. The minipaged model: built without random init, then filled.
     with torch.device("meta"):
-        paged = cls(config, attention_backend=attention_backend, eos_token_ids=_eos_token_ids(config, src))
+        paged = cls(config, eos_token_ids=_eos_token_ids(config, src))
     paged = paged.to_empty(device=device).to(torch_dtype)
     paged.load_weights(state_dict)
+    paged.use_backend(attention_backend)
     del hf_model, state_dict
     paged.eval().requires_grad_(False)
     paged.check_invariants()
@@ -220,4 +222,5 @@ def load_model(
     tokenizer = None
     if not os.path.isdir(src) or any(os.path.isfile(os.path.join(src, f)) for f in _TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(src)
+        paged.calibration_ids = tokenizer(CALIBRATION_TEXT)["input_ids"]  # for an int8 / fp8 KV cache
     return paged, tokenizer
