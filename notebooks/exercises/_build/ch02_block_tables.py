@@ -244,7 +244,10 @@ nb.exercise(
     "ex2.7",
     "concept questions",
     """
-    Answer with a number or one of the given choices (strings exactly as written).
+    Answer with a number or one of the given choices (strings exactly as written). The
+    answers are graded once, by the instructor's key: the check here only makes sure
+    every question has an answer of the right kind, and a graded failure says how many
+    are wrong, never which.
 
     - `q1`: the flat slot of token 5 with `block_table = [3, 1, 4]` and `block_size = 4`?
     - `q2`: how many blocks does a request hold after allocating 3 tokens and then 2 more,
