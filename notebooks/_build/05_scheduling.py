@@ -635,8 +635,8 @@ requests come back, in arrival order, merged with `waiting`:
 
 code(r"""
 src = inspect.getsource(PaperScheduler._preempt)
-swap_half = src[: src.index("# NOTE: the CPU pool is full")]  # the recompute half follows: ex5.3
-print(swap_half + "            # ... the CPU pool is full: recompute (exercise ex5.3)")
+swap_half = src[: src.index("# NOTE: the CPU pool is full")].rstrip()  # the recompute half follows: ex5.3
+print(swap_half + "\n        # ... else (no room in the CPU pool): recompute, which is exercise ex5.3")
 print()
 print(inspect.getsource(PaperScheduler._swap_in_next))
 """)
