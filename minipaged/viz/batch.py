@@ -51,8 +51,15 @@ def packed_batch_rows(inp, req_ids: list[str], block_size: int) -> list[dict]:
             if slot != table[pos // block_size] * block_size + pos % block_size:
                 raise ValueError(f"inp: row {t} ({rid}, position {pos}) has slot {slot}, not its table's")
             rows.append(
-                dict(row=t, req=rid, token=int(inp.input_ids[t]), position=pos, slot=slot,
-                     block=slot // block_size, offset=slot % block_size)
+                dict(
+                    row=t,
+                    req=rid,
+                    token=int(inp.input_ids[t]),
+                    position=pos,
+                    slot=slot,
+                    block=slot // block_size,
+                    offset=slot % block_size,
+                )
             )
     return rows
 
@@ -69,8 +76,13 @@ def packed_batch_text(inp, req_ids: list[str], block_size: int) -> str:
     w = max(6, max(len(str(r[k])) for r in rows for k in ("token", "slot")) + 1)
     names = {rid: short_name(rid, k) for k, rid in enumerate(req_ids)}
     lines = [f"packed batch: T = {len(rows)} rows from B = {len(req_ids)} sequences, no padding between them"]
-    for label, key in (("row", "row"), ("request", "req"), ("input_ids", "token"), ("positions", "position"),
-                       ("slot_mapping", "slot")):
+    for label, key in (
+        ("row", "row"),
+        ("request", "req"),
+        ("input_ids", "token"),
+        ("positions", "position"),
+        ("slot_mapping", "slot"),
+    ):
         vals = [names[r[key]] if key == "req" else r[key] for r in rows]
         lines.append(f"{label:13s}" + "".join(f"{v:>{w}}" for v in vals))
     lines.append(f"{'cu_seqlens_q':13s}{cu}")
@@ -103,20 +115,38 @@ def packed_batch(inp, req_ids: list[str], block_size: int, order=None, managed: 
     ax.set_xlim(-2.4, width + 0.2)
     ax.set_ylim(y_tables - 0.9 * B - 0.3, 1.5)
     ax.axis("off")
-    ax.text(-2.3, 1.35, f"one step, packed: {T} rows from {B} sequences, no padding", ha="left", va="top",
-            fontsize=9)
+    ax.text(
+        -2.3,
+        1.35,
+        f"one step, packed: {T} rows from {B} sequences, no padding",
+        ha="left",
+        va="top",
+        fontsize=9,
+    )
     for j, key in enumerate(("token", "position", "slot")):
         y = top - 0.7 * (j + 1)
-        ax.text(-0.1, y + 0.35, ("input_ids", "positions", "slot_mapping")[j], ha="right", va="center", fontsize=7)
+        ax.text(
+            -0.1, y + 0.35, ("input_ids", "positions", "slot_mapping")[j], ha="right", va="center", fontsize=7
+        )
         for r in rows:
             x, c = r["row"], color[r["req"]]
             face = c if j == 0 else "#FFFFFF"
             ax.add_patch(_rect(x, y, 1, 0.7, face, c))
-            ax.text(x + 0.5, y + 0.35, str(r[key]), ha="center", va="center", fontsize=7, color=text_color_on(face))
+            ax.text(
+                x + 0.5,
+                y + 0.35,
+                str(r[key]),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color=text_color_on(face),
+            )
     for b, rid in enumerate(req_ids):  # brackets over each sequence's rows
         a, e = cu[b], cu[b + 1]
         ax.plot([a + 0.08, a + 0.08, e - 0.08, e - 0.08], [0.1, 0.3, 0.3, 0.1], color=BLACK, lw=0.8)
-        ax.text((a + e) / 2, 0.38, f"{names[rid]}: {plural(e - a, 'row')}", ha="center", va="bottom", fontsize=7)
+        ax.text(
+            (a + e) / 2, 0.38, f"{names[rid]}: {plural(e - a, 'row')}", ha="center", va="bottom", fontsize=7
+        )
     ax.text(-0.1, -2.75, "cu_seqlens_q", ha="right", va="center", fontsize=7)
     for x in cu:
         ax.plot([x, x], [-2.1, -2.6], color="#555555", lw=0.6)
@@ -124,16 +154,36 @@ def packed_batch(inp, req_ids: list[str], block_size: int, order=None, managed: 
     ax.text(-2.3, y_tables + 0.75, "block_tables, seq_lens", ha="left", va="center", fontsize=7)
     for b, rid in enumerate(req_ids):  # each sequence's blocks, read by the kernel
         y = y_tables - b * 0.9
-        ax.text(-0.1, y + 0.3, f"{names[rid]}  seq_len {int(inp.seq_lens[b])}", ha="right", va="center", fontsize=7)
+        ax.text(
+            -0.1,
+            y + 0.3,
+            f"{names[rid]}  seq_len {int(inp.seq_lens[b])}",
+            ha="right",
+            va="center",
+            fontsize=7,
+        )
         written = {r["block"] for r in rows if r["req"] == rid}
         for k, blk in enumerate(tables[b]):
             face = color[rid] if blk in written else FREE_GREY
             ax.add_patch(_rect(k * 1.5, y, 1.3, 0.6, face, color[rid]))
-            ax.text(k * 1.5 + 0.65, y + 0.3, str(blk), ha="center", va="center", fontsize=7,
-                    color=text_color_on(face))
-    ax.text(max(len(t) for t in tables) * 1.5 + 0.3, y_tables + 0.3,
-            "coloured: a block this step writes K/V into\ngrey: read only (K/V cached by earlier steps)",
-            ha="left", va="top", fontsize=6.5, color="#555555")
+            ax.text(
+                k * 1.5 + 0.65,
+                y + 0.3,
+                str(blk),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color=text_color_on(face),
+            )
+    ax.text(
+        max(len(t) for t in tables) * 1.5 + 0.3,
+        y_tables + 0.3,
+        "coloured: a block this step writes K/V into\ngrey: read only (K/V cached by earlier steps)",
+        ha="left",
+        va="top",
+        fontsize=6.5,
+        color="#555555",
+    )
     return fig
 
 

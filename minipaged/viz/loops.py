@@ -53,9 +53,13 @@ def loop_outline(fn) -> list[tuple[str, list[str]]]:
     """``[(phase title, [callee names])]`` of ``fn``'s body, in source order (see the module)."""
     src = textwrap.dedent(inspect.getsource(fn))
     lines = src.splitlines()
-    phases = [(i + 1, f"{m.group(1)}. {m.group(2)}") for i, line in enumerate(lines) if (m := _PHASE.match(line))]
+    phases = [
+        (i + 1, f"{m.group(1)}. {m.group(2)}") for i, line in enumerate(lines) if (m := _PHASE.match(line))
+    ]
     if not phases:
-        raise ValueError(f"fn: {getattr(fn, '__qualname__', fn)!r} has no numbered phase comments ('# 1. ...')")
+        raise ValueError(
+            f"fn: {getattr(fn, '__qualname__', fn)!r} has no numbered phase comments ('# 1. ...')"
+        )
     body = ast.parse(src).body[0].body
     if isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
         body = body[1:]  # the docstring
@@ -96,7 +100,13 @@ def diff_outlines(fn_a, fn_b) -> list[tuple[str, str, list[str], list[str], list
     rows = []
     for (ta, ca), (tb, cb) in zip(a, b):
         rows.append(
-            (ta, tb, [c for c in ca if c not in cb], [c for c in ca if c in cb], [c for c in cb if c not in ca])
+            (
+                ta,
+                tb,
+                [c for c in ca if c not in cb],
+                [c for c in ca if c in cb],
+                [c for c in cb if c not in ca],
+            )
         )
     return rows
 

@@ -81,7 +81,11 @@ def test_v1_loop_calls_the_kv_cache_manager_directly():
     phases = dict(loop_outline(Scheduler.schedule))
     running = next(c for t, c in phases.items() if t.startswith("1."))
     waiting = next(c for t, c in phases.items() if t.startswith("2."))
-    assert running.index("kv.allocate_slots") < running.index("self.running.pop") < running.index("self._preempt")
+    assert (
+        running.index("kv.allocate_slots")
+        < running.index("self.running.pop")
+        < running.index("self._preempt")
+    )
     assert "kv.get_computed_blocks" in waiting and "kv.allocate_slots" in waiting
 
 
