@@ -33,8 +33,7 @@ import inspect
 import matplotlib.pyplot as plt
 
 from minipaged import viz
-from minipaged.core import EngineScheduler, Request, RequestStatus, Scheduler
-from minipaged.core.sched import PaperScheduler
+from minipaged.core import PaperScheduler, Request, RequestStatus, Scheduler
 from minipaged.trace import run_scheduler
 from minipaged.sampling_params import SamplingParams
 
@@ -68,11 +67,18 @@ token count, the model's output at the last position is its next token.
    limits. The first one that does not fit stops admission: nobody jumps the queue.
 
 `update_from_output` then advances `num_computed_tokens`, appends the sampled tokens and
-frees the blocks of finished requests. Here is one step by hand:
+frees the blocks of finished requests.
+
+Most runs of this chapter drive the paper's loop, `PaperScheduler`
+(`minipaged/core/sched/paper.py`, shaped like vLLM v0's), because it can also *swap*
+(section 4), which vLLM v1 removed. On the workloads of sections 1–3 and 5b it makes
+exactly the decisions of v1's `Scheduler` (`core/sched/scheduler.py`; section 3 checks
+it); where v1's own options are the point (section 5a) the chapter runs `Scheduler`. Here
+is one step by hand:
 """)
 
 code(r"""
-s = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
+s = PaperScheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
 a = make("A", 5, 3)
 s.add_request(a)
 out = s.schedule()
@@ -101,7 +107,7 @@ Block tables: A's 5 prompt tokens need 2 blocks (0, 1), B's first token 1 block 
 """)
 
 code(r"""
-s = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
+s = PaperScheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
 trace = run_scheduler(s, [make("A", 5, 3), make("B", 4, 2)], fake_model)
 print([st.scheduled for st in trace.steps])
 assert [st.scheduled for st in trace.steps] == [{"A": 5, "B": 1}, {"A": 1, "B": 3}, {"A": 1, "B": 1}]
@@ -142,7 +148,7 @@ def workload():
 
 
 for chunked, budget in ((True, 16), (False, 48)):
-    s = EngineScheduler(num_blocks=64, block_size=4, max_num_batched_tokens=budget,
+    s = PaperScheduler(num_blocks=64, block_size=4, max_num_batched_tokens=budget,
                   enable_chunked_prefill=chunked)
     t = run_scheduler(s, workload(), fake_model)
     per_step = [sum(st.scheduled.values()) for st in t.steps]
@@ -162,7 +168,7 @@ vLLM v1 `vllm/v1/core/sched/scheduler.py`, the paper's v0 `vllm/core/scheduler.p
 | | |
 |---|---|
 | **inputs** | a running request whose `allocate_slots` returned `None` (the pool is full); the `running` list; `preemption_mode` (`"recompute"`, or the paper's `"swap"` with `num_cpu_blocks`) |
-| **outputs** | the victim, the last of `running` (in minipaged `running` is kept in arrival order, so this is the latest arrival), leaves `running`: recompute frees its blocks and sets `num_computed_tokens = 0`; swap moves its block table to the CPU pool (`blocks_to_swap_out`, pairs device -> cpu). It goes back to the *front* of `waiting` (status `PREEMPTED`, or `SWAPPED`), `num_preemptions += 1`; the allocation is retried; nothing new is admitted in that step |
+| **outputs** | the victim, the last of `running` (in minipaged `running` is kept in arrival order, so this is the latest arrival), leaves `running`, `num_preemptions += 1`: recompute frees its blocks, sets `num_computed_tokens = 0` and puts it back at the *front* of `waiting` (status `PREEMPTED`); swap copies its blocks to the CPU pool (`blocks_to_swap_out`, pairs device -> cpu) and puts it into the `swapped` queue, in arrival order (status `SWAPPED`). The allocation is retried; nothing new is admitted in that step |
 | **invariants** | after the step, the victim holds no device blocks; free + used blocks == `num_blocks`; the first request of `running` is never a victim unless it is alone; a recomputed request later prefills `prompt + outputs so far` and produces the same tokens (greedy) |
 | **failure modes** | no exception in normal operation (a request too big for the pool is refused on arrival instead); silent ones: **thrash** (the same request preempted again and again, its work recomputed: section 5a), a swap with too few CPU blocks falls back to recompute |
 | **hand-check** | below: six requests on 16 blocks; which request is preempted at which step, read off the timeline |
@@ -179,10 +185,14 @@ def pressure():
     return [make(f"r{i}", 8, 24) for i in range(6)]
 
 
-s = EngineScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64)
+s = PaperScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64)
 pressure_trace = run_scheduler(s, pressure(), fake_model)
 print(viz.timeline_text(pressure_trace))
 print(viz.memory_text(pressure_trace, max_rows=12))
+v1_trace = run_scheduler(Scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64), pressure(), fake_model)
+same = [(st.scheduled, st.preempted_ids) for st in v1_trace.steps] == [
+    (st.scheduled, st.preempted_ids) for st in pressure_trace.steps]
+print("vLLM v1's Scheduler on the same workload: the same batches and the same victims:", same)
 """)
 
 md(r"""
@@ -226,9 +236,9 @@ def ab():
     return [make("A", 3, 4), make("B", 3, 4)]
 
 
-rec = run_scheduler(EngineScheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16), ab(), fake_model)
+rec = run_scheduler(PaperScheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16), ab(), fake_model)
 swp = run_scheduler(
-    EngineScheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16,
+    PaperScheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16,
               preemption_mode="swap", num_cpu_blocks=4),
     ab(), fake_model,
 )
@@ -269,7 +279,7 @@ copy, as `(source, destination)` block ids:
 """)
 
 code(r"""
-s = EngineScheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16,
+s = PaperScheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16,
               preemption_mode="swap", num_cpu_blocks=4)
 for r in ab():
     s.add_request(r)
@@ -319,7 +329,7 @@ def costs(trace):
 
 print(f"{'mode':>9}  steps  tokens computed  recomputed  preemptions  swap-outs")
 for mode in ("recompute", "swap"):
-    s = EngineScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64,
+    s = PaperScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64,
                   preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0)
     t = run_scheduler(s, pressure(), fake_model)
     computed, wasted, _ = costs(t)
@@ -408,16 +418,16 @@ outputs) every prompt fits when it is admitted, and all preemptions come later, 
 *decodes* outgrowing the pool: there the two rules give the same numbers, since no rule
 that looks at prompts can foresee how long outputs will be (the whole problem of chapter
 01). What helps there is admitting fewer sequences: `max_num_seqs` caps the batch. With 8
-blocks and v1 admission, fewer sequences at once means fewer preemptions and less
-recomputed work, at the price of less batching (one at a time takes the most steps). (Here
-with first-chunk admission, `scheduler_reserve_full_isl=False`.)
+blocks and v1's loop with first-chunk admission (`scheduler_reserve_full_isl=False`, so
+that admission does not hide the effect), fewer sequences at once means fewer preemptions
+and less recomputed work, at the price of less batching (one at a time takes the most steps).
 """)
 
 code(r"""
 print(f"{'max_num_seqs':>12}  steps  recomputed  preemptions")
 for max_num_seqs in (6, 3, 2, 1):
-    s = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
-                  watermark=None)
+    s = Scheduler(num_blocks=8, block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+                  scheduler_reserve_full_isl=False)
     t = run_scheduler(s, pressure(), fake_model)
     computed, wasted, _ = costs(t)
     print(f"{max_num_seqs:12d}  {len(t):5d}  {wasted:10d}  {sum(len(st.preempted_ids) for st in t.steps):11d}")
@@ -437,7 +447,7 @@ for big_first in (True, False):
     smalls = [make(f"s{i}", 4, 4) for i in range(4)]
     big = make("BIG", 32, 8)
     arrivals = {0: [make("A", 32, 24)], 1: [big] + smalls if big_first else smalls + [big]}
-    t = run_scheduler(EngineScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64),
+    t = run_scheduler(PaperScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64),
                       arrivals, fake_model)
     done = {rid: r["finish_step"] for rid, r in t.requests.items()}
     print(("BIG first" if big_first else "BIG last "), "finish steps:", done)
@@ -460,7 +470,7 @@ forever. A prompt longer than `max_model_len` is a caller error: `add_request` r
 """)
 
 code(r"""
-s = EngineScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=32, max_model_len=128)
+s = PaperScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=32, max_model_len=128)
 huge = make("huge", 60, 20)  # 79 tokens of K/V > 64 slots
 reqs = [make("ok1", 8, 4), huge, make("ok2", 8, 4)]
 t = run_scheduler(s, reqs, fake_model)
@@ -474,21 +484,31 @@ try:
 except ValueError as e:
     print("ValueError:", e)
 
-s_off = EngineScheduler(num_blocks=64, block_size=4, max_num_batched_tokens=32, enable_chunked_prefill=False)
+s_off = PaperScheduler(num_blocks=64, block_size=4, max_num_batched_tokens=32, enable_chunked_prefill=False)
 long_prompt = make("L", 40, 4)
 run_scheduler(s_off, [long_prompt], fake_model)
 print(long_prompt.stop_reason)
 """)
 
 md(r"""
-### 5d. A stop string frees a request's blocks in the step it appears
+### 5d. A stop string frees a request's blocks before the next step
 
 The other side of memory pressure: memory comes back as soon as a request ends, even in
 the middle of a block. On the course model, `SamplingParams(stop=["."])` ends a request at
-its first full stop. The engine checks the detokenized text after each step
-(`OutputProcessor`, through the scheduler's `stop_checker`); a match finishes the request
-inside `update_from_output`, and its blocks, the last one only partly filled, go back to
-the free queue **in that same step**, ready for the next `schedule()`.
+its first full stop. The scheduler does not see text: its own stop check (`check_stop`,
+inside `update_from_output`) knows only token ids (EOS, `stop_token_ids`, `max_tokens`,
+`max_model_len`). Stop *strings* are found by the engine's `OutputProcessor`, right after
+`update_from_output` appended the step's tokens: it feeds each new token to the request's
+detokenizer, and when the text now ends in a stop string the engine calls
+`scheduler.finish_requests([request_id], FINISHED_STOPPED)` in that same step. That frees
+the request's blocks, the last one only partly filled, so they are back in the free queue
+**before the next `schedule()`**, which can hand them to someone else.
+
+vLLM v1 does the same across a process boundary: its output processor runs in the
+front-end process, finds the stop string in the outputs of an engine-core step, and sends
+an abort to the engine core, which frees the blocks when it handles the abort, before its
+next `schedule()` after the message arrives. The core runs ahead asynchronously, so the
+request may have been scheduled for one more step meanwhile; that token is dropped.
 """)
 
 code(r"""
@@ -604,15 +624,20 @@ print(f"paper's rule (latest arrival): {paper}; vLLM v1 with policy='priority': 
 md(r"""
 ## 6. Code tour
 
-Chapter 04 showed vLLM v1's `Scheduler.schedule` (recompute preemption included). The
-`EngineScheduler` used here is the paper's scheduler (`PaperScheduler`,
-`minipaged/core/sched/paper.py`): its own loop, shaped like vLLM v0's, beside v1's. Swap
-(removed in vLLM v1) is how it preempts when the CPU pool has room, and swapped requests come
-back in arrival order, merged with `waiting`:
+Chapter 04 outlined vLLM v1's `Scheduler.schedule` (recompute preemption included);
+exercises ex5.3 and ex5.4 ask you to write its preemption and its running phase, so the
+chapters do not print them. The paper's scheduler (`PaperScheduler`,
+`minipaged/core/sched/paper.py`) is its own loop, shaped like vLLM v0's, beside v1's.
+Swap (removed in vLLM v1) is how it preempts when the CPU pool has room: here is the swap
+half of its `_preempt` (the recompute half, after it, is ex5.3's answer), and how swapped
+requests come back, in arrival order, merged with `waiting`:
 """)
 
 code(r"""
-print(inspect.getsource(PaperScheduler._preempt))
+src = inspect.getsource(PaperScheduler._preempt)
+swap_half = src[: src.index("# NOTE: the CPU pool is full")].rstrip()  # the recompute half follows: ex5.3
+print(swap_half + "\n        # ... else (no room in the CPU pool): recompute, which is exercise ex5.3")
+print()
 print(inspect.getsource(PaperScheduler._swap_in_next))
 """)
 
@@ -635,7 +660,7 @@ computed tokens, and FCFS: every running request arrived before every waiting on
 """)
 
 code(r"""
-s = EngineScheduler(num_blocks=12, block_size=4, max_num_batched_tokens=16,
+s = PaperScheduler(num_blocks=12, block_size=4, max_num_batched_tokens=16,
               preemption_mode="swap", num_cpu_blocks=8)
 reqs = pressure()
 for r in reqs:
@@ -663,9 +688,11 @@ CPU pool is full).
 
 code(r"""
 num_blocks, budget, chunked, mode, cpu_blocks = 12, 16, True, "swap", 6
-watermark = None  # None: scheduler_reserve_full_isl=False; 0.0: True (vLLM's default); 0.05: minipaged's default
+# the paper's admission rule: None = the first chunk fits (as v1's scheduler_reserve_full_isl=False);
+# 0.0 = the whole (re)prefill fits, no spare; 0.05 = PaperScheduler's default, 5% spare
+watermark = None
 
-s = EngineScheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
+s = PaperScheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
               enable_chunked_prefill=chunked, preemption_mode=mode, watermark=watermark,
               num_cpu_blocks=cpu_blocks if mode == "swap" else 0)
 t = run_scheduler(s, {0: pressure()[:3], 4: pressure()[3:]}, fake_model)
@@ -684,8 +711,8 @@ so it preempts *itself* and loses the chunk. Admitting chunk by
 chunk (vLLM's `scheduler_reserve_full_isl=False`) lets a request start before all its
 blocks are free, which can thrash like this; vLLM's default (`True`) admits a request only
 when its whole sequence fits, vLLM v0 admitted a prompt only when all of its blocks fit
-plus a watermark of spare blocks, and so does minipaged by default (set `watermark = 0.0`,
-then `0.05`, above and rerun: r1 waits instead of thrashing). Progress is still guaranteed: r0, the earliest arrival, decodes at
+plus a watermark of spare blocks, and so does minipaged's `PaperScheduler` by default (set
+`watermark = 0.0`, then `0.05`, above and rerun: r1 is preempted once instead of four times). Progress is still guaranteed: r0, the earliest arrival, decodes at
 every step and finishes, and then r1 fits.
 
 ## Recap
@@ -703,6 +730,10 @@ every step and finishes, and then r1 fits.
   the whole sequence, vLLM's default `scheduler_reserve_full_isl=True`), **head-of-line
   blocking** (FCFS makes small requests wait behind a big one), and the request that can
   **never fit** (refused up front, so nobody livelocks).
+* A request stopped by a **stop string** (found by the output processor after
+  `update_from_output`, then `finish_requests`) has its blocks back before the next
+  `schedule()`; in vLLM v1 the front end finds it and aborts, and the core frees them when
+  it handles the abort.
 
 Next: chapter 06 shares blocks between sequences (parallel sampling, beam search, prefixes)
 with copy-on-write.
@@ -717,11 +748,15 @@ md(r"""
   under a token budget; vLLM v1 enables chunked prefill by default (`enable_chunked_prefill`,
   which it still lets you turn off).
 * The paper's v0.2: `vllm/core/scheduler.py` (`_preempt`, `_preempt_by_recompute`,
-  `_preempt_by_swap`) ↔ `minipaged/core/sched/paper.py`, `minipaged/core/sched/paper.py`;
+  `_preempt_by_swap`) ↔ `minipaged/core/sched/paper.py` (`_preempt`, `_swap_in_next`), over
+  `vllm/core/block_manager.py` (`swap_out`, `swap_in`) ↔ `minipaged/core/kv/block_manager_v0.py`;
   the block copies of a swap: `vllm/worker/cache_engine.py` (`swap_in`, `swap_out`) ↔
   `minipaged/kernels/cache_ops.py` (`swap_blocks`).
 * vLLM v1: `vllm/v1/core/sched/scheduler.py` (`schedule`: the token budget
   `max_num_batched_tokens`, `_preempt_request`) ↔ `minipaged/core/sched/scheduler.py`.
+* Stop strings: `vllm/v1/engine/output_processor.py` (finds them, asks for the abort) and
+  `vllm/v1/engine/detokenizer.py` ↔ `minipaged/engine/output_processor.py`,
+  `minipaged/engine/llm_engine.py` (`_check_stop_strings`, then `Scheduler.finish_requests`).
 * The waiting queue (FCFS or priority): `vllm/v1/core/sched/request_queue.py`.
 """)
 
