@@ -10,7 +10,8 @@ Inputs
     after the worker joined the process group; ``call(method, *args)`` runs
     ``worker.method(*args)`` on every rank.
 Output
-    ``call`` returns the list of the ranks' return values, rank 0 first.
+    ``call`` returns the list of the ranks' return values, rank 0 first; ``stats`` adds up
+    the bytes sent per rank and the seconds spent sending and waiting.
 
 How the step crosses the process boundary (and why a pipe)
     one ``multiprocessing`` pipe per worker; a message is ``pickle.dumps((method, args))``,
@@ -65,6 +66,24 @@ class WorkerDiedError(WorkerError):
     """A tensor-parallel worker process ended while the driver waited for it."""
 
 
+class CallStats:
+    """What the driver's calls cost: bytes sent per rank, seconds pickling and writing them,
+    seconds waiting for the answers (the benchmark reads these)."""
+
+    __slots__ = ("calls", "bytes_sent", "send_seconds", "wait_seconds", "last_message_bytes")
+
+    def __init__(self) -> None:
+        self.calls, self.bytes_sent, self.last_message_bytes = 0, 0, 0
+        self.send_seconds = self.wait_seconds = 0.0
+
+    def add(self, nbytes: int, send_s: float, wait_s: float) -> None:
+        self.calls += 1
+        self.bytes_sent += nbytes
+        self.last_message_bytes = nbytes
+        self.send_seconds += send_s
+        self.wait_seconds += wait_s
+
+
 class WorkerGroup:
     """``world_size`` spawned worker processes in one torch.distributed group."""
 
@@ -100,6 +119,7 @@ class WorkerGroup:
             self.procs.append(proc)
             self.conns.append(parent)
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
+        self.stats = CallStats()
         self.closed = False
         try:
             self._collect("start", timeout_s=start_timeout_s)
@@ -112,15 +132,18 @@ class WorkerGroup:
         """``worker.method(*args)`` on every rank -> the ranks' results, rank 0 first."""
         if self.closed:
             raise RuntimeError("the tensor-parallel workers have been shut down")
+        t0 = time.perf_counter()
         data = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
-        self.last_message_bytes = len(data)
         try:
             for rank, conn in enumerate(self.conns):
                 try:
                     conn.send_bytes(data)
                 except (BrokenPipeError, OSError):
                     raise self._died(rank) from None
-            return self._collect(method, timeout_s)
+            t1 = time.perf_counter()
+            results = self._collect(method, timeout_s)
+            self.stats.add(len(data), t1 - t0, time.perf_counter() - t1)
+            return results
         except BaseException:  # a dead rank, a failed rank, KeyboardInterrupt: the group is gone
             self.shutdown()
             raise
