@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from minipaged.distributed.shard_worker import build_model_input
 from minipaged.model.input import ModelInput
 
 BLOCK_SIZE = 16
@@ -49,31 +50,10 @@ def make_checkpoint(name: str, tmp: str) -> str:
     return name
 
 
-def step_input(chunks, block_size: int = BLOCK_SIZE, blocks_per_seq: int = 0) -> ModelInput:
-    """chunks[b] = (new token ids, tokens of b already cached); sequence b owns blocks
-    b * blocks_per_seq .. (a contiguous block table each)."""
-    ids, pos, slots, seq_lens, cu, tables = [], [], [], [], [0], []
-    for b, (new, done) in enumerate(chunks):
-        table = list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq))
-        for j, tok in enumerate(new):
-            p = done + j
-            ids.append(tok)
-            pos.append(p)
-            slots.append(table[p // block_size] * block_size + p % block_size)
-        seq_lens.append(done + len(new))
-        cu.append(cu[-1] + len(new))
-        tables.append(table)
-    return ModelInput(
-        input_ids=torch.tensor(ids, dtype=torch.long),
-        positions=torch.tensor(pos, dtype=torch.long),
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-        logits_indices=torch.tensor(cu[1:], dtype=torch.long) - 1,
-        max_query_len=max(len(c[0]) for c in chunks),
-        max_seq_len=max(seq_lens),
-    )
+def step_input(chunks, blocks_per_seq: int) -> ModelInput:
+    """The step's input; sequence b owns blocks b * blocks_per_seq .. (contiguous tables)."""
+    tables = [list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)) for b in range(len(chunks))]
+    return build_model_input(chunks, tables, BLOCK_SIZE)
 
 
 def generate(forward, prompts, max_tokens: int, blocks_per_seq: int):
