@@ -14,7 +14,7 @@ tokens each: one prefill step, then decode steps), run three ways, each ``--repe
 
 and prints the median tokens/s of each, the ratios, whether every configuration produced the
 same tokens, and for tp=N the share of the step's wall time spent in collectives (rank 0's
-all-reduces and the logits gather, waiting for the slower rank included) and in sending the
+all-reduces and the logits all-gather, waiting for the slower rank included) and in sending the
 step's inputs (pickling and writing them to each rank's pipe), with the bytes per step.
 
 The driver here builds each step's ``ModelInput`` itself (contiguous block tables, one prefill,

@@ -8,9 +8,10 @@ that turns a ``SchedulerOutput`` into those inputs (its own block tables).
 Inputs
     ``ModelShardWorker(rank, tp, device, model, dtype, attention_backend, num_blocks,
     block_size)``; then ``execute_model(inp)`` with the same ``ModelInput`` on every rank.
+    ``build_model_input(chunks, tables, block_size)`` builds such an input by hand.
 Outputs
-    ``execute_model``: fp32 logits ``[B, vocab]`` on rank 0, ``None`` on the others (the
-    gathered LM head); ``kv_blocks(layer, block_ids)``: this rank's K and V of those physical
+    ``execute_model``: fp32 logits ``[B, vocab]``, the same on every rank (the all-gathered
+    LM head), returned by rank 0 only (``None`` from the others: nothing to send back); ``kv_blocks(layer, block_ids)``: this rank's K and V of those physical
     blocks, ``[n, block_size, KVH / N, D]`` each; ``info()``: plain numbers about the shard.
 
 Invariants
@@ -81,10 +82,12 @@ class ModelShardWorker:
         self.kv_caches = self.model.allocate_kv_caches(num_blocks, block_size)  # [nb, bs, KVH/N, D]
 
     @torch.inference_mode()
-    def execute_model(self, inp: ModelInput) -> Optional[torch.Tensor]:
-        """The step's forward on this rank's shard; logits on rank 0, ``None`` elsewhere."""
+    def execute_model(self, inp: ModelInput, every_rank: bool = False) -> Optional[torch.Tensor]:
+        """The step's forward on this rank's shard; logits from rank 0, ``None`` from the others
+        (``every_rank``: from every rank, to check that they are the same)."""
         inp = inp.to(self.model.device)
-        return self.model(inp, self.kv_caches)
+        logits = self.model(inp, self.kv_caches)
+        return logits.cpu() if self.rank == 0 or every_rank else None
 
     def kv_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's K and V of physical blocks ``block_ids`` in ``layer``."""

@@ -253,8 +253,7 @@ class LlamaForCausalLM(PagedCausalLM):
             idx = inp.logits_indices  # only each sequence's last token: [B, hidden] from here
             h, residual = h[idx], residual[idx]
         h, _ = self.model.norm(h, residual)  # [B, hidden]
-        logits = self.lm_head(h)  # [B, vocab]; None on a tensor-parallel rank other than 0
-        return None if logits is None else logits.float()
+        return self.lm_head(h).float()  # [B, vocab] (on every tensor-parallel rank)
 
     def load_weights(self, state_dict) -> None:
         """Copy a transformers state dict in (casts to this model's dtype).

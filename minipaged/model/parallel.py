@@ -18,8 +18,9 @@ How one decoder layer splits over N ranks (r = this rank)::
     down_proj     row-parallel over those I/N columns; ALL-REDUCE (sum)
     embed_tokens  vocab-parallel: rank r holds rows r*V'/N .. of the table (V' = V rounded
                   up to a multiple of N); ids outside its range look up 0; ALL-REDUCE
-    lm_head       vocab-parallel the same way; its logits are GATHERED to rank 0 (the
-                  driver samples), the other ranks return ``None``
+    lm_head       vocab-parallel the same way; its logits are ALL-GATHERED, so every rank
+                  has the same [B, V] and samples the same tokens (vLLM v1's way: each
+                  worker's model runner appends its own sampled tokens)
     norms         replicated (every rank holds the whole vector)
 
 Inputs
@@ -37,7 +38,8 @@ Invariants
     - the sum over ranks of a row-parallel layer's partial products equals the full matmul
       (up to float rounding: the order of the sum differs);
     - a column-parallel layer's local output is the full output's columns of this rank;
-    - a row-parallel bias is added once, after the all-reduce.
+    - a row-parallel bias is added once, after the all-reduce;
+    - every rank ends a forward with the same logits (bit for bit: one all-gathered tensor).
 
 Failure mode
     a size that does not divide the heads, the KV heads or the intermediate size, or more
@@ -101,19 +103,18 @@ class TensorParallelGroup:
         self._count(t0)
         return x
 
-    def gather(self, x: torch.Tensor, dim: int = -1) -> Optional[torch.Tensor]:
-        """Concatenate every rank's ``x`` along ``dim`` on rank 0; ``None`` on the others."""
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim``, on every rank (the same tensor)."""
         if self.size == 1:
             return x
         import torch.distributed as dist
 
         t0 = time.perf_counter() if self.timed else 0.0
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dst = 0 if self.group is None else dist.get_global_rank(self.group, 0)
-        dist.gather(x, parts, dst=dst, group=self.group)
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.group)
         self._count(t0)
-        return torch.cat(parts, dim=dim) if parts is not None else None
+        return torch.cat(parts, dim=dim)
 
     def _count(self, t0: float) -> None:
         self.num_collectives += 1
@@ -325,8 +326,8 @@ class VocabParallelEmbedding(_Sharded, nn.Embedding):
 
 
 class ParallelLMHead(_Sharded, nn.Linear):
-    """logits = h @ E.T over rank r's vocabulary rows, gathered on rank 0 and cut back to V
-    (vLLM's ``LogitsProcessor`` gathers the same way); ``None`` on the other ranks."""
+    """logits = h @ E.T over rank r's vocabulary rows, all-gathered and cut back to V (vLLM
+    v1's ``LogitsProcessor`` all-gathers the same way): every rank gets the same logits."""
 
     TP_DIMS = {"weight": 0}
     PADDED = True
@@ -337,8 +338,8 @@ class ParallelLMHead(_Sharded, nn.Linear):
         super().__init__(embedding_dim, per, bias=False)
         self.tp = tp
 
-    def forward(self, h: torch.Tensor) -> Optional[torch.Tensor]:
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(h)
-        logits = self.tp.gather(F.linear(h, self.weight))  # [B, N * V / N] on rank 0
-        return None if logits is None else logits[:, : self.org_vocab_size]  # [B, V]
+        logits = self.tp.all_gather(F.linear(h, self.weight))  # [B, N * ceil(V / N)]
+        return logits[:, : self.org_vocab_size]  # [B, V]

@@ -76,8 +76,8 @@ def test_logits_equal_world_size_one_and_transformers(group, checkpoints, name):
         inp = build_input(chunks, tables)
         with torch.inference_mode():
             want = ref(inp, kv)  # [B, vocab]
-        got = group.call("run", name, "execute_model", inp)
-        assert got[1] is None, "only rank 0 gathers the logits"
+        got = group.call("run", name, "execute_model", inp, True)
+        assert torch.equal(got[0], got[1]), "every rank must have the same (all-gathered) logits"
         torch.testing.assert_close(got[0], want, atol=ATOL, rtol=0, msg=lambda m: f"{name} step {i}: {m}")
 
     import transformers
@@ -152,7 +152,7 @@ def test_rank_shards_put_together_are_the_full_weights(checkpoints, name):
 
 def test_vocab_padding_rows_are_zero():
     """A vocabulary that N does not divide: rank r holds ceil(V / N) rows, the last rank's
-    rows past V are zero (their logits are cut off after the gather)."""
+    rows past V are zero (their logits are cut off after the all-gather)."""
     assert [shard_range(5, r, 4) for r in range(4)] == [(0, 2), (2, 2), (4, 1), (5, 0)]
     assert [shard_range(788, r, 2) for r in range(2)] == [(0, 394), (394, 394)]
 
