@@ -15,7 +15,10 @@ tokens each: one prefill step, then decode steps), run three ways, each ``--repe
 and prints the median tokens/s of each, the ratios, whether every configuration produced the
 same tokens, and for tp=N the share of the step's wall time spent in collectives (rank 0's
 all-reduces and the logits all-gather, waiting for the slower rank included) and in sending the
-step's inputs (pickling and writing them to each rank's pipe), with the bytes per step.
+step's inputs (pickling and writing them to each rank's pipe), with the bytes per step; and
+the cost of one all-reduce alone (every rank ready, ``time_all_reduce``) times the decode
+steps' all-reduces, the part of the collectives' time that is the communication itself
+rather than waiting for the slower rank.
 
 The driver here builds each step's ``ModelInput`` itself (contiguous block tables, one prefill,
 then decodes) and sends it to the workers; the engine's executor sends the scheduler's output
@@ -149,6 +152,13 @@ def main(argv=None) -> int:
                 }
 
             measure(label, forward, before, after)
+            if size > 1:  # the all-reduce alone, every rank ready: a decode step's [B, hidden]
+                hidden = ref.config.hidden_size
+                per = grp.call("time_all_reduce", [args.num_seqs, hidden])[0]
+                r = results[label]
+                decode_steps = args.max_tokens - 1
+                r["all_reduce_decode_s"] = per
+                r["all_reduce_floor_share"] = per * r["collectives_per_step"] * decode_steps / r["seconds"]
 
     base = results.get("tp=1 in-process", results["tp=1 worker"])["tokens_per_s"]
     same = len({json.dumps(o) for o in outputs.values()}) == 1
@@ -165,6 +175,11 @@ def main(argv=None) -> int:
             line += (
                 f"  collectives {100 * r['comm_seconds'] / r['seconds']:.1f}% of the wall time "
                 f"({r['collectives_per_step']:.0f} per step)"
+            )
+        if "all_reduce_decode_s" in r:
+            line += (
+                f"  (an all-reduce of [{args.num_seqs}, hidden] alone: {1e6 * r['all_reduce_decode_s']:.0f} us, "
+                f"{100 * r['all_reduce_floor_share']:.1f}% of the wall time over the decode steps)"
             )
         if "send_seconds" in r:
             line += (

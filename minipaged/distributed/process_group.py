@@ -74,6 +74,26 @@ def init_tensor_parallel(
     return TensorParallelGroup.from_torch_distributed(timed=timed)
 
 
+def time_all_reduce(tp: TensorParallelGroup, shape, iters: int = 50, device="cpu") -> float:
+    """Seconds one all-reduce of a ``shape`` fp32 tensor takes when every rank is ready (a
+    barrier first, then ``iters`` back to back): its own cost, without waiting for a slower
+    rank. Call it on every rank at once."""
+    import time
+
+    import torch.distributed as dist
+
+    x = torch.ones(shape, device=device)
+    if tp.size == 1:
+        return 0.0
+    dist.barrier(group=tp.group)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(x, group=tp.group)
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
 def destroy_tensor_parallel() -> None:
     """Leave the group (a no-op if this process never joined one)."""
     import torch.distributed as dist

@@ -110,6 +110,12 @@ class ModelShardWorker:
             "param_shapes": {n: list(p.shape) for n, p in m.named_parameters()},
         }
 
+    def time_all_reduce(self, shape, iters: int = 50) -> float:
+        """Seconds per all-reduce of ``shape`` with every rank ready (call on all ranks)."""
+        from minipaged.distributed.process_group import time_all_reduce
+
+        return time_all_reduce(self.tp, shape, iters, self.model.device)
+
     def comm_stats(self, reset: bool = False) -> dict:
         """Seconds and count of this rank's collectives (with ``timed=True``)."""
         out = {"comm_seconds": self.tp.comm_seconds, "num_collectives": self.tp.num_collectives}

@@ -87,6 +87,12 @@ class TensorParallelWorker:
     def check_invariants(self) -> None:
         self.model_runner.check_invariants()
 
+    def time_all_reduce(self, shape, iters: int = 50) -> float:
+        """Seconds per all-reduce of ``shape`` with every rank ready (call on all ranks)."""
+        from minipaged.distributed.process_group import time_all_reduce
+
+        return time_all_reduce(self.tp, shape, iters, self.model.device)
+
     def comm_stats(self, reset: bool = False) -> dict:
         out = {"comm_seconds": self.tp.comm_seconds, "num_collectives": self.tp.num_collectives}
         if reset:
