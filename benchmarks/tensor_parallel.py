@@ -1,10 +1,18 @@
 """Tensor parallelism on this machine: tp=1 against tp=2 tokens/s, and where a tp step goes.
 
-    python benchmarks/tensor_parallel.py [--model random-llama-20m|tiny-llama|course|DIR]
+    python benchmarks/tensor_parallel.py [--level engine|model] [--model random-llama-20m|tiny-llama|course|DIR]
         [--num-seqs 8] [--prompt-len 64] [--max-tokens 32] [--repeats 3] [--tp 2]
         [--device cpu|cuda] [--json]
 
-One seeded greedy workload (``num_seqs`` random prompts decoded together for ``max_tokens``
+``--level engine`` (the default): ``LLM(model)`` against ``LLM(model, tensor_parallel_size=N)``
+on the same requests (``num_seqs`` random prompts, greedy, ``max_tokens`` each, one warm-up
+call first), median of ``--repeats`` timed ``generate`` calls: tokens/s, whether the tokens
+agree, and for tp=N the share of the wall time in rank 0's collectives (all-reduces and the
+logits all-gather, waiting for the slower rank included), the all-reduce's own cost (every rank
+ready), and the share spent sending each step's scheduler output to the workers, with its bytes
+per step. The driver process (scheduler, detokenizer) runs beside the workers.
+
+``--level model``: one seeded greedy workload (``num_seqs`` random prompts decoded together for ``max_tokens``
 tokens each: one prefill step, then decode steps), run three ways, each ``--repeats`` times:
 
     tp=1 in-process   the model in this process, one thread (what ``LLM()`` runs today)
@@ -76,8 +84,68 @@ def generate(forward, prompts, max_tokens: int, blocks_per_seq: int):
     return out, time.perf_counter() - t0
 
 
+def engine_level(args, path: str) -> dict:
+    """tp=1 vs tp=N through ``LLM`` (see the module docstring)."""
+    from minipaged import LLM, SamplingParams
+    from minipaged.model import load_model
+
+    g = torch.Generator().manual_seed(0)
+    meta, _ = load_model(path)
+    prompts = [
+        torch.randint(3, meta.vocab_size, (args.prompt_len,), generator=g).tolist()
+        for _ in range(args.num_seqs)
+    ]
+    hidden = meta.config.hidden_size
+    del meta
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    engine_kw = dict(
+        block_size=BLOCK_SIZE, max_num_seqs=args.num_seqs, max_num_batched_tokens=512, device=args.device
+    )
+    results, outputs = {}, {}
+    for size in (1, args.tp):
+        label = f"tp={size}" + (" (in-process)" if size == 1 else " workers")
+        llm = LLM(path, tensor_parallel_size=size, **engine_kw)
+        try:
+            llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+            executor = llm.llm_engine.executor
+            runs = []
+            for _ in range(args.repeats):
+                if size > 1:
+                    executor.comm_stats(True)
+                    executor.workers.stats = type(executor.stats)()
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                secs = time.perf_counter() - t0
+                extra = {}
+                if size > 1:
+                    st = executor.stats
+                    executor.workers.stats = type(st)()
+                    comm = executor.comm_stats()[0]
+                    extra = {
+                        "steps": st.calls,
+                        "comm_seconds": comm["comm_seconds"],
+                        "collectives_per_step": comm["num_collectives"] / max(1, st.calls),
+                        "send_seconds": st.send_seconds,
+                        "bytes_per_step": st.bytes_sent / max(1, st.calls),
+                    }
+                runs.append((args.num_seqs * args.max_tokens / secs, secs, extra))
+            runs.sort(key=lambda r: r[0])
+            tps, secs, extra = runs[len(runs) // 2]
+            results[label] = {"tokens_per_s": tps, "seconds": secs, "all_runs": [r[0] for r in runs], **extra}
+            if size > 1:
+                per = executor.workers.call("time_all_reduce", [args.num_seqs, hidden])[0]
+                r = results[label]
+                r["all_reduce_decode_s"] = per
+                r["all_reduce_floor_share"] = per * r["collectives_per_step"] * (args.max_tokens - 1) / secs
+            outputs[label] = [o.outputs[0].token_ids for o in outs]
+        finally:
+            llm.shutdown()
+    return results, outputs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--level", default="engine", choices=["engine", "model"])
     ap.add_argument("--model", default="random-llama-20m")
     ap.add_argument("--num-seqs", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -94,6 +162,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="minipaged-tp-bench-")
     path = make_checkpoint(args.model, tmp)
+    if args.level == "engine":
+        results, outputs = engine_level(args, path)
+        return report(args, results, outputs)
     ref, _ = load_model(path, device=args.device)
     g = torch.Generator().manual_seed(0)
     prompts = [
@@ -160,13 +231,17 @@ def main(argv=None) -> int:
                 r["all_reduce_decode_s"] = per
                 r["all_reduce_floor_share"] = per * r["collectives_per_step"] * decode_steps / r["seconds"]
 
-    base = results.get("tp=1 in-process", results["tp=1 worker"])["tokens_per_s"]
+    return report(args, results, outputs)
+
+
+def report(args, results: dict, outputs: dict) -> int:
+    base = next(iter(results.values()))["tokens_per_s"]
     same = len({json.dumps(o) for o in outputs.values()}) == 1
     if args.json:
         print(json.dumps({"args": vars(args), "results": results, "outputs_equal": same}, indent=2))
         return 0
     print(
-        f"model {args.model}: {args.num_seqs} sequences x ({args.prompt_len} prompt + {args.max_tokens} new) "
+        f"{args.level} level, model {args.model}: {args.num_seqs} sequences x ({args.prompt_len} prompt + {args.max_tokens} new) "
         f"tokens, {args.device}, one thread per process, median of {args.repeats}"
     )
     for label, r in results.items():

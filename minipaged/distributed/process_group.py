@@ -54,7 +54,7 @@ def init_tensor_parallel(
     port: int,
     device: str | torch.device = "cpu",
     timeout_s: float = 60.0,
-    timed: bool = False,
+    timed: bool = True,
 ) -> TensorParallelGroup:
     """Join the group of ``world_size`` ranks at ``127.0.0.1:port`` as ``rank``."""
     import torch.distributed as dist

@@ -265,7 +265,7 @@ def worker_main(rank, world_size, port, device, conn, factory, kwargs, parent_pi
 
     try:
         try:
-            tp = init_tensor_parallel(rank, world_size, port, device, timed=kwargs.pop("timed", False))
+            tp = init_tensor_parallel(rank, world_size, port, device, timed=kwargs.pop("timed", True))
             worker = _resolve(factory)(rank=rank, tp=tp, device=device_for_rank(device, rank), **kwargs)
         except Exception as e:  # noqa: BLE001 - reported to the driver, which raises
             reply("error", failure(e))

@@ -87,6 +87,27 @@ class TensorParallelWorker:
     def check_invariants(self) -> None:
         self.model_runner.check_invariants()
 
+    def kv_blocks(self, layer: int, block_ids: list[int]):
+        """This rank's K and V of physical blocks ``block_ids`` in ``layer``, each
+        ``[n, block_size, KVH / N, D]`` (the chapter draws them side by side)."""
+        import torch
+
+        k, v = self.model_runner.kv_caches[layer]
+        idx = torch.tensor(block_ids, dtype=torch.long, device=k.device)
+        return k[idx].cpu(), v[idx].cpu()
+
+    def info(self) -> dict:
+        """Plain numbers about this rank: its heads, cache shape, KV and weight bytes."""
+        kv = self.model_runner.kv_caches
+        return {
+            "rank": self.rank,
+            "num_heads": self.model.num_heads,
+            "num_kv_heads": self.model.num_kv_heads,
+            "cache_shape": list(kv[0][0].shape),
+            "kv_cache_bytes": sum(t.numel() * t.element_size() for pair in kv for t in pair),
+            "weight_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+        }
+
     def time_all_reduce(self, shape, iters: int = 50) -> float:
         """Seconds per all-reduce of ``shape`` with every rank ready (call on all ranks)."""
         from minipaged.distributed.process_group import time_all_reduce
@@ -114,7 +135,7 @@ class MultiprocExecutor:
         block_size: int = 16,
         num_cpu_blocks: int = 0,
         seed: int = 0,
-        timed: bool = False,
+        timed: bool = True,
     ) -> None:
         kwargs = dict(
             model=model,
@@ -127,13 +148,16 @@ class MultiprocExecutor:
             timed=timed,
         )
         self.tensor_parallel_size = tensor_parallel_size
+        self.last_sent = None  # the plain half of the last step's output, as sent
         self.workers = WorkerGroup(tensor_parallel_size, WORKER_FACTORY, kwargs, device)
 
     def execute_model(self, scheduler_output):
-        return self.workers.call("execute_model", scheduler_output.for_worker())[0]
+        self.last_sent = scheduler_output.for_worker()  # kept for the chapter to print
+        return self.workers.call("execute_model", self.last_sent)[0]
 
     def compute_logits(self, scheduler_output):
-        return self.workers.call("compute_logits", scheduler_output.for_worker())[0]
+        self.last_sent = scheduler_output.for_worker()
+        return self.workers.call("compute_logits", self.last_sent)[0]
 
     def check_invariants(self) -> None:
         self.workers.call("check_invariants")
@@ -147,6 +171,11 @@ class MultiprocExecutor:
 
     def shutdown(self) -> None:
         self.workers.shutdown()
+
+    @property
+    def closed(self) -> bool:
+        """True once the workers are gone (``shutdown``, or a worker failed)."""
+        return self.workers.closed
 
     @property
     def model_runner(self) -> Optional[object]:

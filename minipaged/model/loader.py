@@ -288,6 +288,35 @@ def load_model(
     return paged, _load_tokenizer(src)
 
 
+def load_model_meta(
+    model: str | os.PathLike | None = None, attention_backend: str = "torch", tp_size: int = 1, device="cpu"
+):
+    """What a tensor-parallel driver needs of a checkpoint, without its weights:
+    ``(model on the meta device, tokenizer)``. The meta model is the whole model (world size
+    1): its ``num_layers``, ``num_kv_heads``, ``head_dim``, ``vocab_size``, ``max_model_len``
+    and ``eos_token_ids`` are the checkpoint's. ``tp_size`` is checked against the config
+    (``ValueError`` naming ``tensor_parallel_size``)."""
+    from transformers import AutoConfig
+
+    src = resolve_model_path(model)
+    try:
+        config = AutoConfig.from_pretrained(src)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model {src!r}: could not load its config: {e}") from e
+    cls = _MODEL_REGISTRY.get(getattr(config, "model_type", None))
+    if cls is None:
+        raise ValueError(f"model {src!r}: architecture {config.model_type!r} is not supported")
+    if tp_size > 1 and cls is not LlamaForCausalLM:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size}: tensor parallelism is built for the Llama family only, "
+            f"not {config.model_type!r}"
+        )
+    check_tensor_parallel_size(tp_size, config, device)
+    with torch.device("meta"):
+        meta = cls(config, attention_backend=attention_backend, eos_token_ids=_eos_token_ids(config, src))
+    return meta, _load_tokenizer(src)
+
+
 def _load_tokenizer(src: str):
     """The checkpoint's tokenizer, or ``None`` for a local directory with no tokenizer files."""
     from transformers import AutoTokenizer

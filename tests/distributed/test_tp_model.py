@@ -251,3 +251,25 @@ def test_a_worker_that_cannot_start_is_reported():
     ):
         WorkerGroup(TP, "minipaged.distributed.shard_worker:ModelShardWorker", dict(model=None, num_blocks=0))
     assert not _running({p.pid for p in multiprocessing.active_children()} - before)
+
+
+def test_a_state_dict_loads_the_same_shard_as_the_safetensors_slices(checkpoints):
+    """A checkpoint without slices to read (a hub id, ``.bin``) goes through the whole state dict;
+    each rank keeps the same shard it would have read from the safetensors file."""
+    import transformers
+
+    from minipaged.model.llama import LlamaForCausalLM
+
+    path = checkpoints["llama-gqa"]
+    state = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
+    config = transformers.AutoConfig.from_pretrained(path)
+    for rank in range(TP):
+        tp = TensorParallelGroup(rank, TP)
+        from_slices, _ = load_model(path, tp=tp)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config, tp=tp)
+        model = model.to_empty(device="cpu")
+        model.load_weights(state)
+        want = dict(from_slices.named_parameters())
+        for name, p in model.named_parameters():
+            assert torch.equal(p, want[name]), f"rank {rank}: {name}"
