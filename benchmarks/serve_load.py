@@ -12,6 +12,23 @@ drawn). Reported per rate: requests/s and output tokens/s over the run, and the 
 / p99 of TTFT (send -> first text chunk) and ITL (gaps between a request's chunks).
 Like vLLM's ``benchmarks/benchmark_serving.py``, it is a benchmark that prints numbers,
 not a test. Loopback only.
+
+    python benchmarks/serve_load.py --fairness             # what one client does to another
+
+``--fairness`` starts ``minipaged serve`` as a subprocess (so that the clients' own work
+does not share the server's interpreter) and runs issue 30's three scenarios, each
+``--trials`` times (median reported):
+
+1. logprobs: a greedy request (``max_tokens=16``) alone, then while another client's
+   ``n=16, logprobs=20, max_tokens=480`` stream runs: the ratio of the two latencies;
+   and the same while 4 such streams are left unread (their client reads nothing);
+2. stop strings: the greedy request while another client sends 100,000 stop strings (a
+   1 MB body: refused with a 400 by the stop-string cap): the latency ratio;
+3. 4 MB prompt: a greedy stream runs while another client sends a 4 MB prompt (refused by
+   the prompt-size limit before tokenizing): the stream's largest gap between chunks,
+   and the 4 MB request's answer time.
+
+Then the server's RSS after the whole probe set against its RSS after warm-up.
 """
 
 from __future__ import annotations
@@ -99,6 +116,219 @@ async def run_rate(url: str, model: str, rate: float, args, seed: int) -> dict:
     }
 
 
+# -- --fairness: issue 30's scenarios -----------------------------------------------------
+GREEDY = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+HOSTILE = {
+    "prompt": "Hi",
+    "n": 16,
+    "logprobs": 20,
+    "max_tokens": 480,
+    "temperature": 1.0,
+    "seed": 0,
+    "ignore_eos": True,
+    "stream": True,
+}
+
+
+async def _greedy_latency(client) -> float:
+    t0 = time.perf_counter()
+    r = await client.post("/v1/completions", json=GREEDY)
+    r.raise_for_status()
+    return time.perf_counter() - t0
+
+
+async def _alone(client) -> float:
+    return statistics.median([await _greedy_latency(client) for _ in range(3)])
+
+
+async def _run_hostile(client, started: asyncio.Event, stop: asyncio.Event) -> None:
+    async with client.stream("POST", "/v1/completions", json=HOSTILE) as r:
+        chunks = 0
+        async for line in r.aiter_lines():
+            if line.startswith("data:"):
+                chunks += 1
+                if chunks == 8:  # well into its decode
+                    started.set()
+            if stop.is_set():
+                return
+
+
+def _unread_hostile(host: str, port: int):
+    """A client that sends the hostile request and never reads a byte of the answer."""
+    import json
+    import socket
+
+    body = json.dumps(HOSTILE).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect((host, port))
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return s
+
+
+async def scenario_logprobs(url: str) -> float:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+        alone = await _alone(c)
+        started, stop = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(_run_hostile(c, started, stop))
+        await asyncio.wait_for(started.wait(), 300)
+        busy = await _greedy_latency(c)
+        running = not task.done()
+        stop.set()
+        await task
+    assert running, "the n=16 stream ended before the greedy request did"
+    return alone, busy
+
+
+async def scenario_unread(url: str, host: str, port: int, num: int = 3) -> float:
+    # NOTE: 3 x n=16 = 48 of the default 64 seats: a 4th would take them all, and the greedy
+    # request would wait for a seat (FCFS, as in vLLM), which is not a cost it is made to pay
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+        alone = await _alone(c)
+        socks = [_unread_hostile(host, port) for _ in range(num)]
+        await asyncio.sleep(1.0)  # they are admitted and decoding
+        busy = await _greedy_latency(c)
+        for s in socks:
+            s.close()
+    return alone, busy
+
+
+async def scenario_stop_strings(url: str) -> float:
+    import json
+
+    import httpx
+
+    # NOTE: serialized before the clock starts: this client's own json.dumps is not the server's cost
+    body = json.dumps({**GREEDY, "stop": [f"stop string {i}" for i in range(100_000)]}).encode()
+    headers = {"content-type": "application/json"}
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+        alone = await _alone(c)
+        hostile = asyncio.create_task(c.post("/v1/completions", content=body, headers=headers))
+        await asyncio.sleep(0)
+        busy = await _greedy_latency(c)
+        code = (await hostile).status_code
+    assert code == 400, f"100,000 stop strings answered {code}"
+    return alone, busy
+
+
+async def scenario_big_prompt(url: str) -> tuple[float, float]:
+    """(largest gap between a running stream's chunks, seconds to answer the 4 MB prompt)."""
+    import httpx
+
+    stream_body = {**GREEDY, "max_tokens": 200, "stream": True}
+    big = ('{"prompt": "' + "a" * (4 * 1024 * 1024 - 200) + '", "max_tokens": 4}').encode()
+    gaps: list[float] = []
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+        sent = asyncio.Event()
+
+        async def stream() -> None:
+            last = None
+            async with c.stream("POST", "/v1/completions", json=stream_body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    now = time.perf_counter()
+                    if last is not None and sent.is_set():
+                        gaps.append(now - last)
+                    last = now
+                    if len(gaps) == 0 and not sent.is_set() and last is not None:
+                        sent.set()
+
+        task = asyncio.create_task(stream())
+        await asyncio.wait_for(sent.wait(), 300)
+        t0 = time.perf_counter()
+        r = await c.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+        answered = time.perf_counter() - t0
+        await task
+    assert r.status_code in (400, 413), f"the 4 MB prompt answered {r.status_code}"
+    return max(gaps), answered
+
+
+def _rss_mb(pid: int) -> float:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def run_fairness(args) -> int:
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "minipaged.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    proc = subprocess.Popen(cmd, env={**os.environ}, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("minipaged serve did not start")
+            time.sleep(0.5)
+        for _ in range(5):  # warm-up
+            httpx.post(url + "/v1/completions", json=GREEDY, timeout=120).raise_for_status()
+        time.sleep(1.0)
+        rss_warm = _rss_mb(proc.pid)
+        print(f"minipaged serve fairness (pid {proc.pid}), median of {args.trials} trials")
+        rows = {
+            "greedy while an n=16 logprobs=20 max_tokens=480 stream runs": lambda: scenario_logprobs(url),
+            "greedy while 3 such streams are left unread": lambda: scenario_unread(url, "127.0.0.1", port),
+            "greedy while another client sends 100,000 stop strings": lambda: scenario_stop_strings(url),
+        }
+        print(f"  {'scenario':<62} {'alone s':>8} {'busy s':>7} {'ratio':>6}  (ratio of each trial)")
+        for name, fn in rows.items():
+            res = []
+            for _ in range(args.trials):
+                res.append(asyncio.run(fn()))
+                time.sleep(1.0)  # the aborted streams leave the engine
+            ratios = [b / a for a, b in res]
+            print(
+                f"  {name:<62} {statistics.median(a for a, _ in res):8.3f} "
+                f"{statistics.median(b for _, b in res):7.3f} {statistics.median(ratios):6.2f}  "
+                f"({', '.join(f'{v:.2f}' for v in ratios)})"
+            )
+        res = [asyncio.run(scenario_big_prompt(url)) for _ in range(args.trials)]
+        gaps, answers = [g for g, _ in res], [a for _, a in res]
+        print(
+            f"  {'a stream largest gap while a 4 MB prompt is answered (s)':<62} "
+            f"{statistics.median(gaps):6.3f}   ({', '.join(f'{g:.3f}' for g in gaps)})"
+        )
+        print(
+            f"  {'the 4 MB prompt answered in (s)':<62} {statistics.median(answers):6.3f}   "
+            f"({', '.join(f'{a:.3f}' for a in answers)})"
+        )
+        time.sleep(2.0)
+        rss_end = _rss_mb(proc.pid)
+        print(
+            f"  server RSS after warm-up {rss_warm:.0f} MB, after the probes {rss_end:.0f} MB "
+            f"({rss_end - rss_warm:+.0f} MB)"
+        )
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default=None, help="a running server (default: start one in-process)")
@@ -109,7 +339,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=32, help="engine option (in-process server)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fairness", action="store_true", help="issue 30's three scenarios (see above)")
+    p.add_argument("--trials", type=int, default=3, help="--fairness: trials per scenario (median)")
     args = p.parse_args(argv)
+    if args.fairness:
+        return run_fairness(args)
     rates = [float(r) for r in args.rates.split(",")]
 
     server = None

@@ -145,6 +145,10 @@ class EngineConfig:
     num_cpu_blocks: Optional[int] = None  # swap pool; None -> num_blocks if swapping else 0
     max_model_len: Optional[int] = None  # None -> the model's own context length
     parallel_sampling: str = "prefix"  # how n > 1 shares the prompt (PARALLEL_SAMPLING)
+    # vLLM's admission options (vLLM 0.32's defaults); the paper's scheduler reads watermark
+    # only (None -> its own default, core.sched.paper.DEFAULT_WATERMARK; v1's is 0.0)
+    scheduler_reserve_full_isl: bool = True
+    watermark: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.attention_backend == "auto" and isinstance(self.device, str) and self.dtype in DTYPES:
@@ -173,7 +177,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be None or a positive int, got {v!r}")
         if self.num_cpu_blocks is not None and (not _is_int(self.num_cpu_blocks) or self.num_cpu_blocks < 0):
             raise ValueError(f"num_cpu_blocks must be None or an int >= 0, got {self.num_cpu_blocks!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        w = self.watermark
+        if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < 1):
+            raise ValueError(f"watermark must be None or a fraction in [0, 1), got {w!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "scheduler_reserve_full_isl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name, allowed in (

@@ -94,7 +94,7 @@ def test_quick_run_all_four_systems(quick_report):
     p = r["profile"]
     assert p["running_seqs"] == 64 and p["step_ms"] > 0
     assert 0 < p["sched_block_prepare_fraction"] <= p["non_model_fraction"] < 1
-    assert "forward" in p["cprofile_fraction"] and 0 <= p["cprofile_block_management_fraction"] < 1
+    assert "execute_model" in p["cprofile_fraction"] and 0 <= p["cprofile_block_management_fraction"] < 1
     from minipaged.config import best_attention_backend
 
     assert r["attention_backend"] == p["attention_backend"] == best_attention_backend("cpu")

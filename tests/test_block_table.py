@@ -3,7 +3,7 @@ hand, and the table the KV-cache manager keeps, moves on swap and the model runn
 
 import pytest
 
-from minipaged.core import BlockPool, BlockTable, KVCacheManager, Request
+from minipaged.core import BlockPool, BlockSpaceManager, BlockTable, Request
 from minipaged.sampling_params import SamplingParams
 
 
@@ -22,7 +22,7 @@ def test_slot_formula_by_hand():
 
 
 def test_manager_keeps_one_table_and_swap_moves_it():
-    m = KVCacheManager(num_blocks=6, block_size=4, num_cpu_blocks=6)
+    m = BlockSpaceManager(num_blocks=6, block_size=4, num_cpu_blocks=6)
     r = Request("r", list(range(6)), SamplingParams())
     m.allocate_slots(r, 6)
     t = m.get_block_table(r)

@@ -182,7 +182,7 @@ MUTANTS = [
     ("ex5.1", "if enable_chunked_prefill or n > max_num_batched_tokens:", "if enable_chunked_prefill:"),
     ("ex5.2", "return max(running,", "return min(running,"),
     ("ex5.3", "scheduler.waiting.insert(i, victim)", "scheduler.waiting.append(victim)"),
-    ("ex5.4", "victim = pick_victim(scheduler.running, scheduler.arrival_seq)", "victim = request"),
+    ("ex5.4", "victim = pick_victim(scheduler.running, ranks)", "victim = request"),
     ("ex5.5", '{"scheduled": {"A": 1}, "preempted": ["B"]}', '{"scheduled": {"A": 1}, "preempted": []}'),
     ("ex5.6", "return True  # else nothing could ever run", "return False  # else nothing could ever run"),
     ("ex5.7", '"q2": 5', '"q2": 3'),

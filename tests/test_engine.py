@@ -1,4 +1,4 @@
-"""LLMEngine + ModelRunner (minipaged/engine/llm_engine.py, model_runner.py).
+"""LLMEngine (minipaged/engine/llm_engine.py) with its worker (minipaged/worker/).
 
 Two independent references:
 - a *counting model* whose next token is a function of the whole context as it reads it
@@ -14,59 +14,17 @@ import random
 
 import pytest
 import torch
+from _counting_model import CountingModel, counting_reference  # noqa: E402
 
 from minipaged import SamplingParams
 from minipaged.config import EngineConfig
 from minipaged.engine.llm_engine import LLMEngine
-from minipaged.engine.model_runner import ModelRunner
-from minipaged.kernels import reshape_and_cache
 from minipaged.trace import EngineTrace
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
 
 
 # ----------------------------------------------------------------------------- counting model
-class CountingModel:
-    """next token = (31 * sum(context) + len(context)) % V, context read from the cache."""
-
-    num_layers = 1
-    num_kv_heads = 1
-    head_dim = 2
-    eos_token_id = None
-
-    def __init__(self, vocab_size: int = 97, max_model_len: int = 256):
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.calls = 0
-
-    def allocate_kv_caches(self, num_blocks, block_size):
-        return [(torch.zeros(num_blocks, block_size, 1, 2), torch.zeros(num_blocks, block_size, 1, 2))]
-
-    def forward(self, inp, kv_caches):
-        self.calls += 1
-        k, v = kv_caches[0]
-        key = torch.stack([inp.input_ids.float(), inp.positions.float() + 1], -1)[:, None, :]
-        reshape_and_cache(key, key, k, v, inp.slot_mapping)
-        bs = k.shape[1]
-        out = torch.full((inp.num_seqs, self.vocab_size), -1.0)
-        for b in range(inp.num_seqs):
-            L = int(inp.seq_lens[b])
-            nb = -(-L // bs)
-            ctx = k[inp.block_tables[b, :nb].long()].reshape(-1, 2)[:L]  # [L, 2]
-            assert torch.equal(ctx[:, 1], torch.arange(1, L + 1).float()), "cache holds wrong tokens"
-            out[b, int((ctx[:, 0].sum() * 31 + L) % self.vocab_size)] = 1.0
-        return out
-
-
-def counting_reference(prompt, n, V=97):
-    ctx, out = list(prompt), []
-    for _ in range(n):
-        t = (sum(ctx) * 31 + len(ctx)) % V
-        out.append(t)
-        ctx.append(t)
-    return out
-
-
 def run_engine(engine, prompts, params, arrivals=None):
     """Add prompts (at their arrival steps), step to the end with invariants checked."""
     arrivals = arrivals or [0] * len(prompts)
@@ -142,41 +100,6 @@ def test_refused_request_leaves_the_others_unchanged():
     assert outs[2].finished and refused.token_ids == []
     others = [o.outputs[0].token_ids for i, o in enumerate(outs) if i != 2]
     assert others == [o.outputs[0].token_ids for o in base]
-
-
-def test_model_runner_prepare_by_hand():
-    """Slots, positions and tables of a mixed batch, computed by hand."""
-    from minipaged.core import EngineScheduler
-    from minipaged.core.sched.request import Request
-
-    sched = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
-    a = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4))
-    b = Request("b", [7, 8, 9], SamplingParams(max_tokens=4))
-    sched.add_request(a)
-    sched.add_request(b)
-    runner = ModelRunner(CountingModel(), num_blocks=8, block_size=4)
-    out = sched.schedule()  # a: 5 prompt tokens, b: 1 (budget 6)
-    inp, rows = runner.prepare(out, sched.kv_cache_manager)
-    ta = sched.kv_cache_manager.get_block_ids("a")
-    tb = sched.kv_cache_manager.get_block_ids("b")
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 5), ("b", 1)]
-    assert inp.input_ids.tolist() == [1, 2, 3, 4, 5, 7]
-    assert inp.positions.tolist() == [0, 1, 2, 3, 4, 0]
-    want_slots = [ta[i // 4] * 4 + i % 4 for i in range(5)] + [tb[0] * 4]
-    assert inp.slot_mapping.tolist() == want_slots
-    assert inp.seq_lens.tolist() == [5, 1]
-    assert inp.cu_seqlens_q.tolist() == [0, 5, 6]
-    assert inp.logits_indices.tolist() == [4, 5]
-    assert inp.block_tables.tolist() == [ta, tb + [0]]  # padded with 0
-    assert inp.max_query_len == 5 and inp.max_seq_len == 5
-    assert rows == [0]  # b is mid-prefill: no token sampled for it
-    sched.update_from_output(out, {"a": 11})
-    out = sched.schedule()  # a decodes its token 11, b its remaining 2 prompt tokens
-    inp, rows = runner.prepare(out, sched.kv_cache_manager)
-    assert inp.input_ids.tolist() == [11, 8, 9]
-    assert inp.positions.tolist() == [5, 1, 2]
-    assert inp.slot_mapping.tolist()[0] == ta[1] * 4 + 1
-    assert rows == [0, 1]
 
 
 def test_abort_frees_blocks_and_returns_nothing():

@@ -11,19 +11,21 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from minipaged.core.kv.block import cdiv
+from minipaged.core.kv.block_manager_v0 import BlockSpaceManager
 from minipaged.core.kv.kv_cache_manager import KVCacheManager, KVCacheUsage
 from minipaged.core.sched.request import Request
 
 
 def snapshot(mgr):
-    pool, cpu = mgr.block_pool, mgr.cpu_block_pool
+    pool, cpu = mgr.block_pool, getattr(mgr, "cpu_block_pool", None)
+    cpu_tables = getattr(mgr, "cpu_block_tables", {})
     return (
         {rid: t.block_ids() for rid, t in mgr.block_tables.items()},
         {rid: t.num_tokens for rid, t in mgr.block_tables.items()},
         [b.ref_cnt for b in pool.blocks],
         [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
-        {rid: t.block_ids() for rid, t in mgr.cpu_block_tables.items()},
-        {rid: t.num_tokens for rid, t in mgr.cpu_block_tables.items()},
+        {rid: t.block_ids() for rid, t in cpu_tables.items()},
+        {rid: t.num_tokens for rid, t in cpu_tables.items()},
         None if cpu is None else [b.block_id for b in cpu.free_block_queue.get_all_free_blocks()],
     )
 
@@ -59,8 +61,9 @@ def test_accepts_request_objects():
     req = Request("r", prompt_token_ids=[1, 2, 3])
     assert len(mgr.allocate_slots(req, req.num_prompt_tokens)) == 2
     assert mgr.get_block_ids("r") == [0, 1]
-    assert mgr.get_num_blocks_needed(req, 1) == 0 and mgr.get_num_blocks_needed(req, 2) == 1
-    assert mgr.can_allocate(req, 5) and not mgr.can_allocate(req, 6)
+    # the one block count: free blocks that holding 4 / 5 tokens would take
+    assert mgr.get_num_blocks_to_allocate(req, 4) == 0 and mgr.get_num_blocks_to_allocate(req, 5) == 1
+    assert mgr.get_num_blocks_to_allocate(req, 8) == 2 and mgr.get_num_blocks_to_allocate(req, 9) == 3
     mgr.free(req)
     assert mgr.get_num_free_blocks() == 4
     mgr.check_invariants()
@@ -134,7 +137,7 @@ def test_free_uncached_first_order_by_hand():
 
 
 def test_swap_out_and_in_by_hand():
-    mgr = KVCacheManager(num_blocks=4, block_size=2, num_cpu_blocks=3)
+    mgr = BlockSpaceManager(num_blocks=4, block_size=2, num_cpu_blocks=3)
     mgr.allocate_slots("a", 3)  # device blocks 0, 1
     mgr.allocate_slots("b", 4)  # device blocks 2, 3
     assert mgr.swap_out("a") == [(0, 0), (1, 1)]  # (device, cpu)
@@ -167,7 +170,7 @@ class ManagerMachine(RuleBasedStateMachine):
     )
     def init(self, num_blocks, block_size, num_cpu_blocks):
         self.num_blocks, self.bs, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
-        self.mgr = KVCacheManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks)
+        self.mgr = BlockSpaceManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks)
         self.swapped: dict[str, int] = {}  # reference: tokens of swapped-out requests
 
     def blocks_held(self):
@@ -191,11 +194,11 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.mgr.allocate_slots(rid, k)
             assert snapshot(self.mgr) == before
         elif needed > free_before:
-            assert not self.mgr.can_allocate(rid, k)
+            assert self.mgr.get_num_blocks_to_allocate(rid, old + k) > self.mgr.get_num_free_blocks()
             assert self.mgr.allocate_slots(rid, k) is None
             assert snapshot(self.mgr) == before
         else:
-            assert self.mgr.get_num_blocks_needed(rid, k) == needed
+            assert self.mgr.get_num_blocks_to_allocate(rid, old + k) == needed
             free_ids = before[3]
             new = self.mgr.allocate_slots(rid, k)
             assert [b.block_id for b in new] == free_ids[:needed]  # front of the free queue

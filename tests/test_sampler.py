@@ -127,3 +127,67 @@ def test_seeds_are_sha256_and_stable():
 def test_mismatched_lengths_raise():
     with pytest.raises(ValueError, match="rows"):
         Sampler()(torch.zeros(2, 5), [SamplingParams()], [1, 2])
+
+
+# -- issue 30: batched logprobs, and no NaN from numbers at float32's edges ------------------
+class _Req:
+    def __init__(self, params, prompt=(1, 2), out=()):
+        self.sampling_params = params
+        self.prompt_token_ids = list(prompt)
+        self.output_token_ids = list(out)
+        self.eos_token_id = None
+
+
+def test_batched_logprobs_equal_a_per_row_reference():
+    """One top-k over the batch: each row's top k, sampled logprob and rank equal a per-row
+    log-softmax computed on its own, whatever the other rows' k."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 40, generator=g)
+    ks = [None, 0, 3, 7, None]
+    reqs = [_Req(SamplingParams(temperature=0.0 if i % 2 else 1.0, logprobs=k)) for i, k in enumerate(ks)]
+    tokens, out = Sampler().sample(logits, reqs, seeds=[11, 12, 13, 14, 15])
+    for i, k in enumerate(ks):
+        if k is None:
+            assert out[i] is None
+            continue
+        lp = torch.log_softmax(logits[i].double(), dim=-1)
+        order = sorted(range(40), key=lambda t: -float(lp[t]))
+        assert out[i].token_ids == order[:k]
+        assert out[i].logprobs == pytest.approx([float(lp[t]) for t in order[:k]], abs=1e-5)
+        assert out[i].sampled_token_id == tokens[i]
+        assert out[i].sampled_logprob == pytest.approx(float(lp[tokens[i]]), abs=1e-5)
+        assert out[i].sampled_rank == order.index(tokens[i]) + 1
+
+
+def test_a_top_p_that_is_zero_in_float32_keeps_the_top_token():
+    """vLLM keeps at least one token: top_p=1e-320 (0.0 in float32) samples greedily."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 30, generator=g)
+    params = [SamplingParams(temperature=1.0, top_p=1e-320)] * 4
+    got = Sampler()(logits, params, seeds=[1, 2, 3, 4])
+    assert got.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_a_huge_top_k_is_clamped_before_it_becomes_a_tensor():
+    params = SamplingParams(temperature=1.0)
+    params.top_k = 2**63  # past validation (verify_sampling_params refuses it): no overflow here
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(5))
+    got = Sampler()(logits, [params, params], seeds=[1, 2])
+    want = Sampler()(logits, [SamplingParams(temperature=1.0)] * 2, seeds=[1, 2])
+    assert got.tolist() == want.tolist()
+
+
+def test_overflowing_logits_never_give_nan_probabilities():
+    """A logit of +inf (a tiny repetition penalty, a tiny temperature) is the row's top
+    token; NaN is never sampled; the row's token is a real one."""
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(6))
+    logits[0, 7] = float("inf")
+    logits[1, :] = float("nan")
+    logits[1, 4] = 1.0
+    params = [SamplingParams(temperature=1.0)] * 3
+    got = Sampler()(logits, params, seeds=[1, 2, 3]).tolist()
+    assert got[0] == 7 and got[1] == 4 and 0 <= got[2] < 20
+    rp = SamplingParams(temperature=1.0, repetition_penalty=2e-38)  # 5 / 2e-38 overflows float32
+    row = torch.full((1, 20), -1.0)
+    row[0, 2] = 5.0
+    assert Sampler()(row, [rp], seeds=[9], reqs=[_Req(rp, prompt=[2])]).tolist() == [2]

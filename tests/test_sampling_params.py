@@ -432,3 +432,49 @@ def test_top_k_minus_one_means_off_as_in_vllm():
     assert SamplingParams(top_k=-1).top_k == 0 == SamplingParams().top_k
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=-2)
+
+
+# -- issue 30: bounds at float32's edges and caps on what the per-token checks scan ----------
+@pytest.mark.parametrize("t", [1e-39, 5e-324, 9.99e-6, 0.0])
+def test_a_temperature_below_vllms_epsilon_is_greedy(t):
+    p = SamplingParams(temperature=t, top_p=0.5, top_k=3, min_p=0.2)
+    assert p.temperature == 0.0 and p.greedy
+    assert (p.top_p, p.top_k, p.min_p) == (1.0, 0, 0.0)  # as vLLM resets them
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
+
+
+def test_the_offline_engine_is_greedy_below_the_epsilon(course):
+    llm = _llm(course)
+    want = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    got = llm.generate(["Once upon a time"], SamplingParams(temperature=1e-39, max_tokens=8), use_tqdm=False)
+    assert got[0].outputs[0].text == want[0].outputs[0].text
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(repetition_penalty=1e-300), "repetition_penalty"),
+        (dict(temperature=1e39), "temperature"),
+        (dict(temperature=10**400), "temperature"),
+        (dict(seed=2**63), "seed"),
+        (dict(stop=[f"s{i}" for i in range(65)]), "stop"),
+        (dict(stop=["x" * 4097]), "stop"),
+        (dict(stop_token_ids=list(range(1025))), "stop_token_ids"),
+    ],
+)
+def test_bounds_name_the_argument(kw, field):
+    with pytest.raises(ValueError, match=field) as e:
+        SamplingParams(**kw)
+    assert len(str(e.value)) < 300  # the message never echoes a whole body
+
+
+def test_the_caps_themselves_are_accepted():
+    from minipaged.sampling_params import FLOAT32_TINY, MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+    SamplingParams(stop=["x" * (MAX_STOP_CHARS // MAX_STOP_STRINGS)] * MAX_STOP_STRINGS)
+    SamplingParams(repetition_penalty=FLOAT32_TINY, seed=2**63 - 1)
+
+
+def test_top_k_over_the_vocabulary_is_refused_by_the_engine(course):
+    with pytest.raises(ValueError, match="top_k"):
+        _llm(course).generate(["Hi"], SamplingParams(temperature=1.0, top_k=10**6), use_tqdm=False)

@@ -25,13 +25,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from minipaged import SamplingParams
-from minipaged.core import EngineScheduler, KVCacheManager, Request, RequestStatus, cdiv
+from minipaged.core import BlockSpaceManager, EngineScheduler, Request, RequestStatus, cdiv
 
 # ----------------------------------------------------------------------------- manager, by hand
 
 
 def test_fork_and_copy_on_write_by_hand():
-    m = KVCacheManager(num_blocks=8, block_size=4)
+    m = BlockSpaceManager(num_blocks=8, block_size=4)
     m.allocate_slots("p", 6)  # blocks 0, 1; block 1 holds 2 of 4 tokens
     m.fork("p", "c")
     assert m.get_block_ids("c") == m.get_block_ids("p") == [0, 1]
@@ -58,7 +58,7 @@ def test_fork_and_copy_on_write_by_hand():
 
 
 def test_full_shared_block_is_never_copied():
-    m = KVCacheManager(num_blocks=8, block_size=4)
+    m = BlockSpaceManager(num_blocks=8, block_size=4)
     m.allocate_slots("p", 8)  # two full blocks
     m.fork("p", "c")
     assert m.get_num_blocks_needed("c", 1) == 1
@@ -70,7 +70,7 @@ def test_full_shared_block_is_never_copied():
 
 
 def test_copy_on_write_is_all_or_nothing():
-    m = KVCacheManager(num_blocks=3, block_size=4)
+    m = BlockSpaceManager(num_blocks=3, block_size=4)
     m.allocate_slots("p", 6)
     m.fork("p", "c")
     m.allocate_slots("x", 4)  # the last free block
@@ -82,7 +82,7 @@ def test_copy_on_write_is_all_or_nothing():
 
 
 def test_fork_errors_and_chained_copies():
-    m = KVCacheManager(num_blocks=8, block_size=4)
+    m = BlockSpaceManager(num_blocks=8, block_size=4)
     with pytest.raises(ValueError, match="unknown parent"):
         m.fork("nobody", "c")
     m.allocate_slots("p", 2)
@@ -100,7 +100,7 @@ def test_fork_errors_and_chained_copies():
 
 
 def test_group_swap_keeps_sharing():
-    m = KVCacheManager(num_blocks=10, block_size=4, num_cpu_blocks=10)
+    m = BlockSpaceManager(num_blocks=10, block_size=4, num_cpu_blocks=10)
     m.allocate_slots("a", 9)  # 3 blocks
     m.fork("a", "b")
     m.allocate_slots("b", 1)  # b copies block 2
@@ -135,7 +135,7 @@ class SharingMachine(RuleBasedStateMachine):
     def init(self, num_blocks, block_size, num_cpu_blocks):
         self.bs = block_size
         self.num_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
-        self.m = KVCacheManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks)
+        self.m = BlockSpaceManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks)
         self.tokens: dict[str, list[int]] = {}  # live on the device: the values it wrote
         self.swapped: dict[str, list[int]] = {}
         self.mem: dict[int, int] = {}  # device slot -> value

@@ -23,7 +23,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 
 from minipaged import viz  # noqa: E402
-from minipaged.core import KVCacheManager  # noqa: E402
+from minipaged.core import BlockSpaceManager  # noqa: E402
 from minipaged.trace import EngineTrace, StepRecord  # noqa: E402
 from minipaged.viz import figures as F  # noqa: E402
 from minipaged.viz import palette  # noqa: E402
@@ -172,7 +172,7 @@ def manager_with_sharing():
     """A live KVCacheManager: A (10 tokens), B (5), C (2); D came and went, so its block
     is at the back of the free queue; A.1 forked from A and wrote one token, so A's
     partly filled last block was copied (copy-on-write) and the full ones stay shared."""
-    m = KVCacheManager(12, 4)
+    m = BlockSpaceManager(12, 4)
     m.allocate_slots("A", 10)
     m.allocate_slots("B", 5)
     m.allocate_slots("D", 3)

@@ -28,17 +28,21 @@ def tiny(tmp_path_factory):
 
 
 def spied_beam_search(path, prompts, k, max_tokens, **engine):
+    from minipaged.core import PaperScheduler  # beam search runs the paper's scheduler
+
     llm = LLM(model=path, seed=0, **engine)
-    sched = llm.llm_engine.scheduler
     forks = []  # (step, parent id, child id)
-    real = sched.fork_request
+    real = PaperScheduler.fork_request
 
-    def fork_request(parent, child):
+    def fork_request(self, parent, child):
         forks.append((len(llm.llm_engine.trace.steps), parent.request_id, child.request_id))
-        return real(parent, child)
+        return real(self, parent, child)
 
-    sched.fork_request = fork_request
-    llm.beam_search(prompts, BeamSearchParams(beam_width=k, max_tokens=max_tokens))
+    PaperScheduler.fork_request = fork_request
+    try:
+        llm.beam_search(prompts, BeamSearchParams(beam_width=k, max_tokens=max_tokens))
+    finally:
+        PaperScheduler.fork_request = real
     return llm.llm_engine.trace, forks
 
 

@@ -7,9 +7,10 @@ loop and the record format are ``workloads.run_workload``'s, shared with ``run_v
 Settings (what vLLM v1 has): the workload's chunked prefill, recompute preemption, no swap and no
 sequence groups (vLLM v1 has neither), and ``free_uncached_first=True`` (vLLM 0.32 frees
 blocks without a hash to the front of the free queue; minipaged's default is the back). The admission rule follows ``--admission``
-(``workloads.ADMISSIONS``): ``first-chunk`` -> the base ``Scheduler`` (vLLM v1's rule);
-``full-sequence`` -> ``EngineScheduler(watermark=0.0)`` (whole-prefill rule, nothing kept
-free); ``watermark`` -> ``EngineScheduler(watermark=WATERMARK)``, minipaged's default.
+(``workloads.ADMISSIONS``), each an option of ``Scheduler`` alone, by vLLM's name:
+``first-chunk`` -> ``scheduler_reserve_full_isl=False``; ``full-sequence`` -> vLLM 0.32's
+defaults (``scheduler_reserve_full_isl=True``, ``watermark=0.0``); ``watermark`` -> the
+full-sequence rule with ``watermark=WATERMARK``.
 
 usage: python benchmarks/vllm_diff/run_minipaged.py --ids 0:100,cases --out DIR
         [--admission first-chunk]
@@ -34,7 +35,11 @@ from workloads import (  # noqa: E402
     run_workload,
 )
 
-_WATERMARK = {"full-sequence": 0.0, "watermark": WATERMARK}
+_OPTIONS = {
+    "first-chunk": {"scheduler_reserve_full_isl": False},
+    "full-sequence": {},  # vLLM 0.32's defaults
+    "watermark": {"watermark": WATERMARK},
+}
 
 
 class MinipagedSide:
@@ -43,7 +48,7 @@ class MinipagedSide:
     def __init__(
         self, config: dict, admission: str = "first-chunk", free_uncached_first: bool = True
     ) -> None:
-        from minipaged.core import EngineScheduler, Scheduler
+        from minipaged.core import Scheduler
 
         kwargs = dict(
             max_num_seqs=config["max_num_seqs"],
@@ -53,12 +58,9 @@ class MinipagedSide:
             enable_prefix_caching=config["enable_prefix_caching"],
             free_uncached_first=free_uncached_first,  # vLLM 0.32's free order (BlockPool)
         )
-        if admission == "first-chunk":  # vLLM v1's own rule: the base scheduler
-            self.scheduler = Scheduler(config["num_blocks"], config["block_size"], **kwargs)
-        else:  # the watermark layer (recompute preemption, no groups: both defaults)
-            self.scheduler = EngineScheduler(
-                config["num_blocks"], config["block_size"], watermark=_WATERMARK[admission], **kwargs
-            )
+        self.scheduler = Scheduler(
+            config["num_blocks"], config["block_size"], **kwargs, **_OPTIONS[admission]
+        )
 
     def add_request(self, r: dict) -> None:
         from minipaged.core import Request

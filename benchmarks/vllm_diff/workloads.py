@@ -45,11 +45,11 @@ FIRST_TOKEN = 3  # tokens are drawn from [3, VOCAB_SIZE): never bos / eos / pad
 
 # Admission rules compared (each side's adapter maps a name to its own settings):
 #   "first-chunk"    a waiting request is admitted when its first chunk's blocks fit
-#                    (vLLM: scheduler_reserve_full_isl=False; minipaged: watermark=None)
+#                    (vLLM and minipaged's Scheduler: scheduler_reserve_full_isl=False)
 #   "full-sequence"  ... when the blocks for all its current tokens fit (vLLM's default,
-#                    scheduler_reserve_full_isl=True; minipaged: watermark=0.0)
+#                    scheduler_reserve_full_isl=True, watermark=0.0: both schedulers' defaults)
 #   "watermark"      ... and WATERMARK of the pool stays free while anything runs
-#                    (vLLM: full sequence + watermark; minipaged: its default watermark)
+#                    (both: full sequence + watermark=WATERMARK)
 ADMISSIONS = ("first-chunk", "full-sequence", "watermark")
 WATERMARK = 0.05  # minipaged's DEFAULT_WATERMARK: int(0.05 * num_blocks) blocks
 

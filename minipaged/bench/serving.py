@@ -595,6 +595,7 @@ def _first_diff(x: list[int], y: list[int]) -> int:
 # -- profile of one step --------------------------------------------------------------
 _BLOCK_FILES = (
     "core/kv/kv_cache_manager.py",
+    "core/kv/block_manager_v0.py",
     "core/kv/block_pool.py",
     "core/kv/block.py",
     "core/kv/block_table.py",

@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Optional
 
-from minipaged.core import EngineScheduler, Request, RequestStatus
+from minipaged.core import Request, RequestStatus, Scheduler
 from minipaged.core.kv.block import cdiv
 from minipaged.sampling_params import SamplingParams
 
@@ -66,11 +66,11 @@ class Recipe:
 
     def describe(self) -> str:
         head = (
-            f"EngineScheduler(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"Scheduler(num_blocks={self.num_blocks}, block_size={self.block_size}, "
             f"max_num_seqs={self.max_num_seqs}, max_num_batched_tokens={self.max_num_batched_tokens}"
             + ("" if self.enable_chunked_prefill else ", enable_chunked_prefill=False")
             + ("" if self.max_model_len is None else f", max_model_len={self.max_model_len}")
-            + ")"
+            + ", scheduler_reserve_full_isl=False)"
         )
         return head + "\n  requests in arrival order: " + ", ".join(map(repr, self.requests))
 
@@ -85,7 +85,7 @@ def _tokens(rid: str, n: int, start: int = 10) -> list[int]:
     return [start + (base + 7 * i) % 50 for i in range(n)]
 
 
-def build(recipe: Recipe, cls=EngineScheduler) -> EngineScheduler:
+def build(recipe: Recipe, cls=Scheduler) -> Scheduler:
     s = cls(
         recipe.num_blocks,
         recipe.block_size,
@@ -93,7 +93,7 @@ def build(recipe: Recipe, cls=EngineScheduler) -> EngineScheduler:
         max_num_batched_tokens=recipe.max_num_batched_tokens,
         enable_chunked_prefill=recipe.enable_chunked_prefill,
         max_model_len=recipe.max_model_len,
-        watermark=None,
+        scheduler_reserve_full_isl=False,
     )  # NOTE: the exercises teach vLLM v1's first-chunk admission
     reqs = []
     for i, spec in enumerate(recipe.requests):
@@ -125,13 +125,13 @@ def build(recipe: Recipe, cls=EngineScheduler) -> EngineScheduler:
     return s
 
 
-def snapshot(s: EngineScheduler) -> dict:
+def snapshot(s: Scheduler) -> dict:
     """Everything the exercises may change, as plain data."""
     kv = s.kv_cache_manager
     return {
         "running": [r.request_id for r in s.running],
         "waiting": [r.request_id for r in s.waiting],
-        "finished": sorted(s.finished),
+        "finished": sorted(s.finished_req_ids),
         "requests": {
             rid: (r.status.name, r.num_computed_tokens, r.num_output_tokens, r.num_preemptions)
             for rid, r in sorted(s.requests.items())
@@ -144,7 +144,7 @@ def snapshot(s: EngineScheduler) -> dict:
 SNAPSHOT_WHAT = {
     "running": "scheduler.running (request ids, in order)",
     "waiting": "scheduler.waiting (request ids, in order)",
-    "finished": "scheduler.finished (request ids)",
+    "finished": "scheduler.finished_req_ids (ids finished since the last schedule())",
     "requests": "per request: (status, num_computed_tokens, num_output_tokens, num_preemptions)",
     "block_tables": "per request holding blocks: (num_tokens, block ids)",
     "free_queue": "the free block queue, front to back",

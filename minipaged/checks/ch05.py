@@ -42,14 +42,14 @@ from minipaged.checks._harness import (
 )
 from minipaged.checks._scheduler_cases import Recipe, build, random_recipe
 from minipaged.checks.ch04 import _pairs, _scheduled, compare_snapshots
-from minipaged.core import EngineScheduler, Request
+from minipaged.core import Request, Scheduler
 from minipaged.core.sched.output import SchedulerOutput
 
 CHECKS: dict = {}
 
 
-class _NoPreempt(EngineScheduler):
-    def _preempt(self, out):
+class _NoPreempt(Scheduler):
+    def _preempt(self, request, out):
         raise RuntimeError("scheduler._preempt() is switched off in this check: write it yourself")
 
     def schedule(self):
@@ -91,8 +91,9 @@ def check_num_new_tokens(num_new_tokens) -> None:
         return r
 
     def run_one(c):
-        ref = EngineScheduler(64, 16, max_num_batched_tokens=c["mnbt"], enable_chunked_prefill=c["chunked"])
-        expected = ref._num_new_tokens(make(c), c["budget"])
+        ref = Scheduler(64, 16, max_num_batched_tokens=c["mnbt"], enable_chunked_prefill=c["chunked"])
+        r = make(c)
+        expected = ref._num_new_tokens(r, r.num_computed_tokens, c["budget"])
         got = num_new_tokens(make(c), c["budget"], c["chunked"], c["mnbt"])
         expect_equal("tokens to schedule (0 = it must wait)", expected, got)
 
@@ -175,9 +176,8 @@ def check_preempt_recompute(preempt_recompute) -> None:
 
     def run_one(recipe: Recipe):
         ref = build(recipe)
-        victims = ref._preempt(SchedulerOutput())  # recompute mode: the last running request
-        assert len(victims) == 1, "checker bug: recipes have no sequence groups"
-        expected_victim = victims[0]
+        expected_victim = ref.running.pop()  # vLLM v1: the last of running
+        ref._preempt(expected_victim, SchedulerOutput())
         stu = build(recipe, _NoPreempt)
         victim = stu.running[-1]
         got = preempt_recompute(stu, victim)
@@ -288,13 +288,15 @@ _MAX_STEPS = 2000
 
 
 def run_admission(rule, workload=DESIGN_WORKLOAD, **knobs):
-    """Run ``workload`` on a v1 ``Scheduler`` whose ``_can_admit`` asks ``rule(scheduler,
-    request)`` (None: the default, always). Returns (steps, preemptions, admission order,
-    the requests); raises Mismatch on a broken invariant."""
+    """Run ``workload`` on a scheduler whose admission asks ``rule(scheduler, request)``
+    (None: the default, always): the paper's loop, whose ``_can_admit`` is the one place an
+    admission rule is asked, with its watermark off and no groups (then it makes v1's
+    first-chunk steps). Returns (steps, preemptions, admission order, the requests);
+    raises Mismatch on a broken invariant."""
     from minipaged.checks.ch04 import _arrivals
-    from minipaged.core import Scheduler
+    from minipaged.core import PaperScheduler
 
-    class _Rule(Scheduler):
+    class _Rule(PaperScheduler):
         def _can_admit(self, request, computed_blocks):
             if rule is None:
                 return True
@@ -304,7 +306,7 @@ def run_admission(rule, workload=DESIGN_WORKLOAD, **knobs):
             return ok
 
     k = dict(DESIGN_KNOBS, **knobs)
-    sched = _Rule(k.pop("num_blocks"), k.pop("block_size"), **k)
+    sched = _Rule(k.pop("num_blocks"), k.pop("block_size"), watermark=None, **k)
     arrivals = _arrivals(workload)
     everyone = [r for at in sorted(arrivals) for r in arrivals[at]]
     admitted, preemptions, step = [], 0, 0
@@ -329,7 +331,7 @@ def run_admission(rule, workload=DESIGN_WORKLOAD, **knobs):
         sched.update_from_output(out, sampled)
         sched.check_invariants()
         step += 1
-    lost = [r.request_id for r in everyone if r.request_id not in sched.finished]
+    lost = [r.request_id for r in everyone if not r.is_finished]
     if lost:
         raise Mismatch(f"requests lost: {lost}")
     for r in everyone:

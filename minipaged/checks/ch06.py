@@ -11,19 +11,19 @@ Exercises (notebooks/exercises/ch06_sharing.ipynb)
           ``len(token_ids) - 1`` tokens, so the last token is always computed).
     ex6.5 ``predict_sharing()`` -> per event of ``SHARE_EVENTS`` the block tables and the
           ``ref_cnt`` of every held block (a prediction), compared with a live
-          ``KVCacheManager``; the first difference shows ``viz.block_tables_text``.
+          ``BlockSpaceManager``; the first difference shows ``viz.block_tables_text``.
     ex6.6 ``blocks_with_sharing(prompt_len, output_lens, block_size)``: blocks in use after
           parallel sampling with fork and copy-on-write, checked against the manager; then
           the measured saving over unshared sequences is printed (deterministic).
     ex6.7 ``concept_answers()``: the end-of-chapter questions with a number or a choice.
 
-Reference: the package's ``KVCacheManager`` (``fork``; ``allocate_slots`` of one token,
+Reference: the package's ``BlockSpaceManager`` (``fork``; ``allocate_slots`` of one token,
 whose copy-on-write records the ``(src, dst)`` pair that ``take_pending_copies`` hands
 over; ``get_computed_blocks``; the chained ``_block_hashes``). ``ref_fork`` /
 ``ref_append_slot`` / ``ref_block_hashes`` / ``ref_find_cached_blocks`` below are the same
 rules written out over ``BlockPool`` alone (tests/test_checks.py checks that they agree
 with the package). The student's code and the reference run side by side on seeded
-random operation sequences; ``KVCacheManager.check_invariants`` (``ref_cnt`` equals the
+random operation sequences; ``BlockSpaceManager.check_invariants`` (``ref_cnt`` equals the
 number of block tables holding a block; free queue = blocks with ``ref_cnt == 0``) runs
 after every step.
 """
@@ -45,7 +45,7 @@ from minipaged.checks._harness import (
     require_callable,
     run_cases,
 )
-from minipaged.core import BlockPool, BlockTable, KVCacheBlock, KVCacheManager, Request, hash_block_tokens
+from minipaged.core import BlockPool, BlockSpaceManager, BlockTable, KVCacheBlock, Request, hash_block_tokens
 
 CHECKS: dict = {}
 
@@ -53,7 +53,7 @@ CHECKS: dict = {}
 # -- references ----------------------------------------------------------------------------
 
 
-def ref_fork(m: KVCacheManager, parent_id: str, child_id: str) -> None:
+def ref_fork(m: BlockSpaceManager, parent_id: str, child_id: str) -> None:
     if parent_id not in m.block_tables:
         raise ValueError(f"unknown parent {parent_id!r}")
     if child_id in m.block_tables:
@@ -64,7 +64,7 @@ def ref_fork(m: KVCacheManager, parent_id: str, child_id: str) -> None:
     m.block_tables[child_id] = BlockTable(blocks, parent.num_tokens, m.block_size)
 
 
-def ref_append_slot(m: KVCacheManager, request_id: str) -> Optional[list[tuple[int, int]]]:
+def ref_append_slot(m: BlockSpaceManager, request_id: str) -> Optional[list[tuple[int, int]]]:
     if request_id not in m.block_tables:
         raise ValueError(f"unknown request {request_id!r}")
     t = m.block_tables[request_id]
@@ -108,28 +108,28 @@ def ref_find_cached_blocks(pool: BlockPool, token_ids: list[int], block_size: in
     return hits
 
 
-def pkg_append_slot(m: KVCacheManager, request_id: str) -> Optional[list[tuple[int, int]]]:
+def pkg_append_slot(m: BlockSpaceManager, request_id: str) -> Optional[list[tuple[int, int]]]:
     """The package's way: ``allocate_slots`` of one token, then the copies it recorded.
 
     NOTE: called through the class, so it also works on the student's manager, whose own
     ``allocate_slots`` is switched off.
     """
-    if KVCacheManager.allocate_slots(m, request_id, 1) is None:
+    if BlockSpaceManager.allocate_slots(m, request_id, 1) is None:
         return None
-    return KVCacheManager.take_pending_copies(m)
+    return BlockSpaceManager.take_pending_copies(m)
 
 
 def pkg_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
     if len(token_ids) < block_size:
         return []
-    manager = KVCacheManager(1, block_size)
+    manager = BlockSpaceManager(1, block_size)
     return list(manager._block_hashes(Request("q", list(token_ids)), len(token_ids) // block_size))
 
 
 # -- state comparison ----------------------------------------------------------------------
 
 
-class _StudentManager(KVCacheManager):
+class _StudentManager(BlockSpaceManager):
     """Switches off the package's own sharing methods (if it has them) for the student's code."""
 
     def fork(self, *args, **kwargs):
@@ -142,7 +142,7 @@ class _StudentManager(KVCacheManager):
         )
 
 
-def _mstate(m: KVCacheManager) -> dict:
+def _mstate(m: BlockSpaceManager) -> dict:
     return {
         "tables": {rid: (t.num_tokens, t.block_ids()) for rid, t in sorted(m.block_tables.items())},
         "ref_cnt": [b.ref_cnt for b in m.block_pool.blocks],
@@ -157,7 +157,7 @@ _MWHAT = {
 }
 
 
-def _compare(step: str, ref: KVCacheManager, stu: KVCacheManager) -> None:
+def _compare(step: str, ref: BlockSpaceManager, stu: BlockSpaceManager) -> None:
     a, b = _mstate(ref), _mstate(stu)
     for key in a:
         expect_equal(f"after {step}: {_MWHAT[key]}", a[key], b[key])
@@ -172,7 +172,7 @@ def _sharing_cases(exercise_id: str, n: int, focus: str) -> list:
     for _ in range(n):
         num_blocks = rng.randint(2, 10)
         block_size = rng.choice([1, 2, 3, 4])
-        m = KVCacheManager(num_blocks, block_size)  # simulated to keep ops valid
+        m = BlockSpaceManager(num_blocks, block_size)  # simulated to keep ops valid
         ops, k = [], 0
         for _ in range(rng.randint(1, 10)):
             holders = sorted(m.block_tables)
@@ -219,7 +219,7 @@ def _describe_ops(case) -> str:
         "append": lambda o: f"append_slot({o[1]!r})",
         "free": lambda o: f"free({o[1]!r})",
     }
-    return f"KVCacheManager(num_blocks={num_blocks}, block_size={block_size}), then: " + "; ".join(
+    return f"BlockSpaceManager(num_blocks={num_blocks}, block_size={block_size}), then: " + "; ".join(
         words[o[0]](o) for o in ops
     )
 
@@ -227,22 +227,22 @@ def _describe_ops(case) -> str:
 def _replay(case, fork_fn, append_fn, ref_fork_fn=None, ref_append_fn=None):
     """Run the ops on a reference manager and a student manager; compare after each.
 
-    The reference is the package (``KVCacheManager.fork``, ``pkg_append_slot``) unless
+    The reference is the package (``BlockSpaceManager.fork``, ``pkg_append_slot``) unless
     other functions are given; the student's side uses ``fork_fn`` / ``append_fn``.
     """
-    ref_fork_fn = ref_fork_fn or KVCacheManager.fork
+    ref_fork_fn = ref_fork_fn or BlockSpaceManager.fork
     ref_append_fn = ref_append_fn or pkg_append_slot
     num_blocks, block_size, ops = case
-    ref, stu = KVCacheManager(num_blocks, block_size), _StudentManager(num_blocks, block_size)
+    ref, stu = BlockSpaceManager(num_blocks, block_size), _StudentManager(num_blocks, block_size)
     for i, op in enumerate(ops):
         step = f"step {i + 1} ({op[0].rstrip('?')} {', '.join(map(str, op[1:]))})"
         kind = op[0]
         if kind == "alloc":
             ref.allocate_slots(op[1], op[2])
-            KVCacheManager.allocate_slots(stu, op[1], op[2])
+            BlockSpaceManager.allocate_slots(stu, op[1], op[2])
         elif kind == "free":
             ref.free(op[1])
-            KVCacheManager.free(stu, op[1])
+            BlockSpaceManager.free(stu, op[1])
         elif kind == "fork?":
             expect_raises(
                 f"{step}: fork from an unknown parent or onto an existing child",
@@ -290,7 +290,7 @@ def check_append_slot(append_slot) -> None:
     run_cases(
         "ex6.2",
         _sharing_cases("ex6.2", 250, focus="append"),
-        lambda c: _replay(c, KVCacheManager.fork, append_slot),
+        lambda c: _replay(c, BlockSpaceManager.fork, append_slot),
         size=lambda c: (len(c[2]), c[0]),
         describe=_describe_ops,
     )
@@ -355,11 +355,11 @@ def _prefix_cases(n: int) -> list[dict]:
     return cases
 
 
-def _build_pool(c: dict) -> KVCacheManager:
+def _build_pool(c: dict) -> BlockSpaceManager:
     """A caching manager after the history ran: each earlier request took blocks from the
     pool, cached its full ones, and released them unless it still holds them (evicting
     LRU when the pool ran short). The student's code gets its ``block_pool``."""
-    manager = KVCacheManager(c["num_blocks"], c["block_size"], enable_caching=True)
+    manager = BlockSpaceManager(c["num_blocks"], c["block_size"], enable_caching=True)
     pool = manager.block_pool
     bs = c["block_size"]
     for tokens, keep in c["history"]:
@@ -453,7 +453,7 @@ def reference_sharing():
     """(tables, ref counts of held blocks) after each event of SHARE_EVENTS, and the pictures."""
     from minipaged import viz
 
-    kv = KVCacheManager(**SHARE_KNOBS)
+    kv = BlockSpaceManager(**SHARE_KNOBS)
     states, pictures = [], []
     for op, a, b in SHARE_EVENTS:
         if op == "alloc":
@@ -518,7 +518,7 @@ def ref_blocks_with_sharing(prompt_len: int, output_lens, block_size: int) -> in
     if not output_lens or any(not isinstance(o, int) or o < 1 for o in output_lens):
         raise ValueError(f"output_lens must be a non-empty list of ints >= 1, got {output_lens!r}")
     total = sum(-(-(prompt_len + o) // block_size) for o in output_lens) + 1
-    kv = KVCacheManager(num_blocks=total, block_size=block_size)
+    kv = BlockSpaceManager(num_blocks=total, block_size=block_size)
     kv.allocate_slots("s0", prompt_len)
     for i in range(1, len(output_lens)):
         kv.fork("s0", f"s{i}")

@@ -1,11 +1,12 @@
 """The "operating system" of minipaged: ``kv/`` (addressing: blocks, block tables, the
 KV-cache manager) and ``sched/`` (scheduling: requests, vLLM v1's scheduler, the paper's
-layers, the baselines). Pure Python, importable without torch.
+scheduler, the baselines). Pure Python, importable without torch.
 """
 
 from minipaged.core.kv import (
     NONE_HASH,
     BlockPool,
+    BlockSpaceManager,
     BlockTable,
     ContiguousAllocator,
     FreeKVCacheBlockQueue,
@@ -17,6 +18,7 @@ from minipaged.core.kv import (
 )
 from minipaged.core.sched import (
     EngineScheduler,
+    PaperScheduler,
     Request,
     RequestStatus,
     Scheduler,
@@ -27,6 +29,7 @@ from minipaged.core.sched import (
 
 __all__ = [
     "BlockPool",
+    "BlockSpaceManager",
     "BlockTable",
     "ContiguousAllocator",
     "EngineScheduler",
@@ -35,6 +38,7 @@ __all__ = [
     "KVCacheManager",
     "KVCacheUsage",
     "NONE_HASH",
+    "PaperScheduler",
     "Request",
     "RequestStatus",
     "Scheduler",

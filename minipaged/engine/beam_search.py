@@ -60,7 +60,7 @@ from typing import Optional, Union
 
 import torch
 
-from minipaged.core.kv.block import cdiv
+from minipaged.core.kv.kv_cache_manager import max_num_blocks
 from minipaged.core.sched.request import Request, RequestStatus
 from minipaged.engine.llm_engine import normalize_prompts
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
@@ -115,9 +115,7 @@ class _PromptBeams:
 
     def reservation(self, block_size: int) -> int:
         """The most blocks its beams ever hold: shared full prompt blocks + private tails."""
-        shared = self.P // block_size
-        tail = cdiv(self.max_length - 1, block_size) - shared
-        return shared + self.k * tail
+        return max_num_blocks(self.max_length - 1, block_size, self.k, self.P)
 
     def beams(self) -> list[Request]:
         return list({id(r): r for r in self.running}.values())
@@ -208,6 +206,8 @@ def beam_search(
     if early_stopping not in EARLY_STOPPING:
         raise ValueError(f"early_stopping must be one of {EARLY_STOPPING}, got {early_stopping!r}")
     cfg = engine.config
+    if cfg.scheduling == "static":
+        raise ValueError("beam search needs scheduling='continuous' (it forks block tables)")
     k = params.beam_width
     if k > cfg.max_num_seqs or k > cfg.max_num_batched_tokens:
         raise ValueError(
@@ -235,14 +235,20 @@ def beam_search(
             )
         states.append(st)
     engine.reset_trace({"beam_search": True, "beam_width": k, "early_stopping": early_stopping})
+    # NOTE: beams fork block tables, which vLLM v1 cannot: the paper's scheduler runs them,
+    # over the same KV caches (the engine is idle, so every block is free)
+    v1, engine.scheduler = engine.scheduler, engine._make_scheduler(paper=True)
     try:
         _run(engine, states)
     finally:  # leave the scheduler and the pool empty whatever happened
         sched = engine.scheduler
         for st in states:
             for r in (st.prompt_req, *st.beams()):
-                if r.request_id in sched.requests:
-                    sched.abort_request(r.request_id)
+                sched.abort_request(r.request_id)
+        drain = sched.schedule()  # NOTE: tells the worker to drop every beam it still holds
+        engine.executor.execute_model(drain)
+        sched.update_from_output(drain, {})
+        engine.scheduler = v1
     return [st.output(engine.decode) for st in states]
 
 
@@ -254,9 +260,7 @@ def _run(engine, states: list[_PromptBeams]) -> None:
     old ones. NOTE: the reservations keep the pool from ever running out, so no beam is
     preempted, and beams take their prompt's place in arrival order, so the decodes come
     before any later prompt's prefill and all fit the token budget."""
-    sched, runner, model, cfg = engine.scheduler, engine.model_runner, engine.model, engine.config
-    if not hasattr(sched, "fork_request"):
-        raise ValueError("beam search needs scheduling='continuous' (it forks block tables)")
+    sched, executor, cfg = engine.scheduler, engine.executor, engine.config
     kv = sched.kv_cache_manager
     waiting = deque(states)
     active: list[_PromptBeams] = []
@@ -276,13 +280,12 @@ def _run(engine, states: list[_PromptBeams]) -> None:
             reserved += st.reservation(kv.block_size)
             sched.add_request(st.prompt_req)
         out = sched.schedule()
-        runner.apply_cache_ops(out)  # copy-on-write copies before the model writes
+        # the worker: copy-on-write copies, then the forward (no sampling: the beams choose)
+        logits, _ = executor.compute_logits(out)  # [B, V], one row per scheduled request
         row = {id(req): b for b, (req, _) in enumerate(out.scheduled)}
         n = {id(req): k for req, k in out.scheduled}
-        if out.scheduled:
-            inp, _ = runner.prepare(out, kv)
-            with torch.inference_mode():
-                logits = model.forward(inp, runner.kv_caches).float()  # [B, V]
+        if logits is not None:
+            logits = logits.float()
         done = []
         for st in list(active):
             if not all(id(r) in row and r.num_computed_tokens + n[id(r)] == r.num_tokens for r in st.running):

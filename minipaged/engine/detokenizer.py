@@ -18,7 +18,9 @@ How the text grows
     UTF-8 character; SentencePiece drops a word's leading space at a window's start), so
     each step decodes a small window: ``decode(ids[prefix_offset:])`` minus
     ``decode(ids[prefix_offset:read_offset])``; a delta that ends in U+FFFD (an unfinished
-    character) is held back until the next token completes it. The window starts at the
+    character) is held back until the next token completes it, for at most
+    ``MAX_PENDING_TOKENS`` tokens (then the U+FFFD is real: invalid bytes), so the window,
+    and the cost of a token, stays bounded. The window starts at the
     first output token, so the text is ``tokenizer.decode(output_token_ids)``, the text
     minipaged returns for every request. (vLLM starts it on the last 5 prompt tokens; with
     a tokenizer that joins tokens by spaces that adds a leading space.)
@@ -48,25 +50,41 @@ def find_stop_string(
     text: str, new_char_count: int, stop: list[str], include_in_output: bool
 ) -> Optional[tuple[str, int]]:
     """The stop string that ends within the last ``new_char_count`` characters of ``text``
-    and starts first, and the length to cut ``text`` to; None if there is none."""
+    and starts first, and the length to cut ``text`` to; None if there is none.
+
+    NOTE: only occurrences that end in the new characters count (older text was searched
+    before), so each stop string is looked for in a window of ``new_char_count +
+    len(s) - 1`` characters at the end of ``text``: the cost per token is bounded by the
+    stop strings' total length (capped in ``SamplingParams``), not by the text's."""
     if not new_char_count or not stop:
         return None
+    n = len(text)
+    longest = max(len(s) for s in stop)
+    base = max(0, n - new_char_count - longest + 1)
+    window = text[base:]  # the only text any occurrence that ends in the new characters touches
     best: Optional[tuple[int, str]] = None
     for s in stop:
-        # NOTE: only occurrences that end in the new characters: older text was searched.
-        start = max(0, len(text) - new_char_count - len(s) + 1)
-        idx = text.find(s, start)
+        start = max(0, n - new_char_count - len(s) + 1) - base
+        idx = window.find(s, start)
         if idx != -1 and (best is None or idx < best[0]):
             best = (idx, s)
     if best is None:
         return None
     idx, s = best
+    idx += base
     return s, idx + len(s) if include_in_output else idx
+
+
+# NOTE: a UTF-8 character is at most 4 bytes, so at most 4 byte-level tokens; a window that
+# still ends in U+FFFD after this many tokens holds a real replacement character (invalid
+# bytes) and is emitted, so the decode window stays bounded.
+MAX_PENDING_TOKENS = 8
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
+        self._raw_decode = self._fast_decode(tokenizer)
         self.stop = list(params.stop)
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.skip_special_tokens = params.skip_special_tokens
@@ -87,13 +105,30 @@ class IncrementalDetokenizer:
         self._last_output_text_offset = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._raw_decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    @staticmethod
+    def _fast_decode(tokenizer):
+        """The Rust ``tokenizers.Tokenizer.decode`` behind a transformers fast tokenizer when
+        its ``decode`` is exactly that (no ``clean_up_tokenization_spaces``), else
+        ``tokenizer.decode``. NOTE: the Python wrapper costs ~10x the decode itself, and a
+        window is decoded twice per token of every streamed sequence."""
+        raw = getattr(tokenizer, "_tokenizer", None)
+        if (
+            raw is not None
+            and hasattr(raw, "decode")
+            and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
+        ):
+            return raw.decode
+        return tokenizer.decode
 
     def _decode_next(self) -> str:
         """The text the newest token adds ("" while it ends in an unfinished character)."""
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.token_ids[self.prefix_offset :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        pending = len(self.token_ids) - self.read_offset
+        ready = len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd")
+        if ready or (pending >= MAX_PENDING_TOKENS and len(new_text) >= len(prefix_text)):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
             return new_text[len(prefix_text) :]
         return ""

@@ -5,13 +5,16 @@ Mirrors vLLM ``vllm/v1/engine/llm_engine.py`` + ``core.py`` (and nano-vllm's
 
 One step (the data path)::
 
-    out     = scheduler.schedule()                     who runs, how many tokens each
-    model_runner.apply_cache_ops(out)                  swap / copy blocks, before the forward
-    inp     = model_runner.prepare(out, kv_cache_manager)   tensors of the step
-    logits  = model.forward(inp, kv_caches)
-    tokens  = sampler(logits[rows that end their known tokens], params, seeds)
-    done    = scheduler.update_from_output(out, tokens)     append, stop, free blocks
-    trace.record(StepRecord)                           what the pictures are drawn from
+    out    = scheduler.schedule()                  who runs, how many tokens each, new blocks
+    result = executor.execute_model(out)           the worker: its own block tables from
+                                                   out.for_worker(), block copies, forward, sample
+    done   = scheduler.update_from_output(out, result.sampled_token_ids)   append, stop, free
+    output_processor: stop strings -> scheduler.finish_requests(...)       (vLLM's frontend)
+    trace.record(StepRecord)                       what the pictures are drawn from
+
+The scheduler is vLLM v1's (``core/sched/scheduler.py``) unless a paper mechanism is asked
+for (``preemption_mode="swap"``, ``parallel_sampling="fork"``, beam search): then the
+paper's (``core/sched/paper.py``). The executor only ever sees the output's plain half.
 
 Inputs
     ``add_request(request_id, prompt, sampling_params)``: a prompt string (tokenized with
@@ -48,11 +51,18 @@ from typing import Optional, Union
 import torch
 
 from minipaged.config import EngineConfig, kv_cache_bytes_per_block
-from minipaged.core.sched import EngineScheduler, Request, RequestStatus, StaticBatchScheduler
-from minipaged.engine.model_runner import ModelRunner
+from minipaged.core.sched import (
+    PaperScheduler,
+    Request,
+    RequestStatus,
+    Scheduler,
+    SchedulerOutput,
+    StaticBatchScheduler,
+)
 from minipaged.engine.output_processor import OutputProcessor
 from minipaged.engine.outputs import RequestOutput
-from minipaged.engine.sampler import Sampler, request_base_seed, sample_seed
+from minipaged.engine.sampler import request_base_seed
+from minipaged.executor import UniProcExecutor
 from minipaged.sampling_params import SamplingParams, verify_sampling_params
 from minipaged.trace import EngineTrace, record_step
 
@@ -88,14 +98,13 @@ FINISH_REASONS = {
 
 @dataclass
 class _RequestGroup:
-    """One caller request: its n sequences (scheduler Requests) and their seeds."""
+    """One caller request: its n sequences (scheduler Requests, each with its seed)."""
 
     request_id: str
     prompt: Optional[str]
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Request] = field(default_factory=list)
-    base_seeds: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -141,17 +150,16 @@ class LLMEngine:
         self.num_blocks = config.num_blocks_for(self.bytes_per_block)
         self.num_cpu_blocks = config.cpu_blocks_for(self.num_blocks)
         self.scheduler = self._make_scheduler()
-        self.model_runner = ModelRunner(
+        self.executor = UniProcExecutor(
             model, self.num_blocks, config.block_size, self.num_cpu_blocks, config.device
         )
-        self.sampler = Sampler()
         self.output_processor = OutputProcessor(tokenizer)  # text, stop strings, logprobs
-        self.scheduler.stop_checker = self.output_processor.check_stop_strings
         self.groups: dict[str, _RequestGroup] = {}  # unfinished caller requests
         self.seq_to_group: dict[str, _RequestGroup] = {}  # scheduler request id -> group
         self.trace = self._new_trace()
         # seconds spent in each phase of step(), summed (for the benchmark's profile)
         self.step_times = dict.fromkeys(("schedule", "prepare", "forward", "sample", "update"), 0.0)
+        self.model_runner.step_times = self.step_times  # NOTE: the worker times its own phases
 
     # -- construction helpers ------------------------------------------------------
     @staticmethod
@@ -163,7 +171,8 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context ({limit})")
         return config.max_model_len
 
-    def _make_scheduler(self):
+    def _make_scheduler(self, paper: bool = False):
+        """vLLM v1's scheduler, or the paper's where a paper mechanism is asked for."""
         c = self.config
         kwargs = dict(
             num_blocks=self.num_blocks,
@@ -176,11 +185,17 @@ class LLMEngine:
         )
         if c.scheduling == "static":
             return StaticBatchScheduler(**kwargs)
-        return EngineScheduler(
-            **kwargs,
-            preemption_mode=c.preemption_mode,
-            num_cpu_blocks=self.num_cpu_blocks,
-            parallel_sampling=c.parallel_sampling,
+        if paper or c.preemption_mode == "swap" or c.parallel_sampling == "fork":
+            watermark = {} if c.watermark is None else {"watermark": c.watermark}
+            return PaperScheduler(
+                **kwargs,
+                **watermark,
+                preemption_mode=c.preemption_mode,
+                num_cpu_blocks=self.num_cpu_blocks,
+                parallel_sampling=c.parallel_sampling,
+            )
+        return Scheduler(
+            **kwargs, scheduler_reserve_full_isl=c.scheduler_reserve_full_isl, watermark=c.watermark or 0.0
         )
 
     def _new_trace(self, meta: Optional[dict] = None) -> EngineTrace:
@@ -210,6 +225,10 @@ class LLMEngine:
     @property
     def kv_cache_manager(self):
         return self.scheduler.kv_cache_manager
+
+    @property
+    def model_runner(self):
+        return self.executor.model_runner
 
     @property
     def step_index(self) -> int:
@@ -283,8 +302,8 @@ class LLMEngine:
                 eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
                 arrival_time=float(self.step_index),
             )
+            req.base_seed = request_base_seed(params, self.config.seed, request_id, j)
             group.seqs.append(req)
-            group.base_seeds.append(request_base_seed(params, self.config.seed, request_id, j))
         self.groups[request_id] = group
         self.output_processor.add_request(group.seqs, ids, params)
         for req in group.seqs:
@@ -318,67 +337,67 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One schedule + forward + sample + update. Returns the requests finished now."""
+        """One schedule + execute + update. Returns the requests finished now."""
         step = self.step_index
         lap = self._stopwatch()
         out = self.scheduler.schedule()  # who runs this step, and how many tokens each
         lap("schedule")
-        self.model_runner.apply_cache_ops(out)  # swap out / swap in / copy, before the forward
-        sampled: dict[str, int] = {}
-        if out.scheduled:
-            inp, sample_rows = self.model_runner.prepare(out, self.kv_cache_manager)
-            lap("prepare")
-            with torch.inference_mode():
-                logits = self.model.forward(inp, self.model_runner.kv_caches)  # [B, V]
-            lap("forward")
-            sampled = self._sample(out, logits, sample_rows)  # request_id -> next token
-            lap("sample")
+        result = self.executor.execute_model(out)  # the worker sees out.for_worker() only
+        lap(None)  # NOTE: the worker timed its own phases (prepare, forward, sample)
+        self.output_processor.add_logprobs(self._sampled_requests(out, result), result.logprobs)
         # NOTE: the returned list starts with the requests refused this step.
-        finished = self.scheduler.update_from_output(out, sampled)  # append, stop, free
+        finished = self.scheduler.update_from_output(out, result.sampled_token_ids)  # append, stop, free
+        finished += self._check_stop_strings(out, result)
+        out.finished = finished
         for req in finished:
             self._note_finished(req, step)
         self.trace.record(record_step(self.scheduler, out, step))
         outputs = self._collect_outputs(finished)
+        if self.scheduler.finished_req_ids and not self.scheduler.has_unfinished_requests():
+            # NOTE: finished ids ride on the next step's output (vLLM v1); an engine going
+            # idle hands them over now, so the worker keeps nothing of a finished request
+            idle = SchedulerOutput(finished_req_ids=self.scheduler.finished_req_ids)
+            self.scheduler.finished_req_ids = set()
+            self.executor.execute_model(idle)
         lap("update")
         return outputs
 
-    def _sample(self, out, logits: torch.Tensor, sample_rows: list[int]) -> dict[str, int]:
-        """The next token of every request whose known tokens are all computed now."""
-        if not sample_rows:
-            return {}
-        reqs = [out.scheduled[r][0] for r in sample_rows]
-        for parent, child in out.fork_samples:  # n > 1, fork path: sampled from the parent's row
-            sample_rows = sample_rows + [sample_rows[reqs.index(parent)]]
-            reqs.append(child)
-        params = [r.sampling_params for r in reqs]
-        # NOTE: a greedy row needs no seed; a random one is seeded by its request and its
-        # output position alone (see sampler.py), never by its place in the batch.
-        seeds = [
-            0 if p.temperature == 0.0 else sample_seed(self._base_seed(r), r.num_output_tokens)
-            for r, p in zip(reqs, params)
-        ]
-        if sample_rows != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(sample_rows, device=logits.device)]  # [S, V]
-        with torch.inference_mode():
-            tokens, logprobs = self.sampler.sample(logits, reqs, seeds)
-        self.output_processor.add_logprobs(reqs, logprobs)
-        return {r.request_id: t for r, t in zip(reqs, tokens)}
+    def _sampled_requests(self, out, result) -> list[Request]:
+        """The requests that got a token this step (fork children after their parents)."""
+        got = result.sampled_token_ids
+        reqs = [r for r, _ in out.scheduled if r.request_id in got]
+        return reqs + [c for _, c in out.fork_samples if c.request_id in got]
+
+    def _check_stop_strings(self, out, result) -> list[Request]:
+        """vLLM v1's output processor: a request whose text now ends a stop string is
+        finished by the scheduler (``finish_requests``), in this very step, so its blocks
+        are free before the next ``schedule()``. Returns the requests it finished."""
+        stopped = []
+        for req in self._sampled_requests(out, result):
+            s = self.output_processor.check_stop_strings(req)
+            if s is None:
+                continue
+            reason = f"stop string {s!r}"
+            if req.is_finished:  # its last token also ended it by length or EOS
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, reason
+            else:
+                stopped += self.scheduler.finish_requests(
+                    [req.request_id], RequestStatus.FINISHED_STOPPED, reason
+                )
+        return stopped
 
     def _stopwatch(self):
         """``lap(phase)`` adds the seconds since the previous lap to ``step_times[phase]``."""
         times, clock = self.step_times, time.perf_counter
         last = [clock()]
 
-        def lap(phase: str) -> None:
+        def lap(phase: Optional[str]) -> None:
             now = clock()
-            times[phase] += now - last[0]
+            if phase is not None:
+                times[phase] += now - last[0]
             last[0] = now
 
         return lap
-
-    def _base_seed(self, req: Request) -> int:
-        group = self.seq_to_group[req.request_id]
-        return group.base_seeds[group.seqs.index(req)] if len(group.seqs) > 1 else group.base_seeds[0]
 
     def _note_finished(self, req: Request, step: Optional[int] = None) -> None:
         info = self.trace.requests.get(req.request_id)
@@ -424,10 +443,40 @@ class LLMEngine:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def fail_step(self, exc: BaseException) -> list[RequestOutput]:
+        """Recover from a ``step()`` that raised ``exc``: every request of the failed step
+        (all the sequences of its caller request, and those it swapped out: their copy may
+        be half made) is finished as "abort" with ``stop_reason`` naming the error, its
+        blocks freed, the scheduler's in-flight step cleared, so the next ``step()`` runs.
+        Returns the outputs of every request this leaves finished (the failed ones, and any
+        the failed step had already finished or refused); the others go on unharmed."""
+        reason = f"engine error: {type(exc).__name__}: {exc}"
+        # NOTE: the step's SchedulerOutput, if schedule() returned and update_from_output()
+        # did not finish; else the failure is traced to the requests of the last step.
+        out = getattr(self.scheduler, "_in_flight", None)
+        suspects = [r.request_id for r in self.scheduler.fail_step(out, reason)]
+        if out is not None:
+            suspects += [r.request_id for r in out.swapped_out]
+        elif self.trace.steps:
+            suspects += list(self.trace.steps[-1].scheduled)
+        for sid in suspects:
+            group = self.seq_to_group.get(sid)
+            for r in [] if group is None else group.seqs:
+                if not r.is_finished:
+                    self.scheduler.abort_request(r.request_id)
+                    r.stop_reason = reason
+        done = []
+        for group in list(self.groups.values()):
+            if group.finished:
+                for r in group.seqs:
+                    self._note_finished(r)
+                done.append(self.make_output(group))
+                self._pop_group(group)
+        return done
+
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
-        self.kv_cache_manager.check_invariants()
-        self.model_runner.check_invariants()
+        self.executor.check_invariants()
         self.trace.check_invariants()
         for rid, group in self.groups.items():
             assert not group.finished, f"request {rid} finished but is still held by the engine"

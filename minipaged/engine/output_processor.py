@@ -2,13 +2,15 @@
 
 Mirrors vLLM v1 ``vllm/v1/engine/output_processor.py`` (+ ``logprobs.py``). In vLLM the
 output processor runs in the front-end process and aborts a request whose text hit a stop
-string one step later; here it is called *inside* the step, from the scheduler's stop
-check (``Scheduler.stop_checker``), so the token that completes a stop string is the last
-one kept and the request's KV blocks are freed in that very step, like EOS.
+string (the engine core frees its blocks before its next step); here the engine calls it
+right after ``update_from_output`` and has the scheduler finish the request
+(``finish_requests``) in that same step, so the token that completes a stop string is the
+last one kept and the request's KV blocks are free before the next ``schedule()``.
 
 Inputs
     ``add_request(seqs, prompt_token_ids, params)`` when the engine queues them;
-    ``check_stop_strings(req, stopped)`` after every token the scheduler appends;
+    ``check_stop_strings(req)`` after every token the scheduler appends -> the stop string
+    it completed, or None;
     ``add_logprobs(reqs, entries)`` after every sampling; ``make_completion(...)`` at the
     end; ``remove(seqs)`` when the engine forgets a request.
 Outputs
@@ -62,26 +64,25 @@ class OutputProcessor:
         for req in seqs:
             self.seqs.pop(req.request_id, None)
 
-    # -- called by the scheduler, after it appended a token and checked EOS / lengths ----
-    def check_stop_strings(self, req: Request, stopped: bool) -> bool:
-        """Feed ``req``'s newest token to its detokenizer; finish ``req`` (FINISHED_STOPPED)
-        if it completed a stop string. Returns whether ``req`` is finished now."""
+    # -- called by the engine, after the scheduler appended a token and checked EOS / lengths
+    def check_stop_strings(self, req: Request) -> Optional[str]:
+        """Feed ``req``'s newest token to its detokenizer; the stop string it completed, or
+        None. The engine then finishes ``req`` (FINISHED_STOPPED) through the scheduler."""
         st = self.seqs.get(req.request_id)
         if st is None or st.detokenizer is None:
-            return stopped
-        by_token = stopped and req.status == RequestStatus.FINISHED_STOPPED  # EOS / stop id
+            return None
+        by_token = req.status == RequestStatus.FINISHED_STOPPED  # EOS / stop id ended it
         s = st.detokenizer.update(req.output_token_ids[-1], by_token)
-        if s is None:
-            return stopped
-        st.stop_string = s
-        req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, f"stop string {s!r}"
-        return True
+        if s is not None:
+            st.stop_string = s
+        return s
 
     # -- called by the engine after sampling -------------------------------------------
-    def add_logprobs(self, reqs: Sequence[Request], entries: Sequence[Optional[Logprobs]]) -> None:
-        """Called before the sampled tokens are appended: ``entries[i]`` belongs to output
-        position ``reqs[i].num_output_tokens`` (a re-sampled position replaces its entry)."""
-        for req, e in zip(reqs, entries):
+    def add_logprobs(self, reqs: Sequence[Request], entries: dict) -> None:
+        """Called before the sampled tokens are appended: ``entries[request_id]`` belongs to
+        output position ``req.num_output_tokens`` (a re-sampled position replaces its entry)."""
+        for req in reqs:
+            e = entries.get(req.request_id)
             st = self.seqs.get(req.request_id)
             if e is not None and st is not None and st.logprobs is not None:
                 del st.logprobs[req.num_output_tokens :]

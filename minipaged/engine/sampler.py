@@ -38,7 +38,11 @@ Rules, row by row, in vLLM v1's order
 
 Failure mode
     ``ValueError`` if the numbers of rows, params, seeds and requests disagree, or a row
-    needs its request (penalties, ``min_tokens``) and none was given.
+    needs its request (penalties, ``min_tokens``) and none was given. Numbers that overflow
+    float32 never become NaN probabilities: NaN logits are -inf, +inf the largest float32
+    (``finite_logits``), top-p keeps the top token whatever p, ``top_k`` is clamped to the
+    vocabulary before it becomes a tensor, and a row with no finite logit left keeps its
+    greedy token.
 """
 
 from __future__ import annotations
@@ -95,10 +99,20 @@ def apply_top_k_top_p(
         mass_before = probs_sort.cumsum(dim=-1) - probs_sort  # [B, V]
         # NOTE: a token is kept while the mass *before* it is below p, so the first
         # (largest) token is always kept.
-        logits_sort = logits_sort.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+        drop = mass_before >= top_p[:, None]  # [B, V]
+        drop[:, 0] = False  # NOTE: a top_p that is 0 in float32 (1e-320) still keeps the top token
+        logits_sort = logits_sort.masked_fill(drop, float("-inf"))
     out = torch.empty_like(logits)
     out.scatter_(-1, logits_idx, logits_sort)  # back to vocabulary order
     return out
+
+
+def finite_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` with NaN -> -inf and +inf -> the dtype's largest value, so that a softmax
+    over them is never NaN while one finite (or formerly +inf) logit remains."""
+    # NOTE: always applied (no data-dependent branch: no device sync on a GPU)
+    big = torch.finfo(logits.dtype).max
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=big, neginf=float("-inf"))
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: list[int], reqs: Sequence) -> torch.Tensor:
@@ -178,26 +192,39 @@ class Sampler:
         self, logits: torch.Tensor, reqs: Sequence, seeds: Sequence[int]
     ) -> tuple[list[int], list[Optional[Logprobs]]]:
         """Tokens for the requests ``reqs`` (one per row) and, for each row whose params ask
-        for ``logprobs``, its ``Logprobs`` (None for the others)."""
+        for ``logprobs``, its ``Logprobs`` (None for the others).
+
+        NOTE: one log-softmax, one top-k (the largest k asked) and one rank count over all
+        the rows that want logprobs, then one ``tolist()``: the cost per step is one
+        batched op, whatever the number of rows and their k."""
         params = [r.sampling_params for r in reqs]
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = None
         if want:  # NOTE: from the raw logits, before anything below changes them
             rows = torch.tensor(want, device=logits.device)
             raw_logprobs = logits.index_select(0, rows).float().log_softmax(dim=-1)  # [W, V]
-        tokens = self.forward(logits, params, seeds, reqs).tolist()
+        tokens_t = self.forward(logits, params, seeds, reqs)  # [B]
+        tokens = tokens_t.tolist()
         out: list[Optional[Logprobs]] = [None] * len(reqs)
+        if not want:
+            return tokens, out
+        V = raw_logprobs.shape[1]
+        max_k = min(V, max(params[i].logprobs for i in want))
+        chosen_ids = tokens_t.index_select(0, rows)  # [W]
+        chosen = raw_logprobs.gather(1, chosen_ids[:, None])  # [W, 1]
+        ranks = (raw_logprobs > chosen).sum(dim=-1) + 1  # [W] 1 = the most likely token
+        if max_k > 0:
+            top = raw_logprobs.topk(max_k, dim=-1)  # values, indices [W, max_k]
+            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+        chosen_l, ranks_l = chosen[:, 0].tolist(), ranks.tolist()
         for w, i in enumerate(want):
-            lp = raw_logprobs[w]  # [V]
-            k = params[i].logprobs
-            top = lp.topk(k) if k > 0 else None
-            chosen = float(lp[tokens[i]])
+            k = min(params[i].logprobs, V)
             out[i] = Logprobs(
-                token_ids=[] if top is None else top.indices.tolist(),
-                logprobs=[] if top is None else top.values.tolist(),
+                token_ids=top_ids[w][:k] if k > 0 else [],
+                logprobs=top_vals[w][:k] if k > 0 else [],
                 sampled_token_id=tokens[i],
-                sampled_logprob=chosen,
-                sampled_rank=int((lp > chosen).sum()) + 1,
+                sampled_logprob=chosen_l[w],
+                sampled_rank=int(ranks_l[w]),
             )
         return tokens, out
 
@@ -223,6 +250,7 @@ class Sampler:
             logits = logits.clone()  # NOTE: never edit the caller's tensor
             apply_min_tokens(logits, min_tok_rows, reqs)
             apply_penalties(logits, penalty_rows, reqs)
+            logits = finite_logits(logits)
         out = logits.argmax(dim=-1)  # [B] greedy for every row first
         random_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
         if not random_rows:
@@ -234,9 +262,12 @@ class Sampler:
         if any(params[i].min_p > 0.0 for i in random_rows):
             min_p = torch.tensor([float(params[i].min_p) for i in random_rows], device=dev)  # [R]
             x = apply_min_p(x, min_p)
+        x = finite_logits(x)  # NOTE: a huge logit / a small temperature may overflow to inf
         top_k = top_p = None
+        V = logits.shape[1]
         if any(params[i].top_k > 0 for i in random_rows):
-            top_k = torch.tensor([params[i].top_k for i in random_rows], device=dev)  # [R]
+            # NOTE: clamped here, in Python: a top_k beyond int64 must not reach torch
+            top_k = torch.tensor([min(params[i].top_k, V) for i in random_rows], device=dev)  # [R]
         if any(params[i].top_p < 1.0 for i in random_rows):
             top_p = torch.tensor([float(params[i].top_p) for i in random_rows], device=dev)
         x = apply_top_k_top_p(x, top_k, top_p)
@@ -247,5 +278,8 @@ class Sampler:
             gen.manual_seed(int(seeds[i]))
             noise[r].exponential_(generator=gen)
         sampled = (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)  # [R]
-        out[rows] = sampled
+        # NOTE: a row left with no finite logit (cannot happen with validated params) keeps
+        # its greedy token rather than an argmax over NaN probabilities.
+        ok = torch.isfinite(x).any(dim=-1)  # [R]
+        out[rows] = torch.where(ok, sampled, out[rows])
         return out

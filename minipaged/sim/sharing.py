@@ -2,7 +2,7 @@
 Fig. 15) and prefill tokens saved by prefix caching (its section 4.4 / Fig. 17).
 
 No vLLM counterpart: this is the measurement behind Fig. 15 of the vLLM paper (Kwon et al.,
-SOSP 2023), replayed on this package's own ``KVCacheManager`` (``fork``, copy-on-write,
+SOSP 2023), replayed on this package's own ``BlockSpaceManager`` (``fork``, copy-on-write,
 ``free``) and ``Scheduler`` (prefix caching), with synthetic workloads
 (``minipaged.sim.workloads``) in place of OPT-13B serving real traces.
 
@@ -17,7 +17,7 @@ What is measured
 
 Parallel sampling (n = 2..6)
     A request ``(prompt_len, output_len)`` from the workload is prefilled once, then
-    forked into n sequences (``KVCacheManager.fork``); sample j generates its own length
+    forked into n sequences (``BlockSpaceManager.fork``); sample j generates its own length
     (an independent draw of the workload's output length, seeded), one token per step,
     through ``allocate_slots`` (copy-on-write on the shared, partly filled prompt block)
     and is freed when done. Only the full prompt blocks stay shared, so the saving grows
@@ -79,7 +79,7 @@ from dataclasses import asdict, dataclass
 from minipaged.cli import dumps_json
 from minipaged.core import EngineScheduler
 from minipaged.core.kv.block import cdiv
-from minipaged.core.kv.kv_cache_manager import KVCacheManager
+from minipaged.core.kv.block_manager_v0 import BlockSpaceManager
 from minipaged.core.sched.request import Request
 from minipaged.sampling_params import SamplingParams
 from minipaged.sim.workloads import WORKLOADS, sample_requests
@@ -132,7 +132,7 @@ class _Tally:
         self.with_sharing = 0
         self.without = 0
 
-    def add(self, m: KVCacheManager) -> None:
+    def add(self, m: BlockSpaceManager) -> None:
         self.with_sharing += m.get_num_used_blocks()
         self.without += m.get_num_table_blocks()
 
@@ -152,7 +152,7 @@ def measure_parallel_sampling(
     tally, copies = _Tally(), 0
     for i, (p, _) in enumerate(reqs):
         lens = [min(o, MAX_MODEL_LEN - p) for _, o in extra[i * n : (i + 1) * n]]
-        m = KVCacheManager(cdiv(p + max(lens), block_size) * n + 1, block_size)
+        m = BlockSpaceManager(cdiv(p + max(lens), block_size) * n + 1, block_size)
         m.allocate_slots("s0", p)  # the prompt, prefilled once
         for j in range(1, n):
             m.fork("s0", f"s{j}")  # every sample shares the prompt blocks
@@ -206,7 +206,7 @@ def measure_beam_search(
     rng = random.Random(f"beam:{workload}:{k}:{seed}")
     tally, copies = _Tally(), 0
     for p, o in reqs:
-        m = KVCacheManager(cdiv(p + o, block_size) * k + 1, block_size)
+        m = BlockSpaceManager(cdiv(p + o, block_size) * k + 1, block_size)
         m.allocate_slots("b0", p)
         beams, scores = ["b0"], [0.0]
         tally.add(m)  # the prefill step

@@ -45,7 +45,8 @@ about memory traffic inside one attention computation. Chapter 03 shows both.)
 
 md("## Setup")
 
-code(r"""
+code(
+    r"""
 %matplotlib inline
 import inspect
 
@@ -54,8 +55,13 @@ import matplotlib.pyplot as plt
 from minipaged import viz
 from minipaged.core import KVCacheManager
 from minipaged.viz.figures import interesting_step, scheduler_trace
-""" + ("from minipaged import LLM, SamplingParams\n" if ENGINE else
-       "from minipaged.viz.figures import scheduler_demo_trace\n"))
+"""
+    + (
+        "from minipaged import LLM, SamplingParams\n"
+        if ENGINE
+        else "from minipaged.viz.figures import scheduler_demo_trace\n"
+    )
+)
 
 md(r"""
 ## 1. Data: the KV cache
@@ -136,9 +142,9 @@ recomputed.
 if ENGINE:
     md(rf"""
 Eight story openings on the course model (a small Llama trained for this course), through
-a KV pool of only {DEMO_ENGINE_KWARGS['num_blocks']} blocks of {DEMO_ENGINE_KWARGS['block_size']}
-slots, at most {DEMO_ENGINE_KWARGS['max_num_seqs']} sequences and
-{DEMO_ENGINE_KWARGS['max_num_batched_tokens']} tokens per step, so that requests queue,
+a KV pool of only {DEMO_ENGINE_KWARGS["num_blocks"]} blocks of {DEMO_ENGINE_KWARGS["block_size"]}
+slots, at most {DEMO_ENGINE_KWARGS["max_num_seqs"]} sequences and
+{DEMO_ENGINE_KWARGS["max_num_batched_tokens"]} tokens per step, so that requests queue,
 prompts are chunked, and the pool runs out. Greedy decoding, so the texts are the same on
 every run.
 """)
@@ -321,7 +327,7 @@ md(r"""
 * The three ideas' homes in vLLM v1: `vllm/v1/core/kv_cache_manager.py` ↔
   `minipaged/core/kv/kv_cache_manager.py`, `vllm/v1/core/sched/scheduler.py` ↔
   `minipaged/core/sched/scheduler.py`, `vllm/v1/worker/gpu_model_runner.py` ↔
-  `minipaged/engine/model_runner.py`.
+  `minipaged/worker/model_runner.py`.
 * The user's side (v1): `vllm/entrypoints/llm.py` (`LLM.generate`) and
   `vllm/sampling_params.py` ↔ `minipaged/engine/llm.py`, `minipaged/sampling_params.py`.
 """)

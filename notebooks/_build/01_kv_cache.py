@@ -1,7 +1,7 @@
 """Generate notebooks/01_kv_cache.ipynb (run from the repo root, then execute it).
 
-    python notebooks/_build/01_kv_cache.py
-    jupyter nbconvert --to notebook --execute --inplace notebooks/01_kv_cache.ipynb
+python notebooks/_build/01_kv_cache.py
+jupyter nbconvert --to notebook --execute --inplace notebooks/01_kv_cache.ipynb
 """
 
 from _nb import code, md, write
@@ -393,7 +393,7 @@ md(r"""
   `minipaged/sim/cost_model.py`.
 * The cache tensors themselves: v1 `vllm/v1/worker/gpu_model_runner.py`
   (`initialize_kv_cache`); the paper's v0.2 `vllm/worker/cache_engine.py` ↔
-  `minipaged/engine/model_runner.py` (`allocate_kv_caches` in `minipaged/model/layers.py`).
+  `minipaged/worker/model_runner.py` (`allocate_kv_caches` in `minipaged/model/layers.py`).
 """)
 
 write("01_kv_cache")

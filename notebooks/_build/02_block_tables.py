@@ -1,7 +1,7 @@
 """Generate notebooks/02_block_tables.ipynb (run from the repo root, then execute it).
 
-    python notebooks/_build/02_block_tables.py
-    jupyter nbconvert --to notebook --execute --inplace notebooks/02_block_tables.ipynb
+python notebooks/_build/02_block_tables.py
+jupyter nbconvert --to notebook --execute --inplace notebooks/02_block_tables.ipynb
 """
 
 from _nb import code, md, write

@@ -1,7 +1,7 @@
 """Generate notebooks/03_paged_attention.ipynb (run from the repo root, then execute it).
 
-    python notebooks/_build/03_paged_attention.py
-    jupyter nbconvert --to notebook --execute --inplace notebooks/03_paged_attention.ipynb
+python notebooks/_build/03_paged_attention.py
+jupyter nbconvert --to notebook --execute --inplace notebooks/03_paged_attention.ipynb
 """
 
 from _nb import code, md, write

@@ -34,7 +34,7 @@ import matplotlib.pyplot as plt
 
 from minipaged import viz
 from minipaged.core import EngineScheduler, Request, RequestStatus
-from minipaged.core.sched import SwapPreemption, WatermarkAdmission
+from minipaged.core.sched import PaperScheduler
 from minipaged.trace import run_scheduler
 from minipaged.sampling_params import SamplingParams
 
@@ -152,8 +152,9 @@ for chunked, budget in ((True, 16), (False, 48)):
 md(r"""
 ## 3. Memory pressure
 
-**Contract card · preemption** (`Scheduler._preempt` / `_evict` in
-`minipaged.core.sched.scheduler`, swap in `minipaged.core.sched.swap.SwapPreemption`;
+**Contract card · preemption** (`Scheduler._preempt` in `minipaged.core.sched.scheduler`,
+recompute only, as vLLM v1; swap in the paper's loop, `PaperScheduler._preempt` in
+`minipaged.core.sched.paper`;
 vLLM v1 `vllm/v1/core/sched/scheduler.py`, the paper's v0 `vllm/core/scheduler.py`)
 
 | | |
@@ -420,9 +421,10 @@ forever. A prompt longer than `max_model_len` is a caller error: `add_request` r
 code(r"""
 s = EngineScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=32, max_model_len=128)
 huge = make("huge", 60, 20)  # 79 tokens of K/V > 64 slots
-t = run_scheduler(s, [make("ok1", 8, 4), huge, make("ok2", 8, 4)], fake_model)
-for rid in ("ok1", "huge", "ok2"):
-    r = s.finished[rid]
+reqs = [make("ok1", 8, 4), huge, make("ok2", 8, 4)]
+t = run_scheduler(s, reqs, fake_model)
+for r in reqs:  # NOTE: the scheduler forgot them when they finished; the caller keeps them
+    rid = r.request_id
     print(f"{rid:5} {r.status.name:17} out={r.num_output_tokens}  {r.stop_reason}")
 print([st.scheduled for st in t.steps])
 
@@ -432,8 +434,9 @@ except ValueError as e:
     print("ValueError:", e)
 
 s_off = EngineScheduler(num_blocks=64, block_size=4, max_num_batched_tokens=32, enable_chunked_prefill=False)
-run_scheduler(s_off, [make("L", 40, 4)], fake_model)
-print(s_off.finished["L"].stop_reason)
+long_prompt = make("L", 40, 4)
+run_scheduler(s_off, [long_prompt], fake_model)
+print(long_prompt.stop_reason)
 """)
 
 md(r"""
@@ -484,31 +487,33 @@ md(r"""
 >
 > minipaged keeps `running` in arrival order, so its "last of running" is the paper's latest
 > arrival; the two victims differ in vLLM only once a preempted request has resumed.
-> Section 5a measured the two admission rules; swap is the `SwapPreemption` layer toured below.
+> Section 5a measured the two admission rules; swap is the paper's loop, toured below.
 """)
 
 md(r"""
 ## 6. Code tour
 
 Chapter 04 showed vLLM v1's `Scheduler.schedule` (recompute preemption included). The
-`EngineScheduler` used here stacks the paper's layers on it, each in its own module and each
-through a hook of the base. Swap (`minipaged/core/sched/swap.py`, removed in vLLM v1) overrides
-what eviction does and lets swapped requests back in arrival order, merged with `waiting`:
+`EngineScheduler` used here is the paper's scheduler (`PaperScheduler`,
+`minipaged/core/sched/paper.py`): its own loop, shaped like vLLM v0's, beside v1's. Swap
+(removed in vLLM v1) is how it preempts when the CPU pool has room, and swapped requests come
+back in arrival order, merged with `waiting`:
 """)
 
 code(r"""
-print(inspect.getsource(SwapPreemption._evict))
-print(inspect.getsource(SwapPreemption._admit_next))
+print(inspect.getsource(PaperScheduler._preempt))
+print(inspect.getsource(PaperScheduler._swap_in_next))
 """)
 
 md(r"""
-Watermark admission (`minipaged/core/sched/admission.py`, vLLM v0's rule; vLLM v1 admits a
-request as soon as its first chunk fits) asks the `KVCacheManager`, which alone counts
-blocks, whether the whole prefill fits beside what the running requests still need:
+Watermark admission (`minipaged/core/sched/paper.py`, vLLM v0's rule; vLLM v1 admits a
+request as soon as its first chunk fits, or, by default in vLLM 0.32, when the blocks for the
+whole prompt are free) asks the block manager, which alone counts blocks, whether the whole
+prefill fits beside what the running requests still need:
 """)
 
 code(r"""
-print(inspect.getsource(WatermarkAdmission._can_admit))
+print(inspect.getsource(PaperScheduler._can_admit))
 """)
 
 md(r"""
@@ -597,7 +602,7 @@ md(r"""
 * **Sarathi-Serve** (Agrawal et al., OSDI 2024): chunked prefill and stall-free batching
   under a token budget; vLLM v1 keeps chunked prefill always on.
 * The paper's v0.2: `vllm/core/scheduler.py` (`_preempt`, `_preempt_by_recompute`,
-  `_preempt_by_swap`) ↔ `minipaged/core/sched/swap.py`, `minipaged/core/sched/admission.py`;
+  `_preempt_by_swap`) ↔ `minipaged/core/sched/paper.py`, `minipaged/core/sched/paper.py`;
   the block copies of a swap: `vllm/worker/cache_engine.py` (`swap_in`, `swap_out`) ↔
   `minipaged/kernels/cache_ops.py` (`swap_blocks`).
 * vLLM v1: `vllm/v1/core/sched/scheduler.py` (`schedule`: the token budget

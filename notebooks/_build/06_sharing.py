@@ -36,8 +36,8 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from minipaged import LLM, BeamSearchParams, SamplingParams, viz
-from minipaged.core import EngineScheduler, KVCacheManager, Request, hash_block_tokens
-from minipaged.core.sched import SequenceGroups
+from minipaged.core import BlockSpaceManager, EngineScheduler, KVCacheManager, Request, hash_block_tokens
+from minipaged.core.sched import PaperScheduler
 from minipaged.trace import run_scheduler
 
 torch.set_num_threads(1)  # a small model: one thread is fastest, and the output is the same
@@ -62,7 +62,7 @@ the number of tables holding it, and the free queue holds exactly the blocks wit
 `fork(parent, child)` gives the child a new table listing the *same* blocks; each block's
 `ref_cnt` goes up by one and no K/V is copied. Freeing a shared block only drops its count.
 
-**Contract card · fork** (`minipaged.core.kv.KVCacheManager.fork`; the paper's (v0)
+**Contract card · fork** (`minipaged.core.kv.BlockSpaceManager.fork`, the paper's block manager; the paper's (v0)
 `BlockSpaceManager.fork` in `vllm/core/block_manager.py`; vLLM v1 has no fork, see the box
 at the end of section 3)
 
@@ -82,7 +82,7 @@ Predict: both tables are `[0, 1]`, both blocks have `ref_cnt` 2, and the fork to
 """)
 
 code(r"""
-m = KVCacheManager(num_blocks=8, block_size=4)
+m = BlockSpaceManager(num_blocks=8, block_size=4)
 m.allocate_slots("A", 6)
 m.fork("A", "B")
 print(viz.block_tables_text(m))
@@ -138,7 +138,7 @@ sequence is ever copied per fork, the one the fork happened in.
 ## 3. Parallel sampling: prefill once, fork n
 
 `SamplingParams(n=3)` asks for three samples of one prompt. In the paper (vLLM v0) the three
-sequences form a **sequence group** (the layer `minipaged/core/sched/groups.py`, selected with
+sequences form a **sequence group** (the layer `minipaged/core/sched/paper.py`, selected with
 `LLM(parallel_sampling="fork")`; vLLM v1 does it differently, see the end of this section). The scheduler queues only the first (the *leader*); in the step that
 completes its prompt it forks the others from it, and they draw their first token from the
 leader's logits row. So the prompt is computed **once**. A group is scheduled, preempted and
@@ -504,17 +504,17 @@ def signature_and_doc(fn):
     return f"def {fn.__name__}{inspect.signature(fn)}:\n    \"\"\"\n{doc}\n    \"\"\"\n    ...\n"
 
 
-print(signature_and_doc(KVCacheManager.fork))
+print(signature_and_doc(BlockSpaceManager.fork))
 print(signature_and_doc(KVCacheManager.get_computed_blocks))
 """)
 
 code(r"""
-src = inspect.getsource(KVCacheManager.allocate_slots)
+src = inspect.getsource(BlockSpaceManager.allocate_slots)
 print(src[src.index("        if cow:"):src.index("        if t is None:\n")])
 """)
 
 code(r"""
-print(inspect.getsource(SequenceGroups._maybe_fork))
+print(inspect.getsource(PaperScheduler._maybe_fork))
 """)
 
 md(r"""
@@ -561,7 +561,7 @@ md(r"""
   Algorithms (fork, append, free); §6.3 Parallel Sampling and Beam Search; §6.4 Shared prefix.
 * The paper's v0.2: `vllm/core/block_manager.py` (`fork`, copy-on-write in `append_slot`)
   and `vllm/sequence.py` (`SequenceGroup`) ↔ `minipaged/core/kv/kv_cache_manager.py`
-  (`fork`), `minipaged/core/sched/groups.py`, `minipaged/engine/beam_search.py`.
+  (`fork`), `minipaged/core/sched/paper.py`, `minipaged/engine/beam_search.py`.
 * vLLM v1, prefix caching: `vllm/v1/core/kv_cache_utils.py` (`hash_block_tokens`) ↔
   `minipaged/core/kv/block.py`; `vllm/v1/core/block_pool.py` (`cache_full_blocks`,
   `get_cached_block`, `touch`) ↔ `minipaged/core/kv/block_pool.py`.

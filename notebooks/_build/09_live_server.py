@@ -1,7 +1,7 @@
 """Generate notebooks/09_live_server.ipynb (run from the repo root, then execute it).
 
-    python notebooks/_build/09_live_server.py
-    bash notebooks/_build/build_all.sh 09_live_server
+python notebooks/_build/09_live_server.py
+bash notebooks/_build/build_all.sh 09_live_server
 """
 
 from _nb import code, md, write

@@ -2,6 +2,7 @@
 that alone does block accounting) and, for comparison, contiguous reservation."""
 
 from minipaged.core.kv.block import NONE_HASH, FreeKVCacheBlockQueue, KVCacheBlock, cdiv, hash_block_tokens
+from minipaged.core.kv.block_manager_v0 import BlockSpaceManager
 from minipaged.core.kv.block_pool import BlockPool
 from minipaged.core.kv.block_table import PAD_SLOT_ID, BlockTable
 from minipaged.core.kv.contiguous import ContiguousAllocator
@@ -9,6 +10,7 @@ from minipaged.core.kv.kv_cache_manager import KVCacheManager, KVCacheUsage
 
 __all__ = [
     "BlockPool",
+    "BlockSpaceManager",
     "BlockTable",
     "ContiguousAllocator",
     "FreeKVCacheBlockQueue",

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Optional
 
 from minipaged.core.kv.contiguous import ContiguousAllocator
+from minipaged.core.sched import utils
 from minipaged.core.sched.output import SchedulerOutput
 from minipaged.core.sched.request import Request, RequestStatus
 from minipaged.core.sched.scheduler import Scheduler
@@ -52,10 +53,8 @@ class OrcaScheduler(Scheduler):
             enable_chunked_prefill=False,
             max_model_len=max_model_len,
         )
+        self.kv_cache_manager = self.allocator  # NOTE: regions instead of block tables
         self.final_len: dict[str, int] = {}
-
-    def _new_kv_cache_manager(self) -> ContiguousAllocator:
-        return self.allocator  # NOTE: regions instead of block tables
 
     def add_request(self, request: Request, final_len: int) -> None:
         """Queue ``request``; ``final_len`` (prompt + output) sizes its reservation."""
@@ -63,11 +62,19 @@ class OrcaScheduler(Scheduler):
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if final_len < request.num_prompt_tokens:
             raise ValueError(f"final_len {final_len} of {request.request_id!r} is shorter than its prompt")
+        utils.validate_new_request(request, self.requests, self.max_model_len)
         self.final_len[request.request_id] = final_len
-        super().add_request(request)
+        request.arrival_order, self._num_added = self._num_added, self._num_added + 1
+        self._new_arrivals.append(request)
+        reason = self._refusal_reason(request, final_len)
+        if reason is not None:
+            utils.refuse(request, reason)
+            self._to_refuse.append(request)
+        else:
+            self.requests[request.request_id] = request
+            self.waiting.append(request)
 
-    def _refusal_reason(self, request: Request) -> Optional[str]:
-        final_len = self.final_len[request.request_id]
+    def _refusal_reason(self, request: Request, final_len: int) -> Optional[str]:
         size = self.allocator.reservation_size(min(final_len, self.max_model_len))
         if (
             final_len > self.max_model_len
@@ -82,7 +89,12 @@ class OrcaScheduler(Scheduler):
         return None
 
     def schedule(self) -> SchedulerOutput:
-        out = self._begin_step()
+        if self._in_flight is not None:
+            raise RuntimeError("schedule() called twice without update_from_output()")
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
+        out.arrived, self._new_arrivals = self._new_arrivals, []
+        out.refused, self._to_refuse = self._to_refuse, []
         budget = self.max_num_batched_tokens
         for req in self.running:  # every running request decodes one token
             out.scheduled.append((req, 1))
@@ -100,7 +112,11 @@ class OrcaScheduler(Scheduler):
             out.admitted.append(req)
             out.scheduled.append((req, n))
             budget -= n
-        return self._end_step(out)
+        self._in_flight = self._last_output = utils.finish_step(
+            out, self.max_num_batched_tokens, self.max_num_seqs
+        )
+        self.num_steps += 1
+        return out
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]):
         finished = super().update_from_output(output, sampled_token_ids)

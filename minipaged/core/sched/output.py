@@ -1,16 +1,24 @@
 """SchedulerOutput: what one engine step runs, as decided by ``schedule()``.
 
 Mirrors vLLM ``vllm/v1/core/sched/output.py`` (plus v0's ``blocks_to_swap_in`` /
-``blocks_to_swap_out`` / ``blocks_to_copy``).
+``blocks_to_swap_out`` / ``blocks_to_copy`` for the paper's scheduler).
 
-Inputs / outputs
-    Filled by a scheduler's ``schedule()`` (``scheduler.py`` and its layers,
-    ``static.py``); read by the engine (model inputs, block copies) and consumed
-    by ``update_from_output``, which adds ``finished``.
+Two halves
+    *For the worker* (plain data: ids, token ids, block ids; what ``for_worker()`` keeps
+    and what crosses to worker processes): ``scheduled_new_reqs`` (requests the worker
+    does not know yet, or whose table it must replace, with their whole block table),
+    ``scheduled_cached_reqs`` (the ones it knows: only their *new* block ids),
+    ``num_scheduled_tokens`` (request id -> tokens, in batch order),
+    ``finished_req_ids`` / ``preempted_req_ids`` (drop them), the block copies, and
+    ``fork_samples`` (paper: a child whose first token is drawn from its parent's row).
+    *For the scheduler and the pictures*: ``scheduled`` ``(Request, n)`` pairs and the
+    other ``Request`` lists, read by ``update_from_output``, ``trace.record_step`` and
+    the simulator; never by the worker.
 Invariants
-    ``scheduled`` is in batch order (running first, then swapped-in and admitted);
-    ``total_num_scheduled_tokens == sum(n for _, n in scheduled)``; a step has swap-outs or
-    swap-ins, never both. The schedulers check these in ``_end_step`` / ``check_invariants``.
+    ``scheduled`` is in batch order (running first, then swapped-in and admitted) and
+    its ids equal ``num_scheduled_tokens``' keys in order;
+    ``total_num_scheduled_tokens == sum(num_scheduled_tokens.values())``; a step has
+    swap-outs or swap-ins, never both. The schedulers check these.
 Failure mode
     Plain data: a malformed output is the scheduler's bug, caught by its checks.
 """
@@ -18,47 +26,95 @@ Failure mode
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from minipaged.core.sched.request import Request
+from minipaged.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the worker must (re)build: vLLM v1's ``NewRequestData``.
+
+    Sent the first step a request is scheduled, again after it was preempted or swapped
+    (the worker dropped it), and, in the paper's scheduler, when copy-on-write replaced a
+    block of its table (vLLM v0 sent every table every step)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty for a resumed or forked request
+    sampling_params: SamplingParams
+    block_ids: list[int]  # its whole block table
+    num_computed_tokens: int
+    eos_token_id: Optional[int] = None
+    base_seed: int = 0  # the sampler's per-request seed (``sampler.request_base_seed``)
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the worker already holds: vLLM v1's ``CachedRequestData`` (one row)."""
+
+    req_id: str
+    new_block_ids: list[int]  # appended to its table
+    num_computed_tokens: int
 
 
 @dataclass
 class SchedulerOutput:
-    """What one step runs. The engine reads it; ``update_from_output`` consumes it."""
+    """What one step runs. The worker reads the plain half; the scheduler the rest."""
 
-    # (request, num_new_tokens) in batch order: running requests (decodes and continuing
-    # prefill chunks) first, then swapped-in and newly admitted ones.
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    # -- for the worker (plain data) -------------------------------------------------
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # batch order
     total_num_scheduled_tokens: int = 0
-    preempted: list[Request] = field(default_factory=list)  # recompute, this step
+    finished_req_ids: set[str] = field(default_factory=set)  # since the previous step
+    preempted_req_ids: set[str] = field(default_factory=set)  # this step (recompute, swap)
     # NOTE: a step has swap-outs or swap-ins, never both (nothing is brought back in a
-    # step that preempted), so the engine may do the copies in either order, before the
+    # step that preempted), so the worker may do the copies in either order, before the
     # model runs.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) CoW
+    # paper: (parent id, child id) forked this step whose child samples from the parent's row
+    fork_sample_ids: list[tuple[str, str]] = field(default_factory=list)
+
+    # -- for the scheduler, the trace and the simulator --------------------------------
+    # (request, num_new_tokens) in batch order: running requests (decodes and continuing
+    # prefill chunks) first, then swapped-in and newly admitted ones.
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)  # recompute, this step
     swapped_out: list[Request] = field(default_factory=list)
     swapped_in: list[Request] = field(default_factory=list)
     refused: list[Request] = field(default_factory=list)  # FINISHED_IGNORED this step
-    # Extras (for traces and pictures)
     admitted: list[Request] = field(default_factory=list)  # from waiting, this step
     arrived: list[Request] = field(default_factory=list)  # added since the previous step
     prefill_ids: list[str] = field(default_factory=list)  # scheduled, still prefilling
     decode_ids: list[str] = field(default_factory=list)  # scheduled for one decode token
     new_block_ids: list[int] = field(default_factory=list)  # device blocks given this step
-    finished: list[Request] = field(default_factory=list)  # filled by update_from_output
-    # Sharing: (parent, child) forks made this step (the child shares the parent's blocks),
-    # and those of them whose child has no token yet: the child's first token is sampled
-    # from the parent's logits row (the prompt was prefilled once, for the parent).
+    finished: list[Request] = field(default_factory=list)  # filled after the step
+    # paper: (parent, child) forks made this step, and those whose child samples from the
+    # parent's logits row (the prompt was prefilled once, for the parent)
     forks: list[tuple[Request, Request]] = field(default_factory=list)
     fork_samples: list[tuple[Request, Request]] = field(default_factory=list)
-    # Prefix caching: request_id -> prompt tokens found in the cache at admission
+    # prefix caching: request_id -> prompt tokens found in the cache at admission
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
-    def num_scheduled_tokens(self) -> dict[str, int]:
-        return {req.request_id: n for req, n in self.scheduled}
-
-    @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.num_scheduled_tokens
+
+    def for_worker(self) -> SchedulerOutput:
+        """The plain half alone: what a worker (in this process or another) receives."""
+        return SchedulerOutput(
+            scheduled_new_reqs=list(self.scheduled_new_reqs),
+            scheduled_cached_reqs=list(self.scheduled_cached_reqs),
+            num_scheduled_tokens=dict(self.num_scheduled_tokens),
+            total_num_scheduled_tokens=self.total_num_scheduled_tokens,
+            finished_req_ids=set(self.finished_req_ids),
+            preempted_req_ids=set(self.preempted_req_ids),
+            blocks_to_swap_out=list(self.blocks_to_swap_out),
+            blocks_to_swap_in=list(self.blocks_to_swap_in),
+            blocks_to_copy=list(self.blocks_to_copy),
+            fork_sample_ids=list(self.fork_sample_ids),
+        )

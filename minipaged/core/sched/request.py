@@ -55,6 +55,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    arrival_order: int = -1  # FCFS rank, set by the scheduler's add_request
+    base_seed: int = 0  # the sampler's per-request seed (the engine sets it)
     stop_reason: Optional[str] = None  # why it finished, in words (for refusals too)
     # chained hashes of the full blocks of all_token_ids, filled lazily (prefix caching)
     block_hashes: list[bytes] = field(default_factory=list, repr=False)

@@ -27,7 +27,10 @@ Failure mode
 
 from __future__ import annotations
 
-from minipaged.core.sched.output import SchedulerOutput
+from collections import deque
+
+from minipaged.core.sched import utils
+from minipaged.core.sched.output import CachedRequestData, SchedulerOutput
 from minipaged.core.sched.request import Request, RequestStatus, get_max_num_kv_tokens
 from minipaged.core.sched.scheduler import Scheduler
 
@@ -50,8 +53,13 @@ class StaticBatchScheduler(Scheduler):
         return get_max_num_kv_tokens(request, self.max_model_len)
 
     def schedule(self) -> SchedulerOutput:
-        out = self._begin_step()
+        if self._in_flight is not None:
+            raise RuntimeError("schedule() called twice without update_from_output()")
         kv = self.kv_cache_manager
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
+        out.arrived, self._new_arrivals = self._new_arrivals, []
+        out.refused, self._to_refuse = self._to_refuse, []
         if not self.running:  # the previous batch is done: form a new one (FCFS)
             while self.waiting and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
@@ -63,21 +71,45 @@ class StaticBatchScheduler(Scheduler):
                 self.running.append(request)
                 out.admitted.append(request)
                 out.new_block_ids.extend(b.block_id for b in new_blocks)
+                out.scheduled_new_reqs.append(
+                    utils.new_request_data(request, kv.get_block_ids(request.request_id))
+                )
+        admitted = set(map(id, out.admitted))
         token_budget = self.max_num_batched_tokens
         for request in self.running:
             n = request.num_tokens - request.num_computed_tokens
             if n > token_budget:
                 continue  # a whole prompt that does not fit this step waits for the next
             out.scheduled.append((request, n))
+            if id(request) not in admitted:
+                out.scheduled_cached_reqs.append(
+                    CachedRequestData(request.request_id, [], request.num_computed_tokens)
+                )
             token_budget -= n
-        return self._end_step(out)
+        self._in_flight = self._last_output = utils.finish_step(
+            out, self.max_num_batched_tokens, self.max_num_seqs
+        )
+        self.num_steps += 1
+        return out
 
-    def _check_allocation(self, in_flight: dict[str, int]) -> None:
+    def check_invariants(self) -> None:
         kv = self.kv_cache_manager
+        kv.check_invariants()
+        utils.check_output(self._last_output, self.max_num_batched_tokens)
+        waiting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        queues = {
+            "waiting": (self.waiting, waiting, True),
+            "running": (self.running, (RequestStatus.RUNNING,), True),
+        }
+        utils.check_queues(queues, self.requests)
+        assert set(kv.block_tables) == {r.request_id for r in self.running}, (
+            "blocks held by others than the batch"
+        )
+        in_flight = {} if self._in_flight is None else self._in_flight.num_scheduled_tokens
         for r in self.running:
-            assert kv.block_tables[r.request_id].num_tokens == self._reservation(r), (
-                f"batch member {r.request_id}: slots for {kv.block_tables[r.request_id].num_tokens} "
-                f"tokens, reservation {self._reservation(r)}"
+            held = kv.block_tables[r.request_id].num_tokens
+            assert held == self._reservation(r), (
+                f"batch member {r.request_id}: slots for {held} tokens, reservation {self._reservation(r)}"
             )
             assert r.num_computed_tokens + in_flight.get(r.request_id, 0) <= self._reservation(r)
 
@@ -86,18 +118,21 @@ class StaticPagedScheduler(Scheduler):
     """Static batches over paged memory: the 2x2 experiment's third corner (chapter 04).
 
     A new batch forms only on an empty engine, as in ``StaticBatchScheduler``, but its
-    members take blocks as they grow (the base's ``allocate_slots`` and recompute
-    preemption) instead of reserving their maximum length. Prompts run whole.
+    members take blocks as they grow (``Scheduler``'s loop, first-chunk admission and
+    recompute preemption) instead of reserving their maximum length. Prompts run whole.
     """
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs["enable_chunked_prefill"] = False
+        kwargs.setdefault("scheduler_reserve_full_isl", False)
         super().__init__(*args, **kwargs)
-        self._forming = True
 
     def schedule(self) -> SchedulerOutput:
-        self._forming = not self.running  # a new batch forms only on an empty engine
-        return super().schedule()
-
-    def _admit_next(self, budget, out):  # hook: admit only while a batch forms
-        return super()._admit_next(budget, out) if self._forming else None
+        if not self.running:  # a new batch forms only on an empty engine
+            return super().schedule()
+        held, self.waiting = self.waiting, deque()  # nothing is admitted while a batch runs
+        try:
+            return super().schedule()
+        finally:  # NOTE: members preempted this step wait in front of the others
+            held.extendleft(reversed(self.waiting))
+            self.waiting = held

@@ -22,13 +22,26 @@ Invariants
     a client that disconnects (mid-stream or while waiting) has its requests (every
     prompt's) aborted and their KV blocks freed before the next engine step; one engine,
     touched only by the loop.
+Transport
+    uvicorn's h11 server (``uvicorn_config``) with a deadline on each request's headers
+    (``header_timeout``: a connection that sends them slower is closed, which uvicorn
+    alone never does), on its body (``body_timeout``: 408, connection closed),
+    ``timeout_keep_alive`` on idle connections and a cap on the header size.
+Privacy
+    ``/trace`` (and the live page drawn from it) shows every client's request ids, prompt
+    and output lengths and stop reasons to anyone who can reach the server: fine for a
+    class on loopback, not for strangers; ``enable_trace=False`` (``--disable-trace``)
+    turns both off (404).
 Failure mode
-    every error is the OpenAI JSON shape (``protocol.error_body``), never a traceback:
-    400 bad JSON / types / unknown fields / values (the message names the field; a bad
+    every error is the OpenAI JSON shape (``protocol.error_body``), never a traceback, on
+    every path (FastAPI's own query-parameter errors included: ``/trace?history=abc`` is a
+    400 naming ``history``): 400 bad JSON / types / unknown fields / values (the message names the field; a bad
     prompt among several, ``prompt[2]``, rejects the whole request: checked before any
     runs, or, for one the KV pool can never hold, with the others aborted), 404
-    unknown model or route, 413 a body over ``max_body_bytes``, 503 + ``Retry-After`` when
-    ``max_waiting_requests`` are already waiting, 500 "internal error" for an engine bug.
+    unknown model or route, 408 a body that does not arrive in time, 413 a body over
+    ``max_body_bytes``, 503 + ``Retry-After`` when ``max_waiting_requests`` are already
+    waiting, 500 "internal error" for an engine bug (that step's requests only: the engine
+    recovers), 503 on every route and on ``/health`` once the engine is unusable.
 """
 
 # NOTE: no `from __future__ import annotations` here: FastAPI reads the route functions'
@@ -40,25 +53,28 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import Optional
 
-from minipaged.entrypoints.openai.serving import DEFAULT_MAX_BODY_BYTES
+from minipaged.entrypoints.openai.serving import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds for a request's headers to arrive
+MAX_HEADER_BYTES = 64 * 1024  # uvicorn's h11_max_incomplete_event_size (its default is 16 KiB)
 
 
 def build_app(engine, **serving_kwargs):
     """The FastAPI app over ``engine`` (an ``LLMEngine``); see ``OpenAIServing`` for options."""
     # NOTE: imported here, not at the top, so that `minipaged --help` stays light
     from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import HTMLResponse, JSONResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
+    from minipaged.entrypoints.openai.async_engine import EngineError
     from minipaged.entrypoints.openai.live import LIVE_PAGE
     from minipaged.entrypoints.openai.protocol import (
         ChatCompletionRequest,
         CompletionRequest,
         PromptError,
         error_body,
-        render_chat,
         split_prompts,
     )
     from minipaged.entrypoints.openai.serving import (
@@ -82,6 +98,7 @@ def build_app(engine, **serving_kwargs):
             yield
         finally:
             await serving.async_engine.shutdown()
+            serving.close()
 
     app = FastAPI(title="minipaged", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
@@ -97,13 +114,31 @@ def build_app(engine, **serving_kwargs):
     async def _http_error(request, exc):
         return error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(RequestValidationError)
+    async def _query_error(request, exc):  # FastAPI's own (query parameters): vLLM's 400
+        err = (exc.errors() or [{}])[0]
+        loc = [str(x) for x in err.get("loc", ()) if x not in ("query", "body", "path")]
+        param = ".".join(loc) or None
+        return error(400, f"{param}: {err.get('msg', 'invalid value')}", param)
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(request, exc):  # logged once by the engine loop already
+        return error(500, "internal server error")
+
     @app.exception_handler(Exception)
     async def _internal(request, exc):  # NOTE: the traceback goes to the log, not the client
         return error(500, "internal server error")
 
     @app.get("/health")
     async def health():
+        dead = serving.async_engine.dead
+        if dead is not None:  # NOTE: so that a supervisor restarts the server
+            return error(503, f"the engine is unusable: {dead}")
         return Response(status_code=200)
+
+    def check_trace_enabled() -> None:
+        if not serving.enable_trace:
+            raise ApiError(404, "the trace is off on this server (--disable-trace)")
 
     @app.get("/v1/models")
     async def models():
@@ -127,10 +162,12 @@ def build_app(engine, **serving_kwargs):
 
     @app.get("/", response_class=HTMLResponse)
     async def live_page():
+        check_trace_enabled()
         return HTMLResponse(LIVE_PAGE)
 
     @app.get("/trace")
     async def trace(request: Request, format: str = "sse", history: int = 64):
+        check_trace_enabled()
         ae = serving.async_engine
         if format not in ("sse", "json"):
             raise ApiError(400, f"format must be 'sse' or 'json', got {format!r}", "format")
@@ -175,14 +212,19 @@ def build_app(engine, **serving_kwargs):
             req = req.model_copy(update={"max_tokens": 1})
         texts, items = [], []
         for name, prompt in prompts:
-            _, ids = serving.tokenize(prompt, name)
+            serving.check_prompt_size(prompt, name)  # all of them, before any tokenizing
+        for name, prompt in prompts:
+            _, ids = await serving.tokenize(prompt, name)
             params = serving.make_params(req, len(ids), DEFAULT_COMPLETION_MAX_TOKENS, name)
             # echo: the prompt as sent; a token-id prompt detokenized (vLLM: decode(ids))
-            texts.append(prompt if isinstance(prompt, str) else tokenizer.decode(ids))
+            if req.echo and not isinstance(prompt, str):
+                prompt = await serving.run_off_loop(tokenizer.decode, ids)
+            texts.append(prompt)
             items.append((params, ids))
         prompt_lens = [len(ids) for _, ids in items]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = serving.submit_all(items, rid)  # one prompt: the engine request is rid itself
+        # one prompt: the engine request is rid itself
+        streams = serving.submit_all(items, rid, stream=req.stream)
         n = params.n
         echo = texts if req.echo else None
         created, model = int(time.time()), serving.model_name
@@ -191,26 +233,30 @@ def build_app(engine, **serving_kwargs):
             outs = await serving.final_outputs(request, streams)
             if outs is None:
                 return Response(status_code=499)
-            choices, ntok = [], 0
-            for p, out in enumerate(outs):
-                for c in out.outputs:
-                    reason, stop_reason = finish_reason_of(c), c.stop_reason
-                    text = c.text
-                    lps = completion_logprobs(tokenizer, c.token_ids, getattr(c, "logprobs", None))
-                    if echo_only:
-                        text, lps, reason, stop_reason = "", None, "length", None
-                    else:
-                        ntok += len(c.token_ids)
-                    choices.append(
-                        {
-                            "index": p * n + c.index,
-                            "text": (texts[p] if req.echo else "") + text,
-                            "finish_reason": reason,
-                            "stop_reason": stop_reason,
-                            "logprobs": lps,
-                        }
-                    )
-            return {**head, "choices": choices, "usage": usage_of(sum(prompt_lens), ntok)}
+
+            def build() -> dict:  # in the worker thread: logprobs may be many
+                choices, ntok = [], 0
+                for p, out in enumerate(outs):
+                    for c in out.outputs:
+                        reason, stop_reason = finish_reason_of(c), c.stop_reason
+                        text = c.text
+                        lps = completion_logprobs(tokenizer, c.token_ids, getattr(c, "logprobs", None))
+                        if echo_only:
+                            text, lps, reason, stop_reason = "", None, "length", None
+                        else:
+                            ntok += len(c.token_ids)
+                        choices.append(
+                            {
+                                "index": p * n + c.index,
+                                "text": (texts[p] if req.echo else "") + text,
+                                "finish_reason": reason,
+                                "stop_reason": stop_reason,
+                                "logprobs": lps,
+                            }
+                        )
+                return {**head, "choices": choices, "usage": usage_of(sum(prompt_lens), ntok)}
+
+            return await serving.json_response(build)
 
         def choice(index, text, token_ids, lps, offset, reason, stop_reason):
             return {
@@ -231,41 +277,44 @@ def build_app(engine, **serving_kwargs):
     async def chat_completions(request: Request):
         req = serving.validate(ChatCompletionRequest, await serving.read_json(request))
         serving.check_model(req.model)
-        prompt = render_chat(req.messages, tokenizer)
-        _, ids = serving.tokenize(prompt, "messages")
         try:
             top_n = req._logprobs() or 0
         except ValueError as e:
             raise ApiError(400, str(e), "top_logprobs")
+        _, ids = await serving.render_and_tokenize(req.messages, tokenizer)
         params = serving.make_params(req, len(ids), engine.max_model_len - len(ids))
-        stream = serving.submit(params, ids)
+        stream = serving.submit(params, ids, stream=req.stream)
         created, model = int(time.time()), serving.model_name
         head = {"id": stream.request_id.replace("cmpl-", "chatcmpl-"), "created": created, "model": model}
         if not req.stream:
             out = await serving.final_output(request, stream)
             if out is None:
                 return Response(status_code=499)
-            choices = []
-            for c in out.outputs:
-                reason = finish_reason_of(c)
-                choices.append(
-                    {
-                        "index": c.index,
-                        "message": {"role": "assistant", "content": c.text},
-                        "finish_reason": reason,
-                        "stop_reason": c.stop_reason,
-                        "logprobs": chat_logprobs(
-                            tokenizer, c.token_ids, getattr(c, "logprobs", None), top_n
-                        ),
-                    }
-                )
-            ntok = sum(len(c.token_ids) for c in out.outputs)
-            return {
-                **head,
-                "object": "chat.completion",
-                "choices": choices,
-                "usage": usage_of(len(ids), ntok),
-            }
+
+            def build() -> dict:  # in the worker thread: logprobs may be many
+                choices = []
+                for c in out.outputs:
+                    reason = finish_reason_of(c)
+                    choices.append(
+                        {
+                            "index": c.index,
+                            "message": {"role": "assistant", "content": c.text},
+                            "finish_reason": reason,
+                            "stop_reason": c.stop_reason,
+                            "logprobs": chat_logprobs(
+                                tokenizer, c.token_ids, getattr(c, "logprobs", None), top_n
+                            ),
+                        }
+                    )
+                ntok = sum(len(c.token_ids) for c in out.outputs)
+                return {
+                    **head,
+                    "object": "chat.completion",
+                    "choices": choices,
+                    "usage": usage_of(len(ids), ntok),
+                }
+
+            return await serving.json_response(build)
 
         def choice(index, text, token_ids, lps, offset, reason, stop_reason):
             return {
@@ -301,6 +350,78 @@ def build_app(engine, **serving_kwargs):
 
 
 # -- running it ----------------------------------------------------------------------------
+def header_timeout_protocol(seconds: float):
+    """uvicorn's h11 protocol with a deadline on each request's headers.
+
+    uvicorn closes an idle keep-alive connection (``timeout_keep_alive``) but cancels
+    that timer on the first byte of the next request, so a client that sends its headers
+    a byte at a time (or never finishes them) holds the connection forever. Here a timer
+    starts when the connection opens and after each response, and is cancelled when a
+    request's headers are complete (uvicorn starts a new request cycle); if it fires, the
+    connection is closed.
+    """
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutProtocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            self._header_timer = None
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def _arm_header_timer(self) -> None:
+            self._cancel_header_timer()
+            self._header_cycle = self.cycle
+            self._header_timer = self.loop.call_later(seconds, self._header_timeout)
+
+        def _cancel_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._header_timer is not None and self.cycle is not self._header_cycle:
+                self._cancel_header_timer()  # the headers are in: a request cycle started
+
+        def on_response_complete(self) -> None:
+            cycle = self.cycle
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.cycle is cycle:
+                self._arm_header_timer()  # waiting for the next request's headers
+
+        def connection_lost(self, exc) -> None:
+            self._cancel_header_timer()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutProtocol
+
+
+def uvicorn_config(
+    app, host: str, port: int, log_level: str = "info", header_timeout: float = DEFAULT_HEADER_TIMEOUT
+):
+    """The ``uvicorn.Config`` of ``minipaged serve`` (also ``BackgroundServer``'s)."""
+    import uvicorn
+
+    if not isinstance(header_timeout, (int, float)) or not header_timeout > 0:
+        raise ValueError(f"header_timeout must be a number of seconds > 0, got {header_timeout!r}")
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        http=header_timeout_protocol(header_timeout),
+        timeout_keep_alive=5,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+    )
+
+
 class BackgroundServer:
     """``minipaged serve`` in a thread of this process (tests, notebooks).
 
@@ -314,10 +435,11 @@ class BackgroundServer:
     ) -> None:
         import uvicorn
 
+        header_timeout = serving_kwargs.pop("header_timeout", DEFAULT_HEADER_TIMEOUT)
         self.app = build_app(engine, **serving_kwargs)
         self.serving = self.app.state.serving  # OpenAIServing
-        config = uvicorn.Config(
-            self.app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5
+        config = uvicorn_config(
+            self.app, host=host, port=port, log_level=log_level, header_timeout=header_timeout
         )
         self.server = uvicorn.Server(config)
         self.host = host
@@ -376,6 +498,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-n", type=positive_int, default=16, help="largest n a request may ask for")
     g.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES)
+    g.add_argument(
+        "--max-logprobs", type=non_negative_int, default=20, help="largest logprobs / top_logprobs (vLLM's)"
+    )
+    g.add_argument(
+        "--max-prompt-chars",
+        type=positive_int,
+        default=None,
+        help="longest prompt in characters, refused before tokenizing (default: 32 per context token)",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT,
+        help="seconds for a request body to arrive",
+    )
+    g.add_argument(
+        "--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT, help="seconds for request headers"
+    )
+    g.add_argument(
+        "--max-unread-steps",
+        type=positive_int,
+        default=256,
+        help="engine steps of output a stream may leave unread before it is aborted",
+    )
+    g.add_argument(
+        "--disable-trace",
+        action="store_true",
+        help="turn off /trace and the live page (they show every client's request ids and lengths)",
+    )
     g.add_argument(
         "--check-invariants",
         action="store_true",
@@ -442,7 +593,13 @@ def run(args: argparse.Namespace) -> int:
             max_n=args.max_n,
             max_body_bytes=args.max_body_bytes,
             check_invariants=args.check_invariants,
+            max_logprobs=args.max_logprobs,
+            max_prompt_chars=args.max_prompt_chars,
+            body_timeout=args.body_timeout,
+            max_unread_steps=args.max_unread_steps,
+            enable_trace=not args.disable_trace,
         )
+        config = uvicorn_config(app, args.host, args.port, args.log_level, args.header_timeout)
     except ValueError as e:
         print(f"minipaged serve: {e}")
         return 2
@@ -451,7 +608,7 @@ def run(args: argparse.Namespace) -> int:
         f"(live view at /, metrics at /metrics)",
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.Server(config).run()
     return 0
 
 

@@ -22,18 +22,33 @@ Invariants
     only the loop touches the engine, and never while a step runs; with
     ``check_invariants=True`` ``LLMEngine.check_invariants()`` holds after every step;
     every stream gets exactly one finished output, or an error, or is aborted.
+Outputs of a running request
+    only streamed requests (``add_requests(..., stream=True)``) get partial outputs, built
+    in the engine thread from what each step added (``_Progress``): the new tokens go
+    through the request's own ``IncrementalDetokenizer``, the new logprob entries become
+    dicts once (token texts memoized), past tokens are never revisited. A stream's queue
+    (``OutputQueue``) merges partial outputs its reader has not taken yet (they are
+    cumulative, as vLLM's ``RequestOutputCollector`` merges deltas), so an unread stream
+    holds one output, not one per step; after ``max_unread_steps`` merged steps the client
+    is taken as gone: the request is aborted and the stream gets ``StreamOverflow``.
 Failure mode
     more than ``max_waiting_requests`` requests not yet running -> ``QueueFull`` (the server
-    answers 503 with ``Retry-After``); an exception inside a step fails the requests in
-    flight with an error (no traceback to clients), is counted in ``errors``, and the loop
-    goes on with an empty engine.
+    answers 503 with ``Retry-After``); an exception inside a step fails that step's
+    requests with an error (no traceback to clients; ``LLMEngine.fail_step`` frees their
+    blocks and resets the scheduler's step), is counted in ``errors``, and the loop goes
+    on with the other requests. If the recovery itself fails, or ``max_step_failures``
+    steps in a row fail, the engine is *unusable*: ``dead`` says why, every request gets
+    an error, new ones ``EngineDead`` (503), and ``/health`` answers 503 so a supervisor
+    restarts the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -41,6 +56,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
+from minipaged.engine.detokenizer import IncrementalDetokenizer
+from minipaged.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from minipaged.sampling_params import SamplingParams
 from minipaged.viz.palette import FREE_GREY, STATE_COLORS, owner_color
 
@@ -60,6 +77,68 @@ class EngineError(Exception):
     """The engine failed while this request was in it (the server's fault, not the client's)."""
 
 
+class EngineDead(Exception):
+    """The engine is unusable (see ``AsyncEngine.dead``); the server must be restarted."""
+
+
+class StreamOverflow(Exception):
+    """The client left its stream unread for too many steps; the request was aborted."""
+
+
+@dataclass
+class _Partial:
+    request_id: str
+
+
+class OutputQueue:
+    """A reader's outputs (of one request, or of the prompts of one request), in order.
+
+    ``put_nowait(item)``: a finished output, an exception, or a *partial* output (an
+    unfinished ``RequestOutput``). A partial output of a request that already has one
+    waiting replaces it (outputs are cumulative: the newest says all), and
+    ``unread[request_id]`` counts the merges; ``await get()`` returns the next item.
+    """
+
+    def __init__(self) -> None:
+        self._items: deque = deque()  # outputs, exceptions, or _Partial markers
+        self._partial: dict = {}  # request_id -> its newest partial output not yet read
+        self.unread: dict[str, int] = {}  # request_id -> partial outputs merged while waiting
+        self._event = asyncio.Event()
+
+    def put_nowait(self, item) -> None:
+        rid = getattr(item, "request_id", None)
+        if rid is not None and not getattr(item, "finished", True):
+            if rid in self._partial:
+                self._partial[rid] = item
+                self.unread[rid] += 1
+                return
+            self._partial[rid], self.unread[rid] = item, 0
+            item = _Partial(rid)
+        self._items.append(item)
+        self._event.set()
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def get_nowait(self):
+        if not self._items:
+            raise asyncio.QueueEmpty
+        item = self._items.popleft()
+        if isinstance(item, _Partial):
+            self.unread.pop(item.request_id, None)
+            return self._partial.pop(item.request_id)
+        return item
+
+    async def get(self):
+        while not self._items:
+            self._event.clear()
+            await self._event.wait()
+        return self.get_nowait()
+
+
 @dataclass
 class RequestStream:
     """What a handler reads: the outputs of one request as they come."""
@@ -68,7 +147,8 @@ class RequestStream:
     n: int
     prompt_len: int
     arrival: float  # time.monotonic() when it was accepted
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: OutputQueue = field(default_factory=OutputQueue)
+    stream: bool = True  # wants partial outputs (False: only the finished one)
     finished: bool = False
     num_output_tokens: int = 0
     first_token_time: Optional[float] = None
@@ -80,15 +160,101 @@ def _group_id(seq_id: str, known) -> str:
     return seq_id if seq_id in known else seq_id.rsplit(".", 1)[0]
 
 
-def partial_output(engine, request_id: str):
+class _Progress:
+    """What the server has built of one streamed request's output so far (engine thread):
+    per sequence, its detokenizer, how many tokens it has seen, its logprob dicts."""
+
+    def __init__(self, tokenizer, params: SamplingParams) -> None:
+        detok_params = dataclasses.replace(params, n=1, stop=None)  # the stop check is the engine's
+        self.detoks = [
+            None if tokenizer is None else IncrementalDetokenizer(tokenizer, [], detok_params)
+            for _ in range(params.n)
+        ]
+        self.num_tokens = [0] * params.n
+        self.logprobs: list[list] = [[] for _ in range(params.n)]
+
+
+def partial_output(engine, request_id: str, progress: Optional[_Progress] = None, piece=None):
     """The ``RequestOutput`` of an unfinished request so far (None if the engine has none).
+
+    With ``progress`` (the server's path) only what the last step added is worked on: the
+    new tokens are detokenized incrementally and only the new logprob entries become dicts
+    (``piece(token_id)``: a token's text); past tokens are never revisited. Without it, the
+    engine builds the whole output (``make_output``: every token's dicts again).
 
     NOTE: the only place the server reads engine state beyond its methods: the engine
     returns outputs of *finished* requests from ``step()``; a streaming server needs the
     tokens of running ones too (vLLM's ``OutputProcessor`` gets them every step).
     """
     group = engine.groups.get(request_id)
-    return None if group is None else engine.make_output(group)
+    if group is None:
+        return None
+    if progress is None:
+        return engine.make_output(group)
+    comps = []
+    for j, req in enumerate(group.seqs):
+        ids = list(req.output_token_ids)
+        detok = progress.detoks[j]
+        for t in [] if detok is None else ids[progress.num_tokens[j] :]:
+            detok.update(t)
+        progress.num_tokens[j] = len(ids)
+        st = engine.output_processor.seqs.get(req.request_id)
+        entries = None if st is None else st.logprobs
+        lps = progress.logprobs[j]
+        if entries is not None:
+            del lps[len(entries) :]  # a position sampled again replaces its entry
+            lps.extend(logprob_dict(e, piece) for e in entries[len(lps) :])
+        comps.append(
+            CompletionOutput(
+                index=j,
+                text="" if detok is None else detok.output_text,
+                token_ids=ids,
+                logprobs=lps if entries is not None else None,
+            )
+        )
+    return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, comps, False)
+
+
+def logprob_dict(entry, piece) -> dict:
+    """One generated token's ``Logprobs`` as vLLM's dict: the sampled token, then the top k
+    (token id -> ``Logprob`` with its rank and text), as ``OutputProcessor`` builds them."""
+    d = {
+        entry.sampled_token_id: Logprob(
+            entry.sampled_logprob, entry.sampled_rank, piece(entry.sampled_token_id)
+        )
+    }
+    for rank, (tid, lp) in enumerate(zip(entry.token_ids, entry.logprobs), start=1):
+        if tid not in d:
+            d[tid] = Logprob(lp, rank, piece(tid))
+    return d
+
+
+def _release_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc ``malloc_trim``; elsewhere a no-op).
+
+    NOTE: a burst of big answers (16 x 480 tokens with 20 logprobs each) leaves hundreds of
+    MB freed but still mapped in glibc's per-thread arenas; trimming when the engine goes
+    idle keeps the server's RSS near its warm-up value. It runs in a thread of its own
+    (ctypes releases the GIL), never on the event loop, so no stream waits for it."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim and not _trimming.locked():
+        threading.Thread(target=_trim, name="minipaged-malloc-trim", daemon=True).start()
+
+
+def _trim() -> None:
+    with _trimming:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
+_trimming = threading.Lock()
 
 
 class AsyncEngine:
@@ -101,9 +267,27 @@ class AsyncEngine:
         metrics=None,
         trace_window: int = 256,
         max_trace_steps: int = 2048,
+        max_unread_steps: int = 256,
+        max_step_failures: int = 3,
     ) -> None:
-        if not isinstance(max_waiting_requests, int) or max_waiting_requests < 1:
-            raise ValueError(f"max_waiting_requests must be an int >= 1, got {max_waiting_requests!r}")
+        for name, value in (
+            ("max_waiting_requests", max_waiting_requests),
+            ("max_unread_steps", max_unread_steps),
+            ("max_step_failures", max_step_failures),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self.max_unread_steps = max_unread_steps
+        self.max_step_failures = max_step_failures
+        self.dead: Optional[str] = None  # why the engine is unusable (None: it is fine)
+        self._consecutive_failures = 0
+        self._progress: dict[str, _Progress] = {}  # streamed request -> what is built of it
+        tok = engine.tokenizer
+        # a token's text, memoized (at most the vocabulary): logprob dicts decode each once
+        self._piece = functools.lru_cache(maxsize=1 << 18)(
+            (lambda t: tok.decode([t], skip_special_tokens=False)) if tok is not None else (lambda t: None)
+        )
+        self.num_logprob_dicts = 0  # logprob dicts the server built (one per streamed token)
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.check_invariants = check_invariants
@@ -149,17 +333,23 @@ class AsyncEngine:
         return len(self.streams) - len(self._running_rids & self.streams.keys())
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream: bool = True
     ) -> RequestStream:
         """Queue a request for the next step; ``QueueFull`` when too many are waiting."""
-        return self.add_requests([(request_id, prompt_token_ids, params)])[0]
+        return self.add_requests([(request_id, prompt_token_ids, params)], stream=stream)[0]
 
     def add_requests(
-        self, items: list[tuple[str, list[int], SamplingParams]], queue: Optional[asyncio.Queue] = None
+        self,
+        items: list[tuple[str, list[int], SamplingParams]],
+        queue: Optional[OutputQueue] = None,
+        stream: bool = True,
     ) -> list[RequestStream]:
         """Queue several requests for the same next step, all or none: ``QueueFull`` when
-        they do not all fit in the waiting queue. With ``queue``, every stream shares it
-        (one reader sees the outputs of all, in the order the engine made them)."""
+        they do not all fit in the waiting queue, ``EngineDead`` when the engine is
+        unusable. With ``queue``, every stream shares it (one reader sees the outputs of
+        all, in the order the engine made them). ``stream=False``: only finished outputs."""
+        if self.dead is not None:
+            raise EngineDead(f"the engine is unusable ({self.dead}); the server must be restarted")
         rids = [rid for rid, _, _ in items]
         for rid in rids:
             if rid in self.streams or rids.count(rid) > 1:
@@ -169,7 +359,7 @@ class AsyncEngine:
             raise QueueFull(waiting)
         streams = []
         for rid, ids, params in items:
-            stream = RequestStream(rid, params.n, len(ids), time.monotonic())
+            stream = RequestStream(rid, params.n, len(ids), time.monotonic(), stream=stream)
             if queue is not None:
                 stream.queue = queue
             self.streams[rid] = stream
@@ -186,6 +376,7 @@ class AsyncEngine:
         stream.finished = True
         if self.metrics is not None:
             self.metrics.on_request_aborted(request_id)
+        self._forget_progress(request_id)
         for i, item in enumerate(self._pending):
             if item[0] == "add" and item[1] == request_id:  # never reached the engine
                 del self._pending[i]
@@ -254,19 +445,26 @@ class AsyncEngine:
                 _, rid, ids, params = item
                 try:
                     self.engine.add_request(rid, ids, params)
-                except ValueError as exc:  # validated by the handler already; be safe
+                except Exception as exc:  # validated by the handler already; be safe
                     stream = self.streams.pop(rid, None)
                     if stream is not None:
                         stream.finished = True
-                        stream.queue.put_nowait(exc)
+                        bad_input = isinstance(exc, ValueError)
+                        stream.queue.put_nowait(exc if bad_input else EngineError(f"{type(exc).__name__}"))
+                    continue
+                stream = self.streams.get(rid)
+                if stream is not None and stream.stream:
+                    self._progress[rid] = _Progress(self.engine.tokenizer, params)
             else:
                 try:
                     self.engine.abort_request(item[1])  # frees its blocks now
                 except ValueError:
                     pass  # it finished in the step that just ran
+                self._forget_progress(item[1])
 
     def _step_sync(self, tracked: dict[str, int]):
-        """In the engine thread: one step, then the outputs of the requests that moved."""
+        """In the engine thread: one step, then the outputs of the requests that moved
+        (the finished ones; partial ones for streamed requests only)."""
         engine = self.engine
         finished = engine.step()
         if self.check_invariants:
@@ -275,8 +473,11 @@ class AsyncEngine:
         outs = {o.request_id: o for o in finished}
         moved = {_group_id(sid, tracked) for sid in rec.scheduled}
         for rid in moved:
-            if rid in tracked and rid not in outs:
-                out = partial_output(engine, rid)
+            progress = self._progress.get(rid)
+            if rid in tracked and rid not in outs and progress is not None:
+                before = sum(map(len, progress.logprobs))
+                out = partial_output(engine, rid, progress, self._piece)
+                self.num_logprob_dicts += sum(map(len, progress.logprobs)) - before
                 if out is not None:
                     outs[rid] = out
         event = dataclasses.asdict(rec)
@@ -290,12 +491,16 @@ class AsyncEngine:
     def _reset_trace(self) -> None:
         old = self.engine.reset_trace()
         self.step_offset += len(old.steps)
+        if not self.engine.has_unfinished_requests():  # idle: give freed memory back
+            del old
+            _release_memory()
 
     def _publish(self, event: dict) -> None:
         event["type"] = "step"
         event["step"] = self.step_offset + event["step"]
         event["time"] = time.time()
         self.num_steps += 1
+        self._consecutive_failures = 0
         self._running_rids = {_group_id(sid, self.streams) for sid in event["block_tables"]}
         self._num_waiting_seqs = len(event["waiting_ids"])
         if self.metrics is not None:
@@ -333,28 +538,86 @@ class AsyncEngine:
             if out.finished:
                 stream.finished = True
                 self.streams.pop(rid, None)
+                self._forget_progress(rid)
                 if self.metrics is not None:
                     self.metrics.on_request_finished(out, now - stream.arrival)
                 stream.queue.put_nowait(out)
-            elif new > 0:
+            elif new > 0 and stream.stream:
                 stream.queue.put_nowait(out)
+                unread = getattr(stream.queue, "unread", {}).get(rid, 0)  # an asyncio.Queue: 0
+                if unread >= self.max_unread_steps:  # the client reads nothing: let it go
+                    self.abort(rid)
+                    stream.queue.put_nowait(
+                        StreamOverflow(
+                            f"the client left {unread} steps of output unread; the request was aborted"
+                        )
+                    )
+
+    def _forget_progress(self, request_id: str) -> None:
+        self._progress.pop(request_id, None)
 
     def _fail_all(self, exc: BaseException) -> None:
+        """A step raised ``exc``: fail that step's requests (``LLMEngine.fail_step``: their
+        blocks are freed and the scheduler's step reset), hand out the outputs it finished,
+        and go on; if the recovery fails, or ``max_step_failures`` steps in a row failed,
+        the engine is unusable (``dead``)."""
         msg = f"{type(exc).__name__}: {exc}"
         self.errors.append(msg)
+        self._consecutive_failures += 1
         print(
-            "minipaged serve: the engine step failed; requests in flight get an error\n"
+            "minipaged serve: the engine step failed; its requests get an error\n"
             + "".join(traceback.format_exception(exc)),
             file=sys.stderr,
         )
+        if self.metrics is not None:
+            self.metrics.on_engine_error()
+        # NOTE: called in the event-loop thread between steps (the failed one has ended),
+        # so the engine is touched by one thread at a time, as everywhere else.
+        try:
+            outs = self.engine.fail_step(exc)
+            if self.check_invariants:
+                self.engine.check_invariants()
+        except Exception as exc2:
+            self._mark_dead(f"recovery from {msg} failed: {type(exc2).__name__}: {exc2}")
+            return
+        now = time.monotonic()
+        for out in outs:
+            stream = self.streams.pop(out.request_id, None)
+            self._forget_progress(out.request_id)
+            if stream is None or stream.finished:
+                continue
+            stream.finished = True
+            if any(c.finish_reason == "abort" for c in out.outputs):
+                stream.queue.put_nowait(EngineError("the engine failed while serving this request"))
+            else:  # finished (or refused) by the failed step before it raised
+                if self.metrics is not None:
+                    self.metrics.on_request_finished(out, now - stream.arrival)
+                stream.queue.put_nowait(out)
+        queued = {item[1] for item in self._pending if item[0] == "add"}
         for rid, stream in list(self.streams.items()):
+            if rid not in self.engine.groups and rid not in queued:  # its output was lost
+                self.streams.pop(rid)
+                self._forget_progress(rid)
+                stream.finished = True
+                stream.queue.put_nowait(EngineError("the engine failed while serving this request"))
+        if self._consecutive_failures >= self.max_step_failures:
+            self._mark_dead(f"{self._consecutive_failures} steps in a row failed, the last with {msg}")
+
+    def _mark_dead(self, reason: str) -> None:
+        """The engine is unusable: every request gets an error, new ones are refused."""
+        self.dead = reason
+        print(f"minipaged serve: the engine is unusable: {reason}", file=sys.stderr)
+        for stream in list(self.streams.values()):
             stream.finished = True
             stream.queue.put_nowait(EngineError("the engine failed while serving this request"))
+        for rid in list(self.engine.groups):
             try:
                 self.engine.abort_request(rid)
             except Exception:
                 pass
+        # NOTE: whatever could not be aborted is dropped, so that the loop sleeps instead of
+        # stepping an engine that cannot step (a dead engine serves nothing more)
+        self.engine.groups.clear()
         self.streams.clear()
+        self._progress.clear()
         self._pending.clear()
-        if self.metrics is not None:
-            self.metrics.on_engine_error()

@@ -43,9 +43,11 @@ def sampling_params_fields() -> set[str]:
 
 
 def error_body(message: str, status: int, param: Optional[str] = None) -> dict:
-    """The OpenAI error shape; ``type`` is the status's name as vLLM writes it."""
-    phrase = HTTPStatus(status).phrase.replace(" ", "")
-    return {"error": {"message": message, "type": f"{phrase}Error", "param": param, "code": status}}
+    """The OpenAI error shape; ``type`` is the status's name as vLLM writes it
+    (``BadRequestError``, ``NotFoundError``; ``InternalServerError``, not ...ErrorError)."""
+    phrase = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
+    kind = phrase if phrase.endswith("Error") else f"{phrase}Error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 class StreamOptions(BaseModel):

@@ -14,12 +14,27 @@ Invariants
     text sent so far is always a prefix of the final text (``TextDeltas`` holds back what may
     still change); when the client is gone or one prompt fails, every prompt's request is
     aborted (``final_outputs``, ``SSEResponse.on_close``), so no block stays held.
+Off the event loop
+    tokenizing a prompt (and rendering a chat template), detokenizing an echoed token-id
+    prompt, and building + serializing a non-streamed answer run in one worker thread
+    (``run_off_loop``), so one request's big prompt or many logprobs never freeze the
+    other streams; per streamed step the loop only slices what is new (``TextDeltas``) and
+    writes it, token texts coming decoded with the logprobs.
+Limits (checked before any work that grows with them)
+    the body (``max_body_bytes``, and ``body_timeout`` seconds to arrive in full: a lying
+    ``Content-Length`` or an endless chunked body is answered 408 and the connection
+    closed), a prompt's characters before tokenizing (``max_prompt_chars``, default 32 per
+    token of the context), ``n <= max_n``, ``logprobs <= max_logprobs`` (vLLM's
+    ``--max-logprobs``, 20), and the ``SamplingParams`` bounds.
 Failure mode
     ``ApiError(status, message, param)``: the routes answer it in the OpenAI error shape.
+    ``TypeError``, ``RecursionError`` and ``ValueError`` from parsing, validating or
+    tokenizing are a 400 naming the field, never a 500; an unusable engine is a 503.
 """
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -29,12 +44,19 @@ from starlette.responses import Response
 
 from minipaged.entrypoints.openai.async_engine import (
     AsyncEngine,
+    EngineDead,
     EngineError,
+    OutputQueue,
     QueueFull,
+    StreamOverflow,
 )
 from minipaged.entrypoints.openai.protocol import error_body
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body larger than this gets 413
+DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a whole request body to arrive
+# NOTE: a prompt longer than this many characters per context token cannot fit: refused
+# before the tokenizer sees it (tokenizers' longest tokens are far shorter)
+PROMPT_CHARS_PER_TOKEN = 32
 
 
 class ApiError(Exception):
@@ -111,13 +133,36 @@ class OpenAIServing:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         check_invariants: bool = False,
         trace_window: int = 512,
+        max_logprobs: int = 20,
+        max_prompt_chars: Optional[int] = None,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT,
+        max_unread_steps: int = 256,
+        max_step_failures: int = 3,
+        enable_trace: bool = True,
     ):
+        from concurrent.futures import ThreadPoolExecutor
+
         from minipaged.entrypoints.openai.metrics import ServerMetrics
+        from minipaged.sampling_params import MAX_LOGPROBS
 
         if not isinstance(max_n, int) or max_n < 1:
             raise ValueError(f"max_n must be an int >= 1, got {max_n!r}")
         if not isinstance(max_body_bytes, int) or max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be an int >= 1024, got {max_body_bytes!r}")
+        if not isinstance(max_logprobs, int) or not 0 <= max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be an int in [0, {MAX_LOGPROBS}], got {max_logprobs!r}")
+        if max_prompt_chars is None:
+            max_prompt_chars = PROMPT_CHARS_PER_TOKEN * engine.max_model_len
+        if not isinstance(max_prompt_chars, int) or max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be an int >= 1, got {max_prompt_chars!r}")
+        if not isinstance(body_timeout, (int, float)) or not body_timeout > 0:
+            raise ValueError(f"body_timeout must be a number of seconds > 0, got {body_timeout!r}")
+        self.max_logprobs = max_logprobs
+        self.max_prompt_chars = max_prompt_chars
+        self.body_timeout = float(body_timeout)
+        self.enable_trace = bool(enable_trace)
+        # tokenizing, detokenizing and building non-streamed answers: off the event loop
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="minipaged-tokenizer")
         self.engine = engine
         self.model_name = served_model_name or engine.config.model or "minipaged-course-model"
         self.max_n = min(max_n, engine.config.max_num_seqs)
@@ -129,23 +174,52 @@ class OpenAIServing:
             check_invariants=check_invariants,
             metrics=self.metrics,
             trace_window=trace_window,
+            max_unread_steps=max_unread_steps,
+            max_step_failures=max_step_failures,
         )
         self.created = int(time.time())
 
+    async def run_off_loop(self, fn, *args):
+        """``fn(*args)`` in the worker thread (tokenizer, detokenizer, JSON of big answers)."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    async def json_response(self, build) -> Response:
+        """The JSON of ``build()``, built and serialized in the worker thread."""
+        body = await self.run_off_loop(lambda: json.dumps(build()).encode())
+        return Response(body, media_type="application/json")
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False)
+
     # -- request parsing ---------------------------------------------------------------
     async def read_json(self, request) -> dict:
-        """The body as a JSON object; 413 over the limit, 400 for anything not JSON."""
+        """The body as a JSON object; 413 over the limit, 408 if it does not arrive in
+        ``body_timeout`` seconds, 400 for anything not JSON (too deep included)."""
         limit = self.max_body_bytes
         declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > 64 * limit:
+            raise ApiError(413, f"request body of {declared} bytes is over the limit of {limit} bytes")
         chunks, size = [], 0
-        # NOTE: an over-long body is drained (not kept) before the 413, so the client
-        # reads the answer instead of a reset; a body over 64x the limit is cut off.
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size <= limit:
-                chunks.append(chunk)
-            elif size > 64 * limit:
-                break
+
+        async def read() -> None:
+            nonlocal size
+            # NOTE: an over-long body is drained (not kept) before the 413, so the client
+            # reads the answer instead of a reset; a body over 64x the limit is cut off.
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size <= limit:
+                    chunks.append(chunk)
+                elif size > 64 * limit:
+                    break
+
+        try:
+            await asyncio.wait_for(read(), self.body_timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(
+                408,
+                f"the request body did not arrive within {self.body_timeout:g} s",
+                headers={"Connection": "close"},
+            )
         if size > limit or (declared is not None and declared.isdigit() and int(declared) > limit):
             raise ApiError(413, f"request body of {size} bytes is over the limit of {limit} bytes")
         raw = b"".join(chunks)
@@ -159,6 +233,12 @@ class OpenAIServing:
             raise ApiError(
                 400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
             )
+        except RecursionError:
+            field = _deep_field(text)
+            where = f"{field} is" if field else "request body is"
+            raise ApiError(400, f"{where} nested too deeply to parse", field)
+        except ValueError as e:  # e.g. an integer over Python's 4300-digit limit
+            raise ApiError(400, f"request body is not valid JSON here: {e}")
         if not isinstance(body, dict):
             raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
         return body
@@ -174,7 +254,9 @@ class OpenAIServing:
             if err["type"] == "extra_forbidden":
                 raise ApiError(400, f"unknown field {loc!r}", param=loc)
             raise ApiError(400, f"{loc}: {err['msg']}", param=loc or None)
-        except ValueError as e:
+        except RecursionError:
+            raise ApiError(400, "request body is nested too deeply")
+        except (ValueError, TypeError) as e:
             raise ApiError(400, str(e))
 
     def check_model(self, model: Optional[str]) -> None:
@@ -195,8 +277,22 @@ class OpenAIServing:
         try:
             kw = req.to_sampling_kwargs(default_max_tokens)
             params = SamplingParams(**kw)
-        except ValueError as e:
-            raise ApiError(400, str(e))
+        except (ValueError, TypeError, OverflowError) as e:
+            raise ApiError(400, str(e), _field_of(str(e)))
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            field = "top_logprobs" if hasattr(req, "top_logprobs") else "logprobs"
+            raise ApiError(
+                400,
+                f"{field}={params.logprobs} is over this server's max_logprobs={self.max_logprobs}",
+                field,
+            )
+        vocab = int(self.engine.model.vocab_size)
+        if params.top_k > vocab:
+            raise ApiError(
+                400,
+                f"top_k must be at most the vocabulary ({vocab}), or 0 / -1 for off; got {params.top_k}",
+                "top_k",
+            )
         limit = self.engine.max_model_len
         if prompt_len + params.max_tokens > limit:
             which = "" if name == "prompt" else f" for {name}"
@@ -209,17 +305,74 @@ class OpenAIServing:
             )
         return params
 
-    def tokenize(self, prompt, param: str) -> tuple[Optional[str], list[int]]:
+    def check_prompt_size(self, prompt, param: str) -> None:
+        """400 for a prompt that cannot fit, by its size alone (before tokenizing)."""
+        if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
+            raise ApiError(
+                400,
+                f"{param} has {len(prompt)} characters; this server takes at most {self.max_prompt_chars} "
+                f"(the context is {self.engine.max_model_len} tokens)",
+                param=param,
+            )
+        if isinstance(prompt, list) and len(prompt) > self.engine.max_model_len:
+            raise ApiError(
+                400,
+                f"{param} has {len(prompt)} tokens, longer than the model's context "
+                f"(max_model_len={self.engine.max_model_len})",
+                param=param,
+            )
+
+    def _tokenize_sync(self, prompt, param: str):
         try:
             return self.engine.tokenize(prompt, name=param)
-        except ValueError as e:
-            raise ApiError(400, str(e), param=param)
+        except (ValueError, TypeError, RecursionError, UnicodeError) as e:
+            # NOTE: a lone surrogate ("\ud800") makes the tokenizer raise TypeError
+            msg = str(e) if isinstance(e, ValueError) else f"{param} cannot be tokenized: {type(e).__name__}"
+            if isinstance(e, TypeError) and isinstance(prompt, str) and _has_surrogate(prompt):
+                msg = f"{param} holds a lone UTF-16 surrogate (e.g. \\ud800), which is not text"
+            return ApiError(400, msg, param=param)
 
-    def submit(self, params, ids: list[int]):
+    async def tokenize(self, prompt, param: str) -> tuple[Optional[str], list[int]]:
+        """(text, token ids) of one prompt, tokenized in the worker thread; 400 naming
+        ``param`` for a prompt that is too big, empty, or not text."""
+        self.check_prompt_size(prompt, param)
+        out = await self.run_off_loop(self._tokenize_sync, prompt, param)
+        if isinstance(out, ApiError):
+            raise out
+        return out
+
+    async def render_and_tokenize(self, messages, tokenizer) -> tuple[str, list[int]]:
+        """The chat prompt of ``messages`` and its token ids, off the event loop."""
+        from minipaged.entrypoints.openai.protocol import render_chat
+
+        total = sum(len(m.text()) for m in messages)
+        if total > self.max_prompt_chars:
+            raise ApiError(
+                400,
+                f"messages hold {total} characters; this server takes at most {self.max_prompt_chars}",
+                param="messages",
+            )
+
+        def work():
+            try:
+                prompt = render_chat(messages, tokenizer)
+            except (ValueError, TypeError, RecursionError) as e:
+                return ApiError(400, f"messages cannot be rendered: {type(e).__name__}: {e}", "messages")
+            return prompt, self._tokenize_sync(prompt, "messages")
+
+        out = await self.run_off_loop(work)
+        if isinstance(out, ApiError):
+            raise out
+        prompt, tok = out
+        if isinstance(tok, ApiError):
+            raise tok
+        return prompt, tok[1]
+
+    def submit(self, params, ids: list[int], stream: bool = True):
         """One request -> its ``RequestStream``."""
-        return self.submit_all([(params, ids)])[0]
+        return self.submit_all([(params, ids)], stream=stream)[0]
 
-    def submit_all(self, items: list, request_id: Optional[str] = None) -> list:
+    def submit_all(self, items: list, request_id: Optional[str] = None, stream: bool = True) -> list:
         """Several ``(params, ids)`` -> their ``RequestStream``s, sharing one queue, all
         queued for the same engine step, or none (503 when the waiting queue cannot take
         them all). One prompt is the engine request ``request_id``; several are
@@ -235,10 +388,14 @@ class OpenAIServing:
         rids = [rid] if len(items) == 1 else [f"{rid}-{p}" for p in range(len(items))]
         try:
             return self.async_engine.add_requests(
-                [(r, ids, params) for r, (params, ids) in zip(rids, items)], queue=asyncio.Queue()
+                [(r, ids, params) for r, (params, ids) in zip(rids, items)],
+                queue=OutputQueue(),
+                stream=stream,
             )
         except QueueFull as e:
             raise ApiError(503, str(e), headers={"Retry-After": str(e.retry_after)})
+        except EngineDead as e:
+            raise ApiError(503, str(e))
 
     def abort_all(self, streams) -> None:
         for stream in streams:
@@ -290,6 +447,8 @@ class OpenAIServing:
             item = await queue.get()
             if isinstance(item, ValueError):  # refused by the engine: the caller's input
                 raise ApiError(400, str(item))
+            if isinstance(item, StreamOverflow):
+                raise ApiError(408, str(item))
             if isinstance(item, BaseException):
                 raise item
             p = index[item.request_id]
@@ -338,7 +497,7 @@ class OpenAIServing:
                     done = c.finish_reason is not None
                     reason = finish_reason_of(c) if done else None
                     stop_reason = c.stop_reason if done else None
-                    offset = len(deltas[p].text[c.index])
+                    offset = deltas[p].sent[c.index]
                     text, new_ids, new_lps = deltas[p].delta(c, done)
                     if echo_only:
                         text, new_ids, new_lps = "", [], []
@@ -372,33 +531,76 @@ class TextDeltas:
 
     Held back while unfinished: a trailing U+FFFD (a character whose bytes are split
     across tokens) and the last ``len(longest stop string) - 1`` characters (they may
-    start a stop string that the engine will cut off).
+    start a stop string that the engine will cut off). ``sent[i]``: characters of choice
+    ``i`` sent so far. Each call costs what is new, not the text so far (indices, no
+    copies of the whole text).
     """
 
     def __init__(self, n: int, stop) -> None:
         stop = [stop] if isinstance(stop, str) else (stop or [])
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.text = [""] * n
+        self.sent = [0] * n
         self.num_tokens = [0] * n
 
     def delta(self, c, finished: bool) -> tuple[str, list[int], list]:
         i, full = c.index, c.text
+        sent, end = self.sent[i], len(full)
         if not finished:
-            full = full.rstrip("\ufffd")
-            if self.hold:
-                full = full[: max(0, len(full) - self.hold)]
-        sent = self.text[i]
-        text = full[len(sent) :] if full.startswith(sent) and len(full) > len(sent) else ""
-        self.text[i] += text
+            while end > sent and full[end - 1] == "\ufffd":
+                end -= 1
+            end -= self.hold
+        text = full[sent:end] if end > sent else ""
+        self.sent[i] += len(text)
+        num = len(c.token_ids)
         new_ids = c.token_ids[self.num_tokens[i] :]
         lps = getattr(c, "logprobs", None)
-        new_lps = list(lps[self.num_tokens[i] :]) if lps else []
-        self.num_tokens[i] = len(c.token_ids)
+        # NOTE: bounded by the tokens of this output: the engine may be extending the list
+        new_lps = list(lps[self.num_tokens[i] : num]) if lps else []
+        self.num_tokens[i] = num
         return text, new_ids, new_lps
 
 
 def _logprob_value(x) -> float:
     return float(getattr(x, "logprob", x))
+
+
+def _piece(tokenizer, token_id: int, lp=None) -> str:
+    """A token's text: the one decoded with its logprob (engine thread) when there is one."""
+    text = getattr(lp, "decoded_token", None)
+    return text if text is not None else tokenizer.decode([token_id])
+
+
+def _field_of(message: str) -> Optional[str]:
+    """The field a ``SamplingParams`` error message starts with (its first word)."""
+    head = message.split(" ", 1)[0].split("=", 1)[0].rstrip(":")
+    return head if head.isidentifier() else None
+
+
+_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}:]')
+
+
+def _deep_field(text: str, depth_limit: int = 64) -> Optional[str]:
+    """The top-level key of a JSON object text under which nesting first passes
+    ``depth_limit`` (to name the field of a body too deep for ``json.loads``)."""
+    depth, key, last = 0, None, None
+    for m in _JSON_TOKENS.finditer(text):
+        t = m.group()
+        if t in ("[", "{"):
+            depth += 1
+            if depth > depth_limit:
+                return key
+        elif t in ("]", "}"):
+            depth -= 1
+        elif t == ":":
+            if depth == 1:
+                key = last
+        elif depth == 1:
+            last = t[1:-1]
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    return any("\ud800" <= ch <= "\udfff" for ch in text)
 
 
 def completion_logprobs(tokenizer, token_ids: list[int], lps: list, offset: int = 0) -> Optional[dict]:
@@ -408,12 +610,12 @@ def completion_logprobs(tokenizer, token_ids: list[int], lps: list, offset: int 
         return None
     tokens, token_lps, top, offsets = [], [], [], []
     for tid, d in zip(token_ids, lps):
-        piece = tokenizer.decode([tid])
+        piece = _piece(tokenizer, tid, d.get(tid))
         offsets.append(offset)
         offset += len(piece)
         tokens.append(piece)
         token_lps.append(_logprob_value(d[tid]) if tid in d else None)
-        top.append({tokenizer.decode([t]): _logprob_value(v) for t, v in d.items()})
+        top.append({_piece(tokenizer, t, v): _logprob_value(v) for t, v in d.items()})
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top, "text_offset": offsets}
 
 
@@ -422,18 +624,18 @@ def chat_logprobs(tokenizer, token_ids: list[int], lps: list, top_n: int) -> Opt
         return None
     content = []
     for tid, d in zip(token_ids, lps):
-        piece = tokenizer.decode([tid])
+        piece = _piece(tokenizer, tid, d.get(tid))
         ranked = sorted(d.items(), key=lambda kv: -_logprob_value(kv[1]))[:top_n]
         content.append(
             {
                 "token": piece,
                 "logprob": _logprob_value(d[tid]) if tid in d else None,
-                "bytes": list(piece.encode()),
+                "bytes": list(piece.encode("utf-8", "replace")),
                 "top_logprobs": [
                     {
-                        "token": tokenizer.decode([t]),
+                        "token": (t_piece := _piece(tokenizer, t, v)),
                         "logprob": _logprob_value(v),
-                        "bytes": list(tokenizer.decode([t]).encode()),
+                        "bytes": list(t_piece.encode("utf-8", "replace")),
                     }
                     for t, v in ranked
                 ],

@@ -18,7 +18,8 @@ nb = ExerciseNotebook(
     the check runs the package's scheduler on an identical twin and compares the two.
 
     What your code may touch: `scheduler.waiting` (a `deque` of `Request`, arrival order),
-    `scheduler.running` (a `list`), `scheduler.finished` (a `dict` id -> request),
+    `scheduler.running` (a `list`), `scheduler.requests` (the unfinished ones, id -> request)
+    and `scheduler.finished_req_ids` (a `set`: ids finished since the last step),
     `scheduler.kv_cache_manager` (`allocate_slots(request, n)` -> new blocks or `None`,
     `free(request)`), `scheduler.max_num_seqs`, `scheduler.max_model_len`. A `Request` has
     `request_id`, `status`, `num_tokens` (prompt + output so far), `num_computed_tokens`
@@ -154,7 +155,8 @@ nb.exercise(
       request that got a token has it at the end of `output_token_ids`; a request is
       finished exactly when your `check_stop` (ex4.2) says so, and then it is no longer
       in `scheduler.running`, holds no blocks (its blocks are back in the free queue) and
-      is in `scheduler.finished` under its id. A prefill chunk that does not complete the
+      is forgotten, as vLLM v1 forgets it: gone from `scheduler.requests`, its id in
+      `scheduler.finished_req_ids` (the worker drops it at the next step). A prefill chunk that does not complete the
       prompt gets no token and cannot finish.
     - **Failure mode**: a request that completed its prefill but has no entry in
       `sampled_token_ids` is a caller's bug: a `KeyError` is fine.
@@ -180,7 +182,8 @@ nb.exercise(
             if check_stop(request, scheduler.max_model_len):
                 scheduler.running.remove(request)
                 scheduler.kv_cache_manager.free(request)
-                scheduler.finished[request.request_id] = request
+                del scheduler.requests[request.request_id]
+                scheduler.finished_req_ids.add(request.request_id)
                 finished.append(request)
         return finished
         ### END SOLUTION

@@ -18,8 +18,8 @@ nb = ExerciseNotebook(
     and the free queue.
 
     Scheduler fields you may use: `running` (a list, in arrival order), `waiting` (a
-    `deque`, in arrival order, preempted requests included), `arrival_seq` (request id ->
-    rank in arrival order), `kv_cache_manager` (`allocate_slots`, `free`),
+    `deque`, in arrival order, preempted requests included), `kv_cache_manager`
+    (`allocate_slots`, `free`); each request's `arrival_order` (its rank in arrival order),
     `enable_chunked_prefill`, `max_num_batched_tokens`.
     """,
 )
@@ -106,7 +106,7 @@ nb.exercise(
     - remove it from `scheduler.running` and free its blocks
       (`scheduler.kv_cache_manager.free(victim)`);
     - `num_computed_tokens = 0`, status `RequestStatus.PREEMPTED`, `num_preemptions += 1`;
-    - put it into `scheduler.waiting` *by arrival order* (`scheduler.arrival_seq`): it
+    - put it into `scheduler.waiting` *by arrival order* (`request.arrival_order`): it
       arrived before every fresh waiting request, so it lands before them, but after
       preempted requests that arrived earlier than it.
     """,
@@ -119,9 +119,8 @@ nb.exercise(
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
-        rank = scheduler.arrival_seq[victim.request_id]
         i = 0
-        while i < len(scheduler.waiting) and scheduler.arrival_seq[scheduler.waiting[i].request_id] < rank:
+        while i < len(scheduler.waiting) and scheduler.waiting[i].arrival_order < victim.arrival_order:
             i += 1
         scheduler.waiting.insert(i, victim)
         ### END SOLUTION
@@ -170,7 +169,8 @@ nb.exercise(
                 continue
             new_blocks = scheduler.kv_cache_manager.allocate_slots(request, n)
             while new_blocks is None:
-                victim = pick_victim(scheduler.running, scheduler.arrival_seq)
+                ranks = {r.request_id: r.arrival_order for r in scheduler.running}
+                victim = pick_victim(scheduler.running, ranks)
                 preempt_recompute(scheduler, victim)
                 preempted.append(victim)
                 if victim is request:

@@ -21,24 +21,24 @@ nb = ExerciseNotebook(
     copy-on-write when a shared block is written, the chained block hash, and the
     prefix-cache lookup. The checks run your code and a reference side by side on random
     sequences of allocations, forks, appends and frees, and call
-    `KVCacheManager.check_invariants()` (a block's `ref_cnt` equals the number of block
+    `BlockSpaceManager.check_invariants()` (a block's `ref_cnt` equals the number of block
     tables holding it; the free queue holds exactly the blocks with `ref_cnt == 0`) after
     every step.
 
-    A `KVCacheManager` keeps `block_tables[request_id]` (its `BlockTable`: `.blocks`, a
+    A `BlockSpaceManager` keeps `block_tables[request_id]` (its `BlockTable`: `.blocks`, a
     list of `KVCacheBlock`, and `.num_tokens`), `block_size`, and a `block_pool`:
     `get_num_free_blocks()`, `get_new_blocks(n)` (each with `ref_cnt == 1`),
     `touch(blocks)` (`ref_cnt += 1`, leaving the free queue if it was there),
     `free_blocks(blocks)` (`ref_cnt -= 1`, back to the free queue at 0), and for prefix
     caching `get_cached_block(block_hash)` -> a block or `None`. The package's own
-    `KVCacheManager.fork` and `allocate_slots` (which does copy-on-write itself) are the
+    `BlockSpaceManager.fork` and `allocate_slots` (which does copy-on-write itself) are the
     reference here, so they are switched off on the manager your code gets.
     """,
 )
 
 # NOTE: the setup cell holds the data as literals: a submission may not import minipaged.checks
 nb.setup(f"""
-from minipaged.core import BlockPool, BlockTable, KVCacheBlock, KVCacheManager, cdiv, hash_block_tokens
+from minipaged.core import BlockPool, BlockTable, KVCacheBlock, BlockSpaceManager, cdiv, hash_block_tokens
 
 # ex6.5: the manager's knobs and events: ("alloc", id, tokens) | ("fork", parent, child) | ("free", id, None)
 SHARE_KNOBS = {SHARE_KNOBS!r}
@@ -60,7 +60,7 @@ nb.exercise(
     Raise `ValueError` if the parent holds no blocks or the child already does.
     """,
     """
-    def fork(kv_cache_manager: KVCacheManager, parent_id: str, child_id: str) -> None:
+    def fork(kv_cache_manager: BlockSpaceManager, parent_id: str, child_id: str) -> None:
         \"\"\"The child shares every block of the parent.\"\"\"
         ### BEGIN SOLUTION
         m = kv_cache_manager
@@ -105,7 +105,7 @@ nb.exercise(
     block and returns `[]`.
     """,
     """
-    def append_slot(kv_cache_manager: KVCacheManager, request_id: str):
+    def append_slot(kv_cache_manager: BlockSpaceManager, request_id: str):
         \"\"\"Room for one more token: the copies to do, or None if no block is free.\"\"\"
         ### BEGIN SOLUTION
         m = kv_cache_manager
@@ -202,7 +202,7 @@ nb.exercise(
     "ex6.5",
     "predict block tables and ref counts (on paper first)",
     """
-    A `KVCacheManager(num_blocks=8, block_size=4)`, empty at first, sees these events
+    A `BlockSpaceManager(num_blocks=8, block_size=4)`, empty at first, sees these events
     (`SHARE_EVENTS`); its `allocate_slots` does copy-on-write itself, exactly as your
     `append_slot` does, token by token:
 
@@ -253,7 +253,7 @@ nb.exercise(
       block_size))`; never fewer than one sequence's blocks.
     - **Failure mode**: `prompt_len < 1`, an empty `output_lens` or an output length < 1
       -> `ValueError`.
-    - **How** is yours: simulate it with a `KVCacheManager` (`allocate_slots`, `fork`), or
+    - **How** is yours: simulate it with a `BlockSpaceManager` (`allocate_slots`, `fork`), or
       find the formula.
 
     Worked example: prompt 6, outputs `[1, 3]`, `block_size = 4` -> `4` (block 0 shared;
