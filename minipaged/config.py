@@ -149,6 +149,9 @@ class EngineConfig:
     # only (None -> its own default, core.sched.paper.DEFAULT_WATERMARK; v1's is 0.0)
     scheduler_reserve_full_isl: bool = True
     watermark: Optional[float] = None
+    # N tensor-parallel worker processes over torch.distributed (minipaged/executor/multiproc.py);
+    # the heads, KV heads and devices are checked against the model when the engine loads it
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.attention_backend == "auto" and isinstance(self.device, str) and self.dtype in DTYPES:
@@ -196,6 +199,10 @@ class EngineConfig:
             raise ValueError(f"device must be a string such as 'cpu' or 'cuda', got {self.device!r}")
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}"
+            )
         if self.attention_backend == "triton":
             bs = self.block_size
             if bs > TRITON_MAX_BLOCK_SIZE or bs & (bs - 1):
