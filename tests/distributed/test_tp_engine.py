@@ -221,3 +221,20 @@ def test_workers_do_not_outlive_the_driver(checkpoints, tmp_path, how):
         proc.kill()
     proc.wait(timeout=120)
     assert _gone(pids), f"workers {pids} outlived the driver ({how})"
+
+
+def test_tensor_parallelism_outside_the_llama_family_or_with_a_model_object_is_refused(tmp_path):
+    import transformers
+
+    from minipaged.engine.llm_engine import LLMEngine
+    from minipaged.model import load_model
+
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=2: tensor parallelism is built for the Llama family"
+    ):
+        LLM(str(tmp_path), tensor_parallel_size=2)
+    model, _ = load_model(None)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: pass the checkpoint as config.model"):
+        LLMEngine(model=model, tensor_parallel_size=2)
