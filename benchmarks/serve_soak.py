@@ -29,7 +29,7 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
-def send(url: str, n: int, concurrency: int, max_tokens: int) -> int:
+def send(url: str, model: str, n: int, concurrency: int, max_tokens: int) -> int:
     """``n`` completions from ``concurrency`` threads; returns how many failed."""
     import httpx
 
@@ -45,7 +45,7 @@ def send(url: str, n: int, concurrency: int, max_tokens: int) -> int:
                 if i is None:
                     return
                 body = {
-                    "model": "course_model",
+                    "model": model,
                     "prompt": f"Once upon a time {i % 97}",
                     "max_tokens": max_tokens,
                 }
@@ -53,6 +53,8 @@ def send(url: str, n: int, concurrency: int, max_tokens: int) -> int:
                 if r.status_code != 200:
                     with lock:
                         failures[0] += 1
+                        if failures[0] == 1:
+                            print(f"first failure: {r.status_code} {r.text[:300]}")
 
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
     cmd = [sys.executable, "-m", "minipaged.cli", "serve", "--port", str(args.port)]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while True:
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
@@ -86,10 +88,11 @@ def main(argv=None) -> int:
             if time.monotonic() > deadline or server.poll() is not None:
                 raise RuntimeError("the server did not start")
             time.sleep(0.5)
-        bad = send(url, args.warmup, args.concurrency, args.max_tokens)
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        bad = send(url, model, args.warmup, args.concurrency, args.max_tokens)
         before = rss_mb(server.pid)
         t0 = time.perf_counter()
-        bad += send(url, args.num_requests, args.concurrency, args.max_tokens)
+        bad += send(url, model, args.num_requests, args.concurrency, args.max_tokens)
         wall = time.perf_counter() - t0
         time.sleep(1.0)
         after = rss_mb(server.pid)

@@ -1,7 +1,8 @@
 """minipaged.engine: the loop that serves requests on a real model.
 
-``LLM`` (front door) -> ``LLMEngine`` (one step = schedule, forward, sample, update)
--> ``ModelRunner`` (SchedulerOutput -> ModelInput, cache moves) and ``Sampler``.
+``LLM`` (front door) -> ``LLMEngine`` (one step = schedule, execute, update) -> the
+executor's worker, ``minipaged.worker.ModelRunner`` (its own block tables from
+SchedulerOutput, cache moves, forward, ``Sampler``).
 Mirrors vLLM ``vllm/v1/engine`` + ``vllm/v1/worker``.
 
 NOTE: names are imported lazily, so that importing this package (the ``minipaged`` CLI
@@ -13,7 +14,7 @@ import importlib
 _LAZY = {
     "LLM": "minipaged.engine.llm",
     "LLMEngine": "minipaged.engine.llm_engine",
-    "ModelRunner": "minipaged.engine.model_runner",
+    "ModelRunner": "minipaged.worker.model_runner",
     "Sampler": "minipaged.engine.sampler",
     "RequestOutput": "minipaged.engine.outputs",
     "CompletionOutput": "minipaged.engine.outputs",

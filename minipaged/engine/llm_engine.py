@@ -144,7 +144,7 @@ class LLMEngine:
         if tp > 1:  # the driver holds no weights: the checkpoint's shapes only
             from minipaged.model.loader import load_model_meta
 
-            model, tokenizer = load_model_meta(config.model, config.attention_backend, tp, config.device)
+            model, tokenizer = load_model_meta(config.model, tp, config.device)
         elif model is None:
             model, tokenizer = load_model_checked(config)
         self.model = model
@@ -157,7 +157,12 @@ class LLMEngine:
         # NOTE: with tensor parallelism, per worker (its KVH / N heads of every block), as
         # kv_cache_memory is per worker (vLLM's gpu_memory_utilization is per GPU)
         self.bytes_per_block = kv_cache_bytes_per_block(
-            model.num_layers, config.block_size, model.num_kv_heads // tp, model.head_dim, config.dtype
+            model.num_layers,
+            config.block_size,
+            model.num_kv_heads // tp,
+            model.head_dim,
+            config.dtype,
+            config.kv_cache_dtype,
         )
         self.num_blocks = config.num_blocks_for(self.bytes_per_block)
         self.num_cpu_blocks = config.cpu_blocks_for(self.num_blocks)
@@ -168,10 +173,16 @@ class LLMEngine:
             self.executor = MultiprocExecutor(
                 config.model, config.dtype, config.attention_backend, config.device, tp,
                 self.num_blocks, config.block_size, self.num_cpu_blocks, config.seed,
+                config.kv_cache_dtype,
             )  # fmt: skip
         else:
             self.executor = UniProcExecutor(
-                model, self.num_blocks, config.block_size, self.num_cpu_blocks, config.device
+                model,
+                self.num_blocks,
+                config.block_size,
+                self.num_cpu_blocks,
+                config.device,
+                config.kv_cache_dtype,
             )
         self.output_processor = OutputProcessor(tokenizer)  # text, stop strings, logprobs
         self.groups: dict[str, _RequestGroup] = {}  # unfinished caller requests

@@ -12,7 +12,7 @@ Rank 0 returns the ``ModelRunnerOutput``.
 
 Inputs
     ``MultiprocExecutor(model, dtype, attention_backend, device, tensor_parallel_size,
-    num_blocks, block_size, num_cpu_blocks)``: what each worker needs to load its shard and
+    num_blocks, block_size, num_cpu_blocks, seed, kv_cache_dtype)``: what each worker needs to load its shard and
     allocate its cache (``[num_blocks, block_size, KVH / N, D]`` per layer); then one
     ``execute_model(scheduler_output)`` per step.
 Outputs
@@ -62,6 +62,7 @@ class TensorParallelWorker:
         block_size: int = 16,
         num_cpu_blocks: int = 0,
         seed: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         import torch
 
@@ -72,7 +73,9 @@ class TensorParallelWorker:
         self.rank = rank
         self.tp = tp
         self.model, _ = load_model(model, dtype, device, attention_backend, tp=tp)
-        self.model_runner = ModelRunner(self.model, num_blocks, block_size, num_cpu_blocks, str(device))
+        self.model_runner = ModelRunner(
+            self.model, num_blocks, block_size, num_cpu_blocks, str(device), kv_cache_dtype
+        )
 
     def execute_model(self, worker_output):
         out = self.model_runner.execute_model(worker_output)
@@ -135,6 +138,7 @@ class MultiprocExecutor:
         block_size: int = 16,
         num_cpu_blocks: int = 0,
         seed: int = 0,
+        kv_cache_dtype: str = "auto",
         timed: bool = True,
     ) -> None:
         kwargs = dict(
@@ -145,6 +149,7 @@ class MultiprocExecutor:
             block_size=block_size,
             num_cpu_blocks=num_cpu_blocks,
             seed=seed,
+            kv_cache_dtype=kv_cache_dtype,
             timed=timed,
         )
         self.tensor_parallel_size = tensor_parallel_size

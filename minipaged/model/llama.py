@@ -104,14 +104,7 @@ class LlamaAttention(nn.Module):
     """q/k/v by heads, column-parallel (rank r: its H / N query and KVH / N KV heads), the
     attention over those heads, o_proj row-parallel (one all-reduce)."""
 
-    def __init__(
-        self,
-        config,
-        head_dim: int,
-        rotary_emb: RotaryEmbedding,
-        backend: str,
-        tp: TensorParallelGroup = SINGLE,
-    ):
+    def __init__(self, config, head_dim: int, rotary_emb: RotaryEmbedding, tp: TensorParallelGroup = SINGLE):
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
@@ -130,7 +123,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * head_dim
         self.o_proj = RowParallelLinear(total_heads * head_dim, hidden, o_bias, tp)
         self.rotary_emb = rotary_emb  # shared by all layers; holds no weights
-        self.attn = PagedAttention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5, backend)
+        self.attn = PagedAttention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5)
 
     @property
     def rope_in_c(self) -> bool:
@@ -159,20 +152,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self,
-        config,
-        head_dim: int,
-        rotary_emb: RotaryEmbedding,
-        backend: str,
-        tp: TensorParallelGroup = SINGLE,
-    ):
+    def __init__(self, config, head_dim: int, rotary_emb: RotaryEmbedding, tp: TensorParallelGroup = SINGLE):
         super().__init__()
-        impl = "cpu" if backend == "cpu" else "torch"  # the small layers in C with the C attention
-        self.self_attn = LlamaAttention(config, head_dim, rotary_emb, backend, tp)
-        self.mlp = LlamaMLP(config, impl, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl)
+        self.self_attn = LlamaAttention(config, head_dim, rotary_emb, tp)
+        self.mlp = LlamaMLP(config, tp=tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, cos_sin, h, residual, kv_cache, inp: ModelInput):
         """h: the previous layer's output; residual: the stream before it (None in layer 0).
@@ -187,16 +172,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, head_dim: int, backend: str, tp: TensorParallelGroup = SINGLE):
+    def __init__(self, config, head_dim: int, tp: TensorParallelGroup = SINGLE):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         rotary_emb = RotaryEmbedding(config, head_dim)
         self.rotary_emb = rotary_emb  # one table for all layers
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, head_dim, rotary_emb, backend, tp)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, head_dim, rotary_emb, tp) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "cpu" if backend == "cpu" else "torch")
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(PagedCausalLM):
@@ -206,13 +190,7 @@ class LlamaForCausalLM(PagedCausalLM):
     model). ``num_heads`` / ``num_kv_heads`` are this rank's (``total_num_*`` the model's), so
     ``allocate_kv_caches`` gives each rank ``[num_blocks, block_size, KVH / N, D]``."""
 
-    def __init__(
-        self,
-        config,
-        attention_backend: str = "torch",
-        eos_token_ids=None,
-        tp: Optional[TensorParallelGroup] = None,
-    ):
+    def __init__(self, config, eos_token_ids=None, tp: Optional[TensorParallelGroup] = None):
         super().__init__()
         tp = tp or SINGLE
         self.config = config
@@ -228,7 +206,7 @@ class LlamaForCausalLM(PagedCausalLM):
             self.max_model_len = min(self.max_model_len, int(window))
         self.eos_token_ids = list(eos_token_ids or [])
 
-        self.model = LlamaModel(config, self.head_dim, attention_backend, tp)
+        self.model = LlamaModel(config, self.head_dim, tp)
         attn = self.model.layers[0].self_attn if self.num_layers else None
         self.num_heads = attn.num_heads if attn else self.total_num_heads // tp.size  # this rank's
         self.num_kv_heads = attn.num_kv_heads if attn else self.total_num_kv_heads // tp.size

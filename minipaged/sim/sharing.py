@@ -77,7 +77,7 @@ import random
 from dataclasses import asdict, dataclass
 
 from minipaged.cli import dumps_json
-from minipaged.core import EngineScheduler
+from minipaged.core import PaperScheduler
 from minipaged.core.kv.block import cdiv
 from minipaged.core.kv.block_manager_v0 import BlockSpaceManager
 from minipaged.core.sched.request import Request
@@ -265,7 +265,7 @@ def measure_prefix_caching(
         for i, (prompt, (_, o)) in enumerate(zip(prompts, shapes)):
             req = Request(f"r{i}", prompt, SamplingParams(max_tokens=o, ignore_eos=True))
             arrivals.setdefault(i * arrival_every, []).append(req)
-        s = EngineScheduler(
+        s = PaperScheduler(
             num_blocks,
             block_size,
             max_num_seqs=64,

@@ -7,8 +7,9 @@ against the request rate. vLLM itself has no simulator; the loop below is
 ``CostModel.step_time``.
 
 The policies (``POLICIES``; the same KV memory for all, from ``CostModel``)
-    ``"paged"``        vLLM-like: ``minipaged.core.Scheduler`` (continuous batching, block
-                       tables, recompute preemption); memory grows a block at a time.
+    ``"paged"``        the paper's vLLM: ``minipaged.core.PaperScheduler`` (continuous batching,
+                       block tables, its watermark admission, recompute or swap preemption);
+                       memory grows a block at a time.
     ``"orca-max"``, ``"orca-pow2"``, ``"orca-oracle"``
                        Orca-like: ``minipaged.core.sched.orca.OrcaScheduler``, continuous (iteration-level)
                        batching over ``minipaged.core.kv.contiguous.ContiguousAllocator``: a
@@ -78,7 +79,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from minipaged.core.sched import EngineScheduler, Request, RequestStatus, StaticBatchScheduler
+from minipaged.core.sched import PaperScheduler, Request, RequestStatus, StaticBatchScheduler
 from minipaged.core.sched.orca import OrcaScheduler
 from minipaged.sampling_params import SamplingParams
 from minipaged.sim.arrivals import TraceRequest
@@ -247,7 +248,7 @@ def make_scheduler(
     )
     if policy == "static":
         return StaticBatchScheduler(**kwargs)
-    return EngineScheduler(**kwargs, preemption_mode=preemption_mode, num_cpu_blocks=num_cpu_blocks)
+    return PaperScheduler(**kwargs, preemption_mode=preemption_mode, num_cpu_blocks=num_cpu_blocks)
 
 
 def _make_request(tr: TraceRequest, policy: str, max_model_len: int, request_id: str) -> Request:

@@ -7,6 +7,7 @@ rendering that prints the same state deterministically (terminals, nbval).
 ===========================  =======================================================
 ``timeline(trace)``          a row per request, a column per step: waiting, prefill
                              (chunk size), decode, preempted, swapped; batch strips
+``timelines({title: trace})`` several runs' timelines side by side, one step axis
 ``block_tables(src, step)``  logical blocks -> physical block grid, ref counts, free
 ``step(trace, i)``           both side by side: the lecture's picture
 ``memory(trace)``            KV slots over time: holding tokens, reserved, free
@@ -22,7 +23,7 @@ returns a Figure pyplot never sees (files, widgets). matplotlib is imported only
 figure is drawn; the text renderings do not need it.
 """
 
-from minipaged.viz.activity import timeline, timeline_cells, timeline_text
+from minipaged.viz.activity import timeline, timeline_cells, timeline_text, timelines
 from minipaged.viz.beams import beam_lineage, beam_tables, beam_tables_text
 from minipaged.viz.blocks import block_tables, block_tables_text
 from minipaged.viz.occupancy import memory, memory_series, memory_text
@@ -55,4 +56,5 @@ __all__ = [
     "timeline",
     "timeline_cells",
     "timeline_text",
+    "timelines",
 ]

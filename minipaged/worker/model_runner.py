@@ -70,7 +70,13 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(
-        self, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, device: str = "cpu"
+        self,
+        model,
+        num_blocks: int,
+        block_size: int,
+        num_cpu_blocks: int = 0,
+        device: str = "cpu",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         from minipaged.engine.sampler import Sampler
 
@@ -83,7 +89,12 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}  # the requests this worker runs
         self.step_times: Optional[dict[str, float]] = None  # the engine's profile, if it wants it
         # Per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
-        self.kv_caches = model.allocate_kv_caches(num_blocks, block_size)
+        # An int8 / fp8 cache (kv_cache_dtype) is allocated in 8 bits, its scales calibrated first.
+        self.kv_caches = (
+            model.allocate_kv_caches(num_blocks, block_size)
+            if kv_cache_dtype == "auto"
+            else model.allocate_kv_caches(num_blocks, block_size, kv_cache_dtype)
+        )
         self.cpu_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         if num_cpu_blocks > 0:
             pin = self.device.type == "cuda"

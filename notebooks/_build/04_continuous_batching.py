@@ -168,8 +168,14 @@ for i in (0, 2):
 """)
 
 md(r"""
-Scheduling changes *when* each token is computed, never *which* token: greedy outputs are
-identical (the test suite checks this against Hugging Face transformers too).
+Scheduling changes *when* each token is computed, not *which* token: greedy outputs are
+identical (the test suite checks this against Hugging Face transformers too). That holds
+here because the course model runs in fp32 on a CPU, where a row's result does not depend
+on what else is in the batch. On a GPU in bf16 or fp16 it need not: matmul and attention
+kernels pick different tilings and reduction orders for different batch shapes, so the
+same request can get slightly different logits in a batch of 3 and of 30, and where two
+tokens are nearly tied a greedy output can change. vLLM offers batch-invariant kernels
+(`VLLM_BATCH_INVARIANT=1`, in beta) for when outputs must not depend on the batch.
 
 ### Throughput, measured in tokens per step
 
@@ -515,19 +521,21 @@ md(r"""
 >
 > | | the paper (vLLM v0) | vLLM v1 (`vllm/v1/core/sched/scheduler.py`) |
 > |---|---|---|
-> | admission | a request is admitted only if its *whole* prompt's blocks fit, leaving a watermark free (`BlockSpaceManager.can_allocate`; `core/sched/admission.py`) | admitted when its *first chunk's* blocks are free (`scheduler_reserve_full_isl=False`); vLLM 0.32's default reserves the whole sequence, see below |
+> | admission | a request is admitted only if its *whole* prompt's blocks fit, leaving a watermark free (`BlockSpaceManager.can_allocate`; `core/sched/paper.py`) | by default (`scheduler_reserve_full_isl=True`) only when the blocks for its *whole* sequence are free, although only the first chunk runs this step; with `False`, as soon as its *first chunk's* blocks are free |
 > | preemption victim | the latest-arrived sequence group | the last request of `running` |
 > | token budget | separate prefill and decode steps (a step ran prompts *or* decodes) | one unified budget, `max_num_batched_tokens`, shared by decodes and prefill chunks in the same step |
-> | chunked prefill | not in the paper (added later in v0) | always on: a request is just "computed tokens so far"; a prompt is split across steps |
+> | chunked prefill | not in the paper (added later in v0) | on by default (`enable_chunked_prefill=True`; it can still be turned off): a request is just "computed tokens so far"; a prompt is split across steps |
 >
 > Chapter 05 runs the admission rules and preemption victims side by side; chapter 08
 > runs all of them.
 >
-> **Which vLLM setting each minipaged option is.** The base `Scheduler` (first chunk fits)
-> is vLLM v1 with `scheduler_reserve_full_isl=False`. `EngineScheduler(watermark=0.0)` admits
-> a request only when the blocks for its whole sequence are free: vLLM 0.32's default,
-> `scheduler_reserve_full_isl=True`. minipaged's default `watermark=0.05` is that rule plus
-> 5% of the pool kept free, vLLM's `watermark` option (and v0's rule). `benchmarks/vllm_diff`
+> **Which vLLM setting each minipaged option is.** `Scheduler` takes vLLM's names. Its
+> default, as vLLM's, is `scheduler_reserve_full_isl=True`: a request is admitted only when
+> the blocks for its whole sequence are free. vLLM made it the default because the other
+> rule, `scheduler_reserve_full_isl=False` (admitted when its first chunk fits),
+> over-admits when prefills are chunked, and thrashes (chapter 05, section 5a, measures
+> it). `Scheduler(watermark=0.05)` also keeps 5% of the pool free, vLLM's `watermark`
+> option (off by default in v1; v0 kept 1%, the course's `PaperScheduler` 5%). `benchmarks/vllm_diff`
 > runs each pair through 103 workloads step by step against vLLM's own `Scheduler` and finds
 > them identical (with vLLM's free-queue order turned on: `free_uncached_first=True`).
 """)
@@ -539,7 +547,8 @@ md(r"""
   then admits anyone else; each member reserves its maximum length up front.
 * **Continuous batching** rebuilds the batch at every step: running requests first, then
   waiting ones in arrival order under `max_num_seqs`, the token budget and free KV blocks.
-  It changes *when* tokens are computed, never *which*: outputs are identical.
+  It changes *when* tokens are computed, not *which*: outputs are identical here (fp32 on a
+  CPU; on a GPU in bf16, batch-dependent kernels can change a nearly tied greedy token).
 * Measured in **tokens per step**, continuous batching wins by more the more output lengths
   vary. Paged memory is a *separate* gain: the 2×2 shows each on its own, and the vLLM
   paper's 2–4× over Orca is the memory one (Orca already batches continuously).

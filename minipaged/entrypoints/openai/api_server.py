@@ -550,7 +550,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--attention-backend",
         default="auto",
         choices=["auto", "torch", "triton", "cpu"],
-        help="auto (default): the fastest that runs here, see minipaged.config.best_attention_backend",
+        help="auto (default): the fastest that runs here, see minipaged.kernels.selector.get_attn_backend",
     )
     e.add_argument("--device", default=d.device)
     e.add_argument("--dtype", default=d.dtype)
