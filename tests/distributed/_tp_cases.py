@@ -3,6 +3,8 @@ that holds several models' shards (one process group start for all of them)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from minipaged.model import ModelInput
@@ -75,3 +77,28 @@ class MultiModelWorker:
 
     def run(self, name: str, method: str, *args):
         return getattr(self.workers[name], method)(*args)
+
+
+def shm_segments(pids) -> set[str]:
+    """The /dev/shm files these processes map or hold open (other sessions' files on a shared
+    machine do not count: only what our processes use)."""
+    out = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                out.update(line.split()[-1] for line in f if "/dev/shm/" in line)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith("/dev/shm/"):
+                    out.add(target.split(" (deleted)")[0])
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return out
+
+
+def left_behind(segments) -> set[str]:
+    """Those of ``segments`` still in /dev/shm."""
+    return {s for s in segments if os.path.exists(s)}

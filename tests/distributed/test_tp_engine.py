@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 from _tiny_llama import make_tiny_llama
+from _tp_cases import left_behind, shm_segments
 
 from minipaged import LLM, SamplingParams
 from minipaged.distributed import WorkerDiedError
@@ -101,14 +102,14 @@ def test_a_killed_worker_ends_generate_naming_its_rank(checkpoints):
     import multiprocessing
 
     before = {p.pid for p in multiprocessing.active_children()}
-    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     llm = LLM(checkpoints["llama-gqa"], tensor_parallel_size=2, **ENGINE)
     engine = llm.llm_engine
-    step, calls = engine.step, []
+    step, calls, segments = engine.step, [], set()
 
     def step_then_kill():  # rank 1 dies after the engine's second step
         calls.append(1)
         if len(calls) == 3:
+            segments.update(shm_segments(p.pid for p in engine.executor.workers.procs))
             os.kill(engine.executor.workers.procs[1].pid, signal.SIGKILL)
             calls.append(time.monotonic())
         return step()
@@ -120,7 +121,7 @@ def test_a_killed_worker_ends_generate_naming_its_rank(checkpoints):
     assert err.value.rank == 1
     assert time.monotonic() - calls[3] < 10.0, "the death must stop the engine within seconds"
     assert not _children(before), "a worker outlived the engine"
-    assert (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) <= shm_before
+    assert not left_behind(segments), f"shared memory left behind: {left_behind(segments)}"
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(["w5 w6"], params, use_tqdm=False)
 

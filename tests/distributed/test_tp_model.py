@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 from _tiny_llama import make_tiny_llama
-from _tp_cases import BLOCK_SIZE, NUM_BLOCKS, build_input, make_qwen2
+from _tp_cases import BLOCK_SIZE, NUM_BLOCKS, build_input, left_behind, make_qwen2, shm_segments
 
 from minipaged.distributed import WorkerDiedError, WorkerError, WorkerGroup
 from minipaged.model import COURSE_MODEL_DIR, load_model
@@ -203,15 +203,10 @@ def _running(pids) -> list[int]:
     return out
 
 
-def _shm():
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
 def test_a_killed_worker_stops_the_group_naming_its_rank(checkpoints):
     import signal
     import time
 
-    shm_before = _shm()
     kwargs = dict(
         models={"llama-gqa": checkpoints["llama-gqa"]}, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE
     )
@@ -219,6 +214,7 @@ def test_a_killed_worker_stops_the_group_naming_its_rank(checkpoints):
     steps, _ = _steps(128)
     chunks, tables = steps[0]
     group.call("run", "llama-gqa", "execute_model", build_input(chunks, tables))
+    segments = shm_segments(p.pid for p in group.procs)
     os.kill(group.procs[1].pid, signal.SIGKILL)
     t0 = time.monotonic()
     with pytest.raises(WorkerDiedError, match=r"rank 1 died \(signal 9") as err:
@@ -226,7 +222,7 @@ def test_a_killed_worker_stops_the_group_naming_its_rank(checkpoints):
     assert err.value.rank == 1
     assert time.monotonic() - t0 < 10.0, "the death must be noticed within seconds"
     assert not any(group.alive()) and not _running(p.pid for p in group.procs)
-    assert _shm() <= shm_before, f"shared memory left behind: {_shm() - shm_before}"
+    assert not left_behind(segments), f"shared memory left behind: {left_behind(segments)}"
     with pytest.raises(RuntimeError, match="shut down"):
         group.call("run", "llama-gqa", "info")
 
