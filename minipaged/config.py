@@ -133,8 +133,14 @@ class EngineConfig:
     # N tensor-parallel worker processes over torch.distributed (minipaged/executor/multiproc.py);
     # the heads, KV heads and devices are checked against the model when the engine loads it
     tensor_parallel_size: int = 1
+    # speculative decoding: None, or {"method": "ngram" | "draft_model", ...} (vLLM's names;
+    # minipaged.spec_decode.config.SpeculativeConfig, which it becomes here)
+    speculative_config: Optional[object] = None
 
     def __post_init__(self) -> None:
+        from minipaged.spec_decode.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         self.check_invariants()
         if self.attention_backend == "auto":
             self.attention_backend = self._attn_backend()  # resolved once, here
@@ -184,6 +190,20 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}"
             )
+        spec = self.speculative_config
+        if spec is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config with tensor_parallel_size > 1 is not built")
+        if spec is not None:
+            spec.verify_budget(self.max_num_batched_tokens)
+            for name, v1 in (
+                ("scheduling", "continuous"),
+                ("preemption_mode", "recompute"),
+                ("parallel_sampling", "prefix"),
+            ):
+                if getattr(self, name) != v1:
+                    raise ValueError(
+                        f"speculative_config runs on vLLM v1's scheduler ({name}={v1!r}), got {name}={getattr(self, name)!r}"
+                    )
         if not isinstance(self.attention_backend, str):
             raise ValueError(f"attention_backend must be a string, got {self.attention_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_BYTES:

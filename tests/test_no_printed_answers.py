@@ -6,7 +6,7 @@ nor the reference solution of any exercise notebook (its ``### BEGIN SOLUTION`` 
 "Contain" means: some run of consecutive significant lines (stripped; blank lines, bare
 comments and lines under 8 characters ignored) appears, in order, in one output. The run
 is three lines, or the whole body if it is shorter. The instructor's appendix
-(``notebooks/10_instructor_appendix.ipynb``) is the one notebook allowed to print them.
+(``notebooks/99_instructor_appendix.ipynb``) is the one notebook allowed to print them.
 A chapter's stored output also never shows ``inf`` or ``nan`` as a number.
 """
 

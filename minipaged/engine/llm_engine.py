@@ -58,6 +58,7 @@ from minipaged.core.sched import (
     Scheduler,
     SchedulerOutput,
     StaticBatchScheduler,
+    spec,
 )
 from minipaged.engine.output_processor import OutputProcessor
 from minipaged.engine.outputs import RequestOutput
@@ -192,6 +193,9 @@ class LLMEngine:
         self.step_times = dict.fromkeys(("schedule", "prepare", "forward", "sample", "update"), 0.0)
         if self.model_runner is not None:  # NOTE: the worker times its own phases (in-process)
             self.model_runner.step_times = self.step_times
+        self.spec_decode_stats = None  # speculative decoding: drafts proposed and accepted
+        if config.speculative_config is not None:
+            self._enable_speculation(config.speculative_config)
 
     # -- construction helpers ------------------------------------------------------
     @staticmethod
@@ -202,6 +206,21 @@ class LLMEngine:
         if config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context ({limit})")
         return config.max_model_len
+
+    def _enable_speculation(self, spec) -> None:
+        """The worker proposes and verifies drafts; a draft model gets its own paged cache."""
+        from minipaged.spec_decode.rejection_sampler import SpecDecodeStats
+
+        draft = None
+        if spec.method == "draft_model":
+            draft, _ = load_model_checked(
+                dataclasses.replace(self.config, model=spec.model, speculative_config=None)
+            )
+            spec.verify_draft_model(self.model.vocab_size, draft.vocab_size)
+        self.model_runner.enable_speculation(spec, draft)
+        self.spec_decode_stats = SpecDecodeStats()
+        # per step, per request: (block ids, computed before, drafts, accepted, lookahead)
+        self.spec_decode_log: list[dict[str, tuple]] = []
 
     def _make_scheduler(self, paper: bool = False):
         """vLLM v1's scheduler, or the paper's where a paper mechanism is asked for."""
@@ -226,9 +245,12 @@ class LLMEngine:
                 num_cpu_blocks=self.num_cpu_blocks,
                 parallel_sampling=c.parallel_sampling,
             )
-        return Scheduler(
+        sched = Scheduler(
             **kwargs, scheduler_reserve_full_isl=c.scheduler_reserve_full_isl, watermark=c.watermark or 0.0
         )
+        if c.speculative_config is not None:  # KV slots for a draft model's writes past each step
+            sched.spec_decode.num_lookahead_tokens = c.speculative_config.num_lookahead_tokens
+        return sched
 
     def _new_trace(self, meta: Optional[dict] = None) -> EngineTrace:
         c = self.config
@@ -378,7 +400,10 @@ class LLMEngine:
         lap(None)  # NOTE: the worker timed its own phases (prepare, forward, sample)
         self.output_processor.add_logprobs(self._sampled_requests(out, result), result.logprobs)
         # NOTE: the returned list starts with the requests refused this step.
+        log = self._spec_log(out) if self.spec_decode_stats is not None else None
         finished = self.scheduler.update_from_output(out, result.sampled_token_ids)  # append, stop, free
+        if log is not None:
+            self._spec_observe(out, result, log)
         finished += self._check_stop_strings(out, result)
         out.finished = finished
         for req in finished:
@@ -393,6 +418,29 @@ class LLMEngine:
             self.executor.execute_model(idle)
         lap("update")
         return outputs
+
+    def _spec_log(self, out) -> dict[str, tuple]:
+        """Each scheduled request's table as the step runs it (before rejected slots go)."""
+        kv = self.kv_cache_manager
+        return {
+            r.request_id: (
+                kv.get_block_ids(r.request_id),
+                r.num_computed_tokens,
+                len(out.scheduled_spec_decode_tokens.get(r.request_id, ())),
+                out.num_lookahead_slots.get(r.request_id, 0),
+            )
+            for r, _ in out.scheduled
+        }
+
+    def _spec_observe(self, out, result, log: dict[str, tuple]) -> None:
+        """Acceptance statistics; the drafts proposed go to the scheduler for the next step."""
+        step = {}
+        for rid, (blocks, computed, num_drafts, ahead) in log.items():
+            accepted = len(result.sampled_token_ids[rid]) - 1 if num_drafts else 0
+            self.spec_decode_stats.observe(num_drafts, accepted)
+            step[rid] = (blocks, computed, num_drafts, accepted, ahead)
+        self.spec_decode_log.append(step)
+        spec.update_draft_token_ids(self.scheduler, result.draft_token_ids)  # for the next step
 
     def _sampled_requests(self, out, result) -> list[Request]:
         """The requests that got a token this step (fork children after their parents)."""

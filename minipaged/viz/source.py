@@ -4,7 +4,7 @@ A chapter tours the package's code with ``inspect.getsource``. Where an exercise
 student to write a function, the chapter shows only its *contract*: the signature and
 the docstring (``contract``), or for a Triton kernel the pseudocode of its docstring
 (``kernel_pseudocode``). The bodies are printed by the instructor's appendix
-(``notebooks/10_instructor_appendix.ipynb``), to be opened after the exercise notebook has
+(``notebooks/99_instructor_appendix.ipynb``), to be opened after the exercise notebook has
 been handed in, and ``tests/test_no_printed_answers.py`` fails when a chapter's stored
 output contains one of them.
 

@@ -337,7 +337,7 @@ end really costs is kernel efficiency, not memory.
 Allocation is all or nothing: count the blocks needed, return `None` if the pool cannot
 supply them, and only then take them. Writing it is exercise ex2.3, so here is its
 contract, the signature and docstring (`minipaged.viz.source.contract`); the body is in the
-instructor's appendix (`notebooks/10_instructor_appendix.ipynb`), for after the exercises.
+instructor's appendix (`notebooks/99_instructor_appendix.ipynb`), for after the exercises.
 """)
 
 code(r"""

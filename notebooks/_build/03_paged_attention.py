@@ -68,7 +68,7 @@ REPO = Path(minipaged.__file__).resolve().parents[1]  # benchmarks/ lives next t
 
 # Exercises ex3.2-ex3.4 ask for the reference, the kernel's loop and the partition merge, so
 # the code tours show contracts: the signature and docstring (for a kernel, its commented
-# arguments and pseudocode). The bodies are in notebooks/10_instructor_appendix.ipynb.
+# arguments and pseudocode). The bodies are in notebooks/99_instructor_appendix.ipynb.
 from minipaged.viz.source import contract
 """)
 

@@ -497,7 +497,7 @@ md(r"""
 `fork`, `get_computed_blocks` and the copy-on-write branch of `allocate_slots` are exercises
 of chapter 06 (`ex6.1`, `ex6.4`, `ex6.2`), so here are only their signatures and
 docstrings: the contract cards above say what they must do. Their bodies are in the
-instructor's appendix (`notebooks/10_instructor_appendix.ipynb`), for after the exercises.
+instructor's appendix (`notebooks/99_instructor_appendix.ipynb`), for after the exercises.
 """)
 
 code(r"""

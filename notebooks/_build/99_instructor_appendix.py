@@ -1,6 +1,6 @@
-"""Generate notebooks/10_instructor_appendix.ipynb (run from the repo root).
+"""Generate notebooks/99_instructor_appendix.ipynb (run from the repo root).
 
-    bash notebooks/_build/build_all.sh 10_instructor_appendix
+    bash notebooks/_build/build_all.sh 99_instructor_appendix
 """
 
 from _nb import code, md, write
@@ -47,4 +47,4 @@ for exercise, paths in EXERCISE_BODIES.items():
         print(source(resolve(path)))
 """)
 
-write("10_instructor_appendix")
+write("99_instructor_appendix")
