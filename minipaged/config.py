@@ -130,6 +130,9 @@ class EngineConfig:
     # only (None -> its own default, core.sched.paper.DEFAULT_WATERMARK; v1's is 0.0)
     scheduler_reserve_full_isl: bool = True
     watermark: Optional[float] = None
+    # N tensor-parallel worker processes over torch.distributed (minipaged/executor/multiproc.py);
+    # the heads, KV heads and devices are checked against the model when the engine loads it
+    tensor_parallel_size: int = 1
     # speculative decoding: None, or {"method": "ngram" | "draft_model", ...} (vLLM's names;
     # minipaged.spec_decode.config.SpeculativeConfig, which it becomes here)
     speculative_config: Optional[object] = None
@@ -183,7 +186,13 @@ class EngineConfig:
             raise ValueError(f"device must be a string such as 'cpu' or 'cuda', got {self.device!r}")
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}"
+            )
         spec = self.speculative_config
+        if spec is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config with tensor_parallel_size > 1 is not built")
         if spec is not None:
             spec.verify_budget(self.max_num_batched_tokens)
             for name, v1 in (

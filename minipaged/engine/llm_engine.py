@@ -136,7 +136,17 @@ class LLMEngine:
             raise ValueError(f"pass either config or keyword arguments, not both: {sorted(kwargs)}")
         self.config = config
         torch.manual_seed(config.seed)
-        if model is None:
+        tp = config.tensor_parallel_size
+        if tp > 1 and model is not None:
+            raise ValueError(
+                f"tensor_parallel_size={tp}: pass the checkpoint as config.model (each worker loads its "
+                "shard), not a model object"
+            )
+        if tp > 1:  # the driver holds no weights: the checkpoint's shapes only
+            from minipaged.model.loader import load_model_meta
+
+            model, tokenizer = load_model_meta(config.model, tp, config.device)
+        elif model is None:
             model, tokenizer = load_model_checked(config)
         self.model = model
         self.tokenizer = tokenizer
@@ -145,10 +155,12 @@ class LLMEngine:
             eos = [] if model.eos_token_id is None else [model.eos_token_id]
         self.eos_token_ids: list[int] = [int(e) for e in eos]
         self.max_model_len = self._resolve_max_model_len(config, model)
+        # NOTE: with tensor parallelism, per worker (its KVH / N heads of every block), as
+        # kv_cache_memory is per worker (vLLM's gpu_memory_utilization is per GPU)
         self.bytes_per_block = kv_cache_bytes_per_block(
             model.num_layers,
             config.block_size,
-            model.num_kv_heads,
+            model.num_kv_heads // tp,
             model.head_dim,
             config.dtype,
             config.kv_cache_dtype,
@@ -156,21 +168,31 @@ class LLMEngine:
         self.num_blocks = config.num_blocks_for(self.bytes_per_block)
         self.num_cpu_blocks = config.cpu_blocks_for(self.num_blocks)
         self.scheduler = self._make_scheduler()
-        self.executor = UniProcExecutor(
-            model,
-            self.num_blocks,
-            config.block_size,
-            self.num_cpu_blocks,
-            config.device,
-            config.kv_cache_dtype,
-        )
+        if tp > 1:
+            from minipaged.executor.multiproc import MultiprocExecutor
+
+            self.executor = MultiprocExecutor(
+                config.model, config.dtype, config.attention_backend, config.device, tp,
+                self.num_blocks, config.block_size, self.num_cpu_blocks, config.seed,
+                config.kv_cache_dtype,
+            )  # fmt: skip
+        else:
+            self.executor = UniProcExecutor(
+                model,
+                self.num_blocks,
+                config.block_size,
+                self.num_cpu_blocks,
+                config.device,
+                config.kv_cache_dtype,
+            )
         self.output_processor = OutputProcessor(tokenizer)  # text, stop strings, logprobs
         self.groups: dict[str, _RequestGroup] = {}  # unfinished caller requests
         self.seq_to_group: dict[str, _RequestGroup] = {}  # scheduler request id -> group
         self.trace = self._new_trace()
         # seconds spent in each phase of step(), summed (for the benchmark's profile)
         self.step_times = dict.fromkeys(("schedule", "prepare", "forward", "sample", "update"), 0.0)
-        self.model_runner.step_times = self.step_times  # NOTE: the worker times its own phases
+        if self.model_runner is not None:  # NOTE: the worker times its own phases (in-process)
+            self.model_runner.step_times = self.step_times
         self.spec_decode_stats = None  # speculative decoding: drafts proposed and accepted
         if config.speculative_config is not None:
             self._enable_speculation(config.speculative_config)
@@ -531,6 +553,10 @@ class LLMEngine:
                 done.append(self.make_output(group))
                 self._pop_group(group)
         return done
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (tensor parallelism); a no-op in-process."""
+        self.executor.shutdown()
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

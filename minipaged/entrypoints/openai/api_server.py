@@ -555,6 +555,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--device", default=d.device)
     e.add_argument("--dtype", default=d.dtype)
     e.add_argument("--seed", type=non_negative_int, default=d.seed)
+    e.add_argument(
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=d.tensor_parallel_size,
+        help="worker processes, each with 1/N of the heads (torch.distributed: gloo on CPU, NCCL on CUDA)",
+    )
 
 
 ENGINE_ARGS = (
@@ -571,6 +577,7 @@ ENGINE_ARGS = (
     "device",
     "dtype",
     "seed",
+    "tensor_parallel_size",
 )
 
 
@@ -608,7 +615,10 @@ def run(args: argparse.Namespace) -> int:
         f"(live view at /, metrics at /metrics)",
         flush=True,
     )
-    uvicorn.Server(config).run()
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        engine.shutdown()  # the tensor-parallel workers, if any
     return 0
 
 
