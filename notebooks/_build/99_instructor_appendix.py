@@ -15,9 +15,9 @@ for the instructor and for the student who has finished: compare them with your 
 `tests/test_no_printed_answers.py` keeps every other notebook from printing them.
 
 The list is `minipaged.viz.source.EXERCISE_BODIES` (exercise id -> the functions it asks
-for). The scheduler's loops are not here: chapters 04, 05 and 08 read them top to bottom on
-purpose, and the scheduler exercises (ex4.1, ex5.2, ex5.4) ask for smaller functions of a
-different shape.
+for). The scheduler's loops are not here either: chapters 04 and 08 show them as pseudocode and
+an outline read off the source (`minipaged.viz.loops`), because ex4.1 and ex5.4 ask for their
+two phases; read `minipaged/core/sched/scheduler.py` and `paper.py` once those are handed in.
 """)
 
 code(r"""

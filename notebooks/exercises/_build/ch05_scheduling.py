@@ -249,9 +249,11 @@ nb.exercise(
     "ex5.6",
     "an admission rule of your design, measured",
     """
-    vLLM v1 admits a waiting request as soon as the blocks of its first chunk are free;
-    running requests then grow into the pool and, when it is full, preemption pays for
-    the optimism by recomputing. Design your own rule.
+    With `scheduler_reserve_full_isl=False` vLLM v1 admits a waiting request as soon as the
+    blocks of its first chunk are free; running requests then grow into the pool and, when
+    it is full, preemption pays for the optimism by recomputing. (vLLM 0.32's default, `True`,
+    waits until the blocks for the whole prompt are free, against exactly that thrash.) The
+    scheduler here starts from the first-chunk rule: design your own.
 
     - **The hook**: the scheduler calls `can_admit(scheduler, request)` for the head of
       `waiting` after the running requests got their blocks for this step (so their block
