@@ -226,7 +226,9 @@ def test_wrong_solution_fails_with_a_case(exercise_id, old, new):
         cases = make_cases(spec, "graded-run")
         got = dumps(observe_all(spec, cases, tuple(ns[n] for n in names)))
         ok, msg = judge(spec, cases, got, KEY)
-        assert not ok and re.fullmatch(rf"{re.escape(exercise_id)}: [1-9]\d* of \d+ answers are not right", msg), msg
+        assert not ok and re.fullmatch(
+            rf"{re.escape(exercise_id)}: [1-9]\d* of \d+ answers are not right", msg
+        ), msg
         return
     with pytest.raises(ExerciseFailure) as info:
         _run_exercise(chapter, exercise_id, solution.replace(old, new, 1))

@@ -256,15 +256,32 @@ def judge(spec: Spec, cases: list, got_text: str, key: Optional[dict] = None) ->
         where, e, g = d
         where = where.removeprefix("value.").removeprefix("value")
         if type(g) is dict and "raised" in g and not (type(e) is dict and "raised" in e):
-            return False, f"{head}\n  {where or 'result'}: your code raised {g['raised']}: {g.get('_message', '')}{tail}"
-        if type(e) is dict and "raised" in e and not (type(g) is dict and "raised" in g) and spec.kind == "function":
+            return (
+                False,
+                f"{head}\n  {where or 'result'}: your code raised {g['raised']}: {g.get('_message', '')}{tail}",
+            )
+        if (
+            type(e) is dict
+            and "raised" in e
+            and not (type(g) is dict and "raised" in g)
+            and spec.kind == "function"
+        ):
             shown = _show(g.get("returned", g)) if type(g) is dict else _show(g)
-            return False, f"{head}\n  {where or 'result'}: expected {e['raised']} (a caller error), but your code returned {shown}{tail}"
+            return (
+                False,
+                f"{head}\n  {where or 'result'}: expected {e['raised']} (a caller error), but your code returned {shown}{tail}",
+            )
         if type(g) is dict and type(e) is dict and "raised" in g and "raised" in e:
-            return False, f"{head}\n  {where or 'result'}: expected {e['raised']}, but your code raised {g['raised']}: {g.get('_message', '')}{tail}"
+            return (
+                False,
+                f"{head}\n  {where or 'result'}: expected {e['raised']}, but your code raised {g['raised']}: {g.get('_message', '')}{tail}",
+            )
         if spec.kind == "prediction":
             return False, f"{head}\n  {where or 'your answer'}: not right (you gave {_show(g)}){tail}"
-        return False, f"{head}\n  {where or 'result'}:\n    expected {_show(e)}\n    got      {_show(g)}{tail}"
+        return (
+            False,
+            f"{head}\n  {where or 'result'}:\n    expected {_show(e)}\n    got      {_show(g)}{tail}",
+        )
     return True, pass_line(ex)
 
 
@@ -309,7 +326,9 @@ def local_check(spec: Spec, objects: tuple) -> None:
                     f"{spec.exercise_id}: not implemented yet (replace `raise NotImplementedError` with your code)"
                 )
             if "raised" in rec:
-                raise ExerciseFailure(f"{spec.exercise_id}: your function raised {rec['raised']}: {rec.get('_message', '')}")
+                raise ExerciseFailure(
+                    f"{spec.exercise_id}: your function raised {rec['raised']}: {rec.get('_message', '')}"
+                )
             problem = spec.shape(rec.get("value")) if spec.shape else None
             if problem:
                 raise ExerciseFailure(f"{spec.exercise_id}: {problem}")

@@ -237,7 +237,11 @@ def apply_variants(nb, seed) -> None:
                 cell.source = line_re.sub(lambda m: f"{name} = {_literal(events)}", src)
             elif cell.cell_type == "markdown" and cell_role(cell) == "spec" and cell_exercise(cell) == ex:
                 rows = "\n".join(f"| {k} | {event_text(tuple(e))} |" for k, e in enumerate(events))
-                cell.source = re.sub(r"(\| event \| what happens \|\n\|---\|---\|\n)(\|.*\|\n?)+", lambda m: m.group(1) + rows + "\n", src)
+                cell.source = re.sub(
+                    r"(\| event \| what happens \|\n\|---\|---\|\n)(\|.*\|\n?)+",
+                    lambda m: m.group(1) + rows + "\n",
+                    src,
+                )
 
 
 def make_student_copy(nb, seed=None) -> nbformat.NotebookNode:

@@ -82,9 +82,13 @@ def to_data(value: Any, depth: int = 0) -> Any:
             return {UNENCODABLE: "tensor"}
         v = torch.Tensor.detach(value).cpu()
         flat = v.reshape(-1).tolist()
-        return {TENSOR: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch."), "values": [
-            _float(x) if type(x) is float else x for x in flat
-        ]}}
+        return {
+            TENSOR: {
+                "shape": list(v.shape),
+                "dtype": str(v.dtype).removeprefix("torch."),
+                "values": [_float(x) if type(x) is float else x for x in flat],
+            }
+        }
     return {UNENCODABLE: t.__name__}
 
 

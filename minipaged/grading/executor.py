@@ -43,7 +43,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 MAX_OUTPUT_BYTES = 64 * 2**10  # output kept per student cell; the rest is read and dropped
-RECEIVE_QUEUE_MESSAGES = 4  # IOPub messages (each at most MAX_MESSAGE_BYTES) ZeroMQ holds before dropping new ones
+RECEIVE_QUEUE_MESSAGES = (
+    4  # IOPub messages (each at most MAX_MESSAGE_BYTES) ZeroMQ holds before dropping new ones
+)
 MAX_ERROR_BYTES = 4 * 2**10  # an exception's text kept per cell
 MAX_MESSAGE_BYTES = 32 * 2**20  # larger messages from the kernel are dropped unread (ZMQ_MAXMSGSIZE)
 IOPUB_LOST_AFTER = 10.0  # seconds of IOPub silence after the execute reply: the output channel is gone
@@ -293,7 +295,10 @@ class KernelRunner:
                         stdout.append(text)
             elif kind == "error":
                 # NOTE: an exception's text is kept bounded (a 100 MB message is cut here)
-                ename, evalue = _clip(str(content.get("ename", "")), 200), _clip(str(content.get("evalue", "")), MAX_ERROR_BYTES)
+                ename, evalue = (
+                    _clip(str(content.get("ename", "")), 200),
+                    _clip(str(content.get("evalue", "")), MAX_ERROR_BYTES),
+                )
                 outputs.append({"output_type": "error", "ename": ename, "evalue": evalue})
                 error = _first_lines(f"{ename}: {evalue}")
             elif kind in ("execute_result", "display_data", "update_display_data"):
@@ -307,7 +312,9 @@ class KernelRunner:
             status = "error"
             if not error:
                 c = reply["content"]
-                error = _first_lines(f"{_clip(str(c.get('ename', 'Error')), 200)}: {_clip(str(c.get('evalue', '')), MAX_ERROR_BYTES)}")
+                error = _first_lines(
+                    f"{_clip(str(c.get('ename', 'Error')), 200)}: {_clip(str(c.get('evalue', '')), MAX_ERROR_BYTES)}"
+                )
         elif error:
             status = "error"
         if interrupted:

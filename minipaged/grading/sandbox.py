@@ -137,7 +137,13 @@ class Isolation:
         """This isolation for concurrent slot ``slot``: its own uid (``slot_user``), created
         when the grader runs as root; the same user, said in ``missing``, where it cannot be."""
         iso = Isolation(
-            self.bwrap, self.user, self.prlimit, self.setpriv, self.limits, list(self.missing), self.package_dir
+            self.bwrap,
+            self.user,
+            self.prlimit,
+            self.setpriv,
+            self.limits,
+            list(self.missing),
+            self.package_dir,
         )
         if slot == 0 or self.user is None:
             return iso

@@ -69,7 +69,9 @@ def make_payload(exercise_id: str, seed: str, student_seed=None) -> tuple[str, s
     from minipaged.grading.codec import dumps
 
     nonce = secrets.token_hex(8)
-    return dumps({"nonce": nonce, "cases": make_cases(get_spec(exercise_id), f"{seed}|{student_seed}", student_seed)}), nonce
+    return dumps(
+        {"nonce": nonce, "cases": make_cases(get_spec(exercise_id), f"{seed}|{student_seed}", student_seed)}
+    ), nonce
 
 
 def judge_result(exercise_id: str, payload_json: str, result_text: str, key_path: Optional[str]):
@@ -152,7 +154,9 @@ class TrustedChecker:
 
     def judge(self, exercise_id: str, payload_json: str, result_text: str) -> tuple[bool, str]:
         try:
-            r = self._call({"op": "judge", "exercise": exercise_id, "payload": payload_json, "result": result_text})
+            r = self._call(
+                {"op": "judge", "exercise": exercise_id, "payload": payload_json, "result": result_text}
+            )
         except (OSError, RuntimeError, ValueError) as e:
             return False, f"the grader's checker failed: {e}"
         return bool(r["passed"]), str(r["message"])

@@ -237,7 +237,9 @@ print("MAXRSS_KB", int(hwm.split()[1]))
 """
 
 
-@pytest.mark.skipif(ISOLATION.bwrap is None or ISOLATION.user is None, reason="; ".join(ISOLATION.missing) or "-")
+@pytest.mark.skipif(
+    ISOLATION.bwrap is None or ISOLATION.user is None, reason="; ".join(ISOLATION.missing) or "-"
+)
 def test_resource_attacks_leave_classmates_and_the_grader_alone(tmp_path):
     paths = []
     for name, code in RESOURCE_ATTACKS.items():
@@ -250,7 +252,11 @@ def test_resource_attacks_leave_classmates_and_the_grader_alone(tmp_path):
         nbformat.write(CH02.nb, honest)
         paths += [str(p), str(honest)]
     out = subprocess.run(
-        [sys.executable, "-c", _GRADER, *paths], capture_output=True, text=True, timeout=900, cwd=ROOT,
+        [sys.executable, "-c", _GRADER, *paths],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
     )
     assert out.returncode == 0, out.stderr[-3000:]
