@@ -65,7 +65,7 @@ def compile_kernel(fn, dtype: str, constexprs: dict, arch: int, num_warps: int, 
             sig[name] = "*fp32"
         elif name.endswith("_ptr"):
             sig[name] = f"*{dtype}"
-        elif name == "qk_scale":
+        elif name in ("qk_scale", "k_scale", "v_scale"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -88,7 +88,8 @@ def launches(head_dim: int = 128, group: int = 4, block_size: int = 16):
     d = pa._next_pow2(head_dim)
     for dtype, (cdt, prec) in DTYPES.items():
         tdt = getattr(torch, TORCH_DTYPE[dtype])
-        common = dict(block_size=block_size, BLOCK_D=d, COMPUTE_DTYPE=cdt, DOT_PRECISION=prec)
+        # NOTE: the unquantized cache (KV_QUANT=False), what kv_cache_dtype="auto" launches
+        common = dict(block_size=block_size, BLOCK_D=d, COMPUTE_DTYPE=cdt, DOT_PRECISION=prec, KV_QUANT=False)
         dec = dict(common, BLOCK_G=pa._next_pow2(group), BLOCK_N=pa.DECODE_BLOCK_N)
         stages = pa._num_stages(pa.DECODE_BLOCK_N, d, tdt)
         yield "decode_v1", pa._paged_attention_decode_kernel, dtype, dict(dec, PARTITION_SIZE=0), stages
@@ -111,7 +112,7 @@ def launches(head_dim: int = 128, group: int = 4, block_size: int = 16):
         "reshape_and_cache",
         co._reshape_and_cache_kernel,
         "bf16",
-        dict(block_size=block_size, BLOCK_H=8, BLOCK_D=d),
+        dict(block_size=block_size, BLOCK_H=8, BLOCK_D=d, QUANT=False),
         3,
     )
 

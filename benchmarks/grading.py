@@ -35,7 +35,6 @@ import nbformat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from minipaged.checks.grade import grade_many, write_csv
 from minipaged.checks.notebook import (
     cell_exercise,
     cell_role,
@@ -43,7 +42,8 @@ from minipaged.checks.notebook import (
     load_authored,
     make_student_copy,
 )
-from minipaged.checks.sandbox import probe
+from minipaged.grading.grade import grade_many, write_csv
+from minipaged.grading.sandbox import probe
 
 CHEATS = {
     "ch01": "import math\nmath.ceil = lambda x: 0\n",

@@ -45,7 +45,7 @@ def send(url: str, model: str, n: int, concurrency: int, max_tokens: int) -> int
                 if i is None:
                     return
                 body = {
-                    "model": "course_model",
+                    "model": model,
                     "prompt": f"Once upon a time {i % 97}",
                     "max_tokens": max_tokens,
                 }
@@ -53,6 +53,8 @@ def send(url: str, model: str, n: int, concurrency: int, max_tokens: int) -> int
                 if r.status_code != 200:
                     with lock:
                         failures[0] += 1
+                        if failures[0] == 1:
+                            print(f"first failure: {r.status_code} {r.text[:300]}")
 
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:

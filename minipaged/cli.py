@@ -27,7 +27,7 @@ COMMANDS = {
     ),
     "figures": ("minipaged.viz.figures", "regenerate every PNG in figures/"),
     "exercises": ("minipaged.checks.exercises", "write student copies of the exercise notebooks"),
-    "grade": ("minipaged.checks.grade", "grade exercise submissions"),
+    "grade": ("minipaged.grading.grade", "grade exercise submissions"),
 }
 
 

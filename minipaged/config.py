@@ -18,20 +18,17 @@ Invariants
     re-runs the same checks.
 
 Failure mode
-    a bad value raises ``ValueError`` naming the argument: also, at construction,
-    ``attention_backend="triton"`` with a ``block_size`` the Triton kernel cannot address (a
-    power of two in 1..256, ``minipaged/kernels/paged_attention.py``) or without Triton
-    installed, or ``attention_backend="cpu"`` off the CPU, outside float32 or without a C
-    compiler that builds its kernel; and in ``num_blocks_for``, before anything is allocated, a KV cache (device
+    a bad value raises ``ValueError`` naming the argument: also, at construction, an
+    attention backend that cannot run with this device, dtype, block size or KV-cache dtype
+    (``minipaged.kernels.selector.get_attn_backend``, which also resolves "auto"); and in
+    ``num_blocks_for``, before anything is allocated, a KV cache (device
     pool + CPU swap pool) larger than the memory available (``available_memory``: the
-    host's MemAvailable and cgroup limit, or ``torch.cuda.mem_get_info``). Pure Python: torch
-    is imported only to ask a CUDA device's free memory, so the CLI and the simulator can
-    build a config cheaply.
+    host's MemAvailable and cgroup limit, or ``torch.cuda.mem_get_info``). Importing this module
+    is cheap (no torch); building a config imports ``minipaged.kernels`` to choose the backend.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass, fields
 from typing import Optional
@@ -41,13 +38,11 @@ PREEMPTION_MODES = ("recompute", "swap")
 # "fork" = the paper's sequence group (prefill once, fork with copy-on-write)
 PARALLEL_SAMPLING = ("prefix", "fork")
 SCHEDULING_POLICIES = ("continuous", "static")
-# "auto" is resolved when the config is built (``best_attention_backend``) to one of the others.
-ATTENTION_BACKENDS = ("torch", "triton", "cpu", "auto")
 DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# bytes per cached element for each kv_cache_dtype (None: the model dtype's), vLLM's names
+KV_CACHE_BYTES = {"auto": None, "fp8": 1, "fp8_e4m3": 1, "int8": 1}
 DEFAULT_KV_CACHE_MEMORY = 64 * 1024 * 1024  # 64 MiB: ample for the course model on a CPU
-# What the Triton kernel addresses (minipaged/kernels/paged_attention.py, _check_common).
-TRITON_MAX_BLOCK_SIZE = 256
 
 
 def _read_int(path: str) -> Optional[int]:
@@ -111,21 +106,6 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def best_attention_backend(device: str = "cpu", dtype: str = "float32") -> str:
-    """What ``attention_backend="auto"`` means on ``device``: "triton" on a GPU with Triton
-    installed; "cpu" (the C decode kernel) on a CPU in float32 when a C compiler builds it;
-    else "torch", the readable reference that runs everywhere."""
-    kind = device.split(":")[0]
-    if kind == "cuda" and importlib.util.find_spec("triton") is not None:
-        return "triton"
-    if kind == "cpu" and dtype == "float32":
-        from minipaged.kernels import cpu as cpu_kernels
-
-        if cpu_kernels.available():
-            return "cpu"
-    return "torch"
-
-
 @dataclass
 class EngineConfig:
     model: Optional[str] = None  # None -> the shipped course model
@@ -138,6 +118,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     scheduling: str = "continuous"
     attention_backend: str = "torch"
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "fp8" (= "fp8_e4m3") or "int8"
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
@@ -149,19 +130,29 @@ class EngineConfig:
     # only (None -> its own default, core.sched.paper.DEFAULT_WATERMARK; v1's is 0.0)
     scheduler_reserve_full_isl: bool = True
     watermark: Optional[float] = None
+    # N tensor-parallel worker processes over torch.distributed (minipaged/executor/multiproc.py);
+    # the heads, KV heads and devices are checked against the model when the engine loads it
+    tensor_parallel_size: int = 1
+    # speculative decoding: None, or {"method": "ngram" | "draft_model", ...} (vLLM's names;
+    # minipaged.spec_decode.config.SpeculativeConfig, which it becomes here)
+    speculative_config: Optional[object] = None
 
     def __post_init__(self) -> None:
-        if self.attention_backend == "auto" and isinstance(self.device, str) and self.dtype in DTYPES:
-            backend = best_attention_backend(self.device, self.dtype)
-            bs = self.block_size
-            if (
-                backend == "triton"
-                and _is_int(bs)
-                and (bs < 1 or bs > TRITON_MAX_BLOCK_SIZE or bs & (bs - 1))
-            ):
-                backend = "torch"  # a block size the Triton kernel cannot address
-            self.attention_backend = backend
+        from minipaged.spec_decode.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         self.check_invariants()
+        if self.attention_backend == "auto":
+            self.attention_backend = self._attn_backend()  # resolved once, here
+
+    def _attn_backend(self) -> str:
+        """``attention_backend`` checked against the device and dtypes, "auto" resolved
+        (``minipaged.kernels.selector.get_attn_backend``: the one place a backend is chosen)."""
+        from minipaged.kernels.selector import get_attn_backend
+
+        return get_attn_backend(
+            self.attention_backend, self.device, self.dtype, self.kv_cache_dtype, self.block_size
+        )
 
     def check_invariants(self) -> None:
         """Validate every field; ``ValueError`` names the first bad argument."""
@@ -187,7 +178,6 @@ class EngineConfig:
             ("preemption_mode", PREEMPTION_MODES),
             ("parallel_sampling", PARALLEL_SAMPLING),
             ("scheduling", SCHEDULING_POLICIES),
-            ("attention_backend", ATTENTION_BACKENDS),
             ("dtype", DTYPES),
         ):
             if getattr(self, name) not in allowed:
@@ -196,25 +186,32 @@ class EngineConfig:
             raise ValueError(f"device must be a string such as 'cpu' or 'cuda', got {self.device!r}")
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
-        if self.attention_backend == "triton":
-            bs = self.block_size
-            if bs > TRITON_MAX_BLOCK_SIZE or bs & (bs - 1):
-                raise ValueError(
-                    f"block_size must be a power of two in 1..{TRITON_MAX_BLOCK_SIZE} with "
-                    f"attention_backend='triton' (the kernel's requirement), got {bs}"
-                )
-            if importlib.util.find_spec("triton") is None:
-                raise ValueError("attention_backend='triton' needs Triton installed (pip install triton)")
-        if self.attention_backend == "cpu":
-            if self.device.split(":")[0] != "cpu" or self.dtype != "float32":
-                raise ValueError(
-                    "attention_backend='cpu' runs float32 on the CPU (device='cpu', dtype='float32'), "
-                    f"got device={self.device!r}, dtype={self.dtype!r}"
-                )
-            from minipaged.kernels import cpu as cpu_kernels
-
-            if not cpu_kernels.available():
-                raise ValueError(f"attention_backend='cpu' is unavailable here: {cpu_kernels.build_error()}")
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}"
+            )
+        spec = self.speculative_config
+        if spec is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config with tensor_parallel_size > 1 is not built")
+        if spec is not None:
+            spec.verify_budget(self.max_num_batched_tokens)
+            for name, v1 in (
+                ("scheduling", "continuous"),
+                ("preemption_mode", "recompute"),
+                ("parallel_sampling", "prefix"),
+            ):
+                if getattr(self, name) != v1:
+                    raise ValueError(
+                        f"speculative_config runs on vLLM v1's scheduler ({name}={v1!r}), got {name}={getattr(self, name)!r}"
+                    )
+        if not isinstance(self.attention_backend, str):
+            raise ValueError(f"attention_backend must be a string, got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_BYTES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {tuple(KV_CACHE_BYTES)}, got {self.kv_cache_dtype!r}"
+            )
+        if self.attention_backend != "auto":
+            self._attn_backend()  # ValueError for a backend that cannot run here
 
     # -- derived -------------------------------------------------------------------
     def num_blocks_for(self, bytes_per_block: int) -> int:
@@ -276,7 +273,18 @@ class EngineConfig:
 
 
 def kv_cache_bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: str,
+    kv_cache_dtype: str = "auto",
 ) -> int:
-    """Bytes of one block across all layers, K and V: 2 * L * bs * H_kv * D * bytes."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * DTYPE_BYTES[dtype]
+    """Bytes of one block across all layers, K and V: 2 * L * bs * H_kv * D * bytes, with the
+    bytes of ``kv_cache_dtype`` (1 for "fp8" / "int8"; the model ``dtype``'s for "auto"). The one
+    place a block's size is computed (the engine, the model and the benchmarks call it). The
+    per-layer scales of a quantized cache are two floats per layer, not per block: not counted."""
+    if kv_cache_dtype not in KV_CACHE_BYTES:
+        raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_BYTES)}, got {kv_cache_dtype!r}")
+    elem = KV_CACHE_BYTES[kv_cache_dtype] or DTYPE_BYTES[dtype]
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem

@@ -95,9 +95,9 @@ def test_quick_run_all_four_systems(quick_report):
     assert p["running_seqs"] == 64 and p["step_ms"] > 0
     assert 0 < p["sched_block_prepare_fraction"] <= p["non_model_fraction"] < 1
     assert "execute_model" in p["cprofile_fraction"] and 0 <= p["cprofile_block_management_fraction"] < 1
-    from minipaged.config import best_attention_backend
+    from minipaged.kernels.selector import get_attn_backend
 
-    assert r["attention_backend"] == p["attention_backend"] == best_attention_backend("cpu")
+    assert r["attention_backend"] == p["attention_backend"] == get_attn_backend("auto", "cpu")
     # the step's forward split for the backend that ran, and for the torch reference beside it
     assert set(p["forward_breakdowns"]) == {r["attention_backend"], "torch"}
     for b in p["forward_breakdowns"].values():

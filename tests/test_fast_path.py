@@ -18,12 +18,8 @@ import torch
 import transformers
 from _paged_cases import TOL, cu_from, make_paged
 
-from minipaged.kernels.reference import (
-    build_attn_metadata,
-    paged_attention_prefill_ref,
-    paged_attention_ref,
-    paged_attention_torch,
-)
+from minipaged.kernels.reference import paged_attention_prefill_ref, paged_attention_ref
+from minipaged.kernels.torch_backend import build_attn_metadata, paged_attention_torch
 from minipaged.model import ModelInput, load_model
 from minipaged.model.layers import RotaryEmbedding
 

@@ -1,4 +1,5 @@
-"""Tests for minipaged/kernels/reference.py: the torch attention everything else is graded by.
+"""Tests for minipaged/kernels/reference.py (the torch attention everything else is graded by)
+and for the vectorized "torch" backend, minipaged/kernels/torch_backend.py.
 
 The readable references are checked against an independent float64 loop that reads each
 token through the slot formula; ``paged_attention_torch`` (the vectorized engine backend)
@@ -17,13 +18,13 @@ from _paged_cases import TOL, cu_from, make_paged
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.kernels import reference
+from minipaged.kernels import torch_backend
 from minipaged.kernels.reference import (
     contiguous_attention,
     paged_attention_prefill_ref,
     paged_attention_ref,
-    paged_attention_torch,
 )
+from minipaged.kernels.torch_backend import paged_attention_torch
 
 
 def loop_attention_f64(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale=None):
@@ -202,7 +203,7 @@ def test_torch_bucketed_decode_with_very_different_lengths_matches_ref(num_heads
     seq_lens = torch.randint(1, 451, (60,), generator=g).tolist() + [1, 450, 16, 17]
     k, v, bt, sl = make_paged(seq_lens, 16, num_kv_heads, 32, seed=21, extra_cols=1)
     cu = cu_from([1] * len(seq_lens))
-    assert len(reference._length_buckets(cu.tolist(), seq_lens, 16, num_heads * 32)) > 1
+    assert len(torch_backend._length_buckets(cu.tolist(), seq_lens, 16, num_heads * 32)) > 1
     q = torch.randn(len(seq_lens), num_heads, 32, generator=g)
     out = paged_attention_torch(q, k, v, bt, cu, sl, 1, max(seq_lens))
     want = paged_attention_ref(q, k, v, bt, sl)
@@ -234,7 +235,7 @@ def test_torch_bucketed_mixed_prefill_decode_with_very_different_lengths_matches
     k, v, bt, sl = make_paged(seq_lens, 8, 2, 16, seed=23)
     cu = cu_from(q_lens)
     assert (
-        len(reference._length_buckets(cu.tolist(), seq_lens, 8, 4 * 16)) >= 3
+        len(torch_backend._length_buckets(cu.tolist(), seq_lens, 8, 4 * 16)) >= 3
     )  # decodes + 2 prefill buckets
     q = torch.randn(sum(q_lens), 4, 16, generator=g)
     out = paged_attention_torch(q, k, v, bt, cu, sl, max(q_lens), max(seq_lens), scale=0.25)
@@ -258,10 +259,10 @@ def test_length_buckets_cover_each_sequence_once_and_only_cut_when_it_pays(seqs,
     seq_lens = [s for s, _ in seqs]
     q_lens = [min(s, ql) if s else min(1, ql) for s, ql in seqs]
     cu = cu_from(q_lens).tolist()
-    buckets = reference._length_buckets(cu, seq_lens, block_size, row_cost)
+    buckets = torch_backend._length_buckets(cu, seq_lens, block_size, row_cost)
     flat = sorted(b for bucket in buckets for b in bucket)
     assert flat == [b for b, n in enumerate(q_lens) if n > 0], "each sequence with queries, exactly once"
-    cost = reference.BUCKET_COST // row_cost
+    cost = torch_backend.BUCKET_COST // row_cost
     for bucket in buckets:
         assert len({q_lens[b] == 1 for b in bucket}) == 1, f"decodes and prefills mixed in {bucket}"
         whole = padded_work(bucket, q_lens, seq_lens, block_size)
@@ -277,7 +278,7 @@ def test_length_buckets_cut_a_wide_spread_of_decodes():
     g = torch.Generator().manual_seed(0)
     seq_lens = torch.randint(20, 451, (64,), generator=g).tolist()
     q_lens = [1] * 64
-    buckets = reference._length_buckets(cu_from(q_lens).tolist(), seq_lens, 16, 8 * 32)
+    buckets = torch_backend._length_buckets(cu_from(q_lens).tolist(), seq_lens, 16, 8 * 32)
     assert 1 < len(buckets) <= 8
     total = sum(padded_work(b, q_lens, seq_lens, 16) for b in buckets)
     assert total < padded_work(list(range(64)), q_lens, seq_lens, 16)

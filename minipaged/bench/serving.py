@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "torch", "triton", "cpu"],
         help="minipaged's attention for (a) and (b); auto = the fastest that runs here "
-        "(cpu: the C kernel; cuda: triton), see minipaged.config.best_attention_backend",
+        "(cpu: the C kernel; cuda: triton), see minipaged.kernels.selector.get_attn_backend",
     )
     parser.add_argument(
         "--threads",
@@ -309,9 +309,9 @@ def run_benchmark(
     if not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads must be >= 0 (0 = torch's default), got {threads!r}")
     if attention_backend == "auto":
-        from minipaged.config import best_attention_backend
+        from minipaged.kernels.selector import get_attn_backend
 
-        attention_backend = best_attention_backend(device)
+        attention_backend = get_attn_backend("auto", device)
     if dtype != "float32":
         raise ValueError(
             f"dtype must be 'float32' (greedy outputs are compared across systems), got {dtype!r}"

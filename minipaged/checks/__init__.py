@@ -56,8 +56,32 @@ def _registry(chapter: str) -> dict:
     return module.CHECKS
 
 
+def _specs(chapter: str) -> dict:
+    _registry(chapter)
+    return getattr(importlib.import_module(f"minipaged.checks.{chapter}"), "SPECS", {})
+
+
+def get_spec(exercise_id: str):
+    """The exercise's spec (cases / observe / expected: ``minipaged.checks._spec``), or
+    ``None`` for an exercise still checked the old way, in the student's process."""
+    return _specs(chapter_of(exercise_id)).get(exercise_id)
+
+
+def has_spec(exercise_id: str) -> bool:
+    return get_spec(exercise_id) is not None
+
+
 def check(exercise_id: str, *student_objects) -> None:
-    """Run the checker of ``exercise_id`` on the student's objects; print the ✅ line or raise."""
+    """Run the checker of ``exercise_id`` on the student's objects; print the ✅ line or raise.
+
+    This is the local, advisory check (local-practice cases, one process); ``minipaged
+    grade`` judges the same spec in a trusted process on cases drawn for the grading run."""
+    spec = get_spec(exercise_id)
+    if spec is not None:
+        from minipaged.checks._spec import local_check
+
+        local_check(spec, student_objects)
+        return
     checks = _registry(chapter_of(exercise_id))
     if exercise_id not in checks:
         raise ValueError(f"unknown exercise_id {exercise_id!r} (known: {', '.join(checks)})")
@@ -68,8 +92,9 @@ def list_exercises(chapters=CHAPTER_MODULES) -> dict[str, str]:
     """``{exercise_id: title}`` for the given chapters, in course order."""
     out = {}
     for ch in chapters:
-        for ex_id, fn in _registry(ch).items():
-            out[ex_id] = getattr(fn, "title", "")
+        both = {**_registry(ch), **_specs(ch)}
+        for ex_id in sorted(both, key=lambda e: int(e.split(".")[1])):
+            out[ex_id] = getattr(both[ex_id], "title", "")
     return out
 
 
@@ -79,6 +104,8 @@ __all__ = [
     "PASS_TEMPLATE",
     "chapter_of",
     "check",
+    "get_spec",
+    "has_spec",
     "list_exercises",
     "pass_line",
 ]

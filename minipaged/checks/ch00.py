@@ -26,68 +26,46 @@ import random
 from minipaged.checks._harness import (
     ExerciseFailure,
     Mismatch,
-    check_concept_questions,
     exercise,
     expect_close_to_reference,
     expect_equal_to_reference,
     require_callable,
     run_cases,
 )
+from minipaged.checks._spec import concept_spec, register
 from minipaged.core import KVCacheManager
 from minipaged.sim.cost_model import GPUS, MODELS, CostModel
 
 CHECKS: dict = {}
+SPECS: dict = {}
 CONCEPTS = ("data", "addressing", "scheduling")
 
-# statement id -> (statement, concept). Printed by the exercise notebook's setup cell.
+# statement id -> statement. Printed by the exercise notebook's setup cell; which concept
+# each is about is in the instructor's key only.
 STATEMENTS = {
-    "s1": ("It holds, per layer, a key and a value vector for every token seen so far.", "data"),
-    "s2": (
-        "Token i of a request lives in slot block_table[i // block_size] * block_size + i % block_size.",
-        "addressing",
-    ),
-    "s3": ("Every step, the batch is rebuilt from the running and the waiting requests.", "scheduling"),
-    "s4": ("OPT-13B needs 800 KiB of it per token.", "data"),
-    "s5": ("A request's blocks may be anywhere in the pool; they need not be contiguous.", "addressing"),
-    "s6": ("max_num_batched_tokens caps how many tokens one step computes.", "scheduling"),
-    "s7": ("When no block is free, a running request is preempted and recomputed later.", "scheduling"),
-    "s8": ("Its entries never change once written, because attention is causal.", "data"),
-    "s9": (
-        "Two requests with the same prompt can point at the same physical block (ref_cnt 2).",
-        "addressing",
-    ),
-    "s10": (
-        "A waiting request is admitted only if there is a free seat, token budget and blocks.",
-        "scheduling",
-    ),
-    "s11": ("The attention kernel looks up block_tables[b, n // block_size] inside its loop.", "addressing"),
-    "s12": ("It grows by one token per running request per decode step.", "data"),
+    "s1": "It holds, per layer, a key and a value vector for every token seen so far.",
+    "s2": "Token i of a request lives in slot block_table[i // block_size] * block_size + i % block_size.",
+    "s3": "Every step, the batch is rebuilt from the running and the waiting requests.",
+    "s4": "OPT-13B needs 800 KiB of it per token.",
+    "s5": "A request's blocks may be anywhere in the pool; they need not be contiguous.",
+    "s6": "max_num_batched_tokens caps how many tokens one step computes.",
+    "s7": "When no block is free, a running request is preempted and recomputed later.",
+    "s8": "Its entries never change once written, because attention is causal.",
+    "s9": "Two requests with the same prompt can point at the same physical block (ref_cnt 2).",
+    "s10": "A waiting request is admitted only if there is a free seat, token budget and blocks.",
+    "s11": "The attention kernel looks up block_tables[b, n // block_size] inside its loop.",
+    "s12": "It grows by one token per running request per decode step.",
 }
-
-
-def _fmt(value) -> str:
-    return repr(value)
-
-
-@exercise(CHECKS, "ex0.1", "the three ideas: sort statements into data, addressing, scheduling")
-def check_sort_statements(sort_statements) -> None:
-    require_callable("ex0.1", sort_statements, "sort_statements")
-    cases = list(STATEMENTS)
-
-    def run_one(sid):
-        answers = sort_statements()
-        if not isinstance(answers, dict):
-            raise Mismatch(f"sort_statements() must return a dict, got {type(answers).__name__}")
-        got = answers.get(sid)
-        if got not in CONCEPTS:
-            raise Mismatch(f"{sid}: the answer must be one of {CONCEPTS}, got {got!r}")
-        if got != STATEMENTS[sid][1]:
-            raise Mismatch(
-                f"{sid}: {got!r} is not the concept this statement is about (think again: "
-                "what is stored, where it is, or who runs?)"
-            )
-
-    run_cases("ex0.1", cases, run_one, describe=lambda sid: f"{sid}: {STATEMENTS[sid][0]}")
+# NOTE: graded once, by the key: a failure says how many statements are misplaced, never which
+register(
+    SPECS,
+    concept_spec(
+        "ex0.1",
+        "the three ideas: sort statements into data, addressing, scheduling",
+        {sid: (text, CONCEPTS) for sid, text in STATEMENTS.items()},
+        fn_name="sort_statements",
+    ),
+)
 
 
 # -- ex0.2: predict the block tables ---------------------------------------------------------
@@ -260,35 +238,28 @@ def check_ridge_batch(ridge_batch) -> None:
 # -- ex0.5: concept questions with a number or a choice ----------------------------------------
 
 # question id -> (what is asked, the answer, how to compare: "choice" or a relative tolerance)
-CONCEPT_KEY = {
-    "q1": ("blocks a 100-token request holds with block_size 16", 7, 0.0),
-    "q2": ("slots of those blocks that hold no token", 12, 0.0),
+# question id -> (what is asked, the allowed choices or None for a number); the answers
+# are in the instructor's key (notebooks/exercises/_instructor/key.json), not in the package
+QUESTIONS = {
+    "q1": ("blocks a 100-token request holds with block_size 16", None),
+    "q2": ("slots of those blocks that hold no token", None),
     "q3": (
         "which idea decides where a token's K/V lives: 'data', 'addressing' or 'scheduling'",
-        "addressing",
-        "choice",
+        ("data", "addressing", "scheduling"),
     ),
     "q4": (
         "decode of OPT-13B on an A100-40GB at batch 1: 'memory'-bound or 'compute'-bound",
-        "memory",
-        "choice",
+        ("memory", "compute"),
     ),
-    "q5": (
-        "the course cost model's decode step for OPT-13B, A100-40GB, batch 1, context 400, in ms",
-        round(CostModel().step_time([(1, 400)]) * 1e3, 3),
-        0.01,
-    ),
+    "q5": ("the course cost model's decode step for OPT-13B, A100-40GB, batch 1, context 400, in ms", None),
 }
-
-
-@exercise(CHECKS, "ex0.5", "concept questions (numbers and choices)")
-def check_concept_answers(concept_answers) -> None:
-    check_concept_questions("ex0.5", concept_answers, CONCEPT_KEY)
+register(SPECS, concept_spec("ex0.5", "concept questions (numbers and choices)", QUESTIONS))
 
 
 __all__ = [
     "CHECKS",
-    "CONCEPT_KEY",
+    "QUESTIONS",
+    "SPECS",
     "EVENTS",
     "STATEMENTS",
     "ExerciseFailure",

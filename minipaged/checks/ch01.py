@@ -28,7 +28,6 @@ import random
 from minipaged.checks._harness import (
     ExerciseFailure,
     Mismatch,
-    check_concept_questions,
     exercise,
     expect_close,
     expect_equal,
@@ -36,6 +35,7 @@ from minipaged.checks._harness import (
     require_callable,
     run_cases,
 )
+from minipaged.checks._spec import concept_spec, register
 from minipaged.core import KVCacheManager
 from minipaged.core.kv.contiguous import ContiguousAllocator
 
@@ -318,31 +318,28 @@ def check_max_batch(max_batch) -> None:
 
 # -- ex1.6: concept questions ----------------------------------------------------------------
 
-CONCEPT_KEY = {
-    "q1": ("slots of the pow2 run of ex1.4 reserved but never used, after E is placed", 9, 0.0),
-    "q2": ("blocks of 4 slots a 9-token request holds when paged", 3, 0.0),
+# question id -> (what is asked, the allowed choices or None for a number); the answers
+# are in the instructor's key (notebooks/exercises/_instructor/key.json), not in the package
+QUESTIONS = {
+    "q1": ("slots of the pow2 run of ex1.4 reserved but never used, after E is placed", None),
+    "q2": ("blocks of 4 slots a 9-token request holds when paged", None),
     "q3": (
-        "F of ex1.4 does not fit although 0 slots are free: is that 'internal' or 'external' "
-        "fragmentation, or 'neither'",
-        "neither",
-        "choice",
+        "F of ex1.4 does not fit although 0 slots are free: is that 'internal' or 'external' fragmentation, or 'neither'",
+        ("internal", "external", "neither"),
     ),
     "q4": (
         "which waste does paging leave, bounded by block_size - 1 slots per request: 'internal' or 'external'",
-        "internal",
-        "choice",
+        ("internal", "external"),
     ),
 }
-
-
-@exercise(CHECKS, "ex1.6", "concept questions (numbers and choices)")
-def check_concept_answers(concept_answers) -> None:
-    check_concept_questions("ex1.6", concept_answers, CONCEPT_KEY)
+SPECS: dict = {}
+register(SPECS, concept_spec("ex1.6", "concept questions (numbers and choices)", QUESTIONS))
 
 
 __all__ = [
     "CHECKS",
-    "CONCEPT_KEY",
+    "QUESTIONS",
+    "SPECS",
     "CONTIG_EVENTS",
     "CONTIG_KNOBS",
     "ExerciseFailure",

@@ -7,30 +7,21 @@ Exercises (notebooks/exercises/ch02_block_tables.ipynb)
           demand, all or nothing.
     ex2.4 ``slot_mapping(block_table, block_size, start, end)``: the flat cache slot of
           each token.
+    ex2.5 predict the free queue (a per-student workload); ex2.6 measure how many requests
+    fit; ex2.7 concept questions (answers in the instructor's key only).
 
-Reference: the package's ``FreeKVCacheBlockQueue``, ``KVCacheManager.allocate_slots`` and
-``KVCacheManager.get_slot_mapping``, run side by side with the student's code on seeded
-random operation sequences. The student's queue / manager is a subclass whose own
-``popleft`` / ``remove`` / ``allocate_slots`` are switched off, so the check measures the
-student's code, not the package's. Pure Python, no torch.
+Each exercise is a spec (``minipaged.checks._spec``): seeded operation sequences as plain
+data; ``observe`` builds the queue / manager a case describes, runs the student's function
+on it and returns what can be seen afterwards (the links walked both ways, the counter,
+the block tables, what each call returned or raised); the trusted side runs the same
+``observe`` with the package's own method and compares. The queue / manager handed to the
+student's code has its own ``popleft`` / ``remove`` / ``allocate_slots`` switched off.
+Pure Python, no torch.
 """
 
 from __future__ import annotations
 
-import random
-
-from minipaged.checks._harness import (
-    Mismatch,
-    check_concept_questions,
-    exercise,
-    expect_equal,
-    expect_equal_to_reference,
-    expect_invariants,
-    expect_raises,
-    expect_true,
-    require_callable,
-    run_cases,
-)
+from minipaged.checks._spec import Spec, attempt, concept_spec, register
 from minipaged.core import BlockPool, BlockTable, FreeKVCacheBlockQueue, KVCacheBlock, KVCacheManager
 
 CHECKS: dict = {}
@@ -46,50 +37,56 @@ class _StudentQueue(FreeKVCacheBlockQueue):
         raise RuntimeError("queue.remove() is switched off in this check: unlink the block yourself")
 
 
-def _walk(queue: FreeKVCacheBlockQueue, limit: int) -> tuple[list[int], list[int]]:
-    """Block ids front-to-back and back-to-front, following the links (cycle-safe)."""
+SPECS: dict = {}
+
+
+def _walk(queue: FreeKVCacheBlockQueue, limit: int):
+    """Block ids front-to-back and back-to-front (reversed), following the links (cycle-safe);
+    a broken chain is reported as data: ``"broken after [ids]"``."""
     fwd, b = [], queue._head.next_free_block
     while b is not queue._tail:
-        if b is None or len(fwd) > limit:
-            raise Mismatch(
-                "the forward links (next_free_block) are broken: "
-                f"walked {[*fwd[:limit]]} then hit {'None' if b is None else 'a cycle'}"
-            )
+        if type(b) is not KVCacheBlock or len(fwd) > limit:
+            fwd = f"broken after {fwd[:limit]}"
+            break
         fwd.append(b.block_id)
         b = b.next_free_block
     bwd, b = [], queue._tail.prev_free_block
     while b is not queue._head:
-        if b is None or len(bwd) > limit:
-            raise Mismatch(
-                "the backward links (prev_free_block) are broken: "
-                f"walked {[*bwd[:limit]]} then hit {'None' if b is None else 'a cycle'}"
-            )
+        if type(b) is not KVCacheBlock or len(bwd) > limit:
+            bwd = f"broken after {bwd[:limit]}"
+            break
         bwd.append(b.block_id)
         b = b.prev_free_block
-    return fwd, bwd[::-1]
+    return fwd, bwd[::-1] if isinstance(bwd, list) else bwd
 
 
-def _compare_queues(
-    step: str, ref: FreeKVCacheBlockQueue, stu: FreeKVCacheBlockQueue, stu_blocks: list[KVCacheBlock]
-) -> None:
-    ref_ids = [b.block_id for b in ref.get_all_free_blocks()]
-    fwd, bwd = _walk(stu, len(stu_blocks) + 1)
-    expect_equal(f"after {step}: free queue, front to back", ref_ids, fwd)
-    expect_equal(f"after {step}: free queue, back to front (prev links), reversed", ref_ids, bwd)
-    expect_equal(f"after {step}: queue.num_free_blocks", ref.num_free_blocks, stu.num_free_blocks)
-    free = set(fwd)
-    for b in stu_blocks:
-        if b.block_id not in free:
-            expect_true(
-                f"after {step}: block {b.block_id} left the queue but still has links",
-                b.prev_free_block is None and b.next_free_block is None,
-                "set its prev_free_block and next_free_block to None",
-            )
+def _queue_state(queue: FreeKVCacheBlockQueue, blocks: list[KVCacheBlock]) -> dict:
+    fwd, bwd = _walk(queue, len(blocks) + 1)
+    free = set(fwd) if isinstance(fwd, list) else set()
+    stale = [
+        b.block_id
+        for b in blocks
+        if b.block_id not in free and (b.prev_free_block is not None or b.next_free_block is not None)
+    ]
+    n = queue.num_free_blocks
+    return {
+        "free queue, front to back": fwd,
+        "free queue, back to front (prev links), reversed": bwd,
+        "queue.num_free_blocks": n if type(n) is int else repr(n),
+        "blocks out of the queue that still have links": stale,
+    }
 
 
-def _queue_cases(exercise_id: str, op_name: str, n_cases: int):
-    """Seeded (num_blocks, initial order, ops) for the queue exercises, simulated on the reference."""
-    rng = random.Random(exercise_id)
+def _block_id(block, blocks: list[KVCacheBlock]):
+    """A returned block as data: its id when it is one of the queue's own blocks."""
+    if type(block) is KVCacheBlock and type(block.block_id) is int and 0 <= block.block_id < len(blocks):
+        if block is blocks[block.block_id]:
+            return block.block_id
+    return {"not one of the queue's blocks": type(block).__name__}
+
+
+def _queue_cases(rng, op_name: str, n_cases: int):
+    """(num_blocks, initial order, ops) for the queue exercises."""
     cases = []
     for _ in range(n_cases):
         n = rng.randint(1, 8)
@@ -128,82 +125,82 @@ def _describe_queue_case(case) -> str:
     return f"a free queue holding blocks {order} (front first), then: {steps}"
 
 
-def _twin_queues(n: int, order: list[int]):
-    """The same free queue twice: the package's, and one the student's function works on."""
-    ref_blocks = [KVCacheBlock(i) for i in range(n)]
-    stu_blocks = [KVCacheBlock(i) for i in range(n)]
-    ref = FreeKVCacheBlockQueue([ref_blocks[i] for i in order])
-    stu = _StudentQueue([stu_blocks[i] for i in order])
-    return ref_blocks, ref, stu_blocks, stu
+def _student_queue(n: int, order: list[int]):
+    blocks = [KVCacheBlock(i) for i in range(n)]
+    return blocks, _StudentQueue([blocks[i] for i in order])
 
 
-@exercise(CHECKS, "ex2.1", "remove a block from the middle of the free queue")
-def check_remove(remove) -> None:
-    require_callable("ex2.1", remove, "remove(queue, block)")
+def observe_remove(case, remove) -> list:
+    n, order, ops = case
+    blocks, queue = _student_queue(n, order)
+    steps = []
+    for op, b in ops:
+        if op == "append":
+            FreeKVCacheBlockQueue.append(queue, blocks[b])
+            call = None
+        else:
+            call = attempt(lambda: remove(queue, blocks[b]))
+        steps.append({"call": call, **_queue_state(queue, blocks)})
+    return steps
 
-    def run_one(case):
-        n, order, ops = case
-        ref_blocks, ref, stu_blocks, stu = _twin_queues(n, order)
-        for k, (op, b) in enumerate(ops):
-            step = f"step {k + 1} ({op} block {b})"
-            if op == "append":
-                ref.append(ref_blocks[b])
-                FreeKVCacheBlockQueue.append(stu, stu_blocks[b])
-            elif ref_blocks[b] in ref:
-                ref.remove(ref_blocks[b])
-                result = remove(stu, stu_blocks[b])
-                expect_equal(f"{step}: return value of remove", None, result)
-            else:
-                expect_raises(
-                    f"{step}: block {b} is not in the queue", RuntimeError, lambda: remove(stu, stu_blocks[b])
-                )
-            _compare_queues(step, ref, stu, stu_blocks)
 
-    run_cases(
+def observe_popleft(case, fn) -> list:
+    """The returned block is recorded as its id, when it is one of the queue's own blocks."""
+    n, order, ops = case
+    blocks, queue = _student_queue(n, order)
+    steps = []
+    for op, b in ops:
+        call = None
+        if op == "append":
+            FreeKVCacheBlockQueue.append(queue, blocks[b])
+        else:
+            box = []
+            call = attempt(lambda: box.append(fn(queue)))
+            if "returned" in call:
+                call = {"returned block": _block_id(box[0], blocks)}
+        steps.append({"call": call, **_queue_state(queue, blocks)})
+    return steps
+
+
+def _ref_popleft(queue: FreeKVCacheBlockQueue) -> KVCacheBlock:
+    """The package's ``popleft``, on a queue whose own ``remove`` is switched off."""
+    block = queue._head.next_free_block
+    if block is queue._tail or block is None:
+        raise ValueError("no free blocks left")
+    FreeKVCacheBlockQueue.remove(queue, block)
+    return block
+
+
+def _size_queue(c):
+    return (len(c[2]), c[0])
+
+
+register(
+    SPECS,
+    Spec(
         "ex2.1",
-        _queue_cases("ex2.1", "remove", 300),
-        run_one,
-        size=lambda c: (len(c[2]), c[0]),
+        "remove a block from the middle of the free queue",
+        "remove(queue, block)",
+        cases=lambda rng: _queue_cases(rng, "remove", 300),
+        observe=observe_remove,
+        reference=lambda: (lambda q, b: FreeKVCacheBlockQueue.remove(q, b),),
         describe=_describe_queue_case,
-    )
-
-
-@exercise(CHECKS, "ex2.2", "popleft: hand out the least recently freed block")
-def check_popleft(popleft) -> None:
-    require_callable("ex2.2", popleft, "popleft(queue)")
-
-    def run_one(case):
-        n, order, ops = case
-        ref_blocks, ref, stu_blocks, stu = _twin_queues(n, order)
-        for k, (op, b) in enumerate(ops):
-            step = f"step {k + 1} ({op}{'' if b is None else f' block {b}'})"
-            if op == "append":
-                ref.append(ref_blocks[b])
-                FreeKVCacheBlockQueue.append(stu, stu_blocks[b])
-            elif ref.num_free_blocks == 0:
-                expect_raises(f"{step}: the queue is empty", ValueError, lambda: popleft(stu))
-            else:
-                expected = ref.popleft()
-                got = popleft(stu)
-                expect_true(
-                    f"{step}: popleft must return a KVCacheBlock",
-                    isinstance(got, KVCacheBlock),
-                    f"got {got!r}",
-                )
-                expect_equal(f"{step}: id of the block popleft returned", expected.block_id, got.block_id)
-                expect_true(
-                    f"{step}: popleft returned a block that is not one of the queue's blocks",
-                    got is stu_blocks[got.block_id],
-                )
-            _compare_queues(step, ref, stu, stu_blocks)
-
-    run_cases(
+        size=_size_queue,
+    ),
+)
+register(
+    SPECS,
+    Spec(
         "ex2.2",
-        _queue_cases("ex2.2", "popleft", 300),
-        run_one,
-        size=lambda c: (len(c[2]), c[0]),
+        "popleft: hand out the least recently freed block",
+        "popleft(queue)",
+        cases=lambda rng: _queue_cases(rng, "popleft", 300),
+        observe=observe_popleft,
+        reference=lambda: (_ref_popleft,),
         describe=_describe_queue_case,
-    )
+        size=_size_queue,
+    ),
+)
 
 
 class _StudentManager(KVCacheManager):
@@ -220,13 +217,10 @@ class _StudentManager(KVCacheManager):
 
 
 def _manager_state(m: KVCacheManager) -> dict:
-    return {rid: (t.num_tokens, t.block_ids()) for rid, t in sorted(m.block_tables.items())}
+    return {rid: [t.num_tokens, t.block_ids()] for rid, t in sorted(m.block_tables.items())}
 
 
-@exercise(CHECKS, "ex2.3", "allocate_slots: grow a block table on demand, all or nothing")
-def check_allocate_slots(allocate_slots) -> None:
-    require_callable("ex2.3", allocate_slots, "allocate_slots(manager, request_id, num_new_tokens)")
-    rng = random.Random("ex2.3")
+def _allocate_cases(rng):
     cases = []
     for _ in range(250):
         num_blocks = rng.randint(1, 10)
@@ -246,52 +240,60 @@ def check_allocate_slots(allocate_slots) -> None:
                 ops.append(("alloc", rid, rng.randint(1, 2 * block_size + 1)))
                 holding.add(rid)  # maybe (the reference decides)
         cases.append((num_blocks, block_size, ops))
+    return cases
 
-    def run_one(case):
-        num_blocks, block_size, ops = case
-        ref = KVCacheManager(num_blocks, block_size)
-        stu = _StudentManager(num_blocks, block_size)
-        for k, (op, rid, n) in enumerate(ops):
-            step = f"step {k + 1} ({op} {rid}{'' if n is None else f', {n} tokens'})"
-            if op == "free":
-                if rid in ref.block_tables:
-                    ref.free(rid)
-                    KVCacheManager.free(stu, rid)
-                continue
-            try:
-                expected = ref.allocate_slots(rid, n)
-            except ValueError:
-                expect_raises(f"{step}: a caller error", ValueError, lambda: allocate_slots(stu, rid, n))
+
+def observe_allocate_slots(case, allocate_slots) -> list:
+    num_blocks, block_size, ops = case
+    m = _StudentManager(num_blocks, block_size)
+    steps = []
+    for op, rid, n in ops:
+        if op == "free":
+            if rid in m.block_tables:
+                KVCacheManager.free(m, rid)
+            continue
+        box = []
+        call = attempt(lambda: box.append(allocate_slots(m, rid, n)))
+        if "returned" in call:
+            got = box[0]
+            if got is None:
+                call = {"returned": None}
+            elif type(got) is list and all(type(b) is KVCacheBlock for b in got):
+                call = {"returned new blocks": [b.block_id for b in got]}
             else:
-                got = allocate_slots(stu, rid, n)
-                if expected is None:
-                    expect_equal(f"{step}: the pool cannot supply the blocks, so the return value", None, got)
-                else:
-                    expect_true(
-                        f"{step}: allocate_slots must return the list of new KVCacheBlocks",
-                        isinstance(got, list) and all(isinstance(b, KVCacheBlock) for b in got),
-                        f"got {got!r}",
-                    )
-                    expect_equal(
-                        f"{step}: ids of the new blocks",
-                        [b.block_id for b in expected],
-                        [b.block_id for b in got],
-                    )
-            expect_equal(
-                f"after {step}: {{request: (num_tokens, block table)}}",
-                _manager_state(ref),
-                _manager_state(stu),
-            )
-            expect_invariants(f"after {step}", stu)
-
-    def describe(case):
-        num_blocks, block_size, ops = case
-        steps = "; ".join(
-            f"free({rid!r})" if op == "free" else f"allocate_slots(m, {rid!r}, {n})" for op, rid, n in ops
+                call = {"returned": {"not a list of KVCacheBlocks": type(got).__name__}}
+        try:
+            m.check_invariants()
+            inv = "hold"
+        except AssertionError as e:
+            inv = {"broken": True, "_message": str(e)[:300]}
+        steps.append(
+            {"call": call, "{request: [num_tokens, block ids]}": _manager_state(m), "invariants": inv}
         )
-        return f"m = KVCacheManager(num_blocks={num_blocks}, block_size={block_size}); then: {steps}"
+    return steps
 
-    run_cases("ex2.3", cases, run_one, size=lambda c: (len(c[2]), c[0]), describe=describe)
+
+def _describe_allocate(case):
+    num_blocks, block_size, ops = case
+    steps = "; ".join(
+        f"free({rid!r})" if op == "free" else f"allocate_slots(m, {rid!r}, {n})" for op, rid, n in ops
+    )
+    return f"m = KVCacheManager(num_blocks={num_blocks}, block_size={block_size}); then: {steps}"
+
+
+register(
+    SPECS,
+    Spec(
+        "ex2.3",
+        "allocate_slots: grow a block table on demand, all or nothing",
+        "allocate_slots(manager, request_id, num_new_tokens)",
+        cases=_allocate_cases,
+        observe=observe_allocate_slots,
+        reference=lambda: (lambda m, rid, n: KVCacheManager.allocate_slots(m, rid, n),),
+        describe=_describe_allocate,
+        size=lambda c: (len(c[2]), c[0]),
+    ),
+)
 
 
 def ref_slot_mapping(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
@@ -301,10 +303,7 @@ def ref_slot_mapping(block_table: list[int], block_size: int, start: int, end: i
     return table.slot_mapping(start, end)
 
 
-@exercise(CHECKS, "ex2.4", "slot mapping: where each token's K/V goes in the flat cache")
-def check_slot_mapping(slot_mapping) -> None:
-    require_callable("ex2.4", slot_mapping, "slot_mapping(block_table, block_size, start, end)")
-    rng = random.Random("ex2.4")
+def _slot_cases(rng):
     cases = [([0], 1, 0, 1), ([3], 2, 0, 2), ([2, 0], 2, 1, 3)]
     for _ in range(200):
         block_size = rng.choice([1, 2, 4, 16])
@@ -317,87 +316,104 @@ def check_slot_mapping(slot_mapping) -> None:
             start = rng.randint(0, cap)
             end = rng.randint(start, cap)
         cases.append((table, block_size, start, end))
-
-    def run_one(case):
-        table, block_size, start, end = case
-        try:
-            expected = ref_slot_mapping(table, block_size, start, end)
-        except ValueError:
-            expect_raises(
-                "a token span outside the block table",
-                ValueError,
-                lambda: slot_mapping(list(table), block_size, start, end),
-            )
-            return
-        got = slot_mapping(list(table), block_size, start, end)
-        if not isinstance(got, list):
-            got = list(got) if hasattr(got, "__iter__") else got
-        expect_equal("slots", expected, got)
-
-    def describe(case):
-        table, block_size, start, end = case
-        return f"slot_mapping(block_table={table}, block_size={block_size}, start={start}, end={end})"
-
-    run_cases("ex2.4", cases, run_one, size=lambda c: (len(c[0]) * c[1], c[3] - c[2]), describe=describe)
+    return cases
 
 
-# -- ex2.5: predict the free queue ------------------------------------------------------------
+def observe_slot_mapping(case, slot_mapping):
+    table, block_size, start, end = case
+    return attempt(lambda: slot_mapping(list(table), block_size, start, end))
+
+
+register(
+    SPECS,
+    Spec(
+        "ex2.4",
+        "slot mapping: where each token's K/V goes in the flat cache",
+        "slot_mapping(block_table, block_size, start, end)",
+        cases=_slot_cases,
+        observe=observe_slot_mapping,
+        reference=lambda: (ref_slot_mapping,),
+        describe=lambda c: f"slot_mapping(block_table={c[0]}, block_size={c[1]}, start={c[2]}, end={c[3]})",
+        size=lambda c: (len(c[0]) * c[1], c[3] - c[2]),
+    ),
+)
+
+
+# -- ex2.5: predict the free queue (one workload per student) --------------------------------
 
 QUEUE_KNOBS = {"num_blocks": 6, "block_size": 2}
 # (request id, tokens to add) or (request id, None) = the request finishes and frees its blocks
 QUEUE_EVENTS = [("A", 3), ("B", 4), ("A", 2), ("B", None), ("C", 5), ("A", None)]
 
 
-def _queue_event_text(event) -> str:
+def queue_event_text(event) -> str:
     rid, n = event
     return f"{rid} finishes (free)" if n is None else f"{rid} allocates {n} more tokens"
 
 
-def reference_free_queues():
-    """The free queue (front to back) after each event of QUEUE_EVENTS, and the pictures."""
-    from minipaged import viz
-
-    kv = KVCacheManager(**QUEUE_KNOBS)
-    queues, pictures = [], []
-    for rid, n in QUEUE_EVENTS:
+def reference_free_queues(events=QUEUE_EVENTS, knobs=QUEUE_KNOBS) -> list[list[int]]:
+    """The free queue (front to back) after each event."""
+    kv = KVCacheManager(**knobs)
+    queues = []
+    for rid, n in events:
         if n is None:
             kv.free(rid)
         elif kv.allocate_slots(rid, n) is None:
             raise RuntimeError(f"checker bug: {rid} does not fit")
-        queue = [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()]
-        queues.append(queue)
-        pictures.append(viz.block_tables_text(kv))
-    return queues, pictures
+        queues.append([b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()])
+    return queues
 
 
-@exercise(CHECKS, "ex2.5", "predict the free queue after each event")
-def check_predict_free_queue(predict_free_queue) -> None:
-    require_callable("ex2.5", predict_free_queue, "predict_free_queue")
-    from minipaged.checks._harness import Mismatch
+def queue_events_variant(rng) -> list:
+    """Six events that all fit a fresh ``QUEUE_KNOBS`` pool, at least one free, drawn by ``rng``."""
+    while True:
+        kv = KVCacheManager(**QUEUE_KNOBS)
+        events, ok = [], True
+        for k in range(6):
+            holding = sorted(kv.block_tables)
+            if holding and (k >= 2 and rng.random() < 0.35):
+                rid = rng.choice(holding)
+                kv.free(rid)
+                events.append((rid, None))
+                continue
+            rid = rng.choice(["A", "B", "C", "D"])
+            n = rng.randint(1, 5)
+            try:
+                got = kv.allocate_slots(rid, n)
+            except ValueError:
+                got = None
+            if got is None:
+                ok = False
+                break
+            events.append((rid, n))
+        if ok and any(n is None for _, n in events):
+            return events
 
-    queues, pictures = reference_free_queues()
 
-    def run_one(i):
-        got = predict_free_queue()
-        if not isinstance(got, list) or len(got) != len(QUEUE_EVENTS):
-            raise Mismatch(
-                f"predict_free_queue() must return a list of {len(QUEUE_EVENTS)} lists, one per event, got {got!r}"
-            )
-        if not isinstance(got[i], (list, tuple)) or list(got[i]) != queues[i]:
-            raise Mismatch(
-                f"after event {i} ({_queue_event_text(QUEUE_EVENTS[i])}):\n    expected {queues[i]!r}\n"
-                f"    got      {got[i]!r}\n  the manager's picture after this event:\n"
-                + "\n".join("    " + ln for ln in pictures[i].splitlines())
-            )
+def _queue_prediction_cases(rng):
+    # NOTE: rng is None for the shipped notebook (the events of its setup cell); a student
+    # copy made with --seed gets the events its seed draws, written into its setup cell
+    return [QUEUE_EVENTS if rng is None else queue_events_variant(rng)]
 
-    run_cases(
+
+def observe_prediction(case, fn):
+    return fn()
+
+
+register(
+    SPECS,
+    Spec(
         "ex2.5",
-        range(len(QUEUE_EVENTS)),
-        run_one,
-        describe=lambda i: "events 0..{}: {}".format(
-            i, "; ".join(map(_queue_event_text, QUEUE_EVENTS[: i + 1]))
-        ),
-    )
+        "predict the free queue after each event",
+        "predict_free_queue()",
+        cases=_queue_prediction_cases,
+        observe=observe_prediction,
+        expected=lambda case, key: reference_free_queues([tuple(e) for e in case]),
+        describe=lambda c: "the events of QUEUE_EVENTS: " + "; ".join(queue_event_text(e) for e in c),
+        kind="prediction",
+    ),
+)
+VARIANTS = {"ex2.5": ("QUEUE_EVENTS", queue_event_text)}
 
 
 # -- ex2.6: how many requests fit, measured --------------------------------------------------
@@ -421,75 +437,53 @@ def ref_max_concurrent(seq_lens, num_blocks: int, block_size: int) -> int:
     return len(seq_lens)
 
 
-@exercise(CHECKS, "ex2.6", "how many requests fit in a paged pool (measure)")
-def check_max_concurrent(max_concurrent) -> None:
-    require_callable("ex2.6", max_concurrent, "max_concurrent(seq_lens, num_blocks, block_size)")
-    from minipaged.checks._harness import _print, _redirect_stdout, _StringIO
-
-    rng = random.Random("ex2.6")
+def _fit_cases(rng):
     cases = [([5, 3, 4], 4, 2), ([1], 1, 1), ([3, 3], 2, 2), ([], 3, 4)]
     for _ in range(120):
         n = rng.randint(0, 10)
         cases.append(
             ([rng.randint(1, 40) for _ in range(n)], rng.randint(1, 24), rng.choice([1, 2, 4, 8, 16]))
         )
-    cases += [([3, 0, 2], 8, 2), ([4, -1], 8, 2)]
+    return cases + [([3, 0, 2], 8, 2), ([4, -1], 8, 2)]
 
-    def run_one(c):
-        lens, nb, bs = c
-        expect_equal_to_reference(
-            "requests that fit (a prefix of seq_lens)",
-            lambda: ref_max_concurrent(lens, nb, bs),
-            lambda: max_concurrent(list(lens), nb, bs),
-        )
 
-    verdict = _StringIO()
-    with _redirect_stdout(verdict):
-        run_cases(
-            "ex2.6",
-            cases,
-            run_one,
-            size=lambda c: (any(n < 1 for n in c[0]), len(c[0]), c[1]),
-            describe=lambda c: f"max_concurrent(seq_lens={c[0]}, num_blocks={c[1]}, block_size={c[2]})",
-        )
+def _fit_report(max_concurrent) -> str:
     fits = {bs: max_concurrent(list(FIT_LENS), FIT_SLOTS // bs, bs) for bs in FIT_BLOCK_SIZES}
-    _print(
+    return (
         f"FIT_LENS in {FIT_SLOTS} slots: "
         + ", ".join(f"block_size {bs}: {n} requests" for bs, n in fits.items())
+        + "\n"
     )
-    _print(verdict.getvalue(), end="")
 
 
-# -- ex2.7: concept questions ----------------------------------------------------------------
-
-CONCEPT_KEY = {
-    "q1": ("slot of token 5 with block_table [3, 1, 4] and block_size 4", 6, 0.0),
-    "q2": ("blocks a request holds after allocating 3, then 2 more tokens, with block_size 2", 3, 0.0),
-    "q3": (
-        "which end of the free queue does a new block come from: 'front' or 'back'",
-        "front",
-        "choice",
+register(
+    SPECS,
+    Spec(
+        "ex2.6",
+        "how many requests fit in a paged pool (measure)",
+        "max_concurrent(seq_lens, num_blocks, block_size)",
+        cases=_fit_cases,
+        observe=lambda c, fn: attempt(lambda: fn(list(c[0]), c[1], c[2])),
+        reference=lambda: (ref_max_concurrent,),
+        describe=lambda c: f"max_concurrent(seq_lens={c[0]}, num_blocks={c[1]}, block_size={c[2]})",
+        size=lambda c: (any(n < 1 for n in c[0]), len(c[0]), c[1]),
+        report=_fit_report,
     ),
+)
+
+
+# -- ex2.7: concept questions (the answers are in the instructor's key) ---------------------
+
+QUESTIONS = {
+    "q1": ("slot of token 5 with block_table [3, 1, 4] and block_size 4", None),
+    "q2": ("blocks a request holds after allocating 3, then 2 more tokens, with block_size 2", None),
+    "q3": ("which end of the free queue does a new block come from", ("front", "back")),
     "q4": (
         "the largest block size of FIT_BLOCK_SIZES that still fits as many FIT_LENS requests as block_size 1",
         None,
-        0.0,
     ),
 }
-
-
-def _concept_key():
-    key = dict(CONCEPT_KEY)
-    best = ref_max_concurrent(FIT_LENS, FIT_SLOTS, 1)
-    q, _, how = key["q4"]
-    ok = [bs for bs in FIT_BLOCK_SIZES if ref_max_concurrent(FIT_LENS, FIT_SLOTS // bs, bs) == best]
-    key["q4"] = (q, max(ok), how)
-    return key
-
-
-@exercise(CHECKS, "ex2.7", "concept questions (numbers and choices)")
-def check_concept_answers(concept_answers) -> None:
-    check_concept_questions("ex2.7", concept_answers, _concept_key())
+register(SPECS, concept_spec("ex2.7", "concept questions (numbers and choices)", QUESTIONS))
 
 
 __all__ = [
@@ -499,5 +493,7 @@ __all__ = [
     "FIT_SLOTS",
     "QUEUE_EVENTS",
     "QUEUE_KNOBS",
+    "SPECS",
+    "VARIANTS",
     "ref_slot_mapping",
 ]

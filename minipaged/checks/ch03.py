@@ -36,13 +36,13 @@ import torch
 from minipaged.checks._harness import (
     ExerciseFailure,
     Mismatch,
-    check_concept_questions,
     exercise,
     expect_close_to_reference,
     expect_true,
     require_callable,
     run_cases,
 )
+from minipaged.checks._spec import concept_spec, register
 from minipaged.kernels.reference import paged_attention_ref
 
 CHECKS: dict = {}
@@ -481,26 +481,19 @@ def check_attention_intensity(attention_intensity) -> None:
 
 # -- ex3.7: concept questions ----------------------------------------------------------------
 
-CONCEPT_KEY = {
-    "q1": ("split-KV partitions of a 1000-token sequence with partition_size 512", 2, 0.0),
-    "q2": ("KV heads query head 13 reads with 32 query heads and 8 KV heads (its index)", 3, 0.0),
+# question id -> (what is asked, the allowed choices or None for a number); the answers
+# are in the instructor's key (notebooks/exercises/_instructor/key.json), not in the package
+QUESTIONS = {
+    "q1": ("split-KV partitions of a 1000-token sequence with partition_size 512", None),
+    "q2": ("KV heads query head 13 reads with 32 query heads and 8 KV heads (its index)", None),
     "q3": (
-        "does the paged kernel compute the same numbers as attention over a contiguous cache, "
-        "up to rounding: 'yes' or 'no'",
-        "yes",
-        "choice",
+        "does the paged kernel compute the same numbers as attention over a contiguous cache, up to rounding: 'yes' or 'no'",
+        ("yes", "no"),
     ),
-    "q4": (
-        "what the decode kernel is bound by at batch 1: 'memory' or 'compute'",
-        "memory",
-        "choice",
-    ),
+    "q4": ("what the decode kernel is bound by at batch 1: 'memory' or 'compute'", ("memory", "compute")),
 }
-
-
-@exercise(CHECKS, "ex3.7", "concept questions (numbers and choices)")
-def check_concept_answers(concept_answers) -> None:
-    check_concept_questions("ex3.7", concept_answers, CONCEPT_KEY)
+SPECS: dict = {}
+register(SPECS, concept_spec("ex3.7", "concept questions (numbers and choices)", QUESTIONS))
 
 
 __all__ = ["CHECKS", "launch_decode_kernel", "split_kv_partials"]

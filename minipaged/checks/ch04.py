@@ -29,7 +29,6 @@ from __future__ import annotations
 import random
 
 from minipaged.checks._harness import (
-    check_concept_questions,
     check_step_predictions,
     exercise,
     expect_equal,
@@ -45,6 +44,7 @@ from minipaged.checks._scheduler_cases import (
     random_recipe,
     snapshot,
 )
+from minipaged.checks._spec import concept_spec, register
 from minipaged.core import Request, RequestStatus, Scheduler
 from minipaged.core.sched.utils import check_stop as pkg_check_stop
 
@@ -375,32 +375,22 @@ def check_serve(serve) -> None:
 
 # -- ex4.6: concept questions ----------------------------------------------------------------
 
-CONCEPT_KEY = {
-    "q1": ("steps of the PREDICT_RUN with max_num_seqs=1 instead of 3", None, 0.0),
+# question id -> (what is asked, the allowed choices or None for a number); the answers
+# are in the instructor's key (notebooks/exercises/_instructor/key.json), not in the package
+QUESTIONS = {
+    "q1": ("steps of the PREDICT_RUN with max_num_seqs=1 instead of 3", None),
     "q2": (
         "a finished request's blocks are reused by another request in the same step or the next: 'same' or 'next'",
-        "next",
-        "choice",
+        ("same", "next"),
     ),
-    "q3": ("tokens in a step that runs 3 decodes and a 5-token prefill chunk", 8, 0.0),
+    "q3": ("tokens in a step that runs 3 decodes and a 5-token prefill chunk", None),
     "q4": (
         "the request at the head of waiting does not fit; may the scheduler admit the one behind it? 'yes' or 'no'",
-        "no",
-        "choice",
+        ("yes", "no"),
     ),
 }
-
-
-def _concept_key():
-    key = dict(CONCEPT_KEY)
-    q, _, how = key["q1"]
-    key["q1"] = (q, len(reference_steps(max_num_seqs=1).steps), how)
-    return key
-
-
-@exercise(CHECKS, "ex4.6", "concept questions (numbers and choices)")
-def check_concept_answers(concept_answers) -> None:
-    check_concept_questions("ex4.6", concept_answers, _concept_key())
+SPECS: dict = {}
+register(SPECS, concept_spec("ex4.6", "concept questions (numbers and choices)", QUESTIONS))
 
 
 __all__ = ["CHECKS", "PREDICT_KNOBS", "PREDICT_REQUESTS", "SERVE_WORKLOAD", "compare_snapshots"]

@@ -31,8 +31,8 @@ from __future__ import annotations
 import random
 
 from minipaged.checks._harness import (
+    ExerciseFailure,
     Mismatch,
-    check_concept_questions,
     check_step_predictions,
     exercise,
     expect_equal,
@@ -41,6 +41,7 @@ from minipaged.checks._harness import (
     run_cases,
 )
 from minipaged.checks._scheduler_cases import Recipe, build, random_recipe
+from minipaged.checks._spec import concept_spec, register
 from minipaged.checks.ch04 import _pairs, _scheduled, compare_snapshots
 from minipaged.core import Request, Scheduler
 from minipaged.core.sched.output import SchedulerOutput
@@ -285,6 +286,8 @@ DESIGN_WORKLOAD = [
 ]
 DESIGN_KNOBS = {"num_blocks": 24, "block_size": 4, "max_num_seqs": 8, "max_num_batched_tokens": 32}
 _MAX_STEPS = 2000
+PREEMPTION_BAR = 0.5  # a rule's preemptions, all workloads together, at most this share of the default's
+STEPS_MARGIN = 0.10  # and its steps (throughput) at most this much more than the default's
 
 
 def run_admission(rule, workload=DESIGN_WORKLOAD, **knobs):
@@ -377,6 +380,21 @@ def check_can_admit(can_admit) -> None:
     verdict = _StringIO()
     with _redirect_stdout(verdict):
         run_cases("ex5.6", _design_cases(), run_one, describe=describe)
+    # NOTE: the bar (issue 25): a rule must do better than admitting everything, which the
+    # scheduler does by default, on the checker's workloads taken together
+    base = [run_admission(None, w, **k) for _, w, k in _design_cases()]
+    mine = [run_admission(can_admit, w, **k) for _, w, k in _design_cases()]
+    base_steps, base_pre = sum(b[0] for b in base), sum(b[1] for b in base)
+    my_steps, my_pre = sum(m[0] for m in mine), sum(m[1] for m in mine)
+    worse = [name for (name, _, _), b, m in zip(_design_cases(), base, mine) if m[1] > b[1]]
+    if worse or my_pre > base_pre * PREEMPTION_BAR or my_steps > base_steps * (1 + STEPS_MARGIN):
+        raise ExerciseFailure(
+            f"ex5.6: your rule runs, but does not clear the bar on the checker's {len(base)} workloads: "
+            f"at most {PREEMPTION_BAR:.0%} of the default rule's preemptions in all (default {base_pre}, "
+            f"yours {my_pre}), never more on any one workload"
+            + (f" (more on: {', '.join(worse)})" if worse else "")
+            + f", and at most {STEPS_MARGIN:.0%} more steps in all (default {base_steps}, yours {my_steps})"
+        )
     steps, pre = run_admission(None)
     _print(f"DESIGN_WORKLOAD, default (always admit): {steps} steps, {pre} preemptions")
     steps, pre = run_admission(can_admit)
@@ -386,31 +404,25 @@ def check_can_admit(can_admit) -> None:
 
 # -- ex5.7: concept questions ----------------------------------------------------------------
 
-CONCEPT_KEY = {
-    "q1": ("preemptions in the run of ex5.5", 1, 0.0),
-    "q2": ("tokens the preempted request of ex5.5 recomputes when it is admitted again", 5, 0.0),
-    "q3": (
-        "which running request does v1 preempt: 'last' arrival or 'first' arrival",
-        "last",
-        "choice",
-    ),
+# question id -> (what is asked, the allowed choices or None for a number); the answers
+# are in the instructor's key (notebooks/exercises/_instructor/key.json), not in the package
+QUESTIONS = {
+    "q1": ("preemptions in the run of ex5.5", None),
+    "q2": ("tokens the preempted request of ex5.5 recomputes when it is admitted again", None),
+    "q3": ("which running request does v1 preempt: 'last' arrival or 'first' arrival", ("last", "first")),
     "q4": (
-        "can the default rule (always admit) cause a preemption that a rule reserving every running "
-        "request's max_tokens avoids: 'yes' or 'no'",
-        "yes",
-        "choice",
+        "can the default rule (always admit) cause a preemption that a rule reserving every running request's max_tokens avoids: 'yes' or 'no'",
+        ("yes", "no"),
     ),
 }
-
-
-@exercise(CHECKS, "ex5.7", "concept questions (numbers and choices)")
-def check_concept_answers(concept_answers) -> None:
-    check_concept_questions("ex5.7", concept_answers, CONCEPT_KEY)
+SPECS: dict = {}
+register(SPECS, concept_spec("ex5.7", "concept questions (numbers and choices)", QUESTIONS))
 
 
 __all__ = [
     "CHECKS",
-    "CONCEPT_KEY",
+    "QUESTIONS",
+    "SPECS",
     "DESIGN_KNOBS",
     "DESIGN_WORKLOAD",
     "PREDICT_KNOBS",

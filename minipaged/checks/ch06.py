@@ -35,7 +35,6 @@ from typing import Optional
 
 from minipaged.checks._harness import (
     Mismatch,
-    check_concept_questions,
     exercise,
     expect_equal,
     expect_equal_to_reference,
@@ -45,6 +44,7 @@ from minipaged.checks._harness import (
     require_callable,
     run_cases,
 )
+from minipaged.checks._spec import concept_spec, register
 from minipaged.core import BlockPool, BlockSpaceManager, BlockTable, KVCacheBlock, Request, hash_block_tokens
 
 CHECKS: dict = {}
@@ -576,26 +576,19 @@ def check_blocks_with_sharing(blocks_with_sharing) -> None:
 
 # -- ex6.7: concept questions ----------------------------------------------------------------
 
-CONCEPT_KEY = {
-    "q1": ("block copies (copy-on-write) in the run of ex6.5", 2, 0.0),
-    "q2": ("ref_cnt of block 0 after A, B and C all hold it", 3, 0.0),
-    "q3": (
-        "does fork copy any K/V: 'yes' or 'no'",
-        "no",
-        "choice",
-    ),
+# question id -> (what is asked, the allowed choices or None for a number); the answers
+# are in the instructor's key (notebooks/exercises/_instructor/key.json), not in the package
+QUESTIONS = {
+    "q1": ("block copies (copy-on-write) in the run of ex6.5", None),
+    "q2": ("ref_cnt of block 0 after A, B and C all hold it", None),
+    "q3": ("does fork copy any K/V: 'yes' or 'no'", ("yes", "no")),
     "q4": (
-        "the prefix cache hashes a block together with everything before it; a block of the "
-        "same tokens at another position gets the 'same' or a 'different' hash",
-        "different",
-        "choice",
+        "the prefix cache hashes a block together with everything before it; a block of the same tokens at another position gets the 'same' or a 'different' hash",
+        ("same", "different"),
     ),
 }
-
-
-@exercise(CHECKS, "ex6.7", "concept questions (numbers and choices)")
-def check_concept_answers(concept_answers) -> None:
-    check_concept_questions("ex6.7", concept_answers, CONCEPT_KEY)
+SPECS: dict = {}
+register(SPECS, concept_spec("ex6.7", "concept questions (numbers and choices)", QUESTIONS))
 
 
 __all__ = [

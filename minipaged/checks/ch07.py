@@ -23,14 +23,13 @@ import random
 
 from minipaged.checks._harness import (
     ExerciseFailure,
-    Mismatch,
-    check_concept_questions,
     check_step_predictions,
     exercise,
     expect_close_to_reference,
     require_callable,
     run_cases,
 )
+from minipaged.checks._spec import Spec, answers_shape, concept_spec, register
 from minipaged.checks.ch04 import _scheduled
 from minipaged.sim import (
     A100_40GB,
@@ -44,6 +43,7 @@ from minipaged.sim import (
 from minipaged.sim.simulator import sustainable_rate as _sim_sustainable_rate
 
 CHECKS: dict = {}
+SPECS: dict = {}
 
 # -- ex7.1: predict who runs -----------------------------------------------------------------
 
@@ -171,75 +171,57 @@ def measured_directions() -> tuple[float, dict]:
     return base, out
 
 
-@exercise(CHECKS, "ex7.3", "why a speedup moves: predict, then the simulator measures")
-def check_predict_directions(predict_directions) -> None:
-    require_callable("ex7.3", predict_directions, "predict_directions")
-    measured: dict = {}  # filled on the first prediction checked: the runs take a few seconds
+def _expected_directions(case, key) -> dict:
+    _, measured = measured_directions()
+    return {change: {"answer": direction, "how": "choice"} for change, (_, direction) in measured.items()}
 
-    def run_one(case):
-        answers = predict_directions()
-        if not isinstance(answers, dict):
-            raise Mismatch(f"predict_directions() must return a dict, got {type(answers).__name__}")
-        if case is None:
-            return
-        got = answers.get(case)
-        if got not in ("up", "down", "same"):
-            raise Mismatch(f"{case}: the answer must be 'up', 'down' or 'same', got {got!r}")
-        if not measured:
-            measured["base"], measured["changes"] = measured_directions()
-        ratio, direction = measured["changes"][case]
-        if got != direction:
-            raise Mismatch(
-                f"{case}: you predicted {got!r}; the simulator measured the ratio going from "
-                f"{measured['base']:.2f}x to {ratio:.2f}x ({direction!r}, 'same' = within "
-                f"{SAME_WITHIN:.0%}).\n    Why? Think about what limits each system's batch there."
-            )
 
-    run_cases(
+# NOTE: predict first: the answers are recorded as data and graded once, against the
+# simulator's measurement run on the trusted side; no message says which way a ratio went
+# (a failure says how many predictions are wrong), so the measurement cannot be read off
+# the check and copied back into the prediction.
+register(
+    SPECS,
+    Spec(
         "ex7.3",
-        [None] + list(CHANGES),
-        run_one,
-        describe=lambda c: "the shape of the answer" if c is None else f"{c}: {CHANGES[c]}",
-    )
+        "why a speedup moves: predict, then the simulator measures",
+        "predict_directions()",
+        cases=lambda rng: [None],
+        observe=lambda case, fn: fn(),
+        expected=_expected_directions,
+        kind="secret",
+        shape=answers_shape(list(CHANGES), {c: ("up", "down", "same") for c in CHANGES}),
+    ),
+)
 
 
 # -- ex7.4: concept questions with a number or a choice ----------------------------------------
 
-CONCEPT_KEY = {
+# question id -> (what is asked, the allowed choices or None for a number); the answers
+# are in the instructor's key (notebooks/exercises/_instructor/key.json), not in the package
+QUESTIONS = {
     "q1": (
-        (
-            "the paper's 1.7-2.7x over Orca (Oracle) is a range over: 'a' request rates of one model, "
-            "'b' three models (OPT-13B, 66B, 175B), 'c' two datasets"
-        ),
-        "b",
-        "choice",
+        "the paper's 1.7-2.7x over Orca (Oracle) is a range over: 'a' request rates of one model, 'b' three models (OPT-13B, 66B, 175B), 'c' two datasets",
+        ("a", "b", "c"),
     ),
     "q2": (
         "what the paper credits for vLLM's gain over Orca: 'continuous batching' or 'memory management'",
-        "memory management",
-        "choice",
+        ("continuous batching", "memory management"),
     ),
     "q3": (
-        (
-            "Orca (Max) on OPT-13B / A100-40GB (14,526 KV slots, 2048 reserved per request): at most how many "
-            "requests at once"
-        ),
-        7,
-        0.0,
+        "Orca (Max) on OPT-13B / A100-40GB (14,526 KV slots, 2048 reserved per request): at most how many requests at once",
+        None,
     ),
-    "q4": ("vLLM-like / Orca (Oracle) capacity ratio with max_num_seqs = 8", 1.0, 0.02),
+    "q4": ("vLLM-like / Orca (Oracle) capacity ratio with max_num_seqs = 8", None),
 }
-
-
-@exercise(CHECKS, "ex7.4", "concept questions (numbers and choices)")
-def check_concept_answers(concept_answers) -> None:
-    check_concept_questions("ex7.4", concept_answers, CONCEPT_KEY)
+register(SPECS, concept_spec("ex7.4", "concept questions (numbers and choices)", QUESTIONS))
 
 
 __all__ = [
     "CHANGES",
     "CHECKS",
-    "CONCEPT_KEY",
+    "QUESTIONS",
+    "SPECS",
     "PREDICT_REQUESTS",
     "ExerciseFailure",
     "capacity_ratio",

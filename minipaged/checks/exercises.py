@@ -8,6 +8,9 @@ Inputs / outputs
     solution region (function signatures and docstrings kept) and keeps the stored
     ``✅ exN.M passed`` outputs of the check cells, so ``pytest --nbval OUT/ch02_*.ipynb``
     passes exactly when every exercise of that chapter is right.
+    ``--seed S`` (with ``--student``): the copies carry seed ``S`` (say, the student's id):
+    the workloads of the prediction exercises that have variants are drawn from it and
+    written into the copy, and the grader draws that student's graded cases from it too.
     ``--nbgrader OUT``: writes ``OUT/source/<--assignment>/`` with nbgrader metadata
     (``nbgrader_export.py``): run nbgrader's ``generate_assignment`` / ``autograde`` there.
 
@@ -36,6 +39,12 @@ def add_arguments(parser) -> None:
         "--chapter", metavar="chNN", action="append", help="only this chapter (repeatable; default: all)"
     )
     parser.add_argument("--force", action="store_true", help="overwrite existing files in OUT")
+    parser.add_argument(
+        "--seed",
+        metavar="S",
+        help="with --student: this student's variant (e.g. the student's id): the prediction "
+        "workloads and the graded cases are drawn from it, so two students' answers differ",
+    )
     parser.add_argument(
         "--nbgrader",
         metavar="OUT",
@@ -77,7 +86,7 @@ def run(args) -> int:
         chapters = [c for c in chapters if c in args.chapter]
 
     if args.nbgrader:
-        from minipaged.checks.nbgrader_export import write_assignment
+        from minipaged.grading.nbgrader_export import write_assignment
 
         try:
             written = write_assignment(authored, args.nbgrader, args.assignment, chapters, force=args.force)
@@ -114,6 +123,6 @@ def run(args) -> int:
         print(f"minipaged exercises: {', '.join(existing)} exist; pass --force to overwrite", file=sys.stderr)
         return 2
     for a, target in targets:
-        nbformat.write(make_student_copy(a.nb), target)
+        nbformat.write(make_student_copy(a.nb, seed=args.seed), target)
         print(f"wrote {target}  ({len(a.exercises)} exercises)")
     return 0

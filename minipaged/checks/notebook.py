@@ -45,6 +45,7 @@ from typing import Optional
 import nbformat
 
 from minipaged.checks._harness import pass_line
+from minipaged.checks._spec import recorded_line
 
 SOLUTION_BEGIN = "### BEGIN SOLUTION"
 SOLUTION_END = "### END SOLUTION"
@@ -165,7 +166,10 @@ def parse_authored(
             if ex not in solutions:
                 raise ValueError(f"{path}: check cell {i} ({ex}) comes before any solution cell of {ex}")
             # NOTE: a measuring check prints its figures first; the verdict is the last line
-            if require_outputs and not _stdout_text(cell).endswith(pass_line(ex) + "\n"):
+            if require_outputs and not (
+                _stdout_text(cell).endswith(pass_line(ex) + "\n")
+                or _stdout_text(cell).endswith(recorded_line(ex) + "\n")
+            ):
                 raise ValueError(
                     f"{path}: check cell {i} ({ex}) does not hold the output {pass_line(ex)!r}; "
                     "execute the authored notebook first (see notebooks/exercises/_build/)"
@@ -207,10 +211,48 @@ def load_authored(
 # -- student copies ----------------------------------------------------------------------
 
 
-def make_student_copy(nb) -> nbformat.NotebookNode:
-    """The notebook a student gets: stubs for solutions, check cells with their ✅ outputs."""
+def _literal(data):
+    """Plain data (lists from JSON) as the Python literal a setup cell holds (tuples inside)."""
+    if isinstance(data, list) and data and all(isinstance(x, list) for x in data):
+        return "[" + ", ".join(repr(tuple(x)) for x in data) + "]"
+    return repr(data)
+
+
+def apply_variants(nb, seed) -> None:
+    """Write the workloads ``seed`` draws into the setup cell and the spec's table (in place),
+    for each prediction exercise of the chapter that has per-student variants."""
+    import importlib
+
+    from minipaged.checks import get_spec
+    from minipaged.checks._spec import make_cases
+
+    chapter = nb.metadata.get(META_KEY, {}).get("chapter")
+    variants = getattr(importlib.import_module(f"minipaged.checks.{chapter}"), "VARIANTS", {})
+    for ex, (name, event_text) in variants.items():
+        events = make_cases(get_spec(ex), None, student_seed=seed)[0]
+        line_re = re.compile(rf"^{name} = .*$", re.M)
+        for cell in nb.cells:
+            src = cell_source(cell)
+            if cell.cell_type == "code" and cell_role(cell) == "setup" and line_re.search(src):
+                cell.source = line_re.sub(lambda m: f"{name} = {_literal(events)}", src)
+            elif cell.cell_type == "markdown" and cell_role(cell) == "spec" and cell_exercise(cell) == ex:
+                rows = "\n".join(f"| {k} | {event_text(tuple(e))} |" for k, e in enumerate(events))
+                cell.source = re.sub(
+                    r"(\| event \| what happens \|\n\|---\|---\|\n)(\|.*\|\n?)+",
+                    lambda m: m.group(1) + rows + "\n",
+                    src,
+                )
+
+
+def make_student_copy(nb, seed=None) -> nbformat.NotebookNode:
+    """The notebook a student gets: stubs for solutions, check cells with their ✅ outputs.
+    ``seed`` (an int or a string, e.g. the student's id): that student's variant, recorded in
+    the metadata; the grader draws that student's graded cases and workloads from it."""
     out = copy.deepcopy(nb)
     out.metadata[META_KEY] = dict(out.metadata.get(META_KEY, {}), copy="student")
+    if seed is not None:
+        out.metadata[META_KEY]["seed"] = seed
+        apply_variants(out, seed)
     for cell in out.cells:
         if cell.cell_type != "code":
             continue

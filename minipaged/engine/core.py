@@ -334,4 +334,7 @@ def run_engine_core(config, conn_in, conn_out, options: dict) -> None:
         except OSError:
             pass
         return
-    core.run_busy_loop(conn_in, conn_out)
+    try:
+        core.run_busy_loop(conn_in, conn_out)
+    finally:
+        core.engine.shutdown()  # its tensor-parallel workers, if any

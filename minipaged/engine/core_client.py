@@ -34,6 +34,7 @@ Failure mode
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import multiprocessing
 import os
@@ -102,7 +103,9 @@ class EngineCoreClient:
             target=run_engine_core,
             args=(config, in_r, out_w, options),
             name="minipaged-engine-core",
-            daemon=True,
+            # NOTE: not a daemon, so that the core may spawn tensor-parallel workers of its
+            # own; it exits when its input pipe closes, and shutdown() runs at exit
+            daemon=False,
         )
         self.proc.start()
         # NOTE: the parent closes the child's ends, so that EOF means "the other side died"
@@ -111,6 +114,7 @@ class EngineCoreClient:
         self._send_lock = threading.Lock()
         self._closing = False
         self._thread: Optional[threading.Thread] = None
+        atexit.register(self.shutdown)
         try:
             msg = self._wait_ready(startup_timeout)
         except BaseException:
@@ -191,6 +195,8 @@ class EngineCoreClient:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the core (ask, then terminate, then kill); no process is left behind."""
+        if self._closing and not self.proc.is_alive():
+            return
         self._closing = True
         try:
             self.send(("shutdown",))

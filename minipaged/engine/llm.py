@@ -67,6 +67,7 @@ class LLM:
         device: str = "cpu",
         dtype: str = "float32",
         seed: int = 0,
+        tensor_parallel_size: int = 1,
         **kwargs,
     ) -> None:
         unknown = set(kwargs) - set(EngineConfig.field_names())
@@ -86,9 +87,21 @@ class LLM:
             device=device,
             dtype=dtype,
             seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
             **kwargs,
         )
         self.llm_engine = LLMEngine(self.config)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at exit, on KeyboardInterrupt
+        and when the LLM is garbage-collected). The LLM cannot generate afterwards."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     @property
     def trace(self) -> EngineTrace:
@@ -106,6 +119,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Serve every prompt to completion; one ``RequestOutput`` per prompt, in order."""
         engine = self.llm_engine
+        if getattr(engine.executor, "closed", False):
+            raise RuntimeError(
+                "the tensor-parallel workers have been shut down (a worker failed, or shutdown())"
+            )
         prompt_list = normalize_prompts(prompts)
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompt_list)
@@ -171,7 +188,9 @@ class LLM:
                             warnings.warn(f"request {o.request_id} refused: {c.stop_reason}")
                 if pbar is not None and done:
                     pbar.update(len(done))
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt):  # NOTE: workers in a half-done step cannot go on
+                engine.shutdown()
             for rid in list(engine.groups):  # leave the engine empty for the next call
                 engine.abort_request(rid)
             raise

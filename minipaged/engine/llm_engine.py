@@ -58,6 +58,7 @@ from minipaged.core.sched import (
     Scheduler,
     SchedulerOutput,
     StaticBatchScheduler,
+    spec,
 )
 from minipaged.engine.output_processor import OutputProcessor
 from minipaged.engine.outputs import RequestOutput
@@ -135,7 +136,17 @@ class LLMEngine:
             raise ValueError(f"pass either config or keyword arguments, not both: {sorted(kwargs)}")
         self.config = config
         torch.manual_seed(config.seed)
-        if model is None:
+        tp = config.tensor_parallel_size
+        if tp > 1 and model is not None:
+            raise ValueError(
+                f"tensor_parallel_size={tp}: pass the checkpoint as config.model (each worker loads its "
+                "shard), not a model object"
+            )
+        if tp > 1:  # the driver holds no weights: the checkpoint's shapes only
+            from minipaged.model.loader import load_model_meta
+
+            model, tokenizer = load_model_meta(config.model, tp, config.device)
+        elif model is None:
             model, tokenizer = load_model_checked(config)
         self.model = model
         self.tokenizer = tokenizer
@@ -144,22 +155,47 @@ class LLMEngine:
             eos = [] if model.eos_token_id is None else [model.eos_token_id]
         self.eos_token_ids: list[int] = [int(e) for e in eos]
         self.max_model_len = self._resolve_max_model_len(config, model)
+        # NOTE: with tensor parallelism, per worker (its KVH / N heads of every block), as
+        # kv_cache_memory is per worker (vLLM's gpu_memory_utilization is per GPU)
         self.bytes_per_block = kv_cache_bytes_per_block(
-            model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, config.dtype
+            model.num_layers,
+            config.block_size,
+            model.num_kv_heads // tp,
+            model.head_dim,
+            config.dtype,
+            config.kv_cache_dtype,
         )
         self.num_blocks = config.num_blocks_for(self.bytes_per_block)
         self.num_cpu_blocks = config.cpu_blocks_for(self.num_blocks)
         self.scheduler = self._make_scheduler()
-        self.executor = UniProcExecutor(
-            model, self.num_blocks, config.block_size, self.num_cpu_blocks, config.device
-        )
+        if tp > 1:
+            from minipaged.executor.multiproc import MultiprocExecutor
+
+            self.executor = MultiprocExecutor(
+                config.model, config.dtype, config.attention_backend, config.device, tp,
+                self.num_blocks, config.block_size, self.num_cpu_blocks, config.seed,
+                config.kv_cache_dtype,
+            )  # fmt: skip
+        else:
+            self.executor = UniProcExecutor(
+                model,
+                self.num_blocks,
+                config.block_size,
+                self.num_cpu_blocks,
+                config.device,
+                config.kv_cache_dtype,
+            )
         self.output_processor = OutputProcessor(tokenizer)  # text, stop strings, logprobs
         self.groups: dict[str, _RequestGroup] = {}  # unfinished caller requests
         self.seq_to_group: dict[str, _RequestGroup] = {}  # scheduler request id -> group
         self.trace = self._new_trace()
         # seconds spent in each phase of step(), summed (for the benchmark's profile)
         self.step_times = dict.fromkeys(("schedule", "prepare", "forward", "sample", "update"), 0.0)
-        self.model_runner.step_times = self.step_times  # NOTE: the worker times its own phases
+        if self.model_runner is not None:  # NOTE: the worker times its own phases (in-process)
+            self.model_runner.step_times = self.step_times
+        self.spec_decode_stats = None  # speculative decoding: drafts proposed and accepted
+        if config.speculative_config is not None:
+            self._enable_speculation(config.speculative_config)
 
     # -- construction helpers ------------------------------------------------------
     @staticmethod
@@ -170,6 +206,21 @@ class LLMEngine:
         if config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context ({limit})")
         return config.max_model_len
+
+    def _enable_speculation(self, spec) -> None:
+        """The worker proposes and verifies drafts; a draft model gets its own paged cache."""
+        from minipaged.spec_decode.rejection_sampler import SpecDecodeStats
+
+        draft = None
+        if spec.method == "draft_model":
+            draft, _ = load_model_checked(
+                dataclasses.replace(self.config, model=spec.model, speculative_config=None)
+            )
+            spec.verify_draft_model(self.model.vocab_size, draft.vocab_size)
+        self.model_runner.enable_speculation(spec, draft)
+        self.spec_decode_stats = SpecDecodeStats()
+        # per step, per request: (block ids, computed before, drafts, accepted, lookahead)
+        self.spec_decode_log: list[dict[str, tuple]] = []
 
     def _make_scheduler(self, paper: bool = False):
         """vLLM v1's scheduler, or the paper's where a paper mechanism is asked for."""
@@ -194,9 +245,12 @@ class LLMEngine:
                 num_cpu_blocks=self.num_cpu_blocks,
                 parallel_sampling=c.parallel_sampling,
             )
-        return Scheduler(
+        sched = Scheduler(
             **kwargs, scheduler_reserve_full_isl=c.scheduler_reserve_full_isl, watermark=c.watermark or 0.0
         )
+        if c.speculative_config is not None:  # KV slots for a draft model's writes past each step
+            sched.spec_decode.num_lookahead_tokens = c.speculative_config.num_lookahead_tokens
+        return sched
 
     def _new_trace(self, meta: Optional[dict] = None) -> EngineTrace:
         c = self.config
@@ -360,7 +414,10 @@ class LLMEngine:
         lap(None)  # NOTE: the worker timed its own phases (prepare, forward, sample)
         self.output_processor.add_logprobs(self._sampled_requests(out, result), result.logprobs)
         # NOTE: the returned list starts with the requests refused this step.
+        log = self._spec_log(out) if self.spec_decode_stats is not None else None
         finished = self.scheduler.update_from_output(out, result.sampled_token_ids)  # append, stop, free
+        if log is not None:
+            self._spec_observe(out, result, log)
         finished += self._check_stop_strings(out, result)
         out.finished = finished
         for req in finished:
@@ -375,6 +432,29 @@ class LLMEngine:
             self.executor.execute_model(idle)
         lap("update")
         return outputs
+
+    def _spec_log(self, out) -> dict[str, tuple]:
+        """Each scheduled request's table as the step runs it (before rejected slots go)."""
+        kv = self.kv_cache_manager
+        return {
+            r.request_id: (
+                kv.get_block_ids(r.request_id),
+                r.num_computed_tokens,
+                len(out.scheduled_spec_decode_tokens.get(r.request_id, ())),
+                out.num_lookahead_slots.get(r.request_id, 0),
+            )
+            for r, _ in out.scheduled
+        }
+
+    def _spec_observe(self, out, result, log: dict[str, tuple]) -> None:
+        """Acceptance statistics; the drafts proposed go to the scheduler for the next step."""
+        step = {}
+        for rid, (blocks, computed, num_drafts, ahead) in log.items():
+            accepted = len(result.sampled_token_ids[rid]) - 1 if num_drafts else 0
+            self.spec_decode_stats.observe(num_drafts, accepted)
+            step[rid] = (blocks, computed, num_drafts, accepted, ahead)
+        self.spec_decode_log.append(step)
+        spec.update_draft_token_ids(self.scheduler, result.draft_token_ids)  # for the next step
 
     def _sampled_requests(self, out, result) -> list[Request]:
         """The requests that got a token this step (fork children after their parents)."""
@@ -487,6 +567,10 @@ class LLMEngine:
                 done.append(self.make_output(group))
                 self._pop_group(group)
         return done
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (tensor parallelism); a no-op in-process."""
+        self.executor.shutdown()
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

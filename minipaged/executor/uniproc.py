@@ -14,9 +14,15 @@ from minipaged.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 class UniProcExecutor:
     def __init__(
-        self, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, device: str = "cpu"
+        self,
+        model,
+        num_blocks: int,
+        block_size: int,
+        num_cpu_blocks: int = 0,
+        device: str = "cpu",
+        kv_cache_dtype: str = "auto",
     ) -> None:
-        self.model_runner = ModelRunner(model, num_blocks, block_size, num_cpu_blocks, device)
+        self.model_runner = ModelRunner(model, num_blocks, block_size, num_cpu_blocks, device, kv_cache_dtype)
 
     def execute_model(self, scheduler_output) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output.for_worker())

@@ -1,16 +1,19 @@
 """minipaged.kernels: attention over a paged KV cache, and the ops that fill that cache.
 
-Three implementations behind one contract (see ``reference.py`` for shapes and invariants):
+The reference every kernel is tested against, then three backends behind its contract:
 
-- torch: ``paged_attention_ref`` / ``paged_attention_prefill_ref`` (readable loops),
-  ``paged_attention_torch`` (vectorized, the engine's default ``"torch"`` backend),
-  ``contiguous_attention``; cache ops ``reshape_and_cache``, ``copy_blocks``, ``swap_blocks``.
+- ``reference.py``: ``paged_attention_ref`` / ``paged_attention_prefill_ref`` (readable loops),
+  ``contiguous_attention``. Shapes and invariants are stated there.
+- ``torch_backend.py``: ``paged_attention_torch`` (vectorized, the ``"torch"`` backend);
+  ``cache_ops.py``: ``reshape_and_cache``, ``copy_blocks``, ``swap_blocks``.
 - Triton: ``paged_attention_decode`` (V1 and split-KV V2), ``paged_attention_prefill``,
   ``reshape_and_cache_triton``. ``HAS_TRITON`` says whether Triton is importable; without
   it the Triton functions raise ``RuntimeError`` when called and the torch ones still work.
 - C, for the CPU: ``minipaged.kernels.cpu`` (``paged_attention_decode_cpu``,
   ``paged_attention_cpu``, ``reshape_and_cache_cpu``), compiled on first use; the
   ``"cpu"`` attention backend.
+- ``selector.py``: ``get_attn_backend``, the one place a backend is chosen ("auto" resolved,
+  each backend checked against the device and dtypes).
 
 On a machine without CUDA the Triton kernels run in Triton's interpreter: this module
 sets ``TRITON_INTERPRET=1`` (unless the user set it) *before* any kernel is defined.
@@ -41,8 +44,9 @@ from minipaged.kernels.reference import (  # noqa: E402
     contiguous_attention,
     paged_attention_prefill_ref,
     paged_attention_ref,
-    paged_attention_torch,
 )
+from minipaged.kernels.selector import get_attn_backend  # noqa: E402
+from minipaged.kernels.torch_backend import paged_attention_torch  # noqa: E402
 
 __all__ = [
     "HAS_TRITON",
@@ -56,4 +60,5 @@ __all__ = [
     "paged_attention_prefill_ref",
     "contiguous_attention",
     "paged_attention_torch",
+    "get_attn_backend",
 ]

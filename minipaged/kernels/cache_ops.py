@@ -13,8 +13,10 @@ Concept
     ``swap_blocks``        block -> block between two pools, e.g. GPU <-> CPU (preemption)
 
 Inputs / outputs
-    ``reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)``
-        key, value [T, num_kv_heads, head_dim]; slot_mapping [T] int64; writes in place.
+    ``reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0)``
+        key, value [T, num_kv_heads, head_dim]; slot_mapping [T] int64; writes in place. A
+        quantized cache (int8 / float8_e4m3fn, ``quant.py``) stores ``key / k_scale`` and
+        ``value / v_scale`` rounded to its dtype (vLLM's fp8 ``reshape_and_cache``).
     ``copy_blocks(k_caches, v_caches, block_mapping)``
         per-layer lists of caches (or one cache each); block_mapping [N, 2] (src, dst).
     ``swap_blocks(src, dst, block_mapping)``
@@ -26,7 +28,9 @@ Invariants
     - copies are simultaneous: all sources are read before any destination is written,
       so a destination must not also be a source in the same call (the manager never
       asks for that).
-    - caches keep their dtype; the rows written must already have it.
+    - caches keep their dtype; the rows written must already have it, or be float rows for a
+      quantized cache (they are quantized on the way in). Copies and swaps move the stored
+      bytes: a quantized block stays quantized with the same per-layer scales.
 
 Failure mode
     ``ValueError`` naming the argument for wrong ranks, shapes, dtypes or devices. Slot
@@ -45,6 +49,8 @@ from typing import Union
 
 import torch
 
+from minipaged.kernels.quant import QUANT_MAX, check_kv_scales, is_quantized, quantize
+
 try:  # Triton is optional (absent on macOS); the package __init__ set TRITON_INTERPRET first.
     import triton
     import triton.language as tl
@@ -61,7 +67,7 @@ BlockMapping = Union[torch.Tensor, Sequence[Sequence[int]]]
 # --------------------------------------------------------------------------- checks
 
 
-def _check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
+def _check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
     if key.dim() != 3:
         raise ValueError(f"key must be [T, num_kv_heads, head_dim], got shape {tuple(key.shape)}")
     if value.shape != key.shape:
@@ -82,9 +88,14 @@ def _check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None
         raise ValueError(f"slot_mapping must be [{key.shape[0]}], got shape {tuple(slot_mapping.shape)}")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
-    for name, t in (("key", key), ("value", value), ("v_cache", v_cache)):
-        if t.dtype != k_cache.dtype:
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
+    for name, t in (("key", key), ("value", value)):
+        if is_quantized(k_cache.dtype) and not t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a float tensor to quantize into {k_cache.dtype}, got {t.dtype}")
+        if not is_quantized(k_cache.dtype) and t.dtype != k_cache.dtype:
             raise ValueError(f"{name} dtype {t.dtype} != k_cache dtype {k_cache.dtype}")
+    check_kv_scales("reshape_and_cache", k_cache, k_scale, v_scale)
     for name, t in (
         ("value", value),
         ("k_cache", k_cache),
@@ -120,21 +131,27 @@ def reshape_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write ``key[i]``/``value[i]`` into slot ``slot_mapping[i]`` of the caches, in place.
 
     key, value [T, KVH, D]; caches [num_blocks, block_size, KVH, D]; slot_mapping [T].
-    Slots < 0 (``PAD_SLOT_ID``) are skipped.
+    Slots < 0 (``PAD_SLOT_ID``) are skipped. A quantized cache gets ``quantize(key, dtype,
+    k_scale)`` and ``quantize(value, dtype, v_scale)``.
     """
-    _check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+    _check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     block_size = k_cache.shape[1]
     slots = slot_mapping.long()  # [T]
     keep = slots >= 0  # [T] False for padding tokens
     slots = slots[keep]  # [T']
     block_ids = slots // block_size  # [T'] physical block
     offsets = slots % block_size  # [T'] slot inside the block
-    k_cache[block_ids, offsets] = key[keep]  # [T', KVH, D]
-    v_cache[block_ids, offsets] = value[keep]  # [T', KVH, D]
+    key, value = key[keep], value[keep]  # [T', KVH, D] each
+    if is_quantized(k_cache.dtype):
+        key, value = quantize(key, k_cache.dtype, k_scale), quantize(value, v_cache.dtype, v_scale)
+    k_cache[block_ids, offsets] = key  # [T', KVH, D]
+    v_cache[block_ids, offsets] = value  # [T', KVH, D]
 
 
 def copy_blocks(
@@ -203,6 +220,17 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: BlockMappin
 if HAS_TRITON:
 
     @triton.jit
+    def _round_to_e4m3(x):
+        """x (fp32, |x| <= 448) to the nearest e4m3 value, ties away from zero: 3 mantissa bits,
+        so the step is 2^(e - 3) at 2^e <= |x| < 2^(e+1), and 2^-9 below 2^-6 (subnormals).
+        NOTE: Triton's interpreter rounds fp32 -> e4m3 wrongly when the rounding carries into
+        the next power of two (31.6 -> 16, not 32); values already on the grid convert exactly."""
+        e = tl.maximum(tl.floor(tl.log2(tl.abs(x) + 1e-30)), -6.0)  # the binade, floored at 2^-6
+        step = tl.exp2(e - 3.0)
+        r = tl.floor(tl.abs(x) / step + 0.5) * step
+        return tl.where(x < 0, -r, r)
+
+    @triton.jit
     def _reshape_and_cache_kernel(
         key_ptr,  # [T, KVH, D] new keys
         value_ptr,  # [T, KVH, D] new values
@@ -218,9 +246,13 @@ if HAS_TRITON:
         stride_ch,  # cache strides over blocks, slots, heads (shared by K and V)
         num_kv_heads,  # KVH
         head_dim,  # D
+        k_scale,  # keys are stored as key / k_scale (QUANT > 0 only)
+        v_scale,  # values are stored as value / v_scale (QUANT > 0 only)
+        qmax,  # the top level of the cache dtype: 127 (int8) or 448 (fp8 e4m3)
         block_size: tl.constexpr,  # tokens per cache block
         BLOCK_H: tl.constexpr,  # KVH rounded up to a power of two
         BLOCK_D: tl.constexpr,  # D rounded up to a power of two
+        QUANT: tl.constexpr,  # 0: store as is; 1: int8; 2: fp8 e4m3
     ):
         """One program per token: copy its [KVH, D] key and value tile to its slot.
 
@@ -230,7 +262,7 @@ if HAS_TRITON:
             slot = slot_mapping[t]
             if slot < 0: return                      # padding token
             block, offset = slot // block_size, slot % block_size
-            k_cache[block, offset, :, :] = key[t, :, :]
+            k_cache[block, offset, :, :] = key[t, :, :]      (quantized: key / k_scale, rounded)
             v_cache[block, offset, :, :] = value[t, :, :]
         """
         t = tl.program_id(0)
@@ -244,8 +276,19 @@ if HAS_TRITON:
             src_k = key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
             src_v = value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
             dst = block * stride_cb + offset * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
-            tl.store(k_cache_ptr + dst, tl.load(src_k, mask=mask), mask=mask)
-            tl.store(v_cache_ptr + dst, tl.load(src_v, mask=mask), mask=mask)
+            k = tl.load(src_k, mask=mask)
+            v = tl.load(src_v, mask=mask)
+            if QUANT > 0:  # a compile-time branch: scale, clamp to the levels, round
+                k = tl.clamp(k.to(tl.float32) / k_scale, -qmax, qmax)
+                v = tl.clamp(v.to(tl.float32) / v_scale, -qmax, qmax)
+                if QUANT == 1:  # int8: round half up, as quant.quantize does
+                    k = tl.floor(k + 0.5)
+                    v = tl.floor(v + 0.5)
+                else:  # fp8 e4m3: round onto its grid here, so that the cast below is exact
+                    k = _round_to_e4m3(k)
+                    v = _round_to_e4m3(v)
+            tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache_triton(
@@ -254,14 +297,17 @@ def reshape_and_cache_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Triton version of ``reshape_and_cache``: same arguments, same result."""
+    """Triton version of ``reshape_and_cache``: same arguments, same result (for a quantized cache,
+    to one level: a GPU's fp32 division may round the last bit differently)."""
     if not HAS_TRITON:
         raise RuntimeError(
             "reshape_and_cache_triton needs Triton, which is not installed here; "
             "use reshape_and_cache (torch) instead"
         )
-    _check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+    _check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
         raise ValueError("k_cache and v_cache must share strides with a contiguous last dim")
     if key.shape[0] == 0:
@@ -285,7 +331,11 @@ def reshape_and_cache_triton(
         k_cache.stride(2),
         num_kv_heads,
         head_dim,
+        float(k_scale),
+        float(v_scale),
+        QUANT_MAX.get(k_cache.dtype, 1.0),
         block_size=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        QUANT={torch.int8: 1, torch.float8_e4m3fn: 2}.get(k_cache.dtype, 0),
     )

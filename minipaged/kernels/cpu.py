@@ -15,13 +15,15 @@ RMSNorm (with vLLM's fused residual add), neox RoPE and SiLU-and-mul, the ``forw
 Inputs / outputs
     ``paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale)``: the
     decode contract of ``reference.paged_attention_ref`` (q [B, H, D] -> [B, H, D]).
-    ``paged_attention_cpu(...)``: the varlen contract of ``paged_attention_torch``: decode rows
+    ``paged_attention_cpu(...)``: the varlen contract of ``torch_backend.paged_attention_torch``: decode rows
     go to the C kernel, prefill rows to the torch backend's padded SDPA buckets.
     ``reshape_and_cache_cpu(...)``: ``cache_ops.reshape_and_cache`` in C.
     ``rms_norm_cpu``, ``rotary_neox_cpu`` (in place), ``silu_and_mul_cpu``: the small layers.
 
 Invariants
-    float32 CPU tensors, caches contiguous ``[num_blocks, block_size, KVH, D]``; results equal
+    float32 CPU tensors, caches contiguous ``[num_blocks, block_size, KVH, D]`` (or int8 /
+    float8_e4m3fn caches, ``kv_cache_dtype``: the decode kernel reads them through a table of what
+    each byte means; their writes go through the torch ``reshape_and_cache``, which quantizes); results equal
     the torch reference to float rounding (``tests/test_kernels_cpu.py``,
     ``tests/test_layers_cpu.py``); an index out of range (block table, slot, RoPE position) is an
     ``IndexError`` raised before anything is read or written out of bounds.
@@ -50,12 +52,9 @@ from typing import Optional
 
 import torch
 
-from minipaged.kernels.reference import (
-    _check_cache,
-    _default_scale,
-    attend_prefills,
-    build_attn_metadata,
-)
+from minipaged.kernels.quant import check_kv_scales, is_quantized
+from minipaged.kernels.reference import _check_cache, _default_scale
+from minipaged.kernels.torch_backend import attend_prefills, build_attn_metadata
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "paged_attention_cpu.c"  # the attention kernel (chapter 03 tours it)
@@ -136,6 +135,8 @@ def _library() -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.paged_attention_decode_f32.argtypes = [p, i64, p, p, i64, p, p, p] + [i64] * 6 + [ctypes.c_float]
     lib.paged_attention_decode_f32.restype = i64
+    lib.paged_attention_decode_q8.argtypes = [p, i64, p, p, p, p, i64, p, p, p] + [i64] * 6 + [ctypes.c_float]
+    lib.paged_attention_decode_q8.restype = i64
     lib.reshape_and_cache_f32.argtypes = [p, i64, p, i64, p, p, i64, p, i64, i64]
     lib.reshape_and_cache_f32.restype = i64
     lib.rms_norm_f32.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
@@ -209,12 +210,28 @@ def reshape_and_cache_cpu(key, value, k_cache, v_cache, slot_mapping) -> None:
         raise IndexError(f"slot_mapping[{bad - 1}] = {int(slots[bad - 1])} is outside the cache")
 
 
-def paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale=None) -> torch.Tensor:
-    """Decode attention through block tables, in C. q [B, H, D] -> [B, H, D] (float32, CPU)."""
+def _byte_table(dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """What each of the 256 bytes of an int8 / float8_e4m3fn cache stands for, times ``scale``:
+    [256] float32, decoded by torch itself (so the C kernel reads what the reference reads)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float() * scale
+
+
+def paged_attention_decode_cpu(
+    q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scale=1.0, v_scale=1.0
+) -> torch.Tensor:
+    """Decode attention through block tables, in C. q [B, H, D] -> [B, H, D] (float32, CPU).
+    An int8 / float8_e4m3fn cache (``quant.py``) is read through two 256-entry tables of what
+    each byte means times ``k_scale`` / ``v_scale`` (``paged_attention_decode_q8``)."""
     _check_cache(q, k_cache, v_cache)
+    check_kv_scales("paged_attention_decode_cpu", k_cache, k_scale, v_scale)
     q = _rows("q", q)
+    quantized = is_quantized(k_cache.dtype) and v_cache.dtype == k_cache.dtype
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check(name, t)
+        if quantized:
+            if t.device.type != "cpu":
+                raise ValueError(f"{name} must be a CPU tensor for the cpu kernel, got {t.device}")
+        else:
+            _check(name, t)
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous for the cpu kernel")
     num_seqs, num_heads, head_dim = q.shape
@@ -226,11 +243,19 @@ def paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scal
     lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
     tables, lens = tables.contiguous(), lens.contiguous()
     out = q.new_empty(q.shape)
-    bad = _lib().paged_attention_decode_f32(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
-        tables.data_ptr(), lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, k_cache.shape[2],
-        head_dim, k_cache.shape[1], tables.shape[1], _default_scale(head_dim, scale),
-    )  # fmt: skip
+    geometry = (num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], tables.shape[1])
+    if quantized:
+        k_table, v_table = _byte_table(k_cache.dtype, k_scale), _byte_table(v_cache.dtype, v_scale)
+        bad = _lib().paged_attention_decode_q8(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_table.data_ptr(),
+            v_table.data_ptr(), k_cache.shape[0], tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+            *geometry, _default_scale(head_dim, scale),
+        )  # fmt: skip
+    else:
+        bad = _lib().paged_attention_decode_f32(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
+            tables.data_ptr(), lens.data_ptr(), out.data_ptr(), *geometry, _default_scale(head_dim, scale),
+        )  # fmt: skip
     if bad < 0:
         raise MemoryError("the cpu attention kernel could not allocate its logits buffer")
     if bad:
@@ -243,13 +268,15 @@ def paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scal
 
 def paged_attention_cpu(
     q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_query_len, max_seq_len, scale=None,
-    metadata=None,
+    metadata=None, k_scale=1.0, v_scale=1.0,
 ) -> torch.Tensor:  # fmt: skip
     """``paged_attention_torch``'s contract (q [T, H, D] -> [T, H, D]): decode rows in C, prefill
     rows in the torch backend's padded SDPA buckets. ``metadata``: ``build_attn_metadata(...,
     decodes=False)`` for this step, built here when None."""
     if max_query_len == 1:  # decode only: every row is its sequence's one query
-        return paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return paged_attention_decode_cpu(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
+        )
     scale = _default_scale(q.shape[2], scale)
     if metadata is None:
         metadata = build_attn_metadata(
@@ -260,9 +287,9 @@ def paged_attention_cpu(
     if rows is not None and rows.shape[0] > 0:
         seqs = metadata.decode_seqs
         out[rows] = paged_attention_decode_cpu(
-            q[rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale
+            q[rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale, k_scale, v_scale
         )  # [Bd, H, D]
-    attend_prefills(q, k_cache, v_cache, block_tables, seq_lens, metadata, scale, out)
+    attend_prefills(q, k_cache, v_cache, block_tables, seq_lens, metadata, scale, out, k_scale, v_scale)
     return out
 
 

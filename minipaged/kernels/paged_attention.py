@@ -33,6 +33,9 @@ Invariants
       two and the padding is masked. ``block_size`` is any power of two 1..256.
     - fp32 / fp16 / bf16 inputs; scores, softmax and the accumulator are fp32; the output
       has ``q``'s dtype. fp32 inputs use IEEE (not TF32) dot products.
+    - An int8 / fp8 cache (``kv_cache_dtype``, ``quant.py``) is dequantized as each tile is
+      loaded (``k * k_scale`` in fp32, then ``q``'s dtype for the dot): FP8 is the storage
+      format, the dots run in ``q``'s dtype.
     - Sequences with ``seq_lens[b] == 0`` (padding) produce zeros.
 
 Split-KV ("PagedAttention V2")
@@ -55,6 +58,8 @@ import os
 from typing import Optional
 
 import torch
+
+from minipaged.kernels.quant import check_kv_scales, is_quantized
 
 try:  # Triton is optional (absent on macOS); the package __init__ set TRITON_INTERPRET first.
     import triton
@@ -109,12 +114,15 @@ if HAS_TRITON:
         start,  # first token position to visit
         end,  # one past the last token position to visit
         qk_scale,  # softmax scale * log2(e)
+        k_scale,  # a quantized cache holds key / k_scale (KV_QUANT only)
+        v_scale,  # ... and value / v_scale
         head_dim,  # D (BLOCK_D may be larger)
         block_size: tl.constexpr,  # tokens per cache block
         BLOCK_N: tl.constexpr,  # tokens per K/V tile
         BLOCK_D: tl.constexpr,  # D rounded up to a power of two
         COMPUTE_DTYPE: tl.constexpr,  # dtype of the dot-product operands (see _compute_dtype)
         DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands, "tf32" otherwise (ignored for 16-bit)
+        KV_QUANT: tl.constexpr,  # True: the cache is int8 / fp8, dequantized as each tile is loaded
     ):
         """Online softmax over tokens ``start..end-1`` of one sequence, read through its block table.
 
@@ -123,6 +131,7 @@ if HAS_TRITON:
             for each tile n = start .. end in steps of BLOCK_N:
                 block = block_table[n // block_size]; slot = n % block_size   # the paging
                 k, v  = k_cache[block, slot, kv_head], v_cache[...]           # [BLOCK_N, D]
+                        (quantized: k * k_scale, v * v_scale, in fp32)
                 s     = q @ k.T * scale, masked where n > q_pos or n >= end    # [BLOCK_M, BLOCK_N]
                 m_new = max(m, rowmax(s)); alpha = exp(m - m_new); p = exp(s - m_new)
                 l     = l * alpha + rowsum(p);  acc = acc * alpha + p @ v;  m = m_new
@@ -143,7 +152,10 @@ if HAS_TRITON:
                 + kv_head * stride_kh
                 + offs_d[None, :] * stride_kd
             )
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)  # [BLOCK_N, BLOCK_D]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            if KV_QUANT:  # a compile-time branch: dequantize the tile
+                k = k.to(tl.float32) * k_scale
+            k = k.to(COMPUTE_DTYPE)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
             visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
             s = tl.where(visible, s, float("-inf"))
@@ -160,7 +172,10 @@ if HAS_TRITON:
                 + kv_head * stride_vh
                 + offs_d[None, :] * stride_vd
             )
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            if KV_QUANT:
+                v = v.to(tl.float32) * v_scale
+            v = v.to(COMPUTE_DTYPE)
             acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
             m_i = m_new
         return acc, l_i, m_i
@@ -177,6 +192,8 @@ if HAS_TRITON:
         block_tables_ptr,  # [num_seqs, max_blocks] int32
         seq_lens_ptr,  # [num_seqs] int32 context length of each sequence
         qk_scale,  # softmax scale * log2(e)
+        k_scale,  # scale of a quantized key cache (KV_QUANT only)
+        v_scale,  # scale of a quantized value cache (KV_QUANT only)
         stride_qs,
         stride_qh,
         stride_qd,  # q strides
@@ -206,6 +223,7 @@ if HAS_TRITON:
         BLOCK_D: tl.constexpr,  # D rounded up to a power of two
         COMPUTE_DTYPE: tl.constexpr,  # dtype of the dot-product operands
         DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands
+        KV_QUANT: tl.constexpr,  # the cache is int8 / fp8 (read through k_scale, v_scale)
     ):
         """Decode: program (seq, kv_head[, partition]) attends the group's queries to its keys.
 
@@ -266,12 +284,15 @@ if HAS_TRITON:
             start,
             end,
             qk_scale,
+            k_scale,
+            v_scale,
             head_dim,
             block_size,
             BLOCK_N,
             BLOCK_D,
             COMPUTE_DTYPE,
             DOT_PRECISION,
+            KV_QUANT,
         )
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len == 0 (padding) -> output 0
         out = acc / l_safe[:, None]  # [BLOCK_G, BLOCK_D]
@@ -355,6 +376,8 @@ if HAS_TRITON:
         cu_seqlens_q_ptr,  # [num_seqs + 1] int32: sequence b owns rows cu[b]:cu[b+1]
         seq_lens_ptr,  # [num_seqs] int32: context length (cached + new)
         qk_scale,  # softmax scale * log2(e)
+        k_scale,  # scale of a quantized key cache (KV_QUANT only)
+        v_scale,  # scale of a quantized value cache (KV_QUANT only)
         stride_qt,
         stride_qh,
         stride_qd,  # q strides
@@ -378,6 +401,7 @@ if HAS_TRITON:
         BLOCK_D: tl.constexpr,  # D rounded up to a power of two
         COMPUTE_DTYPE: tl.constexpr,  # dtype of the dot-product operands
         DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands
+        KV_QUANT: tl.constexpr,  # the cache is int8 / fp8 (read through k_scale, v_scale)
     ):
         """Varlen causal prefill: program (query tile, head, seq) over the paged context.
 
@@ -436,12 +460,15 @@ if HAS_TRITON:
             0,
             end,
             qk_scale,
+            k_scale,
+            v_scale,
             head_dim,
             block_size,
             BLOCK_N,
             BLOCK_D,
             COMPUTE_DTYPE,
             DOT_PRECISION,
+            KV_QUANT,
         )
         out = acc / l_i[:, None]  # every valid row saw key 0, so l_i > 0 there
         o_ptrs = out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od
@@ -492,8 +519,11 @@ def _check_common(name, q, k_cache, v_cache, block_tables, seq_lens, num_seqs) -
     if q.dtype not in _DTYPES:
         raise ValueError(f"{name}: q dtype must be one of {_DTYPES}, got {q.dtype}")
     for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name}: {arg} dtype {t.dtype} != q dtype {q.dtype}")
+        if t.dtype != q.dtype and not (is_quantized(t.dtype) and v_cache.dtype == k_cache.dtype):
+            raise ValueError(
+                f"{name}: {arg} dtype {t.dtype} must be q's ({q.dtype}) or a quantized cache's "
+                "(int8 / float8_e4m3fn, both caches alike)"
+            )
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(
             f"{name}: block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}"
@@ -582,6 +612,8 @@ def paged_attention_decode(
     seq_lens: torch.Tensor,
     scale: Optional[float] = None,
     *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     max_seq_len: Optional[int] = None,
     use_v2: Optional[bool] = None,
     partition_size: int = PARTITION_SIZE,
@@ -633,6 +665,7 @@ def paged_attention_decode(
         BLOCK_D=_next_pow2(head_dim),
         COMPUTE_DTYPE=compute_dtype,
         DOT_PRECISION=precision,
+        KV_QUANT=is_quantized(k_cache.dtype),
         num_warps=NUM_WARPS if num_warps is None else num_warps,
         num_stages=_num_stages(block_n, _next_pow2(head_dim), q.dtype) if num_stages is None else num_stages,
     )
@@ -651,6 +684,8 @@ def paged_attention_decode(
             block_tables,
             seq_lens,
             qk_scale,
+            k_scale,
+            v_scale,
             *q.stride(),
             *out.stride(),
             *cache_strides,
@@ -684,6 +719,8 @@ def paged_attention_decode(
         block_tables,
         seq_lens,
         qk_scale,
+        k_scale,
+        v_scale,
         *q.stride(),
         *out.stride(),
         *cache_strides,
@@ -727,6 +764,8 @@ def paged_attention_prefill(
     seq_lens: torch.Tensor,
     scale: Optional[float] = None,
     *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     max_query_len: Optional[int] = None,
     block_m: int = PREFILL_BLOCK_M,
     block_n: int = PREFILL_BLOCK_N,
@@ -744,6 +783,7 @@ def paged_attention_prefill(
     _require_triton("paged_attention_prefill")
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     _check_common("paged_attention_prefill", q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    check_kv_scales("paged_attention_prefill", k_cache, k_scale, v_scale)
     if cu_seqlens_q.shape != (num_seqs + 1,) or cu_seqlens_q.dtype not in _INT_DTYPES:
         raise ValueError(
             f"paged_attention_prefill: cu_seqlens_q must be int [{num_seqs + 1}], "
@@ -784,6 +824,8 @@ def paged_attention_prefill(
         cu_seqlens_q,
         seq_lens,
         qk_scale,
+        k_scale,
+        v_scale,
         *q.stride(),
         *out.stride(),
         *k_cache.stride(),
@@ -797,6 +839,7 @@ def paged_attention_prefill(
         BLOCK_D=_next_pow2(head_dim),
         COMPUTE_DTYPE=compute_dtype,
         DOT_PRECISION=precision,
+        KV_QUANT=is_quantized(k_cache.dtype),
         num_warps=NUM_WARPS if num_warps is None else num_warps,
         num_stages=_num_stages(block_n, _next_pow2(head_dim), q.dtype) if num_stages is None else num_stages,
     )

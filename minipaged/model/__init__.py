@@ -13,7 +13,8 @@ Files: ``input.py`` (ModelInput), ``layers.py`` (RMSNorm, RoPE, base class),
 Mirrors vLLM ``vllm/model_executor/models/``.
 """
 
-from minipaged.model.attention import ATTENTION_BACKENDS, PagedAttention
+from minipaged.kernels.selector import ATTENTION_BACKENDS
+from minipaged.model.attention import PagedAttention
 from minipaged.model.gpt2 import GPT2LMHeadModel
 from minipaged.model.input import ModelInput
 from minipaged.model.layers import PagedCausalLM

@@ -34,7 +34,7 @@ _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, config, layer_idx: int, backend: str):
+    def __init__(self, config, layer_idx: int):
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -44,7 +44,7 @@ class GPT2Attention(nn.Module):
         scale = self.head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             scale /= float(layer_idx + 1)
-        self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_heads, scale, backend)
+        self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_heads, scale)
 
     def forward(self, h, kv_cache, inp: ModelInput) -> torch.Tensor:
         T = h.shape[0]
@@ -69,11 +69,11 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config, layer_idx: int, backend: str):
+    def __init__(self, config, layer_idx: int):
         super().__init__()
         eps = config.layer_norm_epsilon
         self.ln_1 = nn.LayerNorm(config.hidden_size, eps=eps)
-        self.attn = GPT2Attention(config, layer_idx, backend)
+        self.attn = GPT2Attention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=eps)
         self.mlp = GPT2MLP(config)
 
@@ -83,18 +83,18 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, config, backend: str):
+    def __init__(self, config):
         super().__init__()
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
         self.wpe = nn.Embedding(config.n_positions, config.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(config, i, backend) for i in range(config.num_hidden_layers))
+        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
 
 class GPT2LMHeadModel(PagedCausalLM):
     """GPT-2 causal LM reading and writing a paged KV cache."""
 
-    def __init__(self, config, attention_backend: str = "torch", eos_token_ids=None):
+    def __init__(self, config, eos_token_ids=None):
         super().__init__()
         self.config = config
         self.num_layers = config.num_hidden_layers
@@ -105,7 +105,7 @@ class GPT2LMHeadModel(PagedCausalLM):
         self.max_model_len = int(config.n_positions)
         self.eos_token_ids = list(eos_token_ids or [])
 
-        self.transformer = GPT2Model(config, attention_backend)
+        self.transformer = GPT2Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied
 

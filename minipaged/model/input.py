@@ -31,7 +31,7 @@ class ModelInput:
     max_query_len: int  # max over b of the query length
     max_seq_len: int  # max over b of seq_lens
     # NOTE: filled by the first attention layer of the step and read by all the others (the
-    # "torch" backend's per-step plan, ``kernels.build_attn_metadata``); never set it by hand.
+    # "torch" backend's per-step plan, ``kernels.torch_backend.build_attn_metadata``); never set it by hand.
     attn_metadata: Optional[Any] = None
 
     @property

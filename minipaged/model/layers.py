@@ -21,7 +21,9 @@ Invariants
     - ``RMSNorm(x, residual)`` is vLLM's fused residual add: it returns ``(norm(x + residual),
       x + residual)``, so a pre-norm decoder carries the residual stream beside the hidden state.
     - ``PagedCausalLM.allocate_kv_caches`` returns one ``(k_cache, v_cache)`` pair per layer,
-      each ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model's dtype/device.
+      each ``[num_blocks, block_size, num_kv_heads, head_dim]`` on the model's device, in its
+      dtype or, for ``kv_cache_dtype`` "fp8" / "int8", in 8 bits with the attention layers'
+      ``k_scale`` / ``v_scale`` calibrated first (``calibrate_kv_scales``).
 
 Failure mode
     Unsupported RoPE variants or activations raise ``ValueError`` naming the config field.
@@ -35,9 +37,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minipaged.config import kv_cache_bytes_per_block
 from minipaged.kernels import cpu as cpu_kernels
+from minipaged.kernels.quant import is_quantized, kv_cache_torch_dtype, scale_for
+from minipaged.kernels.selector import ATTENTION_BACKENDS
+from minipaged.model.input import ModelInput
 
 LAYER_IMPLS = ("torch", "cpu")
+CALIBRATION_TOKENS = 256  # at most this many tokens in the calibration forward of a quantized KV cache
+# What the calibration forward reads (the loader tokenizes it for the model, ``calibration_ids``):
+# plain English in the style of the course corpus, written for this purpose (it is not a corpus story).
+CALIBRATION_TEXT = (
+    "Once upon a time, in a small town near the sea, there lived a girl named Lily. Every morning she "
+    "walked to the park with her dog, Max, and her best friend, Ben. One day the wind took Lily's red "
+    'kite and carried it high into an old tree. "Oh no!" Lily said. "My kite is stuck." Ben looked up '
+    'and thought for a moment. "Do not worry, Lily. I will help you," he said. He found a long stick, '
+    "stood on a big rock and pulled the string very slowly. The kite came down with a leaf on its tail. "
+    'Lily was so happy that she laughed and hugged him. "Thank you, Ben!" she said. Then the three '
+    "friends ran down the hill to the water, where the boats were white and the sky was blue. They ate "
+    "apples, played a game with a green ball and watched the birds until the sun was low. When it was "
+    "time to go home, Lily's mom made soup and bread, and Max fell asleep by the warm fire. Lily smiled. "
+    "It had been a good day, and tomorrow they would fly the kite again, far away from the tall trees. "
+    "The end."
+)
 
 
 def _check_impl(impl: str) -> str:
@@ -237,6 +259,8 @@ class PagedCausalLM(nn.Module):
     vocab_size: int
     max_model_len: int
     eos_token_ids: list[int]
+    kv_cache_dtype: str = "auto"  # what the attention layers' k_scale / v_scale were set for
+    calibration_ids: Optional[list[int]] = None  # CALIBRATION_TEXT in this model's tokens (the loader)
 
     @property
     def eos_token_id(self):
@@ -251,19 +275,90 @@ class PagedCausalLM(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One zeroed (k_cache, v_cache) per layer, each [num_blocks, block_size, KVH, D]."""
+    def allocate_kv_caches(
+        self, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto"
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One zeroed (k_cache, v_cache) per layer, each [num_blocks, block_size, KVH, D], in the
+        model's dtype ("auto") or 8 bits ("fp8", "fp8_e4m3", "int8"). A quantized cache needs its
+        scales: as vLLM's worker runs a profiling forward before it allocates the caches, this
+        runs one calibration forward (``calibrate_kv_scales``) unless the scales were already set
+        for this ``kv_cache_dtype``."""
         for name, val in (("num_blocks", num_blocks), ("block_size", block_size)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
+        dtype = kv_cache_torch_dtype(kv_cache_dtype, self.dtype)
+        if kv_cache_dtype != self.kv_cache_dtype:
+            self.calibrate_kv_scales(kv_cache_dtype)
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        kw = dict(dtype=self.dtype, device=self.device)
+        kw = dict(dtype=dtype, device=self.device)
         return [(torch.zeros(shape, **kw), torch.zeros(shape, **kw)) for _ in range(self.num_layers)]
 
-    def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """Bytes one block takes across all layers, keys and values."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+    def calibrate_kv_scales(self, kv_cache_dtype: str, input_ids: Optional[torch.Tensor] = None) -> None:
+        """Set every attention layer's ``k_scale`` / ``v_scale`` for a ``kv_cache_dtype`` cache.
+
+        One forward over ``input_ids`` [n] (one sequence; None: ``calibration_ids``, the loader's
+        tokens of ``CALIBRATION_TEXT``, else token ids drawn with a fixed seed; at most
+        ``CALIBRATION_TOKENS``) through a scratch cache in the model's dtype, recording each
+        layer's max |k| and max |v|; then ``scale = max / QUANT_MAX`` (``kernels/quant.py``).
+        Deterministic, so outputs never depend on which request came first (vLLM's
+        ``calculate_kv_scales`` uses the first batch instead). "auto": every scale is 1.0."""
+        dtype = kv_cache_torch_dtype(kv_cache_dtype, self.dtype)
+        layers = self.attention_layers()
+        for m in layers:
+            m.k_scale = m.v_scale = 1.0
+        self.kv_cache_dtype = "auto"
+        if not is_quantized(dtype):
+            return
+        n = min(CALIBRATION_TOKENS, self.max_model_len)
+        if input_ids is None and self.calibration_ids:
+            input_ids = torch.tensor(self.calibration_ids[:n])
+        elif input_ids is None:  # NOTE: random tokens underestimate real text's max |k| by up to 40%
+            input_ids = torch.randint(self.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+        if input_ids.dim() != 1 or input_ids.numel() == 0 or input_ids.numel() > self.max_model_len:
+            raise ValueError(
+                f"input_ids must be [n] with 1 <= n <= {self.max_model_len}, got {tuple(input_ids.shape)}"
+            )
+        n, bs, dev = input_ids.numel(), 16, self.device
+        nb = -(-n // bs)
+        shape = (nb, bs, self.num_kv_heads, self.head_dim)
+        caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=dev),
+                torch.zeros(shape, dtype=self.dtype, device=dev),
+            )
+            for _ in layers
+        ]
+        i32 = dict(dtype=torch.int32, device=dev)
+        inp = ModelInput(
+            input_ids=input_ids.to(dev, torch.long),
+            positions=torch.arange(n, device=dev),
+            slot_mapping=torch.arange(n, device=dev),  # blocks 0 .. nb - 1 in order
+            block_tables=torch.arange(nb, **i32)[None],
+            seq_lens=torch.tensor([n], **i32),
+            cu_seqlens_q=torch.tensor([0, n], **i32),
+            logits_indices=torch.tensor([n - 1], device=dev),
+            max_query_len=n,
+            max_seq_len=n,
+        )
+        for m in layers:
+            m.kv_amax = [0.0, 0.0]
+        try:
+            with torch.no_grad():
+                self.forward(inp, caches)
+            for m in layers:
+                m.k_scale, m.v_scale = scale_for(m.kv_amax[0], dtype), scale_for(m.kv_amax[1], dtype)
+        finally:
+            for m in layers:
+                m.kv_amax = None
+        self.kv_cache_dtype = kv_cache_dtype
+
+    def kv_cache_bytes_per_block(self, block_size: int, kv_cache_dtype: str = "auto") -> int:
+        """Bytes one block takes across all layers, keys and values
+        (``minipaged.config.kv_cache_bytes_per_block`` with this model's shape and dtype)."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return kv_cache_bytes_per_block(
+            self.num_layers, block_size, self.num_kv_heads, self.head_dim, dtype, kv_cache_dtype
+        )
 
     def check_invariants(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, (
@@ -278,11 +373,12 @@ class PagedCausalLM(nn.Module):
         assert impls <= want, f"small layers on {sorted(impls)} with attention on {sorted(backends)}"
 
     def use_backend(self, backend: str) -> str:
-        """Switch every layer to ``backend`` ("torch", "triton" or "cpu") after construction:
-        the attention layers, and the layers that have a ``forward_cpu`` (C on "cpu", torch
-        otherwise). Returns the backend it had, to switch back (the profile compares backends
-        on one model this way). The engine never switches; it builds the model for one backend."""
-        from minipaged.model.attention import ATTENTION_BACKENDS, PagedAttention
+        """Set every layer to ``backend`` ("torch", "triton" or "cpu"): the attention layers, and
+        the layers that have a ``forward_cpu`` (C on "cpu", torch otherwise). The loader calls it
+        once with the engine's backend (``minipaged.kernels.selector.get_attn_backend`` chose it);
+        models are built on "torch". Returns the backend it had, to switch back (the profile
+        compares backends on one model this way)."""
+        from minipaged.model.attention import PagedAttention
 
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")

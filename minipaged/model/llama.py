@@ -39,12 +39,24 @@ Failure mode
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from minipaged.model.attention import PagedAttention
 from minipaged.model.input import ModelInput
 from minipaged.model.layers import PagedCausalLM, RMSNorm, RotaryEmbedding, SiluAndMul, get_act_fn
+from minipaged.model.parallel import (
+    SINGLE,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TensorParallelGroup,
+    VocabParallelEmbedding,
+    load_into,
+)
 
 # Projections fused at load time: (fused parameter, checkpoint name, shard). vLLM calls this
 # ``stacked_params_mapping``: the checkpoint keeps q/k/v and gate/up apart, the model runs one
@@ -59,22 +71,26 @@ STACKED_PARAMS = (
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: down_proj(act(gate_proj(x)) * up_proj(x)), gate and up as one matmul."""
+    """SwiGLU: down_proj(act(gate_proj(x)) * up_proj(x)), gate and up as one matmul.
 
-    def __init__(self, config, impl: str = "torch"):
+    Tensor-parallel over ``tp.size`` ranks: rank r holds rows r*I/N .. of gate and of up
+    (column-parallel, no communication) and the same columns of down_proj (row-parallel: one
+    all-reduce)."""
+
+    def __init__(self, config, impl: str = "torch", tp: TensorParallelGroup = SINGLE):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        I = config.intermediate_size  # noqa: E741
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [I, I], bias, tp)
+        self.down_proj = RowParallelLinear(I, config.hidden_size, bias, tp)
+        self.intermediate_size = self.gate_up_proj.local_sizes[0]  # this rank's I / N
         self.act_fn = get_act_fn(config.hidden_act)
         # NOTE: SiLU (every Llama / Mistral / Qwen2 checkpoint) gets vLLM's fused SiluAndMul
         self.silu_and_mul = SiluAndMul(impl) if config.hidden_act in ("silu", "swish") else None
 
     def shard_rows(self, shard: str) -> slice:
         """Rows of ``gate_up_proj`` that hold checkpoint shard ``"gate"`` or ``"up"``."""
-        i = self.intermediate_size
-        return {"gate": slice(0, i), "up": slice(i, 2 * i)}[shard]
+        return self.gate_up_proj.local_rows({"gate": 0, "up": 1}[shard])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
@@ -85,10 +101,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, head_dim: int, rotary_emb: RotaryEmbedding, backend: str):
+    """q/k/v by heads, column-parallel (rank r: its H / N query and KVH / N KV heads), the
+    attention over those heads, o_proj row-parallel (one all-reduce)."""
+
+    def __init__(self, config, head_dim: int, rotary_emb: RotaryEmbedding, tp: TensorParallelGroup = SINGLE):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = head_dim
         # NOTE: Qwen2 always has q/k/v biases (and none on o_proj); Llama has an
         # attention_bias switch for all four; Mistral has none.
@@ -97,12 +116,14 @@ class LlamaAttention(nn.Module):
         else:
             qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
         hidden = config.hidden_size
+        # q, k, v fused; this rank's heads only
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, total_heads, total_kv_heads, qkv_bias, tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)  # q, k, v fused
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
+        self.o_proj = RowParallelLinear(total_heads * head_dim, hidden, o_bias, tp)
         self.rotary_emb = rotary_emb  # shared by all layers; holds no weights
-        self.attn = PagedAttention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5, backend)
+        self.attn = PagedAttention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5)
 
     @property
     def rope_in_c(self) -> bool:
@@ -110,9 +131,8 @@ class LlamaAttention(nn.Module):
         return self.attn.backend == "cpu"
 
     def shard_rows(self, shard: str) -> slice:
-        """Rows of ``qkv_proj`` that hold checkpoint shard ``"q"``, ``"k"`` or ``"v"``."""
-        q, kv = self.q_size, self.kv_size
-        return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[shard]
+        """Rows of ``qkv_proj`` that hold checkpoint shard ``"q"``, ``"k"`` or ``"v"`` (this rank's heads)."""
+        return self.qkv_proj.local_rows(shard)
 
     def forward(self, cos_sin, h, kv_cache, inp: ModelInput) -> torch.Tensor:
         T = h.shape[0]
@@ -132,13 +152,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, head_dim: int, rotary_emb: RotaryEmbedding, backend: str):
+    def __init__(self, config, head_dim: int, rotary_emb: RotaryEmbedding, tp: TensorParallelGroup = SINGLE):
         super().__init__()
-        impl = "cpu" if backend == "cpu" else "torch"  # the small layers in C with the C attention
-        self.self_attn = LlamaAttention(config, head_dim, rotary_emb, backend)
-        self.mlp = LlamaMLP(config, impl)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl)
+        self.self_attn = LlamaAttention(config, head_dim, rotary_emb, tp)
+        self.mlp = LlamaMLP(config, tp=tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, cos_sin, h, residual, kv_cache, inp: ModelInput):
         """h: the previous layer's output; residual: the stream before it (None in layer 0).
@@ -153,27 +172,33 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, head_dim: int, backend: str):
+    def __init__(self, config, head_dim: int, tp: TensorParallelGroup = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         rotary_emb = RotaryEmbedding(config, head_dim)
         self.rotary_emb = rotary_emb  # one table for all layers
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, head_dim, rotary_emb, backend) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, head_dim, rotary_emb, tp) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "cpu" if backend == "cpu" else "torch")
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(PagedCausalLM):
-    """Llama / Mistral / Qwen2 causal LM reading and writing a paged KV cache."""
+    """Llama / Mistral / Qwen2 causal LM reading and writing a paged KV cache.
 
-    def __init__(self, config, attention_backend: str = "torch", eos_token_ids=None):
+    ``tp``: this rank's place in a tensor-parallel group (default: world size 1, the plain
+    model). ``num_heads`` / ``num_kv_heads`` are this rank's (``total_num_*`` the model's), so
+    ``allocate_kv_caches`` gives each rank ``[num_blocks, block_size, KVH / N, D]``."""
+
+    def __init__(self, config, eos_token_ids=None, tp: Optional[TensorParallelGroup] = None):
         super().__init__()
+        tp = tp or SINGLE
         self.config = config
+        self.tp = tp
         self.num_layers = config.num_hidden_layers
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.total_num_heads
         self.vocab_size = config.vocab_size
         self.max_model_len = int(config.max_position_embeddings)
         window = getattr(config, "sliding_window", None)
@@ -181,8 +206,11 @@ class LlamaForCausalLM(PagedCausalLM):
             self.max_model_len = min(self.max_model_len, int(window))
         self.eos_token_ids = list(eos_token_ids or [])
 
-        self.model = LlamaModel(config, self.head_dim, attention_backend)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = LlamaModel(config, self.head_dim, tp)
+        attn = self.model.layers[0].self_attn if self.num_layers else None
+        self.num_heads = attn.num_heads if attn else self.total_num_heads // tp.size  # this rank's
+        self.num_kv_heads = attn.num_kv_heads if attn else self.total_num_kv_heads // tp.size
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -203,14 +231,17 @@ class LlamaForCausalLM(PagedCausalLM):
             idx = inp.logits_indices  # only each sequence's last token: [B, hidden] from here
             h, residual = h[idx], residual[idx]
         h, _ = self.model.norm(h, residual)  # [B, hidden]
-        return self.lm_head(h).float()  # [B, vocab]
+        return self.lm_head(h).float()  # [B, vocab] (on every tensor-parallel rank)
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, state_dict) -> None:
         """Copy a transformers state dict in (casts to this model's dtype).
 
         Names match Hugging Face's, except that ``q_proj`` / ``k_proj`` / ``v_proj`` go into
         rows of ``qkv_proj`` and ``gate_proj`` / ``up_proj`` into rows of ``gate_up_proj``
-        (``STACKED_PARAMS``); every shard must be found exactly once.
+        (``STACKED_PARAMS``); every shard must be found exactly once. ``state_dict`` is a
+        mapping or an iterable of ``(name, tensor)`` pairs; a tensor may be a safetensors slice,
+        and a tensor-parallel rank copies (and so reads) only its shard of it
+        (``parallel.load_into``).
         """
         if self.tie_word_embeddings:  # NOTE: Module.to_empty() can untie shared parameters
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -222,7 +253,8 @@ class LlamaForCausalLM(PagedCausalLM):
             missing.update(name.replace(f".{f}.", f".{ckpt}.") for f, ckpt in fused)
             if not fused:
                 missing.add(name)
-        for name, tensor in state_dict.items():
+        items = state_dict.items() if hasattr(state_dict, "items") else state_dict
+        for name, tensor in items:
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # the same tensor as embed_tokens
             if "rotary_emb" in name:
@@ -235,11 +267,15 @@ class LlamaForCausalLM(PagedCausalLM):
                     break
             if target not in params:
                 raise ValueError(f"checkpoint weight {name!r} has no place in {type(self).__name__}")
-            dst = params[target][rows]
-            if dst.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
-            with torch.no_grad():
-                dst.copy_(tensor)
+            module_name, _, param_name = target.rpartition(".")
+            module = modules[module_name]
+            try:  # this rank's shard, into its rows (replicated: all of it)
+                if hasattr(module, "weight_loader"):
+                    module.weight_loader(param_name, tensor, rows)
+                else:
+                    load_into(params[target], tensor, rows)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from e
             missing.discard(name)
         if self.tie_word_embeddings:
             missing.discard("lm_head.weight")

@@ -8,7 +8,10 @@ Inputs
     local directory in Hugging Face format, or a hub id such as ``"HuggingFaceTB/SmolLM2-135M"``
     (downloaded by transformers where a network is reachable). ``dtype``: "float32",
     "float16" or "bfloat16". ``device``: anything ``torch.device`` accepts.
-    ``attention_backend``: "torch", "triton" or "cpu".
+    ``attention_backend``: "torch", "triton" or "cpu" (``EngineConfig`` resolves "auto" first,
+    ``minipaged.kernels.selector``), set on every layer by ``PagedCausalLM.use_backend``.
+    ``tp``: a ``minipaged.model.parallel.TensorParallelGroup`` (rank r of N), or ``None`` for
+    the whole model in one process.
 Output
     ``(model, tokenizer)``: a ``PagedCausalLM`` in eval mode on ``device`` in ``dtype`` with
     the checkpoint's weights, and the checkpoint's transformers tokenizer (``None`` for a
@@ -21,6 +24,13 @@ How
     on the ``meta`` device (no random init), materialised on ``device`` and filled by its
     ``load_weights``.
 
+    Tensor-parallel (``tp.size > 1``, Llama family only): rank r builds its shard of the model
+    and reads only its shard of each weight: from a local safetensors checkpoint through
+    ``safe_open(...).get_slice(name)[rows]``, which reads those bytes and no others (vLLM's
+    ``weight_loader`` does the same with ``narrow``). A hub id or a ``.bin`` checkpoint has no
+    such slices: transformers reads it whole and each rank keeps its shard.
+    ``load_model_meta``: the checkpoint's shapes without its weights (a tensor-parallel driver).
+
 Invariants
     Same weights as transformers' model, so the same logits up to the attention kernel's
     rounding; ``model.eos_token_ids`` is the generation config's EOS (else the config's).
@@ -30,7 +40,9 @@ Failure mode
     plausible hub id, a checkpoint whose config cannot be loaded, an architecture outside
     Llama / Mistral / Qwen2 / GPT-2, a bad dtype or backend, a device this machine does not
     have (``"cuda"`` without CUDA), a weights file that cannot be read (truncated, corrupt):
-    one sentence naming the device or the file.
+    one sentence naming the device or the file; a ``tp.size`` that does not divide the heads,
+    the KV heads or the intermediate size, or exceeds the devices, or a GPT-2 checkpoint with
+    ``tp.size > 1``: ``ValueError`` naming ``tensor_parallel_size``.
 """
 
 from __future__ import annotations
@@ -41,10 +53,11 @@ from pathlib import Path
 
 import torch
 
-from minipaged.model.attention import ATTENTION_BACKENDS
+from minipaged.kernels.selector import ATTENTION_BACKENDS
 from minipaged.model.gpt2 import GPT2LMHeadModel
-from minipaged.model.layers import PagedCausalLM, resolve_dtype
+from minipaged.model.layers import CALIBRATION_TEXT, PagedCausalLM, resolve_dtype
 from minipaged.model.llama import LlamaForCausalLM
+from minipaged.model.parallel import check_tensor_parallel_size
 
 COURSE_MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "course_model"
 
@@ -115,6 +128,7 @@ def _weight_errors() -> tuple:
 
 
 _WEIGHT_ERRORS = _weight_errors()
+_READ_ERRORS = tuple(e for e in _WEIGHT_ERRORS if e is not ValueError)
 
 
 def _weights_files(src: str) -> str:
@@ -167,14 +181,103 @@ def _quietly(fn, *args, **kwargs):
             hf_logging.enable_progress_bar()
 
 
+def _safetensors_files(src: str) -> list[str]:
+    """The ``.safetensors`` files of a local checkpoint ([] for a hub id or a ``.bin`` one)."""
+    if not os.path.isdir(src):
+        return []
+    return sorted(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".safetensors"))
+
+
+def checkpoint_slices(files: list[str]):
+    """``(name, slice)`` for every tensor of these safetensors files; indexing a slice reads
+    only the indexed bytes (``safetensors.safe_open(...).get_slice``)."""
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
+
+
+def _check_tp_family(cls, config, tp_size: int) -> None:
+    if tp_size > 1 and cls is not LlamaForCausalLM:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size}: tensor parallelism is built for the Llama family only, "
+            f"not {config.model_type!r}"
+        )
+
+
+def _load_sharded(cls, config, src: str, torch_dtype, device, tp):
+    """Rank ``tp.rank``'s shard of the model, reading only its shard of each weight."""
+    _check_tp_family(cls, config, tp.size)
+    check_tensor_parallel_size(tp.size, config, device)
+    with torch.device("meta"):
+        paged = cls(config, eos_token_ids=_eos_token_ids(config, src), tp=tp)
+    paged = paged.to_empty(device=device).to(torch_dtype)
+    files = _safetensors_files(src)
+    try:
+        if files:
+            paged.load_weights(checkpoint_slices(files))
+        else:  # no slices to read from: the whole state dict, each rank keeps its shard
+            from transformers import AutoModelForCausalLM
+
+            hf_model = _quietly(
+                AutoModelForCausalLM.from_pretrained, src, **_from_pretrained_dtype_kwargs(torch_dtype)
+            )
+            paged.load_weights(hf_model.state_dict())
+            del hf_model
+    except _READ_ERRORS as e:  # NOTE: a ValueError from load_weights already names the weight
+        raise ValueError(f"model {src!r}: {_weights_files(src)} could not be read ({e})") from e
+    return paged
+
+
+def load_model_meta(
+    model: str | os.PathLike | None = None, tp_size: int = 1, device="cpu"
+) -> tuple[PagedCausalLM, object]:
+    """What a tensor-parallel driver needs of a checkpoint, without its weights:
+    ``(model on the meta device, tokenizer)``. The meta model is the whole model (world size
+    1): its ``num_layers``, ``num_kv_heads``, ``head_dim``, ``vocab_size``, ``max_model_len``
+    and ``eos_token_ids`` are the checkpoint's. ``tp_size`` is checked against the config
+    (``ValueError`` naming ``tensor_parallel_size``)."""
+    from transformers import AutoConfig
+
+    src = resolve_model_path(model)
+    try:
+        config = AutoConfig.from_pretrained(src)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model {src!r}: could not load its config: {e}") from e
+    cls = _MODEL_REGISTRY.get(getattr(config, "model_type", None))
+    if cls is None:
+        raise ValueError(f"model {src!r}: architecture {config.model_type!r} is not supported")
+    _check_tp_family(cls, config, tp_size)
+    check_tensor_parallel_size(tp_size, config, device)
+    with torch.device("meta"):
+        meta = cls(config, eos_token_ids=_eos_token_ids(config, src))
+    tokenizer = _load_tokenizer(src)
+    if tokenizer is not None:
+        meta.calibration_ids = tokenizer(CALIBRATION_TEXT)["input_ids"]
+    return meta, tokenizer
+
+
+def _load_tokenizer(src: str):
+    """The checkpoint's tokenizer, or ``None`` for a local directory with no tokenizer files."""
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(src) or any(os.path.isfile(os.path.join(src, f)) for f in _TOKENIZER_FILES):
+        return AutoTokenizer.from_pretrained(src)
+    return None
+
+
 def load_model(
     model: str | os.PathLike | None = None,
     dtype="float32",
     device="cpu",
     attention_backend: str = "torch",
+    tp=None,
 ):
-    """Load ``model`` (None = the course model) -> ``(PagedCausalLM, tokenizer)``."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    """Load ``model`` (None = the course model) -> ``(PagedCausalLM, tokenizer)``; with ``tp``
+    (a ``TensorParallelGroup`` of size > 1), this rank's shard of it."""
+    from transformers import AutoConfig
 
     torch_dtype = resolve_dtype(dtype)
     if attention_backend not in ATTENTION_BACKENDS:
@@ -199,6 +302,23 @@ def load_model(
         )
     cls = _MODEL_REGISTRY[model_type]
 
+    if tp is not None and tp.size > 1:
+        paged = _load_sharded(cls, config, src, torch_dtype, device, tp)
+    else:
+        paged = _load_whole(cls, config, src, torch_dtype, device)
+    paged.use_backend(attention_backend)
+    paged.eval().requires_grad_(False)
+    paged.check_invariants()
+    tokenizer = _load_tokenizer(src)
+    if tokenizer is not None:
+        paged.calibration_ids = tokenizer(CALIBRATION_TEXT)["input_ids"]  # for an int8 / fp8 KV cache
+    return paged, tokenizer
+
+
+def _load_whole(cls, config, src: str, torch_dtype, device):
+    """The whole model in this process (world size 1)."""
+    from transformers import AutoModelForCausalLM
+
     # 1. The weights, as transformers reads them (any format, any source).
     try:
         hf_model = _quietly(
@@ -210,14 +330,8 @@ def load_model(
 
     # 2. The minipaged model: built without random init, then filled.
     with torch.device("meta"):
-        paged = cls(config, attention_backend=attention_backend, eos_token_ids=_eos_token_ids(config, src))
+        paged = cls(config, eos_token_ids=_eos_token_ids(config, src))
     paged = paged.to_empty(device=device).to(torch_dtype)
     paged.load_weights(state_dict)
     del hf_model, state_dict
-    paged.eval().requires_grad_(False)
-    paged.check_invariants()
-
-    tokenizer = None
-    if not os.path.isdir(src) or any(os.path.isfile(os.path.join(src, f)) for f in _TOKENIZER_FILES):
-        tokenizer = AutoTokenizer.from_pretrained(src)
-    return paged, tokenizer
+    return paged

@@ -19,6 +19,17 @@ Outputs
     ``GPU memory * utilization - weights - activation reserve``; ``swap_time(num_tokens)``:
     copying that much KV over PCIe.
 
+Tensor parallelism (``tensor_parallel_size=N``, the paper's §4.6: OPT-66B on 4 A100s,
+OPT-175B on 8; ``PAPER_TP_SETTINGS``): every GPU holds 1/N of the weights and 1/N of every
+token's KV (its heads), and does 1/N of the FLOPs and bytes; each layer adds two all-reduces
+of the step's ``[T, hidden]`` activations over NVLink (ring: ``2 (N - 1) / N`` of the bytes
+each way, plus a fixed latency per all-reduce), not overlapped with compute::
+
+    time  = max(flops / N / (peak * mfu), bytes / N / (bw * mbu))
+          + 2 * L * (2 (N-1)/N * T * hidden * dtype / nvlink_bw + allreduce_latency)
+          + step_overhead
+    KV    = N * (GPU memory * util - weights / N - activation reserve)   (all GPUs together)
+
 The model of one step::
 
     flops = 2 * P_layers * T                     # every linear layer, every new token
@@ -44,7 +55,10 @@ Where it simplifies (say so when quoting its numbers)
     - swap preemption costs ``swap_time``: the blocks' bytes over PCIe, added to the step
       (no overlap with compute);
     - the activation reserve is a fixed number in place of vLLM's profiling run;
-    - one dtype (fp16/bf16, 2 bytes) for weights and KV; no quantization.
+    - one dtype (fp16/bf16, 2 bytes) for weights and KV; no quantization;
+    - tensor parallelism splits every matrix evenly (N divides the heads) and the LM head too;
+      the embedding's all-reduce and the logits gather are left out (one [T, hidden] and one
+      [S, vocab / N] message per step, small beside 2 L all-reduces).
 
 Invariants
     step time is positive, non-decreasing in every sequence's new tokens and context, and
@@ -132,9 +146,12 @@ class GPUConfig:
     mem_bandwidth: float
     memory_bytes: float
     pcie_bandwidth: float = 25e9  # host<->GPU bytes/s actually reached (swap preemption)
+    # NOTE: NVLink bytes/s one way an all-reduce reaches (NCCL's "bus bandwidth"): A100 NVLink 3
+    # is 300 GB/s per direction, NCCL reaches roughly 230; H100 NVLink 4: 450 and roughly 360.
+    nvlink_bandwidth: float = 230e9
 
     def __post_init__(self) -> None:
-        for name in ("peak_flops", "mem_bandwidth", "memory_bytes", "pcie_bandwidth"):
+        for name in ("peak_flops", "mem_bandwidth", "memory_bytes", "pcie_bandwidth", "nvlink_bandwidth"):
             v = getattr(self, name)
             if not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v!r}")
@@ -165,16 +182,51 @@ LLAMA_7B = ModelConfig(  # Llama-2-7B
     gated_mlp=True,
     tie_word_embeddings=False,
 )
-MODELS = {m.name: m for m in (OPT_13B, LLAMA_7B)}
+# NOTE: the paper's multi-GPU models (Table 1): OPT-66B on 4 A100s, OPT-175B on 8 A100-80GB.
+OPT_66B = ModelConfig(
+    name="OPT-66B",
+    num_layers=64,
+    hidden_size=9216,
+    num_heads=72,
+    num_kv_heads=72,
+    head_dim=128,
+    intermediate_size=36864,
+    vocab_size=50272,
+    max_model_len=2048,
+)
+OPT_175B = ModelConfig(
+    name="OPT-175B",
+    num_layers=96,
+    hidden_size=12288,
+    num_heads=96,
+    num_kv_heads=96,
+    head_dim=128,
+    intermediate_size=49152,
+    vocab_size=50272,
+    max_model_len=2048,
+)
+MODELS = {m.name: m for m in (OPT_13B, LLAMA_7B, OPT_66B, OPT_175B)}
 
 A100_40GB = GPUConfig("A100-40GB", peak_flops=312e12, mem_bandwidth=1.555e12, memory_bytes=40 * GiB)
 A100_80GB = GPUConfig("A100-80GB", peak_flops=312e12, mem_bandwidth=2.039e12, memory_bytes=80 * GiB)
 # NOTE: PCIe 4.0 x16 peaks at 32 GB/s (A100), PCIe 5.0 x16 at 64 GB/s (H100, H200);
 # pinned-memory copies reach roughly 80% of that.
 H100 = GPUConfig(
-    "H100", peak_flops=989e12, mem_bandwidth=3.35e12, memory_bytes=80 * GiB, pcie_bandwidth=50e9
+    "H100",
+    peak_flops=989e12,
+    mem_bandwidth=3.35e12,
+    memory_bytes=80 * GiB,
+    pcie_bandwidth=50e9,
+    nvlink_bandwidth=360e9,
 )  # SXM
-H200 = GPUConfig("H200", peak_flops=989e12, mem_bandwidth=4.8e12, memory_bytes=141e9, pcie_bandwidth=50e9)
+H200 = GPUConfig(
+    "H200",
+    peak_flops=989e12,
+    mem_bandwidth=4.8e12,
+    memory_bytes=141e9,
+    pcie_bandwidth=50e9,
+    nvlink_bandwidth=360e9,
+)
 GPUS = {g.name: g for g in (A100_40GB, A100_80GB, H100, H200)}
 
 
@@ -184,7 +236,8 @@ class StepCost:
     bytes: float
     compute_s: float
     memory_s: float
-    time_s: float  # max(compute_s, memory_s) + overhead
+    time_s: float  # max(compute_s, memory_s) + comm_s + overhead
+    comm_s: float = 0.0  # tensor parallelism's all-reduces (0 on one GPU)
 
     @property
     def bound(self) -> str:
@@ -203,6 +256,8 @@ class CostModel:
         flops_efficiency: float = 0.5,
         bandwidth_efficiency: float = 0.8,
         step_overhead_s: float = 0.003,
+        tensor_parallel_size: int = 1,
+        allreduce_latency_s: float = 10e-6,
     ) -> None:
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
@@ -214,6 +269,18 @@ class CostModel:
             raise ValueError(f"step_overhead_s must be >= 0, got {step_overhead_s!r}")
         if activation_reserve_bytes < 0:
             raise ValueError(f"activation_reserve_bytes must be >= 0, got {activation_reserve_bytes!r}")
+        tp = tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}")
+        if model.num_heads % tp or model.num_kv_heads % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide {model.name}'s {model.num_heads} heads "
+                f"/ {model.num_kv_heads} KV heads"
+            )
+        if allreduce_latency_s < 0:
+            raise ValueError(f"allreduce_latency_s must be >= 0, got {allreduce_latency_s!r}")
+        self.tensor_parallel_size = tp
+        self.allreduce_latency_s = allreduce_latency_s
         self.model = model
         self.gpu = gpu
         self.gpu_memory_utilization = gpu_memory_utilization
@@ -221,12 +288,18 @@ class CostModel:
         self.flops_efficiency = flops_efficiency
         self.bandwidth_efficiency = bandwidth_efficiency
         self.step_overhead_s = step_overhead_s
-        # Per-unit constants, precomputed: step_time runs once per simulated step.
+        # Per-unit constants, per GPU, precomputed: step_time runs once per simulated step.
         m = model
-        self._flops_per_token = 2.0 * m.layer_params
-        self._flops_per_seq = 2.0 * m.hidden_size * m.vocab_size  # LM head on one position
-        self._flops_per_attn = 4.0 * m.num_layers * m.num_heads * m.head_dim
-        self._kv_bytes = float(m.kv_bytes_per_token)
+        self._flops_per_token = 2.0 * m.layer_params / tp
+        self._flops_per_seq = 2.0 * m.hidden_size * m.vocab_size / tp  # LM head on one position
+        self._flops_per_attn = 4.0 * m.num_layers * m.num_heads * m.head_dim / tp
+        self._kv_bytes = float(m.kv_bytes_per_token) / tp  # this GPU's heads of a token
+        self._weight_bytes = m.weight_bytes / tp
+        # ring all-reduce of [T, hidden]: 2 (N-1)/N of the bytes cross each link, 2 per layer
+        self._comm_per_token = (
+            2 * m.num_layers * 2 * (tp - 1) / tp * m.hidden_size * m.dtype_bytes / gpu.nvlink_bandwidth
+        )
+        self._comm_per_step = 2 * m.num_layers * allreduce_latency_s if tp > 1 else 0.0
         self._eff_flops = gpu.peak_flops * flops_efficiency
         self._eff_bw = gpu.mem_bandwidth * bandwidth_efficiency
 
@@ -234,21 +307,25 @@ class CostModel:
         return (
             f"CostModel({self.model.name} on {self.gpu.name}, util={self.gpu_memory_utilization}, "
             f"mfu={self.flops_efficiency}, mbu={self.bandwidth_efficiency}, "
-            f"overhead={self.step_overhead_s * 1e3:g} ms)"
+            f"overhead={self.step_overhead_s * 1e3:g} ms"
+            + (f", tp={self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else "")
+            + ")"
         )
 
     # -- memory -------------------------------------------------------------------
     def kv_cache_bytes(self) -> float:
-        """GPU memory left for the KV cache: ``memory * util - weights - activations``."""
+        """GPU memory left for the KV cache: ``memory * util - weights - activations``, on all
+        ``tensor_parallel_size`` GPUs together (each holds 1/N of the weights)."""
         usable = self.gpu.memory_bytes * self.gpu_memory_utilization
-        left = usable - self.model.weight_bytes - self.activation_reserve_bytes
+        left = usable - self._weight_bytes - self.activation_reserve_bytes
         if left <= 0:
+            per = f" (1/{self.tensor_parallel_size} per GPU)" if self.tensor_parallel_size > 1 else ""
             raise ValueError(
-                f"{self.model.name} weights ({self.model.weight_bytes / GiB:.1f} GiB) + activation "
+                f"{self.model.name} weights ({self.model.weight_bytes / GiB:.1f} GiB{per}) + activation "
                 f"reserve ({self.activation_reserve_bytes / GiB:.1f} GiB) do not fit the "
                 f"{usable / GiB:.1f} GiB usable on {self.gpu.name}"
             )
-        return left
+        return left * self.tensor_parallel_size
 
     def num_kv_tokens(self) -> int:
         """Token slots the KV budget holds."""
@@ -261,7 +338,7 @@ class CostModel:
 
     # -- time ---------------------------------------------------------------------
     def breakdown(self, batch: Iterable[tuple[int, int]]) -> StepCost:
-        """FLOPs, bytes and time of one step; ``batch`` = ``(num_new, num_computed)`` pairs."""
+        """FLOPs, bytes (per GPU) and time of one step; ``batch`` = ``(num_new, num_computed)`` pairs."""
         num_tokens = num_seqs = ctx = attn = 0
         for q, c in batch:
             if q < 0 or c < 0:
@@ -276,12 +353,14 @@ class CostModel:
         flops = (
             self._flops_per_token * num_tokens + self._flops_per_seq * num_seqs + self._flops_per_attn * attn
         )
-        nbytes = self.model.weight_bytes + self._kv_bytes * (ctx + num_tokens)
+        nbytes = self._weight_bytes + self._kv_bytes * (ctx + num_tokens)
+        comm_s = self._comm_per_step + self._comm_per_token * num_tokens
         if num_tokens == 0:  # an empty step costs only the overhead
-            flops = nbytes = 0.0
+            flops = nbytes = comm_s = 0.0
         compute_s = flops / self._eff_flops
         memory_s = nbytes / self._eff_bw
-        return StepCost(flops, nbytes, compute_s, memory_s, max(compute_s, memory_s) + self.step_overhead_s)
+        time_s = max(compute_s, memory_s) + comm_s + self.step_overhead_s
+        return StepCost(flops, nbytes, compute_s, memory_s, time_s, comm_s)
 
     def step_time(self, batch: Iterable[tuple[int, int]]) -> float:
         """Seconds one engine step over ``batch`` takes."""
@@ -295,7 +374,8 @@ class CostModel:
         """
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens!r}")
-        return num_tokens * self.model.kv_bytes_per_token / self.gpu.pcie_bandwidth
+        # NOTE: with tensor parallelism each GPU copies its own heads over its own PCIe link
+        return num_tokens * self._kv_bytes / self.gpu.pcie_bandwidth
 
     def decode_ridge_batch(self, context_len: int = 0) -> float:
         """Decode batch size at which compute time equals memory time (the roofline ridge),
@@ -306,7 +386,7 @@ class CostModel:
         denom = per_seq_flops / self._eff_flops - per_seq_bytes / self._eff_bw
         if denom <= 0:
             return float("inf")  # attention reads grow as fast as compute: never compute-bound
-        return self.model.weight_bytes / self._eff_bw / denom
+        return self._weight_bytes / self._eff_bw / denom
 
     def check_invariants(self) -> None:
         base = self.step_time([(1, 100)])
@@ -324,3 +404,12 @@ def batch_from_lengths(num_new: Sequence[int], num_computed: Sequence[int]) -> l
     if len(num_new) != len(num_computed):
         raise ValueError(f"num_new ({len(num_new)}) and num_computed ({len(num_computed)}) differ in length")
     return list(zip(num_new, num_computed))
+
+
+def paper_tp_settings(**kwargs) -> dict[str, CostModel]:
+    """The paper's multi-GPU settings (§6, Table 1): OPT-66B on 4 A100-40GB and OPT-175B on 8
+    A100-80GB, tensor-parallel across the GPUs of one node; ``kwargs`` go to ``CostModel``."""
+    return {
+        "OPT-66B, 4 x A100": CostModel(OPT_66B, A100_40GB, tensor_parallel_size=4, **kwargs),
+        "OPT-175B, 8 x A100-80GB": CostModel(OPT_175B, A100_80GB, tensor_parallel_size=8, **kwargs),
+    }

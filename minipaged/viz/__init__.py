@@ -7,11 +7,14 @@ rendering that prints the same state deterministically (terminals, nbval).
 ===========================  =======================================================
 ``timeline(trace)``          a row per request, a column per step: waiting, prefill
                              (chunk size), decode, preempted, swapped; batch strips
+``timelines({title: trace})`` several runs' timelines side by side, one step axis
 ``block_tables(src, step)``  logical blocks -> physical block grid, ref counts, free
 ``step(trace, i)``           both side by side: the lecture's picture
 ``memory(trace)``            KV slots over time: holding tokens, reserved, free
 ``*_text(...)``              the same as strings
 ``stepper(trace)``           an ipywidgets player over ``step(trace, i)``
+``packed_batch(inp, ids, bs)`` one step as the model reads it: the flat ragged batch of a
+                             ``ModelInput`` (tokens, positions, slots, block tables)
 ``beam_tables(trace, steps)`` beam search: block tables at several steps, every beam
                              under a stable name and colour, forks as children
 ===========================  =======================================================
@@ -22,7 +25,8 @@ returns a Figure pyplot never sees (files, widgets). matplotlib is imported only
 figure is drawn; the text renderings do not need it.
 """
 
-from minipaged.viz.activity import timeline, timeline_cells, timeline_text
+from minipaged.viz.activity import timeline, timeline_cells, timeline_text, timelines
+from minipaged.viz.batch import packed_batch, packed_batch_text
 from minipaged.viz.beams import beam_lineage, beam_tables, beam_tables_text
 from minipaged.viz.blocks import block_tables, block_tables_text
 from minipaged.viz.occupancy import memory, memory_series, memory_text
@@ -47,6 +51,8 @@ __all__ = [
     "memory",
     "memory_series",
     "memory_text",
+    "packed_batch",
+    "packed_batch_text",
     "request_order",
     "snapshot",
     "step",
@@ -55,4 +61,5 @@ __all__ = [
     "timeline",
     "timeline_cells",
     "timeline_text",
+    "timelines",
 ]

@@ -35,6 +35,11 @@ RC = {
 PNG_METADATA = {"Software": None}
 
 
+def plural(n: int, word: str) -> str:
+    """``"1 token"``, ``"2 tokens"``: a count and its noun, for figure titles."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def new_figure(figsize, managed: bool = True):
     import matplotlib
 

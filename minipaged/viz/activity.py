@@ -65,6 +65,9 @@ class TimelineCells:
         return len(self.running)
 
 
+LABEL_CHARS = 12  # row labels longer than this are shown as r{arrival index}
+
+
 def _step_states(s) -> dict[str, str]:
     """request id -> its state in step ``s``, for every request the step mentions."""
     out: dict[str, str] = {}
@@ -331,7 +334,9 @@ def draw_timeline(
     # label every row while rows are tall enough, else every k-th
     every = max(1, math.ceil(11.0 / max(ch, 0.1)))
     ax.set_yticks(range(0, R, every))
-    ax.set_yticklabels(c.order[::every])
+    # NOTE: a long id (a server's 36-character uuid) becomes r{k}, k its arrival index,
+    # as the block tables name it; short ids stay as they are
+    ax.set_yticklabels([palette.short_name(r, k, width=LABEL_CHARS) for k, r in enumerate(c.order)][::every])
     # a swatch of the request's own colour (the same as in the block tables)
     for k, lab in zip(range(0, R, every), ax.get_yticklabels()):
         col = palette.owner_color(k)
@@ -369,17 +374,16 @@ def draw_timeline(
     if cursor is not None:
         for a in (ax_s, ax_t):
             a.axvspan(cursor - 0.5, cursor + 0.5, color=palette.BLACK, alpha=0.12, zorder=0, linewidth=0)
-        # NOTE: on a narrow column an outline would cover the cell it marks, so the
-        # frame then spans a few columns around it and stays thin.
-        pad = 0 if cw >= 8 else math.ceil(2.5 / max(cw, 0.1))
+        # NOTE: the frame is exactly the step's column; on a narrow column a thick outline
+        # would cover the cells it marks, so its line thins with the column (cw points wide).
         ax.add_patch(
             Rectangle(
-                (cursor - 0.5 - pad, -0.5),
-                1 + 2 * pad,
+                (cursor - 0.5, -0.5),
+                1,
                 R,
                 fill=False,
                 edgecolor=palette.BLACK,
-                linewidth=2.0 if pad == 0 else 1.0,
+                linewidth=2.0 if cw >= 8 else max(0.5, min(1.5, cw / 5)),
                 clip_on=False,
             )
         )
@@ -433,11 +437,44 @@ def timeline(trace: EngineTrace, *, cursor: Optional[int] = None, managed: bool 
         fig = _draw.new_figure(figure_size(trace), managed=managed)
         draw_timeline(fig, trace, cursor=cursor, cells=cells)
         fig.suptitle(
-            f"Active sequences per engine step ({len(cells.order)} requests, {cells.num_steps} steps)",
+            f"Active sequences per engine step ({_draw.plural(len(cells.order), 'request')}, "
+            f"{_draw.plural(cells.num_steps, 'step')})",
             x=0.01,
             ha="left",
             fontsize=11,
             y=0.99,
             va="top",
         )
+    return fig
+
+
+def timelines(traces: dict, *, managed: bool = True):
+    """Figure: several runs' timelines side by side, one panel per ``{title: trace}`` entry,
+    on a common step axis so that their lengths compare at a glance (chapter 08's pairs).
+
+    In a notebook: ``fig = timelines({"v0": t0, "v1": t1}); plt.show(); plt.close(fig)``.
+    """
+    from minipaged.viz import _draw
+
+    if not traces or not isinstance(traces, dict):
+        raise ValueError(f"traces must be a non-empty dict of title -> EngineTrace, got {traces!r}")
+    n = len(traces)
+    h = max(figure_size(t)[1] for t in traces.values())
+    with _draw.rc_context():
+        fig = _draw.new_figure((min(16.0, 7.0 * n), h), managed=managed)
+        subs = fig.subfigures(1, n, wspace=0.02) if n > 1 else [fig]
+        longest = max(len(t.steps) for t in traces.values())
+        for sub, (title, trace) in zip(subs, traces.items()):
+            axes = draw_timeline(sub, trace, legend_cols=3)
+            for ax in axes:
+                ax.set_xlim(-0.5, longest - 0.5)
+            sub.suptitle(
+                f"{title}: {_draw.plural(len(trace.steps), 'step')}",
+                x=0.02,
+                ha="left",
+                fontsize=11,
+                fontweight="bold",
+                y=0.99,
+                va="top",
+            )
     return fig

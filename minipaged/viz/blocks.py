@@ -78,7 +78,10 @@ def _names(snap: BlockSnapshot) -> dict[str, str]:
 def _row_name(snap: BlockSnapshot, rid: str, names: dict[str, str]) -> str:
     if rid in snap.row_names:
         return snap.row_names[rid]
-    return f"{rid} ({names[rid]})" if names[rid] != rid else rid
+    if names[rid] == rid:
+        return rid
+    # NOTE: a long id (a server's uuid) would crowd the panel: its short name alone
+    return f"{rid} ({names[rid]})" if len(rid) <= 12 else names[rid]
 
 
 def block_tables_text(source, step: Optional[int] = None, *, columns: int = 8, **kwargs) -> str:
@@ -155,12 +158,19 @@ def figure_size(snap: BlockSnapshot) -> tuple[float, float]:
 
 
 def draw_block_tables(
-    fig, snap: BlockSnapshot, arrows: bool = False, legend: bool = True, title: Optional[str] = None
+    fig,
+    snap: BlockSnapshot,
+    arrows: bool = False,
+    legend: bool = True,
+    title: Optional[str] = None,
+    copies=(),
 ) -> None:
     """Draw ``snap`` into ``fig`` (a Figure or SubFigure): logical left, physical right.
 
     ``legend=False`` leaves the legend out (a stack of pictures shows it once);
-    ``title`` replaces the "Block tables after step i" title."""
+    ``title`` replaces the "Block tables after step i" title; ``copies`` (``(src, dst)``
+    block ids, copy-on-write's ``blocks_to_copy``) draws a "copy" arrow between the two
+    physical blocks."""
     import numpy as np
     from matplotlib.colors import to_rgba
     from matplotlib.patches import Patch, Rectangle
@@ -324,6 +334,37 @@ def draw_block_tables(
         loc="left",
     )
 
+    # -- copy-on-write copies: src -> dst in the pool ----------------------------------
+    for src, dst in copies:
+        if not (0 <= src < snap.num_blocks and 0 <= dst < snap.num_blocks):
+            raise ValueError(f"copies: ({src}, {dst}) is outside the pool of {snap.num_blocks} blocks")
+        from matplotlib.patches import FancyArrowPatch
+
+        a, b = (src % ncols + 0.5, src // ncols + 0.5), (dst % ncols + 0.5, dst // ncols + 0.5)
+        ax_p.add_patch(
+            FancyArrowPatch(
+                a,
+                b,
+                arrowstyle="-|>",
+                mutation_scale=14,
+                color=palette.BLACK,
+                linewidth=2.0,
+                connectionstyle="arc3,rad=0.35",
+                zorder=4,
+            )
+        )
+        ax_p.text(
+            (a[0] + b[0]) / 2,
+            min(a[1], b[1]) - 0.2,
+            f"copy {src} -> {dst}",
+            ha="center",
+            va="center",
+            fontsize=9,
+            fontweight="bold",
+            zorder=4,
+            bbox=dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none", alpha=0.85),
+        )
+
     # -- logical -> physical arrows, only while they stay readable ---------------------
     if arrows:
         from matplotlib.patches import ConnectionPatch
@@ -475,7 +516,12 @@ def draw_block_mapping(fig, snap: BlockSnapshot) -> None:
         n = snap.num_tokens.get(rid, len(snap.block_tables[rid]) * bs)
         table = snap.block_tables[rid]
         ax.text(
-            x, 3.05, f"{_row_name(snap, rid, names)}: {n} tokens", ha="left", va="center", fontsize=fs * 0.9
+            x,
+            3.05,
+            f"{_row_name(snap, rid, names)}: {_draw.plural(n, 'token')}",
+            ha="left",
+            va="center",
+            fontsize=fs * 0.9,
         )
         for j, b in enumerate(table):
             held = max(0, min(bs, n - j * bs))
@@ -532,13 +578,16 @@ def draw_block_mapping(fig, snap: BlockSnapshot) -> None:
     )
 
 
-def block_tables(source, step: Optional[int] = None, *, arrows: bool = False, managed: bool = True, **kwargs):
+def block_tables(
+    source, step: Optional[int] = None, *, arrows: bool = False, copies=(), managed: bool = True, **kwargs
+):
     """Figure: block tables at ``step`` of a trace, or of a live ``KVCacheManager``.
 
     ``arrows=True`` draws an arrow from each logical block to its physical block: for a
     pool of at most ``MAPPING_MAX_BLOCKS`` blocks as two rows (logical above, physical
     below, ``draw_block_mapping``), else over the usual two panels (the cell labels carry
-    the same mapping). ``managed=False`` returns a Figure pyplot does not
+    the same mapping). ``copies`` (``(src, dst)`` pairs, as ``blocks_to_copy``) draws each
+    copy-on-write copy as an arrow in the pool. ``managed=False`` returns a Figure pyplot does not
     track (for files and widgets). In a notebook: ``fig = block_tables(...); plt.show();
     plt.close(fig)``.
     """
@@ -546,10 +595,10 @@ def block_tables(source, step: Optional[int] = None, *, arrows: bool = False, ma
 
     snap = snapshot(source, step, **kwargs)
     with _draw.rc_context():
-        if arrows and _mapping_fits(snap):
+        if arrows and _mapping_fits(snap) and not copies:
             fig = _draw.new_figure((9.0, 3.6), managed=managed)
             draw_block_mapping(fig, snap)
         else:
             fig = _draw.new_figure(figure_size(snap), managed=managed)
-            draw_block_tables(fig, snap, arrows=arrows)
+            draw_block_tables(fig, snap, arrows=arrows, copies=copies)
     return fig

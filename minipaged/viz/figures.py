@@ -239,6 +239,28 @@ FIGURES: dict[str, tuple[str, Callable, str]] = {
 }
 
 
+# Figures drawn in this palette by commands too slow to rerun in a test (``minipaged
+# simulate``: minutes). ``minipaged figures --stamp`` records their sha256 and the palette's
+# fingerprint in ``figures/palette_stamps.json``; tests/test_figures_fresh.py checks both.
+PALETTE_FIGURES = ("sim_latency_sharegpt.png", "sim_latency_alpaca.png", "sim_block_size.png")
+STAMPS = "palette_stamps.json"
+
+
+def stamp_palette_figures(fig_dir) -> dict:
+    """Record the palette fingerprint and each ``PALETTE_FIGURES`` file's sha256."""
+    import json
+
+    from minipaged.viz import palette
+
+    d = Path(fig_dir)
+    stamps = {
+        "palette": palette.fingerprint(),
+        "figures": {n: hashlib.sha256((d / n).read_bytes()).hexdigest() for n in PALETTE_FIGURES},
+    }
+    (d / STAMPS).write_text(json.dumps(stamps, indent=2, sort_keys=True) + "\n")
+    return stamps
+
+
 def _module_available(name: str) -> bool:
     import importlib.util
 
@@ -284,12 +306,21 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--check", action="store_true", help="render twice into temporary folders and compare sha256"
     )
+    parser.add_argument(
+        "--stamp",
+        action="store_true",
+        help="after `minipaged simulate`: record the sim_*.png hashes and the palette in figures/palette_stamps.json",
+    )
 
 
 def run(args) -> int:
     if args.list:
         for name, (module, _, what) in FIGURES.items():
             print(f"{name:<26} {what}  [{module}]")
+        return 0
+    if args.stamp:
+        stamps = stamp_palette_figures(args.out)
+        print(f"stamped {', '.join(stamps['figures'])} with palette {stamps['palette'][:16]}")
         return 0
     names = args.only or None
     for n in names or ():

@@ -138,3 +138,13 @@ def short_name(rid: str, k: int, width: int = 4) -> str:
     if rid.isdigit() and len(rid) < width:
         return f"r{rid}"
     return rid if len(rid) <= width else f"r{k}"
+
+
+def fingerprint() -> str:
+    """sha256 of every colour this module defines (its upper-case constants), so that a
+    figure that cannot be redrawn cheaply can record which palette it was drawn in."""
+    import hashlib
+    import json
+
+    values = {k: v for k, v in sorted(globals().items()) if k.isupper() and isinstance(v, (str, list, dict))}
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()

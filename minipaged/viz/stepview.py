@@ -54,6 +54,7 @@ def step_text(trace: EngineTrace, i: int, *, columns: int = 8) -> str:
 
 def draw_step(fig, trace: EngineTrace, i: int, cells=None) -> None:
     """Draw step ``i`` into ``fig``: timeline with a cursor left, block tables right."""
+    from minipaged.viz import _draw
     from minipaged.viz.activity import draw_timeline
     from minipaged.viz.blocks import draw_block_tables
 
@@ -62,8 +63,8 @@ def draw_step(fig, trace: EngineTrace, i: int, cells=None) -> None:
     draw_timeline(left, trace, cursor=i, cells=cells, legend_cols=4)
     s = trace.steps[i]
     left.suptitle(
-        f"Step {i} / {len(trace.steps) - 1}: {len(s.scheduled)} sequences, "
-        f"{sum(s.scheduled.values())} tokens in the batch",
+        f"Step {i} / {len(trace.steps) - 1}: {_draw.plural(len(s.scheduled), 'sequence')}, "
+        f"{_draw.plural(sum(s.scheduled.values()), 'token')} in the batch",
         x=0.01,
         ha="left",
         fontsize=11,

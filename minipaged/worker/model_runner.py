@@ -66,11 +66,20 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> token
     logprobs: dict[str, object] = field(default_factory=dict)  # request id -> Logprobs
+    # speculative decoding: a verified request's sampled_token_ids entry is a list (its
+    # accepted drafts + 1); draft_token_ids are the drafts proposed for the next step
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
     def __init__(
-        self, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, device: str = "cpu"
+        self,
+        model,
+        num_blocks: int,
+        block_size: int,
+        num_cpu_blocks: int = 0,
+        device: str = "cpu",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         from minipaged.engine.sampler import Sampler
 
@@ -81,9 +90,15 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}  # the requests this worker runs
+        self.spec = None  # speculative decoding (``enable_speculation``)
         self.step_times: Optional[dict[str, float]] = None  # the engine's profile, if it wants it
         # Per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
-        self.kv_caches = model.allocate_kv_caches(num_blocks, block_size)
+        # An int8 / fp8 cache (kv_cache_dtype) is allocated in 8 bits, its scales calibrated first.
+        self.kv_caches = (
+            model.allocate_kv_caches(num_blocks, block_size)
+            if kv_cache_dtype == "auto"
+            else model.allocate_kv_caches(num_blocks, block_size, kv_cache_dtype)
+        )
         self.cpu_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         if num_cpu_blocks > 0:
             pin = self.device.type == "cuda"
@@ -96,10 +111,20 @@ class ModelRunner:
                     )
                 )
 
+    def enable_speculation(self, speculative_config, draft_model=None) -> None:
+        """Propose drafts after each step and verify them in the next (``SpecDecodeRunner``)."""
+        from minipaged.worker.spec_decode import SpecDecodeRunner
+
+        self.spec = SpecDecodeRunner(
+            speculative_config, draft_model, self.num_blocks, self.block_size, self.device
+        )
+
     # -- the step --------------------------------------------------------------------
     def execute_model(self, scheduler_output) -> ModelRunnerOutput:
         """One step: update, copy blocks, forward, sample (see the module docstring)."""
         logits, req_ids = self.compute_logits(scheduler_output)
+        if self.spec is not None and logits is not None:
+            return self.spec.sample_and_propose(self, scheduler_output, logits, req_ids, ModelRunnerOutput())
         t0 = time.perf_counter()
         out = ModelRunnerOutput()
         # the rows whose request has all its known tokens computed now get a new one
@@ -164,6 +189,8 @@ class ModelRunner:
         """vLLM's ``_update_states``: the runner's copies follow the output, nothing else."""
         for rid in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
             self.requests.pop(rid, None)
+            if self.spec is not None:
+                self.spec.draft_probs.pop(rid, None)
         for new in scheduler_output.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id,
@@ -181,6 +208,8 @@ class ModelRunner:
                 raise RuntimeError(
                     f"the scheduler sent request {cached.req_id!r} as cached, but this worker never got it"
                 )
+            if self.spec is not None:  # NOTE: the scheduler gave back the slots past the
+                del r.block_ids[-(-cached.num_computed_tokens // self.block_size) :]  # verified ones
             r.block_ids.extend(cached.new_block_ids)
             r.num_computed_tokens = cached.num_computed_tokens
 
@@ -193,10 +222,14 @@ class ModelRunner:
         tables: list[list[int]] = []
         seq_lens: list[int] = []
         cu_seqlens_q = [0]
+        logits_indices: list[int] = []
+        drafts_of = scheduler_output.scheduled_spec_decode_tokens
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             r = self.requests.get(rid)
             if r is None:
                 raise RuntimeError(f"request {rid!r} is scheduled but this worker does not hold it")
+            drafts = drafts_of.get(rid, [])
+            n -= len(drafts)  # NOTE: the drafts come after the request's known tokens
             start, end, num_prompt = r.num_computed_tokens, r.num_computed_tokens + n, len(r.prompt_token_ids)
             # the new tokens, without building prompt + output for a decode
             if start >= num_prompt:
@@ -206,6 +239,8 @@ class ModelRunner:
             else:
                 input_ids.extend(r.prompt_token_ids[start:])
                 input_ids.extend(r.output_token_ids[: end - num_prompt])
+            input_ids.extend(drafts)
+            n, end = n + len(drafts), end + len(drafts)
             table = r.block_ids
             if len(table) * bs < end:
                 raise RuntimeError(f"request {rid!r}: {len(table)} blocks cannot hold {end} tokens")
@@ -215,6 +250,8 @@ class ModelRunner:
             tables.append(table)
             seq_lens.append(end)
             cu_seqlens_q.append(cu_seqlens_q[-1] + n)
+            # a verified request needs the logits of every row (one per draft + the bonus)
+            logits_indices.extend(range(cu_seqlens_q[-1] - 1 - len(drafts), cu_seqlens_q[-1]))
         if len(input_ids) != cu_seqlens_q[-1]:
             raise RuntimeError(f"{len(input_ids)} input ids for {cu_seqlens_q[-1]} tokens")
         max_blocks = max(len(t) for t in tables)
@@ -227,7 +264,7 @@ class ModelRunner:
             block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),  # [B]
             cu_seqlens_q=cu,  # [B + 1]
-            logits_indices=(cu[1:] - 1).long(),  # [B] last row of each sequence
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),  # [B + drafts] rows to sample
             max_query_len=max(b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])),
             max_seq_len=max(seq_lens),
         )

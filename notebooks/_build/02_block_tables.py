@@ -335,21 +335,27 @@ end really costs is kernel efficiency, not memory.
 ## 8. Code tour
 
 Allocation is all or nothing: count the blocks needed, return `None` if the pool cannot
-supply them, and only then take them.
+supply them, and only then take them. Writing it is exercise ex2.3, so here is its
+contract, the signature and docstring (`minipaged.viz.source.contract`); the body is in the
+instructor's appendix (`notebooks/99_instructor_appendix.ipynb`), for after the exercises.
 """)
 
 code(r"""
-print(inspect.getsource(KVCacheManager.allocate_slots))
+from minipaged.viz.source import contract
+
+print(contract(KVCacheManager.allocate_slots))
 """)
 
 md(r"""
 The manager keeps one `BlockTable` per request (`minipaged/core/kv/block_table.py`: its
-blocks and its number of tokens). Its `slot` is the formula of this chapter; the model
-runner calls it to build every step's `slot_mapping`, so there is one formula in the code.
+blocks and its number of tokens). Its `slot` is the formula of this chapter (exercise
+ex2.4 writes it); the model runner calls it to build every step's `slot_mapping`, so there
+is one formula in the code.
 """)
 
 code(r"""
-print(inspect.getsource(BlockTable.slot))
+print(contract(BlockTable.slot))
+print(contract(BlockTable.slot_mapping))
 """)
 
 md(r"""

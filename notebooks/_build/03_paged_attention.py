@@ -66,16 +66,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REPO = Path(minipaged.__file__).resolve().parents[1]  # benchmarks/ lives next to the package
 
 
-def show_source(fn):
-    print(textwrap.dedent(inspect.getsource(getattr(fn, "fn", fn))))
-
-
-def show_kernel(fn):
-    # A kernel tour: the docstring's pseudocode, then the body (no signature, no docstring).
-    src = textwrap.dedent(inspect.getsource(getattr(fn, "fn", fn)))
-    doc, body = src.split('"' * 3, 2)[1:]
-    pseudo = doc.split("Pseudocode::", 1)[-1]
-    print("pseudocode:\n" + textwrap.dedent(pseudo).strip("\n") + "\n\nbody:" + textwrap.dedent(body).rstrip())
+# Exercises ex3.2-ex3.4 ask for the reference, the kernel's loop and the partition merge, so
+# the code tours show contracts: the signature and docstring (for a kernel, its commented
+# arguments and pseudocode). The bodies are in notebooks/99_instructor_appendix.ipynb.
+from minipaged.viz.source import contract
 """)
 
 md(r"""
@@ -169,12 +163,12 @@ md(r"""
 ### Code tour: the reference
 
 `paged_attention_ref` is the readable version every kernel is graded against: for each
-sequence, gather its tokens through the block table, then plain softmax attention.
+sequence, gather its tokens through the block table, then plain softmax attention. Writing
+it is exercise ex3.2, so here is its contract (the body is in the instructor's appendix):
 """)
 
 code(r"""
-# a code tour (inspect.getsource(fn)): nbval runs it but does not compare the code it prints
-show_source(paged_attention_ref)
+print(contract(paged_attention_ref))
 """)
 
 md(r"""
@@ -198,7 +192,8 @@ vLLM `csrc/attention/paged_attention_v1.cu`, `paged_attention_v2.cu`)
 ### What vLLM's original kernel does
 
 The paper's CUDA kernel (the **PagedAttention V1 kernel**) runs one thread block per
-(head, sequence). It does *not* use an online softmax. It makes several passes over the
+*query* head and sequence (`dim3 grid(num_heads, num_seqs)` in `paged_attention_v1.cu`).
+It does *not* use an online softmax. It makes several passes over the
 sequence:
 
 1. walk the block table block by block, compute every score $q \cdot k_i$ and write it to a
@@ -208,11 +203,19 @@ sequence:
 4. walk the blocks again, reading V, and accumulate $\sum_i (e^{s_i - m} / \ell)\, v_i$.
 
 That is exact and simple, but the row grows with the context: 4 bytes per token, so a
-32k-token context needs 128 KiB of shared memory for one thread block, more than the 48 KiB
-a block gets by default. The **PagedAttention V2 kernel** (section 4) partitions the
-sequence into 512-token pieces: each thread block's logits row is then bounded by the
-partition size (2 KiB), and the partitions of one long sequence run in parallel, which
-also fills the GPU when there are few sequences. A reduce kernel merges the pieces.
+32k-token context needs 128 KiB of shared memory for one thread block. That is more than
+the 48 KiB a thread block gets without asking, so vLLM's launcher asks: it sets the
+kernel's `cudaFuncAttributeMaxDynamicSharedMemorySize` to the row's size. The real limit
+is the device's opt-in maximum per thread block (`cudaDevAttrMaxSharedMemoryPerBlockOptin`):
+163 KiB on an A100, 227 KiB on an H100, so a 32k row fits on both, and the V1 kernel's
+ceiling is about 41k tokens on an A100 and 58k on an H100 (vLLM's kernel tests derive
+their `MAX_SEQ_LEN` from that attribute the same way). vLLM does not go near it: it runs
+the V1 kernel only when `max_seq_len <= 8192` and either one partition suffices or
+`num_seqs * num_heads > 512` (`use_v1` in vLLM's `paged_attn.py`), the V2 kernel otherwise.
+The **PagedAttention V2 kernel** (section 4) partitions the sequence into 512-token
+pieces: each thread block's logits row is then bounded by the partition size (2 KiB), and
+the partitions of one long sequence run in parallel, which also fills the GPU when there
+are few sequences. A reduce kernel merges the pieces.
 
 The same four passes in torch, on the scores of section 1 (`logits` plays the shared-memory
 row):
@@ -226,9 +229,12 @@ l_row = e.sum()
 out_multipass = (e / l_row) @ v[:, 0]  # pass 4: weighted sum of V
 print("multi-pass (V1 kernel style):", out_multipass)
 print("one-shot softmax            :", p @ v[:, 0])
-for L_ctx in (2048, 8192, 32768):
-    print(f"logits row for a {L_ctx:>5}-token context: {4 * L_ctx // 1024:>3} KiB of shared memory "
-          f"(V2 kernel, 512-token partitions: 2 KiB)")
+OPT_IN_KIB = {"A100": 163, "H100": 227}  # cudaDevAttrMaxSharedMemoryPerBlockOptin, KiB
+for L_ctx in (2048, 8192, 32768, 65536):
+    row = 4 * L_ctx // 1024
+    fits = ", ".join(f"{gpu} {'fits' if row <= kib else 'too big'}" for gpu, kib in OPT_IN_KIB.items())
+    print(f"logits row for a {L_ctx:>5}-token context: {row:>3} KiB of shared memory ({fits}; "
+          f"V2 kernel, 512-token partitions: 2 KiB)")
 """)
 
 md(r"""
@@ -242,25 +248,16 @@ blocks reads V. Keys and values are read **in place**: no gather, no copy. The t
 cannot do that (torch has no op that reads through an index while it multiplies), so on a
 CPU it gathers every block first and pays a dozen small ops per layer;
 `LLM(attention_backend="cpu")` (or `"auto"`, which picks it on a CPU) runs this kernel instead.
-
-One refinement is GQA's own: when four query heads share a KV head (the course model has 8
-query heads over 2 KV heads), `logits_x4` and `values_x4` load each key and value row once for
-all four, in 16-float vectors, instead of once per head. The arithmetic is the plain loops';
-the loads are a quarter. The tour below prints the per-sequence body; the plain loops are the
-fallback for other head counts. It is compiled on first use with the machine's C compiler and
-checked here against the reference, on the six tokens of section 2 and on a shuffled batch:
+It is compiled on first use with the machine's C compiler and checked here against the
+reference, on the six tokens of section 2 and on a shuffled batch. Its listing, its GQA
+refinement and the small layers the same backend runs in C (RMSNorm with its fused residual
+add, RoPE, SiLU-and-mul) are in the appendix `notebooks/03a_cpu_backend.ipynb`: this
+chapter is about attention through a block table.
 """)
 
 code(r"""
-# a code tour (inspect.getsource(fn) of C): nbval runs it but does not compare the code it prints
 from minipaged.kernels import cpu as cpu_kernels
 
-c_src = cpu_kernels.SOURCE.read_text()
-body = c_src[c_src.index("        /* 1. Logits"): c_src.index("/* Returns 0; b + 1")]
-print(body.rstrip())
-""")
-
-code(r"""
 if cpu_kernels.available():
     out_c = cpu_kernels.paged_attention_decode_cpu(q, k_cache, v_cache, block_table[None], seq_lens)
     print("C kernel, head 0             :", out_c[0, 0])
@@ -275,43 +272,6 @@ if cpu_kernels.available():
     print("shuffled batch of 4, GQA 8/2 (four query heads per key row):", bool(diff.abs().max() < 1e-5))
 else:
     print("no C compiler here:", cpu_kernels.build_error())
-""")
-
-md(r"""
-The same backend runs the step's small layers in C too (`csrc/layers_cpu.c`), as vLLM's CPU
-backend does: RMSNorm, RoPE and SiLU-and-mul each become one pass over the rows instead of a
-handful of torch ops. Each layer keeps its torch form as `forward_native`, the reference its
-`forward_cpu` is tested against. RMSNorm also takes the residual stream, as vLLM's
-`fused_add_rms_norm` does: `norm(x, residual)` returns `(norm(x + residual), x + residual)`,
-so the decoder's residual add costs no pass of its own. A hand-check on two rows of four:
-row `[1, 2, 3, 4]` has mean square (1 + 4 + 9 + 16) / 4 = 7.5, so it is divided by
-sqrt(7.5) = 2.739; with the residual `[1, 1, 1, 1]` added first it is `[2, 3, 4, 5]`, mean
-square 13.5, divided by 3.674:
-""")
-
-code(r"""
-from minipaged.model.layers import RMSNorm
-
-x = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.5, -1.0, 0.0, 2.0]])
-residual = torch.ones(2, 4)
-by_hand = torch.tensor([1.0, 2.0, 3.0, 4.0]) / math.sqrt(7.5)
-by_hand_fused = torch.tensor([2.0, 3.0, 4.0, 5.0]) / math.sqrt(13.5)
-native = RMSNorm(4, eps=0.0).requires_grad_(False)  # weight 1, no eps: the formula alone
-print("by hand, row 0             :", by_hand)
-print("forward_native, row 0      :", native(x)[0])
-print("by hand, row 0 + residual  :", by_hand_fused)
-out, stream = native(x, residual.clone())
-print("forward_native(x, residual):", out[0], " residual stream:", stream[0])
-if cpu_kernels.available():
-    c = RMSNorm(4, eps=0.0, impl="cpu").requires_grad_(False)
-    print("forward_cpu equals forward_native:", torch.allclose(c(x), native(x), atol=1e-6),
-          torch.allclose(c(x, residual.clone())[0], out, atol=1e-6))
-""")
-
-md(r"""
-Chapter 07 (section 9) measures what it buys: on a decode step of 64 sequences, attention
-goes from about as much time as all the weight matmuls to a fraction of it, and the small
-layers' share shrinks too.
 """)
 
 md(r"""
@@ -348,14 +308,14 @@ print("one-shot softmax       :", p @ v[:, 0])
 
 md(r"""
 The kernel's inner loop does exactly this, with `exp2` (scores are pre-multiplied by
-$\log_2 e$) and on tiles of query rows. Read it: the two lines after "The paging" are the
-only difference from a FlashAttention loop. (Its twenty arguments, each commented, are in
-`minipaged/kernels/paged_attention.py`.)
+$\log_2 e$) and on tiles of query rows. Its contract, each argument commented, and the
+pseudocode of its docstring: the line marked "the paging" is the only difference from a
+FlashAttention loop. Writing the loop is exercise ex3.3; the body is in the instructor's
+appendix.
 """)
 
 code(r"""
-# a code tour (inspect.getsource(fn)): nbval runs it but does not compare the code it prints
-show_kernel(pa._attend_kv_range)
+print(contract(pa._attend_kv_range))
 """)
 
 code(r"""
@@ -399,10 +359,15 @@ for bs in [1, 4, 16, 64, 256]:
 md(r"""
 ## 4. Split-KV: the PagedAttention V2 kernel
 
-In the V1 kernel, one program per (sequence, KV head) walks the *whole* context. With a batch of 1 and a 32k
-context on a GPU with 132 SMs, that is 8 programs (8 KV heads) for 132 SMs: most of the chip
-idles while 8 programs each stream 32k tokens. The V2 kernel cuts each context into **partitions**
-(512 tokens by default) and runs one program per (sequence, KV head, partition). Each writes
+Without a partition axis, one thread block (or program) walks the *whole* context of its
+sequence. vLLM's V1 kernel launches one per query head and sequence
+(`grid(num_heads, num_seqs)`); the course's Triton kernel one per sequence and KV head, the
+GQA group as the rows of its tile. With a batch of 1 and a 32k context on an H100's 132 SMs,
+for a Llama-3-8B-shaped layer (32 query heads over 8 KV heads), that is 32 thread blocks, or
+8 Triton programs, for 132 SMs: most of the chip idles while each streams 32k tokens. The V2
+kernel cuts each context into **partitions** (512 tokens by default) and adds them to the
+grid: vLLM's `grid(num_heads, num_seqs, max_num_partitions)`; the course's Triton kernel one
+program per (sequence, KV head, partition). Each writes
 its partition's normalized output $o_p$, its max $m_p$ and its exp-sum $\ell_p$; a **reduce**
 kernel merges them with the same rescaling the online softmax uses:
 
@@ -410,12 +375,16 @@ $$o = \frac{\sum_p \ell_p\, e^{m_p - M}\, o_p}{\sum_p \ell_p\, e^{m_p - M}}, \qq
 """)
 
 code(r"""
-def programs(batch, kv_heads, context, partition=512):
-    return batch * kv_heads, batch * kv_heads * math.ceil(context / partition)
+def grid_size(batch, heads, context, partition=512):
+    # thread blocks (vLLM, heads = query heads) or programs (course Triton, heads = KV heads)
+    return batch * heads, batch * heads * math.ceil(context / partition)
 
+print("a Llama-3-8B-shaped layer: 32 query heads over 8 KV heads; an H100 has 132 SMs")
 for batch, context in [(1, 32768), (8, 4096), (64, 4096)]:
-    v1, v2 = programs(batch, 8, context)
-    print(f"batch {batch:>2} x context {context:>5}: V1 kernel {v1:>4} programs, V2 kernel {v2:>5} programs (132 SMs)")
+    v1, v2 = grid_size(batch, 32, context)
+    t1, t2 = grid_size(batch, 8, context)
+    print(f"batch {batch:>2} x context {context:>5}: vLLM V1 kernel {v1:>5} thread blocks, V2 {v2:>6} | "
+          f"course Triton {t1:>4} programs, split-KV {t2:>5}")
 """)
 
 md(r"""
@@ -446,12 +415,12 @@ print("V2 kernel == reference:", torch.allclose(v2.cpu()[0, 0], want, atol=1e-5)
 md(r"""
 `paged_attention_decode` picks the V2 kernel by itself when contexts are long (over 8192
 tokens, vLLM's own threshold) or when the V1 kernel's grid would leave the GPU's SMs idle;
-`use_v2=True/False` forces a path (the tests run both). The reduce kernel:
+`use_v2=True/False` forces a path (the tests run both). The reduce kernel's contract (the
+merge itself is exercise ex3.4):
 """)
 
 code(r"""
-# a code tour (inspect.getsource(fn)): nbval runs it but does not compare the code it prints
-show_kernel(pa._paged_attention_reduce_kernel)
+print(contract(pa._paged_attention_reduce_kernel))
 """)
 
 md(r"""
@@ -547,7 +516,9 @@ for bs in [8, 16, 32, 64, 128, 256]:
 md(r"""
 Small blocks mean many short reads (poor memory-bandwidth use, and in the paper's kernel,
 less parallelism per block); large blocks mean more internal fragmentation and less sharing.
-The paper found 16-128 work well and picked 16 as vLLM's default.
+The paper (§7.2, Fig. 18b) found block sizes 16 to 128 work best on the ShareGPT trace,
+whose requests are long, but only 16 and 32 on the Alpaca trace: its sequences are short,
+shorter than the larger blocks. vLLM picked 16 as its default, which suits both.
 
 ## Recap
 
@@ -558,9 +529,10 @@ The paper found 16-128 work well and picked 16 as vLLM's default.
   passes (scores, max, exp-sum, weighted V); the V2 kernel partitions the sequence, which
   bounds that row and adds parallelism for long contexts.
 - On a CPU, `attention_backend="cpu"` runs that V1 structure in C (`csrc/paged_attention_cpu.c`),
-  reading K/V in place through the table instead of gathering them first, each row once per
-  group of four query heads that share it.
-- The course's Triton decode kernel walks the table tile by tile with an online softmax, one program
+  reading K/V in place through the table instead of gathering them first (appendix
+  `03a_cpu_backend`).
+- vLLM's V1 kernel launches one thread block per query head and sequence; the course's Triton
+  decode kernel walks the table tile by tile with an online softmax, one program
   per (sequence, KV head) with the GQA group as tile rows; any block size 1..256, odd head
   sizes by masking, fp32 accumulation.
 - Split-KV (the V2 kernel) adds a partition axis to the grid and a reduce kernel, for few long sequences.

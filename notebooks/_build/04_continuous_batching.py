@@ -19,8 +19,10 @@ PagedAttention). This chapter is about the third idea, kept apart from the other
    then does the next batch start (FasterTransformer-style serving);
 2. **continuous batching** (iteration-level scheduling, from Orca; the core of vLLM): the
    batch is rebuilt at *every* step, so a finished request's place is refilled at once;
-3. how to read the scheduler loop of `minipaged` line by line, and the engine step around it;
-4. how to **measure** the difference without a stopwatch: output tokens per engine step,
+3. how the scheduler loop of `minipaged` is built, and the engine step around it;
+4. what one step is for the model: the packed batch of tokens, positions, cache slots and
+   block tables that the model runner builds and the paged attention kernel reads;
+5. how to **measure** the difference without a stopwatch: output tokens per engine step,
    a number that is the same on every machine.
 
 Everything runs on the course model on a CPU, in a few seconds.
@@ -40,6 +42,8 @@ from minipaged.core import Request
 from minipaged.core import Scheduler, StaticBatchScheduler
 from minipaged.trace import run_scheduler
 from minipaged.engine.llm_engine import LLMEngine
+from minipaged.viz.loops import outline_text
+from minipaged.worker import ModelRunner
 
 torch.set_num_threads(1)  # the course model is tiny: one thread is fastest and steadiest
 """)
@@ -168,8 +172,14 @@ for i in (0, 2):
 """)
 
 md(r"""
-Scheduling changes *when* each token is computed, never *which* token: greedy outputs are
-identical (the test suite checks this against Hugging Face transformers too).
+Scheduling changes *when* each token is computed, not *which* token: greedy outputs are
+identical (the test suite checks this against Hugging Face transformers too). That holds
+here because the course model runs in fp32 on a CPU, where a row's result does not depend
+on what else is in the batch. On a GPU in bf16 or fp16 it need not: matmul and attention
+kernels pick different tilings and reduction orders for different batch shapes, so the
+same request can get slightly different logits in a batch of 3 and of 30, and where two
+tokens are nearly tied a greedy output can change. vLLM offers batch-invariant kernels
+(`VLLM_BATCH_INVARIANT=1`, in beta) for when outputs must not depend on the batch.
 
 ### Throughput, measured in tokens per step
 
@@ -250,7 +260,150 @@ print(viz.step_text(cont_trace, busy))
 """)
 
 md(r"""
-## 5. Code tour: the two schedulers, line by line
+### The same kind of step as tensors: what the model runner hands the model
+
+The step picture is the scheduler's view: who runs, how many tokens, which blocks. The
+model sees none of that. Between the two sits the worker (`minipaged/worker/model_runner.py`,
+vLLM v1's `gpu_model_runner.py`): it receives the plain half of the step's output,
+`SchedulerOutput.for_worker()` (ids, token ids, block ids; no `Request` objects), keeps
+its own copy of each request and its block table, and packs every scheduled token of every
+request into **one flat batch**, with no padding between requests
+(`ModelRunner.prepare_inputs`). This is where the three ideas meet: the scheduler chose the
+rows (continuous batching), the block tables say where each row's K/V go and where its
+context is (paging), and one attention call reads them all (PagedAttention).
+
+A small run, blocks of 4 tokens, a budget of 10 tokens per step, on the course model
+itself. A and B (4-token prompts) start at step 0; C (an 11-token prompt) arrives at step
+2 and gets 8 tokens there, the budget minus A's and B's decodes; D (3 tokens) arrives at
+step 3. Driving a real `Scheduler` and a `ModelRunner` by hand, step 3 mixes all three
+kinds of row: two decodes, the last chunk of C's prompt, and D's whole prompt.
+""")
+
+code(r"""
+model = llm.llm_engine.model_runner.model  # the course model, loaded in section 3
+tokenizer = llm.llm_engine.tokenizer
+BS = 4
+
+
+def story(rid, text):
+    return Request(rid, tokenizer.encode(text), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+
+
+A, B, C, D = (story("A", "Once upon a"), story("B", "The dog"),
+              story("C", "One day, a girl named Lily went to the"), story("D", "Tom"))
+sched = Scheduler(num_blocks=16, block_size=BS, max_num_seqs=4, max_num_batched_tokens=10)
+runner = ModelRunner(model, num_blocks=16, block_size=BS)  # the worker: its own tables
+arrivals = {0: [A, B], 2: [C], 3: [D]}
+for step in range(4):
+    for r in arrivals.get(step, []):
+        sched.add_request(r)
+    out = sched.schedule()
+    plain = out.for_worker()  # all the worker ever sees
+    print(f"step {step}: num_scheduled_tokens {plain.num_scheduled_tokens}")
+    if step < 3:
+        result = runner.execute_model(plain)
+        sched.update_from_output(out, result.sampled_token_ids)
+
+print("\nstep 3, the plain data the worker receives:")
+for new in plain.scheduled_new_reqs:
+    print(f"  NewRequestData    {new.req_id}: prompt_token_ids {new.prompt_token_ids}, "
+          f"block_ids {new.block_ids}, num_computed_tokens {new.num_computed_tokens}")
+for cached in plain.scheduled_cached_reqs:
+    print(f"  CachedRequestData {cached.req_id}: new_block_ids {cached.new_block_ids}, "
+          f"num_computed_tokens {cached.num_computed_tokens}")
+print(f"  finished_req_ids {sorted(plain.finished_req_ids)}, preempted_req_ids {sorted(plain.preempted_req_ids)}")
+""")
+
+md(r"""
+D is new to the worker, so it comes whole (`NewRequestData`: its tokens and its block
+table). A, B and C are known: each `CachedRequestData` carries only the blocks added this
+step (C's third block) and the count of tokens already computed; the worker appends them to
+its own table. Now the step itself. A forward hook on the model's first attention layer
+records exactly what that layer was handed: the step's `ModelInput` and the layer's
+queries, keys and values, after the runner built the batch.
+""")
+
+code(r"""
+from minipaged.model.attention import PagedAttention
+
+attn = next(m for m in model.modules() if isinstance(m, PagedAttention))  # layer 0's attention
+seen = {}
+hook = attn.register_forward_hook(lambda module, args, output: seen.update(args=args, out=output))
+result = runner.execute_model(plain)  # update states, prepare_inputs, forward, sample
+hook.remove()
+sched.update_from_output(out, result.sampled_token_ids)
+q, k, v, (k_cache, v_cache), inp = seen["args"]  # q [T, H, D], k / v [T, KVH, D]
+req_ids = list(plain.num_scheduled_tokens)  # the batch order: running first, then admitted
+
+for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "cu_seqlens_q"):
+    print(f"{name:13s} {getattr(inp, name).tolist()}")
+print(f"{'block_tables':13s} {inp.block_tables.tolist()}  (one row per sequence, padded with 0)")
+print(f"q {list(q.shape)}  k_cache {list(k_cache.shape)} = [num_blocks, block_size, num_kv_heads, head_dim]")
+print()
+print(viz.packed_batch_text(inp, req_ids, BS))
+fig = viz.packed_batch(inp, req_ids, BS, order=["A", "B", "C", "D"])
+plt.show()
+plt.close(fig)
+""")
+
+md(r"""
+Read it as the model does. `T = 8` rows, one per token computed this step; no row is
+padding. `cu_seqlens_q` cuts them into the four sequences: a decode is one row, C's chunk
+three rows (positions 8–10: its first 8 tokens were computed at step 2 and their K/V are in
+blocks 4 and 5, grey in the picture, read but not written), D's prompt three rows.
+`seq_lens` is each sequence's context after this step, so a query row sees keys
+`0 .. seq_len - q_len + j`: C's row at position 8 sees 9 keys, 8 of them from the cache.
+
+**Hand-check one slot.** C's first row this step has position `i = 8`. Its block table is
+`[4, 5, 6]` and `block_size = 4`, so its K/V go to
+`slot = table[i // bs] * bs + i % bs = table[2] * 4 + 0 = 6 * 4 + 0 = 24`, the first slot
+of the block the scheduler gave C this step. The cell checks that against `slot_mapping`
+and against the cache itself: the key the layer computed for that row now sits in slot 24.
+""")
+
+code(r"""
+row = req_ids.index("C")  # C's first row: cu_seqlens_q[b] for b = C's place in the batch
+row = int(inp.cu_seqlens_q[row])
+i, table = int(inp.positions[row]), inp.block_tables[req_ids.index("C")].tolist()
+slot = table[i // BS] * BS + i % BS
+print(f"row {row}: position {i}, table {table} -> slot {table[i // BS]} * {BS} + {i % BS} = {slot}")
+assert slot == int(inp.slot_mapping[row]) == 24
+written = k_cache.view(-1, *k_cache.shape[2:])[slot]  # [KVH, D]: the cache seen as slots
+print("the key of that row is in k_cache slot", slot, ":", torch.equal(written, k[row]))
+""")
+
+md(r"""
+**The kernel, checked against the reference.** The layer's attention ran on the engine's
+default backend (`paged_attention_torch`). The same tensors go to the course's Triton
+kernel `paged_attention_prefill` (run by Triton's interpreter on a CPU), which takes the
+whole mixed batch, decodes and prefill rows together, in one call; and both are compared
+with the readable reference `paged_attention_prefill_ref` (`minipaged/kernels/reference.py`),
+which loops over the sequences, gathers each one's K/V through its block table and runs
+plain causal attention.
+""")
+
+code(r"""
+from minipaged.kernels import paged_attention_prefill, paged_attention_prefill_ref
+
+ref = paged_attention_prefill_ref(q, k_cache, v_cache, inp.block_tables, inp.cu_seqlens_q, inp.seq_lens,
+                                  scale=attn.scale)  # [T, H, D]
+triton_out = paged_attention_prefill(q, k_cache, v_cache, inp.block_tables, inp.cu_seqlens_q, inp.seq_lens,
+                                     attn.scale, max_query_len=inp.max_query_len)
+print(f"output {list(ref.shape)} = [T, num_heads, head_dim]")
+print("the model's attention (torch backend) == reference:", torch.allclose(seen["out"], ref, atol=1e-5))
+print("Triton paged_attention_prefill == reference:       ", torch.allclose(triton_out, ref, atol=1e-5))
+print("tokens sampled this step (rows", inp.logits_indices.tolist(), "):", result.sampled_token_ids)
+""")
+
+md(r"""
+Only the last row of each sequence is turned into logits (`logits_indices`), and a row
+samples only if its request has then computed all its known tokens: A, B and C (whose
+prompt is now complete) get a token, and so does D, whose whole prompt ran. A prompt's
+earlier chunks produce no token; they only fill the cache.
+""")
+
+md(r"""
+## 5. Code tour: the two schedulers
 
 ### Static batching
 
@@ -274,35 +427,60 @@ md(r"""
 
 ### Continuous batching
 
-`Scheduler.schedule` (`minipaged/core/sched/scheduler.py`, vLLM v1's rule) does more,
-because it has more freedom: chunked prefill and preemption by recompute (chapter 05). The
-paper's other mechanisms (swap, the admission watermark, sequence groups) are *layers*
-that extend this class in their own modules (chapters 05 and 06); the base names none of
-them. For now follow the two passes.
+`Scheduler.schedule` (`minipaged/core/sched/scheduler.py`, vLLM v1's loop) does more,
+because it has more freedom: chunked prefill and preemption by recompute (chapter 05). It
+is one loop, read top to bottom without leaving the file except into the `KVCacheManager`.
+Its two phases are exactly what exercises ex4.1 (the waiting phase) and ex5.4 (the running
+phase) ask you to write, so this chapter shows its shape, not its lines; open the file once
+you have handed them in. In pseudocode:
+
+```text
+schedule() -> SchedulerOutput
+    budget = max_num_batched_tokens
+    1. RUNNING, front to back, while budget > 0:
+         n = tokens it lacks (1 for a decode, the next chunk of a prefill), at most budget
+         until kv.allocate_slots(request, n) gives blocks:
+             preempt the LAST of running (recompute: free its blocks, back to the front of
+             waiting); if that was the request itself, stop this phase
+         schedule (request, n); the worker gets its new block ids; budget -= n
+    2. WAITING, front to back (FCFS), unless this step preempted,
+       while budget > 0 and len(running) < max_num_seqs:
+         look up the prefix cache; n = tokens it lacks, at most budget
+         kv.allocate_slots(request, n, cached blocks,
+                           full_sequence_must_fit=scheduler_reserve_full_isl, watermark)
+         None -> stop: nobody behind it may overtake
+         move it to running; schedule (request, n); the worker gets it whole; budget -= n
+    return the output (its plain half, for_worker(), is all the worker sees)
+```
+
+The phases and the calls each makes, read off the real source (`minipaged.viz.loops`, so
+this cannot drift from the code):
 """)
 
 code(r"""
-print(inspect.getsource(Scheduler.schedule))
+# a code tour: viz.loops reads inspect.getsource(fn); nbval does not compare it
+print(outline_text(Scheduler.schedule))
 """)
 
 md(r"""
-* `budget = self.max_num_batched_tokens` — a step has a budget of tokens, shared by
-  decodes (1 token each) and prefills (many).
-* **Pass 1, `# 1. RUNNING first`** — every running request gets its next token (or its
-  next prefill chunk) *before* anybody new is admitted, in arrival order. `_allocate` asks
-  the `KVCacheManager` for the blocks; when it answers `None`, `self._preempt(out)` takes
-  blocks back from the last request of `running` and retries (chapter 05).
-* `while not preempted ...` — a step that had to preempt admits nobody.
-* **Pass 2, `# 2. WAITING`** — then the queue, strictly in arrival order (FCFS):
-  `_admit_next` looks up the prefix cache and asks for the first chunk's blocks, while
-  `max_num_seqs`, the token budget and the free blocks allow. The first one that does not
-  fit stops admission: nobody jumps the queue.
-* The `# hook` methods (`_units`, `_plan`, `_allocate`, `_evict`, `_admit_next`, ...) are
-  where the layers of chapters 05 and 06 plug in.
+* `budget = self.max_num_batched_tokens`: a step has one budget of tokens, shared by
+  decodes (1 token each) and prefill chunks (many).
+* **Phase 1, running first**: every running request gets its next token or its next
+  prefill chunk *before* anybody new is admitted. When `allocate_slots` answers `None` the
+  last of `running` is popped and preempted (`_preempt`, recompute), and the allocation
+  retried: going front to back, the victim is never one already scheduled this step.
+* **Phase 2, waiting**: only if nothing was preempted, then strictly in arrival order: the
+  first request that does not fit stops admission. `allocate_slots` applies vLLM's
+  admission options (`scheduler_reserve_full_isl`, `watermark`, chapter 05).
+* `_schedule` records `(request, n)` and caches the blocks the step fills; the two
+  `append`s of `scheduled_cached_reqs` / `scheduled_new_reqs` are what the worker of the
+  previous section received.
 
 There is no `if not self.running` here: **the batch is rebuilt at every call.** A request
 that finished at the previous step simply is not in `self.running` any more, and its place
-(and its blocks, freed by `update_from_output`) goes to the next in line.
+(and its blocks, freed by `update_from_output`) goes to the next in line. The paper's own
+loop (`PaperScheduler`, `core/sched/paper.py`: sequence groups, swap, copy-on-write) is a
+separate loop of the same shape; chapter 08 diffs the two.
 
 ### The engine step around the scheduler
 
@@ -316,9 +494,10 @@ print(inspect.getsource(LLMEngine.step))
 """)
 
 md(r"""
-`ModelRunner.prepare` turns the scheduler's `(request, num_new_tokens)` list into the flat
-tensors of chapter 03 (`input_ids`, `positions`, `slot_mapping`, `block_tables`,
-`seq_lens`, `cu_seqlens_q`); `update_from_output` advances `num_computed_tokens`, appends
+`self.executor.execute_model(out)` hands the worker `out.for_worker()`, and
+`ModelRunner.prepare_inputs` turns it into the flat tensors of section 4 (`input_ids`,
+`positions`, `slot_mapping`, `block_tables`, `seq_lens`, `cu_seqlens_q`);
+`update_from_output` advances `num_computed_tokens`, appends
 the sampled tokens, and frees the blocks of requests that hit EOS, a stop token or their
 `max_tokens`. Nothing else is needed for continuous batching: it is a scheduling decision
 made fresh at every step.
@@ -515,19 +694,21 @@ md(r"""
 >
 > | | the paper (vLLM v0) | vLLM v1 (`vllm/v1/core/sched/scheduler.py`) |
 > |---|---|---|
-> | admission | a request is admitted only if its *whole* prompt's blocks fit, leaving a watermark free (`BlockSpaceManager.can_allocate`; `core/sched/admission.py`) | admitted when its *first chunk's* blocks are free (`scheduler_reserve_full_isl=False`); vLLM 0.32's default reserves the whole sequence, see below |
+> | admission | a request is admitted only if its *whole* prompt's blocks fit, leaving a watermark free (`BlockSpaceManager.can_allocate`; `core/sched/paper.py`) | by default (`scheduler_reserve_full_isl=True`) only when the blocks for its *whole* sequence are free, although only the first chunk runs this step; with `False`, as soon as its *first chunk's* blocks are free |
 > | preemption victim | the latest-arrived sequence group | the last request of `running` |
 > | token budget | separate prefill and decode steps (a step ran prompts *or* decodes) | one unified budget, `max_num_batched_tokens`, shared by decodes and prefill chunks in the same step |
-> | chunked prefill | not in the paper (added later in v0) | always on: a request is just "computed tokens so far"; a prompt is split across steps |
+> | chunked prefill | not in the paper (added later in v0) | on by default (`enable_chunked_prefill=True`; it can still be turned off): a request is just "computed tokens so far"; a prompt is split across steps |
 >
 > Chapter 05 runs the admission rules and preemption victims side by side; chapter 08
 > runs all of them.
 >
-> **Which vLLM setting each minipaged option is.** The base `Scheduler` (first chunk fits)
-> is vLLM v1 with `scheduler_reserve_full_isl=False`. `EngineScheduler(watermark=0.0)` admits
-> a request only when the blocks for its whole sequence are free: vLLM 0.32's default,
-> `scheduler_reserve_full_isl=True`. minipaged's default `watermark=0.05` is that rule plus
-> 5% of the pool kept free, vLLM's `watermark` option (and v0's rule). `benchmarks/vllm_diff`
+> **Which vLLM setting each minipaged option is.** `Scheduler` takes vLLM's names. Its
+> default, as vLLM's, is `scheduler_reserve_full_isl=True`: a request is admitted only when
+> the blocks for its whole sequence are free. vLLM made it the default because the other
+> rule, `scheduler_reserve_full_isl=False` (admitted when its first chunk fits),
+> over-admits when prefills are chunked, and thrashes (chapter 05, section 5a, measures
+> it). `Scheduler(watermark=0.05)` also keeps 5% of the pool free, vLLM's `watermark`
+> option (off by default in v1; v0 kept 1%, the course's `PaperScheduler` 5%). `benchmarks/vllm_diff`
 > runs each pair through 103 workloads step by step against vLLM's own `Scheduler` and finds
 > them identical (with vLLM's free-queue order turned on: `free_uncached_first=True`).
 """)
@@ -539,10 +720,16 @@ md(r"""
   then admits anyone else; each member reserves its maximum length up front.
 * **Continuous batching** rebuilds the batch at every step: running requests first, then
   waiting ones in arrival order under `max_num_seqs`, the token budget and free KV blocks.
-  It changes *when* tokens are computed, never *which*: outputs are identical.
+  It changes *when* tokens are computed, not *which*: outputs are identical here (fp32 on a
+  CPU; on a GPU in bf16, batch-dependent kernels can change a nearly tied greedy token).
 * Measured in **tokens per step**, continuous batching wins by more the more output lengths
   vary. Paged memory is a *separate* gain: the 2×2 shows each on its own, and the vLLM
   paper's 2–4× over Orca is the memory one (Orca already batches continuously).
+* For the model, a step is one **packed ragged batch**: every scheduled token of every
+  request in one flat tensor (no padding), `cu_seqlens_q` cutting it into sequences,
+  `slot_mapping` (`table[i // bs] * bs + i % bs`) saying where each row's K/V go and the
+  block tables where each sequence's context is; one paged attention call reads it all,
+  and it equals the reference.
 * Next, chapter 05 opens the scheduler further: token budgets and chunked prefill, and what
   happens when memory runs out (preemption by recompute or swap).
 """)
@@ -561,7 +748,10 @@ md(r"""
   `minipaged/core/sched/scheduler.py`; `vllm/v1/core/sched/output.py` (`SchedulerOutput`) ↔
   `minipaged/core/sched/output.py`; `vllm/v1/request.py` ↔ `minipaged/core/sched/request.py`.
 * The loop around it: `vllm/v1/engine/core.py` (`EngineCore.step`) ↔
-  `minipaged/engine/llm_engine.py`.
+  `minipaged/engine/llm_engine.py`; the worker: `vllm/v1/worker/gpu_model_runner.py`
+  (`_update_states`, `_prepare_inputs`) ↔ `minipaged/worker/model_runner.py`.
+* The packed batch as vLLM teaches it: the "Paged Attention" page of vLLM's design docs,
+  and Hugging Face's blog post on continuous batching (ragged batches, no padding).
 * The baselines have no vLLM file: `minipaged/core/sched/static.py` (static batching),
   `minipaged/core/sched/orca.py` (Orca over contiguous reservation).
 """)

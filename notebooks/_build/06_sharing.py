@@ -120,12 +120,14 @@ m.check_invariants()
 """)
 
 md(r"""
-The same picture as a figure: `x2` marks a block with `ref_cnt` 2, the thick edge the block
-just allocated.
+The same picture as a figure, at the copy-on-write moment: `x2` marks a block with
+`ref_cnt` 2, the thick edge the block just allocated, and the arrow the copy the engine
+does before the model writes B's token (block 1, A's and until now B's, into B's new
+block 2):
 """)
 
 code(r"""
-fig = viz.block_tables(m, new_block_ids=[2])
+fig = viz.block_tables(m, new_block_ids=[2], copies=copies)
 plt.show()
 plt.close(fig)
 """)
@@ -492,25 +494,18 @@ plt.close(fig)
 md(r"""
 ## 7. Code tour
 
-`fork` and `get_computed_blocks` are exercises of chapter 06 (`ex6.1`, `ex6.4`), so here are
-only their signatures and docstrings: the contract cards above say what they must do.
-Copy-on-write is one branch of `allocate_slots`:
+`fork`, `get_computed_blocks` and the copy-on-write branch of `allocate_slots` are exercises
+of chapter 06 (`ex6.1`, `ex6.4`, `ex6.2`), so here are only their signatures and
+docstrings: the contract cards above say what they must do. Their bodies are in the
+instructor's appendix (`notebooks/99_instructor_appendix.ipynb`), for after the exercises.
 """)
 
 code(r"""
-def signature_and_doc(fn):
-    # the contract only: an exercise asks for the body
-    doc = "\n".join("    " + line if line else "" for line in inspect.getdoc(fn).splitlines())
-    return f"def {fn.__name__}{inspect.signature(fn)}:\n    \"\"\"\n{doc}\n    \"\"\"\n    ...\n"
+from minipaged.viz.source import contract  # the signature and docstring: an exercise asks for the body
 
-
-print(signature_and_doc(BlockSpaceManager.fork))
-print(signature_and_doc(KVCacheManager.get_computed_blocks))
-""")
-
-code(r"""
-src = inspect.getsource(BlockSpaceManager.allocate_slots)
-print(src[src.index("        if cow:"):src.index("        if t is None:\n")])
+print(contract(BlockSpaceManager.fork), end="\n\n")
+print(contract(KVCacheManager.get_computed_blocks), end="\n\n")
+print(contract(BlockSpaceManager.allocate_slots))
 """)
 
 code(r"""

@@ -129,8 +129,10 @@ for b in (1, 8, 16, 32, 64, 128, 256):
     print(f"{b:6d} {c.time_s * 1e3:8.2f} {c.bound:>8} {c.time_s / b * 1e3:9.3f}")
 c = cm.breakdown([(2048, 0)])
 print(f"prefill of 2048 tokens: {c.time_s * 1e3:.1f} ms, {c.bound}-bound")
+ridge_400 = cm.decode_ridge_batch(400)
 print(f"decode becomes compute-bound past {cm.decode_ridge_batch(0):.0f} sequences of 0 context; "
-      f"with 400 tokens of context: {cm.decode_ridge_batch(400)}")
+      f"with 400 tokens of context: "
+      + (f"past {ridge_400:.0f}" if ridge_400 != float("inf") else "never (each sequence's KV read grows with the batch)"))
 """)
 
 md(r"""
@@ -454,21 +456,26 @@ absolute level in s/token for everyone):
 """)
 
 code(r"""
+def vs_static(ratio):
+    # FasterTransformer-like static batching may meet a tight target at no rate at all
+    return f"{ratio:.1f}x" if ratio != float("inf") else "none: it meets the target at no rate swept"
+
+
 for factor in (1.5, 2.0, 3.0, 4.0):
     sharegpt.factor, sharegpt.threshold = factor, None
     print(f"latency <= {factor:.1f} x light load: vLLM-like / Orca (Oracle) = {sharegpt.ratio():.2f}x, "
-          f"/ FasterTransformer = {sharegpt.ratio('paged', 'static'):.1f}x")
+          f"/ FasterTransformer = {vs_static(sharegpt.ratio('paged', 'static'))}")
 for threshold in (0.05, 0.1, 0.2):
     sharegpt.factor, sharegpt.threshold = 2.0, threshold
     print(f"latency <= {threshold:.2f} s/token:    vLLM-like / Orca (Oracle) = {sharegpt.ratio():.2f}x, "
-          f"/ FasterTransformer = {sharegpt.ratio('paged', 'static'):.1f}x")
+          f"/ FasterTransformer = {vs_static(sharegpt.ratio('paged', 'static'))}")
 sharegpt.factor, sharegpt.threshold = 2.0, None
 """)
 
 md(r"""
 The ratio moves with the level at which it is read. A strict absolute target
 (0.05 s/token) is one the FasterTransformer-like server cannot meet at any rate (late
-arrivals wait for a whole batch), so that ratio is infinite; a loose one (0.2 s/token)
+arrivals wait for a whole batch), so there is no ratio to print; a loose one (0.2 s/token)
 lets every system queue a lot, and the ratio drifts toward the ratio of capacities
 (compare the capacity column of section 6). With a couple of hundred requests per point
 the interpolation between sweep points also adds noise. A headline number is one point
@@ -525,7 +532,7 @@ for label, b in profile["runs"].items():
     print(f"  {b['num_seqs']} sequences, mean context {b['mean_context']:.0f} tokens: forward {b['forward_ms']:.1f} ms "
           f"= {b['ratio_to_floor']:.2f}x the weight-matmul floor; matmuls {b['floor_share']:.0%}, "
           f"attention {b['attention_share']:.0%}, everything else {b['other_share']:.0%}")
-print("machine:", profile["machine"])
+print(f"measured on: {profile['machine']}, torch {profile['torch']}, the course model")
 """)
 
 md(r"""
@@ -538,8 +545,11 @@ close to its floor: the matmuls, the part every batched engine pays and the part
 best, are most of it. What attention still costs is mostly memory traffic: each decode step reads every
 cached key and value of every running sequence once per layer, so on a CPU a bigger batch is
 not free (section 2's "nearly free" regime does not hold), and longer contexts shift time to
-attention. These are CPU numbers of one process on a shared machine; a GPU splits the same
-step very differently.
+attention. These are CPU numbers of one process on a shared machine (the line above: an
+x86_64 with 2 cores, one torch thread, the course model); a GPU splits the same step very
+differently. GPU numbers go to `benchmarks/results/` once a GPU run exists
+(`benchmarks/gpu_check.sh`, README "The GPU check"); none is recorded yet, and
+`minipaged.viz.gpu_results` says so.
 
 The same recorded run also served the whole benchmark workload twice, continuous+paged (a)
 and static+contiguous (b), and summed each run's weight matmuls alone. It shows why

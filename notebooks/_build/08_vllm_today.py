@@ -12,9 +12,10 @@ md(r"""
 The vLLM paper (Kwon et al., SOSP 2023) describes what is now called **vLLM v0**. vLLM
 **v1** (the engine rewritten in 2024–2025, `vllm/v1/`) keeps its two ideas, paged KV memory
 and continuous batching, and changes most of the policies around them. minipaged's base
-`Scheduler` is v1's rule; the paper's mechanisms are layers that can be switched on
-(`core/sched/admission.py`, `swap.py`, `groups.py`). This chapter runs each pair side by
-side on the same workload.
+`Scheduler` is v1's loop (`core/sched/scheduler.py`); the paper's scheduler is its own loop
+beside it (`core/sched/paper.py`, `PaperScheduler`, with its block manager
+`core/kv/block_manager_v0.py`). This chapter runs each pair side by side on the same
+workload.
 
 **You will learn**
 
@@ -33,9 +34,12 @@ md("## Setup")
 code(r"""
 import math
 
-from minipaged import SamplingParams
-from minipaged.core import EngineScheduler, Request
+import matplotlib.pyplot as plt
+
+from minipaged import SamplingParams, viz
+from minipaged.core import PaperScheduler, Request, Scheduler
 from minipaged.trace import run_scheduler
+from minipaged.viz.loops import diff_outlines_text
 
 
 def make(rid, prompt_len, max_tokens, prompt=None):
@@ -53,18 +57,106 @@ def stats(trace):
     preemptions = sum(len(st.preempted_ids) for st in trace.steps)
     peak = trace.num_blocks - min(st.num_free_blocks for st in trace.steps)
     return computed, computed - useful, preemptions, peak
+
+
+def side_by_side(traces):
+    # each pair's timelines on one step axis
+    fig = viz.timelines(traces)
+    plt.show()
+    plt.close(fig)
 """)
 
 md(r"""
-## 1. Admission: whole prompt + watermark (v0) vs first chunk (v1)
+## 0. The two schedulers
+
+Every pair below runs the same requests through two loops. Their contracts:
+
+**Contract card · the paper's scheduler (vLLM v0)** (`minipaged.core.PaperScheduler`, the
+old name `EngineScheduler` is an alias of it: `core/sched/paper.py` over `core/kv/block_manager_v0.py`; vLLM v0
+`vllm/core/scheduler.py`, `vllm/core/block_manager.py`)
+
+| | |
+|---|---|
+| **inputs** | sequence groups (a request, or its `n` samples / beams) arriving over time; `max_num_seqs`, `max_num_batched_tokens`, a device pool and a CPU pool of blocks, `watermark`, `preemption_mode` (`"recompute"` or `"swap"`) |
+| **outputs** | per step a `SchedulerOutput`: the groups that run and their tokens, the blocks to swap out / in / copy (copy-on-write), the preempted and finished requests |
+| **invariants** | each group is in exactly one of waiting / running / swapped / finished; a waiting group is admitted only when its whole (re)prefill fits beside the blocks the running groups still need for theirs, with `watermark` of the pool spare (`watermark=None`: its first chunk fits); the victim is the latest-arrived running group, preempted all or nothing (its blocks to the CPU pool, or freed for recompute); of the heads of `swapped` and `waiting` the earlier arrival comes back first (FCFS), and nothing is brought back in a step that preempted; a block's `ref_cnt` equals the tables holding it |
+| **failure modes** | a request that can never fit is refused (`FINISHED_IGNORED`), the others run; a full CPU pool falls back to recompute; the silent one: a watermark too small for the pool, and swap traffic that costs more than recompute would |
+| **hand-check** | the cell below: A and B, 3-token prompts, 4 blocks of 2; B is swapped out at step 2 and back in at step 4, so it decodes 1 token there |
+
+**Contract card · vLLM v1's scheduler** (`minipaged.core.Scheduler`, options of vLLM's
+names; vLLM `vllm/v1/core/sched/scheduler.py`)
+
+| | |
+|---|---|
+| **inputs** | requests arriving over time (`n > 1` is `n` child requests); `max_num_seqs`, one token budget `max_num_batched_tokens`, one pool of blocks; vLLM's options `scheduler_reserve_full_isl` (default `True`), `watermark` (default 0), `enable_chunked_prefill` (default on), `enable_prefix_caching` |
+| **outputs** | per step a `SchedulerOutput`: `num_scheduled_tokens` per request (a decode, or a prefill chunk), the new block ids, the preempted and finished request ids; no swap lists |
+| **invariants** | running first, then waiting in FCFS order; tokens scheduled <= `max_num_batched_tokens`, running <= `max_num_seqs`; when `allocate_slots` returns `None` the last of `running` is preempted (recompute: its blocks freed, `num_computed_tokens = 0`) and the allocation retried; no admission in a step that preempted; a finished request is forgotten |
+| **failure modes** | a request that can never fit is refused; the silent one: with `scheduler_reserve_full_isl=False` and a tight pool, over-admission and thrash (section 1) |
+| **hand-check** | the same cell: B is preempted at step 2 and recomputed at step 4, prompt and its 2 output tokens, 5 tokens |
+""")
+
+code(r"""
+def ab():
+    return [make("A", 3, 4), make("B", 3, 4)]
+
+
+paper = run_scheduler(PaperScheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16,
+                                      preemption_mode="swap", num_cpu_blocks=4), ab(), fake_model)
+v1 = run_scheduler(Scheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16), ab(), fake_model)
+print("paper (swap):", [st.scheduled for st in paper.steps])
+print("v1 (recompute):", [st.scheduled for st in v1.steps])
+assert paper.steps[2].swapped_out_ids == ["B"] and paper.steps[4].scheduled == {"B": 1}
+assert v1.steps[2].preempted_ids == ["B"] and v1.steps[4].scheduled == {"B": 5}
+""")
+
+md(r"""
+## 0b. The two loops, diffed
+
+Both `schedule()` loops have the same two phases, running first, then admission, and
+share their helpers (`core/sched/utils.py`: the token count, the stop check, the queue
+invariants). Diffing them shows what vLLM v1 removed. Exercises ex4.1 and ex5.4 ask for
+the phases of v1's loop, so the course prints their shape, not their lines: the phases and
+the calls each makes, read off both sources (`minipaged.viz.loops`), then what each step
+does in each. Read the two files side by side for the lines
+(`minipaged/core/sched/scheduler.py`, `minipaged/core/sched/paper.py`).
+""")
+
+code(r"""
+# a code tour: viz.loops reads inspect.getsource(fn); nbval does not compare it
+print(diff_outlines_text(Scheduler.schedule, PaperScheduler.schedule, ("v1", "paper")))
+""")
+
+md(r"""
+| step | v1 `Scheduler.schedule` | the paper's `PaperScheduler.schedule` | what v1 removed, and why |
+|---|---|---|---|
+| unit | a request (`n > 1` fans out into child requests) | a sequence group, scheduled all or nothing (`_units`, `_plan`, `_allocate`) | groups: children are ordinary requests, sharing prompts through the prefix cache (section 4) |
+| 1. running | each request gets its tokens; `allocate_slots` is `None` -> `running.pop()` is preempted, retry | each group gets its tokens, all or nothing; no room -> the last group (`units.pop()`) is preempted, retry | nothing: the same loop, and the same victim under FCFS (section 2) |
+| preemption | recompute only (`_preempt`: free, `num_computed_tokens = 0`, front of `waiting`) | swap to the CPU pool (`blocks_to_swap_out`) or recompute | swap: no CPU pool, no `swapped` queue, one state less; recompute is cheap on a GPU (section 2) |
+| 2. admission | the head of `waiting`, prefix cache looked up; `allocate_slots(..., full_sequence_must_fit=scheduler_reserve_full_isl, watermark)` | the earlier of the heads of `swapped` (`_swap_in_next`) and `waiting` (`_admit_next`: watermark rule `_can_admit`) | the swapped queue; the admission rule became an option of `allocate_slots` (section 1) |
+| end of step | `finish_step`: the output checked, nothing else | also `take_pending_copies`: the copy-on-write copies for the worker | copy-on-write: with no fork there is no shared block to write into (section 4) |
+| worker | `scheduled_new_reqs` once, then only new block ids | a request's whole table again whenever copy-on-write changed it | tables the worker can keep: it appends, never rewrites |
+
+What the diff leaves unchanged is the point of chapter 04: one token budget, running
+before waiting, FCFS, preemption of the last when the pool is full. The paper's extra
+machinery (groups, swap, copy-on-write, the watermark) is what v1 either dropped (swap) or
+moved into the KV cache (sharing through the prefix cache; the admission rule as options of
+`allocate_slots`), which is why `Scheduler` alone equals vLLM 0.32's (`benchmarks/vllm_diff`).
+""")
+
+md(r"""
+## 1. Admission: whole prompt + watermark (v0) vs `scheduler_reserve_full_isl` (v1)
 
 The paper's scheduler admits a waiting request only when the blocks for its whole prompt
-fit and a watermark of the pool stays free (v0 `BlockSpaceManager.can_allocate`). v1 admits
-a request when the blocks for the chunk it computes *this step* are free
-(`KVCacheManager.allocate_slots` on that chunk). v1's rule starts work sooner; with long
-prompts and a tight pool it can start prefills the pool cannot finish, and the preemptions
-that follow throw the chunks away (chapter 05, section 5a). Eight 40-token prompts,
-16 output tokens each, a budget of 32 tokens per step, 20 blocks of 4:
+fit and a watermark of the pool stays free (v0 `BlockSpaceManager.can_allocate`, 1 % by
+default). v1 names its rule by one setting. With `scheduler_reserve_full_isl=True`, vLLM's
+default, a request is admitted only when the blocks for its whole sequence are free,
+although only its first chunk runs this step (`allocate_slots(...,
+full_sequence_must_fit=True)`). With `False` it is admitted as soon as the blocks for the
+chunk it computes *this step* are free. The second rule starts work sooner; with long
+prompts and a tight pool it starts prefills the pool cannot finish, and the preemptions
+that follow throw the chunks away (chapter 05, section 5a): that over-admission is why the
+first is the default. Eight 40-token prompts, 16 output tokens each, a budget of 32 tokens
+per step, 20 blocks of 4:
 """)
 
 code(r"""
@@ -72,20 +164,27 @@ def long_prompts():
     return [make(f"r{i}", 40, 16) for i in range(8)]
 
 
-print(f"{'admission':28s}{'steps':>6s}{'computed':>10s}{'recomputed':>12s}{'preemptions':>13s}")
-for label, wm in (("v0: whole prompt, watermark", 0.05), ("v1: first chunk", None)):
-    s = EngineScheduler(num_blocks=20, block_size=4, max_num_batched_tokens=32, watermark=wm)
-    t = run_scheduler(s, long_prompts(), fake_model)
+print(f"{'admission':42s}{'steps':>6s}{'computed':>10s}{'recomputed':>12s}{'preemptions':>13s}")
+KNOBS = dict(num_blocks=20, block_size=4, max_num_batched_tokens=32)
+admission = {}
+for label, make_scheduler in (
+    ("v0: whole prompt, watermark 5%", lambda: PaperScheduler(watermark=0.05, **KNOBS)),
+    ("v1: reserve_full_isl=True (the default)", lambda: Scheduler(**KNOBS)),
+    ("v1: reserve_full_isl=False (first chunk)", lambda: Scheduler(scheduler_reserve_full_isl=False, **KNOBS)),
+):
+    t = admission[label] = run_scheduler(make_scheduler(), long_prompts(), fake_model)
     computed, recomputed, preemptions, _ = stats(t)
-    print(f"{label:28s}{len(t):6d}{computed:10d}{recomputed:12d}{preemptions:13d}")
+    print(f"{label:42s}{len(t):6d}{computed:10d}{recomputed:12d}{preemptions:13d}")
+side_by_side(admission)
 """)
 
 md(r"""
-Same steps, and v1's rule recomputes more than twice the tokens it needs. v1's rule starts
-work as soon as any memory is free and needs no tuning knob; it pays only when the pool is
-tight for the prompts in flight, and with prefix caching on a re-admitted request finds its
-full prompt blocks still cached unless they were evicted in between. minipaged keeps v0's
-watermark as its default because the course runs small pools.
+First-chunk admission recomputes more than twice the tokens it needs; reserving the whole
+sequence recomputes fewer, and the watermark on top none. First-chunk admission pays only
+when the pool is tight for the prompts in flight, and with prefix caching on a re-admitted
+request finds its full prompt blocks still cached unless they were evicted in between; but
+a serving engine cannot know when its pool is tight, so vLLM reserves by default.
+The course's paper scheduler keeps a 5 % watermark because the course runs small pools.
 
 ## 2. Preemption: swap or recompute, and who is the victim
 
@@ -98,13 +197,17 @@ preempted request frees its blocks and resets `num_computed_tokens` to 0
 
 code(r"""
 print(f"{'mode':10s}{'steps':>6s}{'computed':>10s}{'recomputed':>12s}{'recompute preemptions':>23s}{'swap-outs':>11s}")
+preemption = {}
 for mode in ("swap", "recompute"):
-    s = EngineScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64, preemption_mode=mode,
-                        num_cpu_blocks=64 if mode == "swap" else 0)
-    t = run_scheduler(s, [make(f"r{i}", 8, 24) for i in range(6)], fake_model)
+    s = (PaperScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64, preemption_mode="swap",
+                        num_cpu_blocks=64) if mode == "swap"  # the paper's loop, swapping
+         else Scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64))  # v1: recompute only
+    t = preemption[f"v0: {mode}" if mode == "swap" else f"v1: {mode}"] = run_scheduler(
+        s, [make(f"r{i}", 8, 24) for i in range(6)], fake_model)
     computed, recomputed, preemptions, _ = stats(t)
     swap_outs = sum(len(st.swapped_out_ids) for st in t.steps)
     print(f"{mode:10s}{len(t):6d}{computed:10d}{recomputed:12d}{preemptions:23d}{swap_outs:11d}")
+side_by_side(preemption)
 """)
 
 md(r"""
@@ -114,16 +217,17 @@ is fast (many tokens per forward pass). v1 chose recompute for simplicity: no CP
 pool, no swap queue, one less state per request.
 
 **The victim.** v0 preempts the *latest-arrived* running sequence group (lowest FCFS
-priority). v1 preempts `self.running.pop()`, the last of `running`, which it keeps in
-*scheduling* order: a request that resumes after a preemption is appended at the end and is
-the next victim, whatever its arrival. minipaged keeps `running` in arrival order, so its
-"last of running" is always the latest arrival and the two rules coincide here; in vLLM
-they differ only once a preempted request has resumed. In the run above the victims were:
+priority). v1 preempts `self.running.pop()`, the last of `running`. Under FCFS these are
+the same request: a preempted request goes back to the front of `waiting`, nothing
+overtakes it, so `running` stays in arrival order (chapter 05 checks it on 200 random
+workloads: zero preemptions where the two rules differ). They differ under priority
+scheduling (`policy="priority"`), where v1 preempts the least important running request,
+`max(running, key=(priority, arrival_time))`. In v1's run above the victims were, each the
+latest arrival still running:
 """)
 
 code(r"""
-s = EngineScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64)
-t = run_scheduler(s, [make(f"r{i}", 8, 24) for i in range(6)], fake_model)
+t = preemption["v1: recompute"]  # v1's Scheduler: the victim is running.pop()
 for st in t.steps:
     if st.preempted_ids:
         running = [r for r in st.scheduled]
@@ -138,8 +242,11 @@ whole. vLLM v1 has no such distinction: a request is just "`num_computed_tokens`
 `num_tokens` in total", and every step gives each scheduled request
 `min(num_tokens - num_computed_tokens, budget left)` tokens from **one** budget,
 `max_num_batched_tokens`. A long prompt is thereby split into chunks that ride along with
-the running decodes, and chunked prefill is always on. Four decoding requests; a 100-token
-prompt arrives at step 5:
+the running decodes. Chunked prefill is on by default (`enable_chunked_prefill=True`); v1
+still has the switch, and with it off a prompt must fit the budget whole. (minipaged's
+`PaperScheduler` does not model the paper's prompt-only steps: it shares one budget too,
+as vLLM v0 did once chunked prefill was added to it.) Both runs are v1's `Scheduler`, with
+the switch on and off. Four decoding requests; a 100-token prompt arrives at step 5:
 """)
 
 code(r"""
@@ -147,13 +254,16 @@ def decodes_and_a_long_prompt():
     return {0: [make(f"d{i}", 4, 40) for i in range(4)], 5: [make("long", 100, 4)]}
 
 
+chunking = {}
 for chunked, budget in ((True, 32), (False, 128)):
-    s = EngineScheduler(num_blocks=128, block_size=4, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
-    t = run_scheduler(s, decodes_and_a_long_prompt(), fake_model)
+    s = Scheduler(num_blocks=128, block_size=4, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+    t = chunking[f"v1, chunked prefill {'on' if chunked else 'off'}, budget {budget}"] = run_scheduler(
+        s, decodes_and_a_long_prompt(), fake_model)
     with_decodes = [st for st in t.steps if st.decode_ids]
     worst = max(with_decodes, key=lambda st: sum(st.scheduled.values()))
     print(f"chunked prefill {'on ' if chunked else 'off'} (budget {budget:3d}): {len(t)} steps; "
           f"largest step with decodes: step {worst.step}, {sum(worst.scheduled.values())} tokens {worst.scheduled}")
+side_by_side(chunking)
 """)
 
 md(r"""
@@ -175,15 +285,19 @@ tail block itself. One request, n = 4, a 30-token prompt, blocks of 4 (7 full bl
 
 code(r"""
 print(f"{'parallel_sampling':18s}{'steps':>6s}{'tokens computed':>17s}{'peak blocks':>13s}{'cache hits':>12s}")
+sampling = {}
 for mode in ("fork", "prefix"):
-    s = EngineScheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64, parallel_sampling=mode,
-                        enable_prefix_caching=(mode == "prefix"))
+    s = (PaperScheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64, parallel_sampling="fork")
+         if mode == "fork"  # the paper: one sequence group, forked
+         else Scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=True))
     group = [make(f"a.{i}", 30, 10) for i in range(4)]
     t = run_scheduler(s, [group], lambda r: 7 + int(r.request_id[-1]))  # each sample draws its own token
+    sampling["v0: copy-on-write fork" if mode == "fork" else "v1: children over the prefix cache"] = t
     computed, _, _, peak = stats(t)
     print(f"{mode:18s}{len(t):6d}{computed:17d}{peak:13d}{s.prefix_cache_hits:12d}")
     if mode == "prefix":  # the 3 children after the first find the 7 full prompt blocks cached
         assert s.prefix_cache_hits == 3 * 7 * 4
+side_by_side(sampling)
 """)
 
 md(r"""
@@ -205,14 +319,17 @@ and 8 tokens of their own:
 
 code(r"""
 SYSTEM = [(11 * j + 5) % 50 for j in range(32)]
+caching_runs = {}
 for caching in (False, True):
-    s = EngineScheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=caching)
+    s = (Scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=True)
+         if caching else PaperScheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64))
     reqs = {k: [make(f"q{k}", 40, 4, SYSTEM + [k] * 8)] for k in range(8)}  # one arrival per step
-    t = run_scheduler(s, reqs, fake_model)
+    t = caching_runs[f"{'v1: ' if caching else 'v0: no '}prefix caching"] = run_scheduler(s, reqs, fake_model)
     computed, _, _, peak = stats(t)
     prompt_tokens = sum(r.num_prompt_tokens for rs in reqs.values() for r in rs)
     print(f"prefix caching {'on ' if caching else 'off'}: {computed:4d} tokens computed, "
           f"{s.prefix_cache_hits:3d} of {prompt_tokens} prompt tokens found cached, peak {peak} blocks")
+side_by_side(caching_runs)
 """)
 
 md(r"""
@@ -294,9 +411,11 @@ md(r"""
 
 ## Recap
 
-* v1 keeps the paper's two ideas and simplifies the policies: first-chunk admission,
-  recompute only, one token budget with chunked prefill always on, `n > 1` as child
-  requests over the prefix cache, prefix caching on by default.
+* v1 keeps the paper's two ideas and simplifies the policies: admission named by
+  `scheduler_reserve_full_isl` (default `True`, the whole sequence must fit, against the
+  thrash of first-chunk admission), recompute only (the victim, the last of `running`, is
+  the paper's latest arrival under FCFS), one token budget with chunked prefill on by
+  default, `n > 1` as child requests over the prefix cache, prefix caching on by default.
 * Each change was measured above on the same workload as its v0 counterpart: what it costs
   (recomputed tokens, a few tail tokens per child) and what it saves (a CPU pool, a
   copy-on-write path, steps that mix prefill and decode).

@@ -163,6 +163,23 @@ class KVCacheManager:
             raise ValueError(f"unknown request {rid!r}: it holds no blocks")
         self.block_pool.free_blocks(reversed(self.block_tables.pop(rid).blocks))
 
+    def trim_slots(self, request, num_tokens: int) -> list[int]:
+        """Give back the slots past the first ``num_tokens`` (speculative decoding: rejected
+        drafts and unused lookahead slots); whole blocks past them return to the pool, tail
+        first. Returns the freed block ids. vLLM keeps such blocks for the next step; here
+        a table always holds ``ceil(num_tokens / block_size)`` blocks."""
+        t = self.block_tables.get(_request_id(request))
+        if t is None or not 0 < num_tokens <= t.num_tokens:
+            raise ValueError(
+                f"num_tokens must be in [1, {0 if t is None else t.num_tokens}], got {num_tokens!r}"
+            )
+        keep = cdiv(num_tokens, self.block_size)
+        freed = t.blocks[keep:]
+        del t.blocks[keep:]
+        t.num_tokens = num_tokens
+        self.block_pool.free_blocks(reversed(freed))
+        return [b.block_id for b in freed]
+
     # -- prefix caching -----------------------------------------------------------
     def _block_hashes(self, request, num_blocks: int) -> list[BlockHash]:
         """The chained hashes of the request's first ``num_blocks`` full blocks, kept on

@@ -10,7 +10,8 @@ Two halves
     ``scheduled_cached_reqs`` (the ones it knows: only their *new* block ids),
     ``num_scheduled_tokens`` (request id -> tokens, in batch order),
     ``finished_req_ids`` / ``preempted_req_ids`` (drop them), the block copies, and
-    ``fork_samples`` (paper: a child whose first token is drawn from its parent's row).
+    ``fork_samples`` (paper: a child whose first token is drawn from its parent's row),
+    ``scheduled_spec_decode_tokens`` (speculative decoding: the drafts to verify).
     *For the scheduler and the pictures*: ``scheduled`` ``(Request, n)`` pairs and the
     other ``Request`` lists, read by ``update_from_output``, ``trace.record_step`` and
     the simulator; never by the worker.
@@ -78,6 +79,9 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) CoW
     # paper: (parent id, child id) forked this step whose child samples from the parent's row
     fork_sample_ids: list[tuple[str, str]] = field(default_factory=list)
+    # speculative decoding: request id -> the drafts scheduled after its last token (vLLM's
+    # name); the worker runs them and the rejection sampler verifies them
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     # -- for the scheduler, the trace and the simulator --------------------------------
     # (request, num_new_tokens) in batch order: running requests (decodes and continuing
@@ -99,6 +103,8 @@ class SchedulerOutput:
     fork_samples: list[tuple[Request, Request]] = field(default_factory=list)
     # prefix caching: request_id -> prompt tokens found in the cache at admission
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
+    # speculative decoding: request_id -> KV slots reserved past its scheduled tokens
+    num_lookahead_slots: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -117,4 +123,5 @@ class SchedulerOutput:
             blocks_to_swap_in=list(self.blocks_to_swap_in),
             blocks_to_copy=list(self.blocks_to_copy),
             fork_sample_ids=list(self.fork_sample_ids),
+            scheduled_spec_decode_tokens={k: list(v) for k, v in self.scheduled_spec_decode_tokens.items()},
         )

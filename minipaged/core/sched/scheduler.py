@@ -40,6 +40,12 @@ Failure modes
     (FCFS). No livelock: the first running request is its own victim only if it alone
     exceeds the pool, which refusal excludes; a step that does nothing while requests
     wait raises RuntimeError.
+Speculative decoding (``spec.py``; proposers and verification in ``minipaged/spec_decode/``)
+    A decoding request with drafts (``spec.update_draft_token_ids``) is scheduled its last
+    token and the drafts that fit the budget (``scheduled_spec_decode_tokens``), plus
+    ``num_lookahead_tokens`` KV slots outside the budget for a draft model's writes. After
+    verification it advances by ``1 + accepted`` only and the rest of its slots are given
+    back (``trim_slots``); the next step rewrites them. A preempted request loses its drafts.
 The paper's scheduler (vLLM v0: sequence groups, swap, copy-on-write) is ``paper.py``.
 """
 
@@ -50,7 +56,7 @@ from typing import Optional
 
 from minipaged.core.kv.block import check_positive_int
 from minipaged.core.kv.kv_cache_manager import KVCacheManager
-from minipaged.core.sched import utils
+from minipaged.core.sched import spec, utils
 from minipaged.core.sched.output import CachedRequestData, SchedulerOutput
 from minipaged.core.sched.request import Request, RequestStatus
 
@@ -85,6 +91,7 @@ class Scheduler:
         self.scheduler_reserve_full_isl = bool(scheduler_reserve_full_isl)
         self.watermark = float(watermark)
         self.watermark_blocks = int(self.watermark * num_blocks)  # NOTE: as vLLM's manager
+        self.spec_decode = spec.SpecDecodeState()  # speculative decoding: lookahead, drafts
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
             block_size,
@@ -119,11 +126,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            n, ahead = spec.plan(self, out, request, budget)  # its tokens (+ drafts), lookahead slots
             if n == 0:
                 i += 1
                 continue
-            while (new_blocks := kv.allocate_slots(request, n)) is None:
+            while (new_blocks := kv.allocate_slots(request, n + ahead)) is None:
                 # The pool is full: preempt the last of running (never one scheduled this
                 # step: we go front to back) and retry.
                 victim = self.running.pop()
@@ -150,7 +157,7 @@ class Scheduler:
                 break
             new_blocks = kv.allocate_slots(
                 request,
-                n,
+                n + spec.reserve_lookahead(self, out, request, num_computed + n),
                 computed,
                 full_sequence_must_fit=self.scheduler_reserve_full_isl,
                 watermark_blocks=self.watermark_blocks if self.running else 0,
@@ -193,7 +200,8 @@ class Scheduler:
         # NOTE: as vLLM v1, the blocks this step fills are cached now, before the forward:
         # a request admitted later in this step may hit them (the forward writes every K/V
         # of a layer before any attention reads it).
-        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens + n)
+        # Drafts are not cached: a block is cached once its tokens are known (vLLM's rule).
+        self.kv_cache_manager.cache_blocks(request, min(request.num_computed_tokens + n, request.num_tokens))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute: free the blocks; it waits again, at the front (vLLM's _preempt_request)."""
@@ -206,17 +214,19 @@ class Scheduler:
         out.preempted_req_ids.add(request.request_id)
 
     # -- after the model ran ----------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict) -> list[Request]:
         """Advance the scheduled requests, append each sampled token and stop the requests
         it ends (``check_stop``); return every request finished this step, refused ones
-        first. A request whose known tokens are all computed now needs a sampled token."""
+        first. A request whose known tokens are all computed now needs a sampled token;
+        one verified with drafts gets a list (accepted drafts + 1) and advances by the
+        accepted count only (``spec.advance``)."""
         if output is not self._in_flight:
             raise ValueError("update_from_output() needs the output of the last schedule()")
         need = [
             r.request_id
             for r, n in output.scheduled
             if not r.is_finished
-            and r.num_computed_tokens + n == r.num_tokens
+            and r.num_computed_tokens + n >= r.num_tokens
             and r.request_id not in sampled_token_ids
         ]
         if need:
@@ -225,12 +235,12 @@ class Scheduler:
         for request, n in output.scheduled:
             if request.is_finished:  # aborted between schedule() and here
                 continue
-            request.num_computed_tokens += n
-            if request.num_computed_tokens == request.num_tokens:  # else a prefill chunk
-                request.append_output_token_id(sampled_token_ids[request.request_id])
+            for t in spec.advance(self.kv_cache_manager, request, n, output, sampled_token_ids):
+                request.append_output_token_id(t)  # none for a prefill chunk
                 if utils.check_stop(request, self.max_model_len):
                     self._free_request(request)
                     finished.append(request)
+                    break  # NOTE: the tokens after a stop are dropped
         output.finished = finished
         self._in_flight = None
         return finished
@@ -330,7 +340,7 @@ class Scheduler:
         assert set(kv.block_tables) == {r.request_id for r in self.running}, (
             f"blocks held by {sorted(kv.block_tables)}, running {sorted(r.request_id for r in self.running)}"
         )
-        in_flight = {} if self._in_flight is None else self._in_flight.num_scheduled_tokens
+        in_flight = spec.slots_in_flight(self._in_flight)  # scheduled + lookahead slots
         for r in self.waiting:
             assert r.num_computed_tokens == 0, f"waiting {r.request_id} has computed tokens"
         for r in self.running:

@@ -586,11 +586,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--attention-backend",
         default="auto",
         choices=["auto", "torch", "triton", "cpu"],
-        help="auto (default): the fastest that runs here, see minipaged.config.best_attention_backend",
+        help="auto (default): the fastest that runs here, see minipaged.kernels.selector.get_attn_backend",
     )
     e.add_argument("--device", default=d.device)
     e.add_argument("--dtype", default=d.dtype)
     e.add_argument("--seed", type=non_negative_int, default=d.seed)
+    e.add_argument(
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=d.tensor_parallel_size,
+        help="worker processes, each with 1/N of the heads (torch.distributed: gloo on CPU, NCCL on CUDA)",
+    )
 
 
 ENGINE_ARGS = (
@@ -607,6 +613,7 @@ ENGINE_ARGS = (
     "device",
     "dtype",
     "seed",
+    "tensor_parallel_size",
 )
 
 
@@ -663,8 +670,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         server.run()
     finally:
-        if args.engine_process:
-            engine.shutdown()  # NOTE: a no-op when the lifespan already stopped it
+        engine.shutdown()  # the engine core process, or the tensor-parallel workers, if any
     return 1 if getattr(serving.async_engine, "core_died", False) else 0
 
 

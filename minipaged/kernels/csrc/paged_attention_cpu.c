@@ -309,3 +309,93 @@ int64_t paged_attention_decode_f32(const float *q, int64_t q_stride, const float
     }
 #undef DECODE
 }
+
+/* -- An 8-bit cache (kv_cache_dtype "int8" or "fp8") -------------------------------------------
+ * The same decode over a cache whose elements are single bytes. A byte means nothing by itself:
+ * k_table[byte] is the float it stands for, already times the layer's k_scale (cpu.py builds the
+ * two 256-entry tables from torch's own int8 / float8_e4m3fn decoding, so the C kernel and the
+ * torch reference read bit for bit the same values). Each token row (num_kv_heads * head_dim
+ * bytes) is dequantized once into `row`, then every query head of the row's kv heads reads it:
+ * the fp32 loops of decode() without the four-head vectors. Same return values as
+ * paged_attention_decode_f32. */
+int64_t paged_attention_decode_q8(const float *q, int64_t q_stride, const uint8_t *k_cache,
+                                  const uint8_t *v_cache, const float *k_table,
+                                  const float *v_table, int64_t num_cache_blocks,
+                                  const int32_t *block_tables, const int32_t *seq_lens, float *out,
+                                  int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                  int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                                  float scale)
+{
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < num_seqs; b++)
+        max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    const int64_t token_stride = num_kv_heads * head_dim; /* bytes between two slots */
+    const int64_t block_stride = block_size * token_stride; /* bytes between two blocks */
+    float *scores = malloc((size_t)(num_heads * max_len + 1) * sizeof(float)); /* the logits */
+    float *row = malloc((size_t)token_stride * sizeof(float)); /* one token row, dequantized */
+    if (scores == NULL || row == NULL) {
+        free(scores);
+        free(row);
+        return -1;
+    }
+    const int64_t group = num_heads / num_kv_heads;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int32_t *table = block_tables + b * max_blocks;
+        const int64_t len = seq_lens[b];
+        const int64_t num_blocks = (len + block_size - 1) / block_size;
+        for (int64_t j = 0; j < num_blocks; j++) {
+            if (num_blocks > max_blocks || table[j] < 0 || table[j] >= num_cache_blocks) {
+                free(scores);
+                free(row);
+                return b + 1;
+            }
+        }
+        const float *qb = q + b * q_stride;
+        float *ob = out + b * num_heads * head_dim;
+
+        /* 1. Logits: token t's key row, dequantized, against every query head. */
+        for (int64_t t = 0; t < len; t++) {
+            const uint8_t *k = k_cache + (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride;
+            for (int64_t x = 0; x < token_stride; x++)
+                row[x] = k_table[k[x]];
+            for (int64_t h = 0; h < num_heads; h++) {
+                const float *kh = row + (h / group) * head_dim, *qh = qb + h * head_dim;
+                float s = 0.0f;
+                for (int64_t d = 0; d < head_dim; d++)
+                    s += qh[d] * kh[d];
+                scores[h * len + t] = s * scale;
+            }
+        }
+
+        /* 2. Softmax of each head's logits: max, exp and sum, normalise. */
+        for (int64_t h = 0; h < num_heads && len > 0; h++) {
+            float *sh = scores + h * len;
+            float m = sh[0], l = 0.0f;
+            for (int64_t t = 1; t < len; t++)
+                m = sh[t] > m ? sh[t] : m;
+            for (int64_t t = 0; t < len; t++) {
+                sh[t] = exp_nonpos(sh[t] - m);
+                l += sh[t];
+            }
+            for (int64_t t = 0; t < len; t++)
+                sh[t] /= l;
+        }
+
+        /* 3. out[h] = sum over t of p[h, t] * v[t]: token t's value row, dequantized once. */
+        for (int64_t x = 0; x < num_heads * head_dim; x++)
+            ob[x] = 0.0f;
+        for (int64_t t = 0; t < len; t++) {
+            const uint8_t *v = v_cache + (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride;
+            for (int64_t x = 0; x < token_stride; x++)
+                row[x] = v_table[v[x]];
+            for (int64_t h = 0; h < num_heads; h++) {
+                const float p = scores[h * len + t], *vh = row + (h / group) * head_dim;
+                for (int64_t d = 0; d < head_dim; d++)
+                    ob[h * head_dim + d] += p * vh[d];
+            }
+        }
+    }
+    free(scores);
+    free(row);
+    return 0;
+}

@@ -6,7 +6,7 @@ from minipaged.checks.ch00 import EVENTS, STATEMENTS
 
 # NOTE: the setup cell holds the data as literals (texts only, no answers): a submission may
 # not import minipaged.checks, and the checker keeps its own copy.
-_STATEMENT_TEXTS = "\n".join(f"    {sid!r}: {text!r}," for sid, (text, _) in STATEMENTS.items())
+_STATEMENT_TEXTS = "\n".join(f"    {sid!r}: {text!r}," for sid, text in STATEMENTS.items())
 
 nb = ExerciseNotebook(
     chapter="ch00",
@@ -44,8 +44,9 @@ nb.exercise(
 
     Write `sort_statements()`: it returns a dict from every statement id (`"s1"` ..
     `"s12"`) to `"data"`, `"addressing"` or `"scheduling"`. Each statement is about exactly
-    one of them. The check names the first statement you put in the wrong place, without
-    telling you where it belongs.
+    one of them. These answers are graded once, by the instructor's key: the check here only makes
+    sure every statement has one of the three answers, and a graded failure says how
+    many statements are misplaced, never which.
     """,
     """
     def sort_statements() -> dict[str, str]:
@@ -229,7 +230,10 @@ nb.exercise(
     "ex0.5",
     "concept questions",
     """
-    Answer with a number or one of the given choices (strings exactly as written).
+    Answer with a number or one of the given choices (strings exactly as written). The
+    answers are graded once, by the instructor's key: the check here only makes sure
+    every question has an answer of the right kind, and a graded failure says how many
+    are wrong, never which.
 
     - `q1`: how many blocks does a 100-token request hold with `block_size = 16`?
     - `q2`: how many of those blocks' slots hold no token?

@@ -194,7 +194,10 @@ nb.exercise(
     "ex1.6",
     "concept questions",
     """
-    Answer with a number or one of the given choices (strings exactly as written).
+    Answer with a number or one of the given choices (strings exactly as written). The
+    answers are graded once, by the instructor's key: the check here only makes sure
+    every question has an answer of the right kind, and a graded failure says how many
+    are wrong, never which.
 
     - `q1`: in ex1.4 after E is placed, how many reserved slots will never hold a token
       (internal fragmentation)?

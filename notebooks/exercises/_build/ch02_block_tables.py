@@ -187,8 +187,9 @@ nb.exercise(
     ids *front to back* (the front is handed out next) after that event. Work it out on
     paper, from what your `popleft`, `remove` and `allocate_slots` do and from chapter 02's
     rule for freeing (a finished request's blocks go to the back, last block first).
-    Example: after event 0 the answer is `[2, 3, 4, 5]`. The check shows the manager's
-    picture at your first mistake.
+    Example: had event 0 been "A allocates 3 tokens" in a fresh pool of six blocks of 2, A
+    would hold blocks 0 and 1 and the answer after it would be `[2, 3, 4, 5]` (your copy's
+    events may differ). The check shows the manager's picture at your first mistake.
     """,
     """
     def predict_free_queue() -> list[list[int]]:
@@ -244,7 +245,10 @@ nb.exercise(
     "ex2.7",
     "concept questions",
     """
-    Answer with a number or one of the given choices (strings exactly as written).
+    Answer with a number or one of the given choices (strings exactly as written). The
+    answers are graded once, by the instructor's key: the check here only makes sure
+    every question has an answer of the right kind, and a graded failure says how many
+    are wrong, never which.
 
     - `q1`: the flat slot of token 5 with `block_table = [3, 1, 4]` and `block_size = 4`?
     - `q2`: how many blocks does a request hold after allocating 3 tokens and then 2 more,

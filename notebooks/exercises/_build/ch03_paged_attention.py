@@ -274,7 +274,10 @@ nb.exercise(
     "ex3.7",
     "concept questions",
     """
-    Answer with a number or one of the given choices (strings exactly as written).
+    Answer with a number or one of the given choices (strings exactly as written). The
+    answers are graded once, by the instructor's key: the check here only makes sure
+    every question has an answer of the right kind, and a graded failure says how many
+    are wrong, never which.
 
     - `q1`: how many split-KV partitions does a 1000-token sequence have with
       `partition_size = 512`?

@@ -314,7 +314,10 @@ nb.exercise(
     "ex4.6",
     "concept questions",
     """
-    Answer with a number or one of the given choices (strings exactly as written).
+    Answer with a number or one of the given choices (strings exactly as written). The
+    answers are graded once, by the instructor's key: the check here only makes sure
+    every question has an answer of the right kind, and a graded failure says how many
+    are wrong, never which.
 
     - `q1`: how many steps does the run of ex4.4 take with `max_num_seqs=1` instead of 3?
       (Work it out; you may check it with your `serve`.)

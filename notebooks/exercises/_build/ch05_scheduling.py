@@ -249,9 +249,11 @@ nb.exercise(
     "ex5.6",
     "an admission rule of your design, measured",
     """
-    vLLM v1 admits a waiting request as soon as the blocks of its first chunk are free;
-    running requests then grow into the pool and, when it is full, preemption pays for
-    the optimism by recomputing. Design your own rule.
+    With `scheduler_reserve_full_isl=False` vLLM v1 admits a waiting request as soon as the
+    blocks of its first chunk are free; running requests then grow into the pool and, when
+    it is full, preemption pays for the optimism by recomputing. (vLLM 0.32's default, `True`,
+    waits until the blocks for the whole prompt are free, against exactly that thrash.) The
+    scheduler here starts from the first-chunk rule: design your own.
 
     - **The hook**: the scheduler calls `can_admit(scheduler, request)` for the head of
       `waiting` after the running requests got their blocks for this step (so their block
@@ -270,6 +272,10 @@ nb.exercise(
     - **What it prints**: steps and preemptions of `DESIGN_WORKLOAD` under the default
       rule and under yours. There is no single right answer: a rule that never preempts,
       one that preempts less but keeps the batch full, a watermark... compare designs.
+      - **The bar**: on the checker's workloads taken together, at most half the
+        preemptions of the default rule (and never more on any one workload), with at
+        most 10% more steps (throughput within 10%). Always admitting (`lambda s, r:
+        True`) is the default rule, so it does not pass.
     """,
     """
     def can_admit(scheduler, request) -> bool:
@@ -306,7 +312,10 @@ nb.exercise(
     "ex5.7",
     "concept questions",
     """
-    Answer with a number or one of the given choices (strings exactly as written).
+    Answer with a number or one of the given choices (strings exactly as written). The
+    answers are graded once, by the instructor's key: the check here only makes sure
+    every question has an answer of the right kind, and a graded failure says how many
+    are wrong, never which.
 
     - `q1`: how many preemptions happen in the run of ex5.5?
     - `q2`: how many tokens does the preempted request of ex5.5 compute when it is

@@ -281,7 +281,10 @@ nb.exercise(
     "ex6.7",
     "concept questions",
     """
-    Answer with a number or one of the given choices (strings exactly as written).
+    Answer with a number or one of the given choices (strings exactly as written). The
+    answers are graded once, by the instructor's key: the check here only makes sure
+    every question has an answer of the right kind, and a graded failure says how many
+    are wrong, never which.
 
     - `q1`: how many block copies (copy-on-write) happen in the run of ex6.5?
     - `q2`: the `ref_cnt` of block 0 after event 2 of ex6.5?

@@ -160,9 +160,10 @@ nb.exercise(
     the `"same"` (within 10%), changing only that.
 
     Write `predict_directions()` returning `{change: "up" | "down" | "same"}` for every
-    key of `CHANGES`. The check runs the simulator for each change (a few seconds) and, at
-    the first wrong prediction, shows the measured ratios: then explain the number to
-    yourself before you change your answer.
+    key of `CHANGES`. Predict first: the check here records your answers (it checks only their shape);
+    the grader runs the simulator for each change and grades the predictions once,
+    saying how many are wrong. The measured ratios are in chapter 07: read them after
+    you hand in, and explain each to yourself.
     """,
     """
     def predict_directions() -> dict[str, str]:
@@ -182,7 +183,10 @@ nb.exercise(
     "ex7.4",
     "concept questions",
     """
-    Answer with a number or one of the given choices (strings exactly as written).
+    Answer with a number or one of the given choices (strings exactly as written). The
+    answers are graded once, by the instructor's key: the check here only makes sure
+    every question has an answer of the right kind, and a graded failure says how many
+    are wrong, never which.
 
     - `q1`: the paper's "1.7–2.7× the request rate of Orca (Oracle)" on ShareGPT is a range
       over: `"a"` request rates of one model, `"b"` three models (OPT-13B, 66B, 175B, each

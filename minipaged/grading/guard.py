@@ -28,7 +28,7 @@ Invariants
 Failure mode
     ``graded_check`` before ``arm`` raises ``RuntimeError``. What this cannot stop: code
     in the same process that reaches the token through frames, ``gc`` or ``ctypes``; the
-    static scan (``minipaged.checks.scan``) rejects those constructs before the run.
+    static scan (``minipaged.grading.scan``) rejects those constructs before the run.
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ from typing import Optional
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_BUDGET = 600.0  # seconds of kernel time per submission, all cells and restarts together
 MAX_RESTARTS = 2  # fresh kernels after a death or a hang, per submission
+MAX_CELLS = 400  # code cells of one submission the grader runs at most
 _TOKENS_RE = re.compile(r"^MPTOKENS (\{.*\})$", re.M)
 
 
@@ -97,6 +98,8 @@ class _PlanCell:
     exercise: Optional[str]
     index: Optional[int]
     findings: list = field(default_factory=list)  # scan findings (student cells)
+    names: list = field(default_factory=list)  # check: the objects handed to the check
+    trusted: bool = False  # check: judged by the trusted checker (a spec), not the in-kernel guard
 
 
 def check_call(source: str) -> tuple[str, list[str]]:
@@ -119,14 +122,14 @@ def grader_check_source(authored_check_source: str) -> str:
     """The cell the grader runs for a check: the armed guard, never the student's ``check``."""
     ex, names = check_call(authored_check_source)
     return (
-        "from minipaged.checks._guard import graded_check as _mp_graded_check\n"
+        "from minipaged.grading.guard import graded_check as _mp_graded_check\n"
         f"_mp_graded_check({ex!r}{''.join(', ' + n for n in names)})"
     )
 
 
 def prelude_source(chapter: str, exercises: list[str]) -> str:
     return (
-        "import minipaged.checks._guard as _mp_guard\n"
+        "import minipaged.grading.guard as _mp_guard\n"
         f"_mp_guard.arm({chapter!r}, {list(exercises)!r})\n"
         "del _mp_guard"
     )
@@ -136,7 +139,7 @@ def build_plan(nb, authored) -> list[_PlanCell]:
     """The cells to run: the student's code cells, with the authored check cells restored
     (as grader check cells) right after each exercise's last solution cell."""
     from minipaged.checks.notebook import cell_exercise, cell_role, cell_source
-    from minipaged.checks.scan import scan_cells
+    from minipaged.grading.scan import scan_cells
 
     plan: list[_PlanCell] = []
     last_solution_pos: dict[str, int] = {}
@@ -157,10 +160,19 @@ def build_plan(nb, authored) -> list[_PlanCell]:
         cell.findings = findings
     # Insert restored check cells after their solution cell, back to front so the
     # recorded positions stay valid; exercises without a solution cell go at the end.
+    from minipaged.checks import has_spec
+
     at_end = []
     inserts = []
+    if len(plan) > MAX_CELLS:
+        raise _TooManyCells(len(plan))
     for ex in authored.exercises:
-        check = _PlanCell(grader_check_source(cell_source(authored.check_cells[ex])), "check", ex, None)
+        src = cell_source(authored.check_cells[ex])
+        if has_spec(ex):
+            _, names = check_call(src)
+            check = _PlanCell("", "check", ex, None, names=names, trusted=True)
+        else:
+            check = _PlanCell(grader_check_source(src), "check", ex, None)
         if ex in last_solution_pos:
             inserts.append((last_solution_pos[ex], check))
         else:
@@ -198,11 +210,17 @@ def _flags(plan: list[_PlanCell]) -> list[str]:
     return out
 
 
+class _TooManyCells(Exception):
+    pass
+
+
 @dataclass
 class _Run:
     cell: _PlanCell
     run: object
     tokens: dict
+    payload: str = ""  # trusted check: the cases sent (the trusted side's own text)
+    result: Optional[str] = None  # trusted check: the JSON text the kernel printed
 
 
 def _run_plan(
@@ -214,15 +232,21 @@ def _run_plan(
     budget: float = DEFAULT_BUDGET,
     isolation=None,
     max_restarts: int = MAX_RESTARTS,
+    checker=None,
+    seed: str = "",
+    student_seed=None,
 ) -> list[_Run]:
-    from minipaged.checks._executor import CellRun, KernelRunner
+    from minipaged.grading import driver
+    from minipaged.grading.codec import MAX_RESULT_BYTES
+    from minipaged.grading.executor import CellRun, KernelRunner
 
     runner = KernelRunner(cwd=cwd, timeout=timeout, isolation=isolation)
     results: list[_Run] = []
     deadline = time.monotonic() + budget
     state = {"tokens": {}, "restarts": 0}
     bad: set[int] = set()  # plan positions that hung or killed a kernel: never replayed
-    prelude = prelude_source(chapter, exercises)
+    legacy = [c.exercise for c in plan if c.kind == "check" and not c.trusted]
+    prelude = prelude_source(chapter, legacy)
 
     def left() -> float:
         return deadline - time.monotonic()
@@ -259,12 +283,21 @@ def _run_plan(
             if stop_reason:
                 results.append(_Run(cell, stopped(stop_reason), dict(state["tokens"])))
                 continue
+            payload = nonce = ""
+            source = cell.source
+            if cell.trusted:
+                payload, nonce = checker.payload(cell.exercise, seed, student_seed)
+                source = driver.check_source(cell.exercise, payload, cell.names)
             run = runner.run(
-                cell.source, timeout=max(0.1, min(timeout, left())), store_history=cell.kind == "student"
+                source,
+                timeout=max(0.1, min(timeout, left())),
+                store_history=cell.kind == "student",
+                max_output_bytes=MAX_RESULT_BYTES + 2**16 if cell.trusted else None,
             )
             if not run.alive:
                 bad.add(pos)
-            results.append(_Run(cell, run, dict(state["tokens"])))
+            result = driver.extract(run.stdout, nonce) if cell.trusted else None
+            results.append(_Run(cell, run, dict(state["tokens"]), payload, result))
     finally:
         runner.shutdown()
     return results
@@ -304,18 +337,44 @@ def grade_notebook(
     budget: float = DEFAULT_BUDGET,
     isolation=None,
     scan: bool = True,
+    checker=None,
+    seed: Optional[str] = None,
 ) -> SubmissionResult:
     """Grade an in-memory notebook of ``authored.chapter``. ``scan=False`` ignores the static
-    scan's findings (used by the tests to show what the other layers hold on their own)."""
+    scan's findings (used by the tests to show what the other layers hold on their own).
+    ``checker``: the ``TrustedChecker`` (one is started when ``None``); ``seed``: this grading
+    run's seed (a fresh random one when ``None``)."""
     t0 = time.monotonic()
     result = SubmissionResult(submission=submission, chapter=authored.chapter)
-    plan = build_plan(nb, authored)
+    try:
+        plan = build_plan(nb, authored)
+    except _TooManyCells as e:
+        msg = f"the notebook has {e.args[0]} code cells; the grader runs at most {MAX_CELLS}"
+        result.error = msg
+        result.exercises = {ex: ExerciseResult(False, msg) for ex in authored.exercises}
+        return result
+    if checker is None:
+        from minipaged.grading.trusted import TrustedChecker
+
+        with TrustedChecker() as own:
+            return grade_notebook(nb, authored, timeout, submission, budget, isolation, scan, own, seed)
+    seed = seed if seed is not None else new_seed()
+    student_seed = student_seed_of(nb)
     result.flags = _flags(plan)
     zeroed = banned(plan) if scan else {}
     with tempfile.TemporaryDirectory(prefix="minipaged-grade-") as cwd:
         try:
             runs = _run_plan(
-                plan, authored.chapter, authored.exercises, timeout, cwd, budget=budget, isolation=isolation
+                plan,
+                authored.chapter,
+                authored.exercises,
+                timeout,
+                cwd,
+                budget=budget,
+                isolation=isolation,
+                checker=checker,
+                seed=seed,
+                student_seed=student_seed,
             )
         except RuntimeError as e:  # the kernel did not start
             result.error = str(e)
@@ -331,14 +390,29 @@ def grade_notebook(
                 cell.exercise, f"its solution cell (cell {cell.index}): {_reason(run)}"
             )
         if cell.kind == "check":
-            token = r.tokens.get(cell.exercise)
-            verdict = f"MPV {token} {cell.exercise}"
-            ok = run.status == "ok" and token is not None and verdict in run.stdout.splitlines()
-            reason = ""
+            if cell.trusted:
+                ok, reason = False, ""
+                if run.status != "ok":
+                    reason = _reason(run)
+                elif r.result is None:
+                    reason = "the check printed no results (the driver cell did not run to its end)"
+                else:
+                    ok, reason = checker.judge(cell.exercise, r.payload, r.result)
+                    # one line for the table and the CSV, as the in-kernel checks' reasons
+                    reason = "" if ok else " | ".join(ln.strip() for ln in reason.splitlines()[:6])
+                    if ok:
+                        reason = ""
+                    elif reason.startswith("the grader's checker failed"):
+                        result.flags.append(f"{cell.exercise}: {reason}")
+            else:
+                token = r.tokens.get(cell.exercise)
+                verdict = f"MPV {token} {cell.exercise}"
+                ok = run.status == "ok" and token is not None and verdict in run.stdout.splitlines()
+                reason = ""
             if cell.exercise in zeroed:
                 ok, reason = False, zeroed[cell.exercise]
             elif not ok:
-                reason = _reason(run)
+                reason = reason or _reason(run)
                 if cell.exercise in solution_trouble:
                     reason = f"{solution_trouble[cell.exercise]}; then the check: {reason}"
             result.exercises[cell.exercise] = ExerciseResult(ok, reason)
@@ -359,6 +433,8 @@ def grade_submission(
     budget: float = DEFAULT_BUDGET,
     isolation=None,
     scan: bool = True,
+    checker=None,
+    seed: Optional[str] = None,
 ) -> SubmissionResult:
     """Grade one notebook file; never raises for a bad submission."""
     from minipaged.checks.notebook import (
@@ -391,6 +467,8 @@ def grade_submission(
         budget=budget,
         isolation=isolation,
         scan=scan,
+        checker=checker,
+        seed=seed,
     )
 
 
@@ -404,17 +482,31 @@ def grade_many(
     budget: float = DEFAULT_BUDGET,
     isolation=None,
     on_result=None,
+    key_path=None,
+    seed: Optional[str] = None,
 ) -> list[SubmissionResult]:
-    """Grade several submissions (``jobs`` at a time, one sandboxed kernel each); results in
-    input order. ``on_result(results_so_far)`` is called after each submission (in input
+    """Grade several submissions (``jobs`` at a time, one sandboxed kernel each, each job with
+    its own sandbox uid and its own trusted checker process); results in input order. ``on_result(results_so_far)`` is called after each submission (in input
     order of those done), e.g. to rewrite the CSV."""
     import threading
 
+    from minipaged.grading.trusted import TrustedChecker
+
     paths = list(paths)
+    seed = seed if seed is not None else new_seed()
     done: dict[int, SubmissionResult] = {}
     lock = threading.Lock()
 
     def one(i_path):
+        # NOTE: each concurrent submission takes a slot: its own sandbox uid, so its process
+        # limit and whatever it leaves behind are its own (``sandbox.Isolation.for_slot``)
+        slot = free_slots.get()
+        try:
+            return graded(i_path, slot)
+        finally:
+            free_slots.put(slot)
+
+    def graded(i_path, slot):
         i, path = i_path
         if progress:
             print(f"grading {path} ...", file=sys.stderr, flush=True)
@@ -425,7 +517,9 @@ def grade_many(
                 timeout=timeout,
                 chapter=chapter,
                 budget=budget,
-                isolation=isolation,
+                isolation=None if isolation is None else isolation.for_slot(slot),
+                checker=checker,
+                seed=seed,
             )
         except Exception as e:  # never lose the rest of the class to one submission
             r = _zero_row(str(path), None, authored_by_chapter, f"the grader failed on this file: {e}")
@@ -435,12 +529,33 @@ def grade_many(
                 on_result([done[k] for k in sorted(done)])
         return r
 
-    if jobs <= 1 or len(paths) <= 1:
-        return [one(p) for p in enumerate(paths)]
-    from concurrent.futures import ThreadPoolExecutor
+    jobs = max(1, min(jobs, len(paths)))
+    import queue
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(one, enumerate(paths)))
+    free_slots: queue.Queue = queue.Queue()
+    for k in range(jobs):
+        free_slots.put(k)
+    with TrustedChecker(key_path, jobs=jobs) as checker:
+        if jobs <= 1:
+            return [one(p) for p in enumerate(paths)]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            return list(pool.map(one, enumerate(paths)))
+
+
+def new_seed() -> str:
+    """A fresh seed for one grading run: the graded cases are drawn from it."""
+    import secrets
+
+    return secrets.token_hex(8)
+
+
+def student_seed_of(nb):
+    """The per-student seed a copy was made with (``minipaged exercises --student --seed``)."""
+    meta = nb.get("metadata", {}).get("minipaged", {})
+    seed = meta.get("seed") if isinstance(meta, dict) else None
+    return seed if isinstance(seed, (int, str)) and not isinstance(seed, bool) else None
 
 
 def _chapter_from_name(name: str, authored_by_chapter: dict) -> Optional[str]:
@@ -618,12 +733,23 @@ def add_arguments(parser) -> None:
         action="store_true",
         help="run kernels without bubblewrap (say so in the printed isolation line)",
     )
+    parser.add_argument(
+        "--key",
+        metavar="FILE",
+        help="the instructor's answer key (JSON; default: _instructor/key.json in the --source folder); "
+        "concept questions are graded from it, and it never enters a sandbox",
+    )
+    parser.add_argument(
+        "--seed",
+        metavar="S",
+        help="seed of the graded cases (default: a fresh random one per run, printed)",
+    )
     parser.add_argument("--quiet", action="store_true", help="print the table without the reasons")
 
 
 def run(args) -> int:
     from minipaged.checks.notebook import load_authored
-    from minipaged.checks.sandbox import Limits, probe
+    from minipaged.grading.sandbox import Limits, probe
 
     if not (math.isfinite(args.timeout) and args.timeout > 0) or not (
         math.isfinite(args.budget) and args.budget > 0
@@ -645,6 +771,19 @@ def run(args) -> int:
             file=sys.stderr,
         )
         return 2
+    from minipaged.grading.trusted import default_key_path, load_key
+
+    key_path = args.key or default_key_path(args.source)
+    if key_path is None:
+        print("minipaged grade: no answer key found; pass --key FILE", file=sys.stderr)
+        return 2
+    try:
+        load_key(key_path)
+    except ValueError as e:
+        print(f"minipaged grade: {e}", file=sys.stderr)
+        return 2
+    seed = args.seed or new_seed()
+    print(f"graded cases drawn from seed {seed}", file=sys.stderr, flush=True)
     if args.csv:
         try:  # fail now, not after an hour of grading
             with open(args.csv, "a", encoding="utf-8"):
@@ -672,6 +811,8 @@ def run(args) -> int:
         budget=args.budget,
         isolation=isolation,
         on_result=save,
+        key_path=key_path,
+        seed=seed,
     )
     print(format_table(results, details=not args.quiet), end="")
     if args.csv:

@@ -67,6 +67,7 @@ BANNED_MODULES = (
     "subprocess",
     "multiprocessing",
     "minipaged.checks",
+    "minipaged.grading",
     "jupyter_client",
     "zmq",
 )
@@ -185,7 +186,11 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     "ch03": ("minipaged.kernels",),
     "ch04": ("minipaged.core.sched", "minipaged.core.Scheduler", "minipaged.core.EngineScheduler"),
     "ch05": ("minipaged.core.sched", "minipaged.core.Scheduler", "minipaged.core.EngineScheduler"),
-    "ch06": ("minipaged.core.KVCacheManager",),
+    "ch06": (
+        "minipaged.core.KVCacheManager",
+        "minipaged.core.BlockSpaceManager",
+        "minipaged.core.kv.block_manager_v0",
+    ),
 }
 # Uses of a reference that are fine anyway: the chapter 03 setup cell's bare import.
 _REFERENCE_OK_IMPORTS = {"minipaged.kernels"}

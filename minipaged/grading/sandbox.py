@@ -7,12 +7,21 @@ Concept
 
     * filesystem: ``/usr``, ``/lib``, ``/etc``, the Python installation and the virtual
       environment read-only; the ``minipaged`` package read-only at ``/opt/minipaged``
-      (only the package: the authored notebooks, the tests and other submissions are not
-      in the sandbox at all); a fresh ``/tmp`` (tmpfs) as the working folder;
+      (only the package: the authored notebooks, the instructor's key, the tests and other
+      submissions are not in the sandbox at all); a fresh ``/tmp`` (tmpfs capped at
+      ``Limits.tmpfs_bytes``) as the working folder; the kernel's private socket folder
+      (its connection file and Unix sockets, a fresh folder per kernel) is writable only
+      while the kernel starts: before any student cell runs it is handed back to root,
+      read-only to the sandbox user;
+    * one uid per concurrent submission (``slot_user``): ``--jobs 2`` grades as
+      ``minipaged-grader`` and ``minipaged-grader-1``, so the process limit is per
+      submission and one submission's thread hoard cannot stop a classmate's kernel;
     * namespaces: own PID namespace (``/proc`` shows only the sandbox: no grader command
       line, no other kernels), no network, own IPC and hostname; the kernel talks to the
       grader over Unix sockets in a per-submission folder bound into the sandbox;
-    * limits: address space, CPU seconds, processes, open files, file size, no core dumps;
+    * limits (prlimit; cgroups are not used: a CI container rarely delegates them):
+      address space, CPU seconds, processes (per uid, so per submission), open files,
+      file size, no core dumps;
     * afterwards: killing the kernel ends the PID namespace, so every process it started
       dies; the tmpfs and the socket folder are removed.
 
@@ -46,13 +55,19 @@ GRADER_USER = "minipaged-grader"
 PACKAGE_MOUNT = "/opt/minipaged"
 
 
+def slot_user(slot: int) -> str:
+    """The sandbox user of concurrent grading slot ``slot`` (one uid per submission graded at once)."""
+    return GRADER_USER if slot == 0 else f"{GRADER_USER}-{slot}"
+
+
 @dataclass
 class Limits:
     memory_bytes: int = 6 * 2**30  # address space of the kernel process
     cpu_seconds: int = 900  # CPU time of one kernel (a restart gets a fresh one)
-    processes: int = 512  # processes of the grader user (all sandboxes together)
+    processes: int = 256  # processes and threads of the slot's uid: of this one submission
     open_files: int = 256
     file_bytes: int = 64 * 2**20  # largest file the kernel may write
+    tmpfs_bytes: int = 256 * 2**20  # the sandbox's /tmp (its only writable folder)
 
     def prlimit_args(self) -> list[str]:
         return [
@@ -87,13 +102,13 @@ class Isolation:
                 "authored notebooks or other submissions, fresh /tmp)"
             )
         if self.user:
-            got.append(f"user {self.user}")
+            got.append(f"user {self.user} (one uid per submission graded at once)")
         if self.prlimit:
             lim = self.limits
             got.append(
                 f"limits: memory {lim.memory_bytes // 2**20} MiB, CPU {lim.cpu_seconds} s, "
-                f"{lim.processes} processes, {lim.open_files} open files, "
-                f"files up to {lim.file_bytes // 2**20} MiB"
+                f"{lim.processes} processes per submission, {lim.open_files} open files, "
+                f"files up to {lim.file_bytes // 2**20} MiB, /tmp {lim.tmpfs_bytes // 2**20} MiB"
             )
         lines = ["isolation: " + ("; ".join(got) if got else "none")]
         lines += [f"isolation MISSING: {m}" for m in self.missing]
@@ -106,7 +121,7 @@ class Isolation:
         if self.prlimit:
             out += [self.prlimit, *self.limits.prlimit_args(), "--"]
         if self.bwrap:
-            out += [self.bwrap, *_bwrap_args(self.package_dir, workdir)]
+            out += [self.bwrap, *_bwrap_args(self.package_dir, workdir, self.limits.tmpfs_bytes)]
         if self.user and self.setpriv:
             out += [
                 self.setpriv,
@@ -117,6 +132,27 @@ class Isolation:
                 "--",
             ]
         return out + list(cmd)
+
+    def for_slot(self, slot: int) -> Isolation:
+        """This isolation for concurrent slot ``slot``: its own uid (``slot_user``), created
+        when the grader runs as root; the same user, said in ``missing``, where it cannot be."""
+        iso = Isolation(
+            self.bwrap,
+            self.user,
+            self.prlimit,
+            self.setpriv,
+            self.limits,
+            list(self.missing),
+            self.package_dir,
+        )
+        if slot == 0 or self.user is None:
+            return iso
+        name = _ensure_user(slot_user(slot), create=True)
+        if name:
+            iso.user = name
+        else:
+            iso.missing.append(f"no user {slot_user(slot)}: slot {slot} shares {self.user}'s process limit")
+        return iso
 
     def env(self, base: dict) -> dict:
         """The kernel's environment: nothing of the grader's but what Python needs."""
@@ -151,7 +187,7 @@ def _python_dirs() -> list[str]:
     return [d for d in out if not any(d != o and d.startswith(o + "/") for o in out)]
 
 
-def _bwrap_args(package_dir: str, workdir: str) -> list[str]:
+def _bwrap_args(package_dir: str, workdir: str, tmpfs_bytes: int) -> list[str]:
     args = [
         "--die-with-parent",
         "--unshare-pid",
@@ -163,6 +199,8 @@ def _bwrap_args(package_dir: str, workdir: str) -> list[str]:
         "minipaged-sandbox",
         # first the fresh /tmp, so a Python or a socket folder under the host's /tmp is
         # mounted on top of it, not hidden by it
+        "--size",
+        str(int(tmpfs_bytes)),
         "--tmpfs",
         "/tmp",
         "--perms",

@@ -19,7 +19,7 @@ Invariants
     with ``stop_on_error=False`` so an error never makes the kernel skip later requests.
 
 Sandbox
-    with ``isolation`` (``minipaged.checks.sandbox.Isolation``) the kernel command is wrapped
+    with ``isolation`` (``minipaged.grading.sandbox.Isolation``) the kernel command is wrapped
     in prlimit / bwrap / setpriv, the kernel gets a per-run folder for its connection file
     and Unix sockets (``transport="ipc"``: the sandbox has no network), a stripped
     environment, and interrupts go over the control channel (a signal to the process group
@@ -42,7 +42,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-MAX_OUTPUT_BYTES = 1_000_000  # output kept per cell; the rest is read and dropped
+MAX_OUTPUT_BYTES = 64 * 2**10  # output kept per student cell; the rest is read and dropped
+RECEIVE_QUEUE_MESSAGES = (
+    4  # IOPub messages (each at most MAX_MESSAGE_BYTES) ZeroMQ holds before dropping new ones
+)
+MAX_ERROR_BYTES = 4 * 2**10  # an exception's text kept per cell
 MAX_MESSAGE_BYTES = 32 * 2**20  # larger messages from the kernel are dropped unread (ZMQ_MAXMSGSIZE)
 IOPUB_LOST_AFTER = 10.0  # seconds of IOPub silence after the execute reply: the output channel is gone
 
@@ -131,6 +135,10 @@ class KernelRunner:
         iso = self.isolation
         ctx = zmq.Context()
         ctx.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        # NOTE: a kernel that prints faster than the grader reads must not queue its output
+        # in the grader's memory (ZeroMQ's default is 1000 messages per socket: 1 GB of 1 MB
+        # prints); past this many waiting messages IOPub drops them, the cap drops the rest
+        ctx.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
         kwargs = {"kernel_name": self.kernel_name, "context": ctx}
         env, cwd = self.env, self.cwd
         if iso is not None:
@@ -169,6 +177,12 @@ class KernelRunner:
         except RuntimeError as e:
             self.shutdown()
             raise RuntimeError(f"the Jupyter kernel did not start: {e}") from None
+        if iso is not None and iso.user and self._rundir is not None:
+            # NOTE: the kernel has bound its sockets; from now on the folder is root's and
+            # read-only to the sandbox user, so no student cell can write to the host's disk
+            # through it (the sockets keep working: connecting needs no write permission)
+            os.chown(self._rundir, 0, 0)
+            os.chmod(self._rundir, 0o755)
 
     def shutdown(self) -> None:
         if self.kc is not None:
@@ -203,14 +217,20 @@ class KernelRunner:
         return self.km is not None and self.km.is_alive()
 
     # -- one cell ----------------------------------------------------------------------
-    def run(self, code: str, timeout: Optional[float] = None, store_history: bool = True) -> CellRun:
+    def run(
+        self,
+        code: str,
+        timeout: Optional[float] = None,
+        store_history: bool = True,
+        max_output_bytes: Optional[int] = None,
+    ) -> CellRun:
         assert self.kc is not None and self.km is not None, "start() the kernel first"
         limit = self.timeout if timeout is None else float(timeout)
         msg_id = self.kc.execute(code, store_history=store_history, allow_stdin=False, stop_on_error=False)
         stdout, outputs, error = [], [], ""
         early_reply, quiet_since = None, time.monotonic()
         kept = 0  # bytes of output kept so far (all kinds together)
-        cap = self.max_output_bytes
+        cap = self.max_output_bytes if max_output_bytes is None else int(max_output_bytes)
         deadline = time.monotonic() + limit
         interrupted = False
         while True:
@@ -248,6 +268,8 @@ class KernelRunner:
                     if r.get("parent_header", {}).get("msg_id") == msg_id:
                         early_reply, quiet_since = r, time.monotonic()
                 elif early_reply is not None and time.monotonic() - quiet_since > IOPUB_LOST_AFTER:
+                    if self._iopub_alive():
+                        break  # NOTE: only dropped output (the receive queue was full): the cell is done
                     self.shutdown()
                     return CellRun(
                         "died",
@@ -272,10 +294,13 @@ class KernelRunner:
                     if content.get("name") == "stdout":
                         stdout.append(text)
             elif kind == "error":
-                outputs.append(
-                    {"output_type": "error", "ename": content["ename"], "evalue": content["evalue"]}
+                # NOTE: an exception's text is kept bounded (a 100 MB message is cut here)
+                ename, evalue = (
+                    _clip(str(content.get("ename", "")), 200),
+                    _clip(str(content.get("evalue", "")), MAX_ERROR_BYTES),
                 )
-                error = _first_lines(f"{content['ename']}: {content['evalue']}")
+                outputs.append({"output_type": "error", "ename": ename, "evalue": evalue})
+                error = _first_lines(f"{ename}: {evalue}")
             elif kind in ("execute_result", "display_data", "update_display_data"):
                 if kept < cap:
                     text = _clip(str(content.get("data", {}).get("text/plain", "")), cap - kept)
@@ -287,7 +312,9 @@ class KernelRunner:
             status = "error"
             if not error:
                 c = reply["content"]
-                error = _first_lines(f"{c.get('ename', 'Error')}: {c.get('evalue', '')}")
+                error = _first_lines(
+                    f"{_clip(str(c.get('ename', 'Error')), 200)}: {_clip(str(c.get('evalue', '')), MAX_ERROR_BYTES)}"
+                )
         elif error:
             status = "error"
         if interrupted:
@@ -295,6 +322,20 @@ class KernelRunner:
                 "timeout", "".join(stdout), f"did not finish within {limit:g} s (interrupted)", outputs
             )
         return CellRun(status, "".join(stdout), error, outputs)
+
+    def _iopub_alive(self, wait: float = 5.0) -> bool:
+        """Does IOPub still carry messages? (A kernel_info request makes the kernel publish
+        its busy/idle status there.) False after ZeroMQ dropped the connection."""
+        probe = self.kc.kernel_info()
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                msg = self.kc.get_iopub_msg(timeout=0.5)
+            except queue.Empty:
+                continue
+            if msg.get("parent_header", {}).get("msg_id") == probe:
+                return True
+        return False
 
     def _shell_reply(self, msg_id: str):
         deadline = time.monotonic() + 10.0

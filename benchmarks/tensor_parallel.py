@@ -1,0 +1,270 @@
+"""Tensor parallelism on this machine: tp=1 against tp=2 tokens/s, and where a tp step goes.
+
+    python benchmarks/tensor_parallel.py [--level engine|model] [--model random-llama-20m|tiny-llama|course|DIR]
+        [--num-seqs 8] [--prompt-len 64] [--max-tokens 32] [--repeats 3] [--tp 2]
+        [--device cpu|cuda] [--json]
+
+``--level engine`` (the default): ``LLM(model)`` against ``LLM(model, tensor_parallel_size=N)``
+on the same requests (``num_seqs`` random prompts, greedy, ``max_tokens`` each, one warm-up
+call first), median of ``--repeats`` timed ``generate`` calls: tokens/s, whether the tokens
+agree, and for tp=N the share of the wall time in rank 0's collectives (all-reduces and the
+logits all-gather, waiting for the slower rank included), the all-reduce's own cost (every rank
+ready), and the share spent sending each step's scheduler output to the workers, with its bytes
+per step. The driver process (scheduler, detokenizer) runs beside the workers.
+
+``--level model``: one seeded greedy workload (``num_seqs`` random prompts decoded together for ``max_tokens``
+tokens each: one prefill step, then decode steps), run three ways, each ``--repeats`` times:
+
+    tp=1 in-process   the model in this process, one thread (what ``LLM()`` runs today)
+    tp=1 worker       the same model in one worker process (the pipe, no collectives)
+    tp=N workers      N worker processes over torch.distributed (gloo on a CPU, NCCL on
+                      CUDA), one thread each, the driver in this process
+
+and prints the median tokens/s of each, the ratios, whether every configuration produced the
+same tokens, and for tp=N the share of the step's wall time spent in collectives (rank 0's
+all-reduces and the logits all-gather, waiting for the slower rank included) and in sending the
+step's inputs (pickling and writing them to each rank's pipe), with the bytes per step; and
+the cost of one all-reduce alone (every rank ready, ``time_all_reduce``) times the decode
+steps' all-reduces, the part of the collectives' time that is the communication itself
+rather than waiting for the slower rank.
+
+The driver here builds each step's ``ModelInput`` itself (contiguous block tables, one prefill,
+then decodes) and sends it to the workers; the engine's executor sends the scheduler's output
+instead, and the workers build the inputs.
+NOTE: a benchmark prints what it measured; nothing here is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+
+import torch
+
+from minipaged.distributed.shard_worker import build_model_input
+from minipaged.model.input import ModelInput
+
+BLOCK_SIZE = 16
+
+
+def make_checkpoint(name: str, tmp: str) -> str:
+    from minipaged.bench.hf_baselines import RANDOM_LLAMAS, make_random_llama
+    from minipaged.model import COURSE_MODEL_DIR
+
+    if name == "course":
+        return str(COURSE_MODEL_DIR)
+    if name in RANDOM_LLAMAS:
+        return make_random_llama(name, tmp)
+    return name
+
+
+def step_input(chunks, blocks_per_seq: int) -> ModelInput:
+    """The step's input; sequence b owns blocks b * blocks_per_seq .. (contiguous tables)."""
+    tables = [list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)) for b in range(len(chunks))]
+    return build_model_input(chunks, tables, BLOCK_SIZE)
+
+
+def generate(forward, prompts, max_tokens: int, blocks_per_seq: int):
+    """Greedy: one prefill step for all prompts, then ``max_tokens - 1`` decode steps.
+    Returns (tokens per sequence, seconds)."""
+    out = [[] for _ in prompts]
+    t0 = time.perf_counter()
+    logits = forward(step_input([(p, 0) for p in prompts], blocks_per_seq=blocks_per_seq))
+    for step in range(max_tokens):
+        toks = logits.argmax(-1).tolist()
+        for o, t in zip(out, toks):
+            o.append(t)
+        if step == max_tokens - 1:
+            break
+        chunks = [([o[-1]], len(p) + len(o) - 1) for p, o in zip(prompts, out)]
+        logits = forward(step_input(chunks, blocks_per_seq=blocks_per_seq))
+    return out, time.perf_counter() - t0
+
+
+def engine_level(args, path: str) -> dict:
+    """tp=1 vs tp=N through ``LLM`` (see the module docstring)."""
+    from minipaged import LLM, SamplingParams
+    from minipaged.model import load_model
+
+    g = torch.Generator().manual_seed(0)
+    meta, _ = load_model(path)
+    prompts = [
+        torch.randint(3, meta.vocab_size, (args.prompt_len,), generator=g).tolist()
+        for _ in range(args.num_seqs)
+    ]
+    hidden = meta.config.hidden_size
+    del meta
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    engine_kw = dict(
+        block_size=BLOCK_SIZE, max_num_seqs=args.num_seqs, max_num_batched_tokens=512, device=args.device
+    )
+    results, outputs = {}, {}
+    for size in (1, args.tp):
+        label = f"tp={size}" + (" (in-process)" if size == 1 else " workers")
+        llm = LLM(path, tensor_parallel_size=size, **engine_kw)
+        try:
+            llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+            executor = llm.llm_engine.executor
+            runs = []
+            for _ in range(args.repeats):
+                if size > 1:
+                    executor.comm_stats(True)
+                    executor.workers.stats = type(executor.stats)()
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                secs = time.perf_counter() - t0
+                extra = {}
+                if size > 1:
+                    st = executor.stats
+                    executor.workers.stats = type(st)()
+                    comm = executor.comm_stats()[0]
+                    extra = {
+                        "steps": st.calls,
+                        "comm_seconds": comm["comm_seconds"],
+                        "collectives_per_step": comm["num_collectives"] / max(1, st.calls),
+                        "send_seconds": st.send_seconds,
+                        "bytes_per_step": st.bytes_sent / max(1, st.calls),
+                    }
+                runs.append((args.num_seqs * args.max_tokens / secs, secs, extra))
+            runs.sort(key=lambda r: r[0])
+            tps, secs, extra = runs[len(runs) // 2]
+            results[label] = {"tokens_per_s": tps, "seconds": secs, "all_runs": [r[0] for r in runs], **extra}
+            if size > 1:
+                per = executor.workers.call("time_all_reduce", [args.num_seqs, hidden])[0]
+                r = results[label]
+                r["all_reduce_decode_s"] = per
+                r["all_reduce_floor_share"] = per * r["collectives_per_step"] * (args.max_tokens - 1) / secs
+            outputs[label] = [o.outputs[0].token_ids for o in outs]
+        finally:
+            llm.shutdown()
+    return results, outputs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--level", default="engine", choices=["engine", "model"])
+    ap.add_argument("--model", default="random-llama-20m")
+    ap.add_argument("--num-seqs", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    from minipaged.distributed import WorkerGroup
+    from minipaged.model import load_model
+
+    torch.set_num_threads(1)
+    tmp = tempfile.mkdtemp(prefix="minipaged-tp-bench-")
+    path = make_checkpoint(args.model, tmp)
+    if args.level == "engine":
+        results, outputs = engine_level(args, path)
+        return report(args, results, outputs)
+    ref, _ = load_model(path, device=args.device)
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(3, ref.vocab_size, (args.prompt_len,), generator=g).tolist()
+        for _ in range(args.num_seqs)
+    ]
+    blocks_per_seq = -(-(args.prompt_len + args.max_tokens) // BLOCK_SIZE)
+    num_blocks = blocks_per_seq * args.num_seqs
+    kwargs = dict(model=path, num_blocks=num_blocks, block_size=BLOCK_SIZE, timed=True)
+    tokens = args.num_seqs * args.max_tokens
+    results, outputs = {}, {}
+
+    def measure(label, forward, before=None, after=None):
+        runs = []
+        for _ in range(args.repeats):
+            if before:
+                before()
+            out, secs = generate(forward, prompts, args.max_tokens, blocks_per_seq)
+            runs.append((tokens / secs, secs, after() if after else {}))
+        runs.sort(key=lambda r: r[0])
+        tps, secs, extra = runs[len(runs) // 2]  # the median run
+        results[label] = {"tokens_per_s": tps, "seconds": secs, "all_runs": [r[0] for r in runs], **extra}
+        outputs[label] = out
+
+    if args.device == "cpu":
+        kv = ref.allocate_kv_caches(num_blocks, BLOCK_SIZE)
+
+        @torch.inference_mode()
+        def local(inp):
+            return ref(inp, kv)
+
+        measure("tp=1 in-process", local)
+
+    for size, label in ((1, "tp=1 worker"), (args.tp, f"tp={args.tp} workers")):
+        with WorkerGroup(
+            size, "minipaged.distributed.shard_worker:ModelShardWorker", kwargs, args.device
+        ) as grp:
+
+            def forward(inp, grp=grp):
+                return grp.call("execute_model", inp)[0]
+
+            def before(grp=grp):
+                grp.call("comm_stats", True)
+                grp.stats = type(grp.stats)()
+
+            def after(grp=grp):
+                st = grp.stats  # the generation's calls only
+                grp.stats = type(st)()
+                comm = grp.call("comm_stats")[0]
+                return {
+                    "steps": st.calls,
+                    "comm_seconds": comm["comm_seconds"],
+                    "collectives_per_step": comm["num_collectives"] / max(1, st.calls),
+                    "send_seconds": st.send_seconds,
+                    "bytes_per_step": st.bytes_sent / max(1, st.calls),
+                }
+
+            measure(label, forward, before, after)
+            if size > 1:  # the all-reduce alone, every rank ready: a decode step's [B, hidden]
+                hidden = ref.config.hidden_size
+                per = grp.call("time_all_reduce", [args.num_seqs, hidden])[0]
+                r = results[label]
+                decode_steps = args.max_tokens - 1
+                r["all_reduce_decode_s"] = per
+                r["all_reduce_floor_share"] = per * r["collectives_per_step"] * decode_steps / r["seconds"]
+
+    return report(args, results, outputs)
+
+
+def report(args, results: dict, outputs: dict) -> int:
+    base = next(iter(results.values()))["tokens_per_s"]
+    same = len({json.dumps(o) for o in outputs.values()}) == 1
+    if args.json:
+        print(json.dumps({"args": vars(args), "results": results, "outputs_equal": same}, indent=2))
+        return 0
+    print(
+        f"{args.level} level, model {args.model}: {args.num_seqs} sequences x ({args.prompt_len} prompt + {args.max_tokens} new) "
+        f"tokens, {args.device}, one thread per process, median of {args.repeats}"
+    )
+    for label, r in results.items():
+        line = f"  {label:18s} {r['tokens_per_s']:8.1f} tok/s  ({r['tokens_per_s'] / base:.2f}x)"
+        if "comm_seconds" in r and r["comm_seconds"]:
+            line += (
+                f"  collectives {100 * r['comm_seconds'] / r['seconds']:.1f}% of the wall time "
+                f"({r['collectives_per_step']:.0f} per step)"
+            )
+        if "all_reduce_decode_s" in r:
+            line += (
+                f"  (an all-reduce of [{args.num_seqs}, hidden] alone: {1e6 * r['all_reduce_decode_s']:.0f} us, "
+                f"{100 * r['all_reduce_floor_share']:.1f}% of the wall time over the decode steps)"
+            )
+        if "send_seconds" in r:
+            line += (
+                f"  sending inputs {100 * r['send_seconds'] / r['seconds']:.1f}% "
+                f"({r['bytes_per_step']:.0f} B per step per rank)"
+            )
+        print(line)
+    print(f"  greedy tokens equal across configurations: {'yes' if same else 'NO'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

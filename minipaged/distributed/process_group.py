@@ -1,0 +1,102 @@
+"""Joining one torch.distributed process group: gloo on a CPU, NCCL on CUDA.
+
+Mirrors vLLM ``vllm/distributed/parallel_state.py`` (``init_distributed_environment``,
+``get_tp_group``) and ``vllm/utils.get_open_port``, cut down to one tensor-parallel group
+that is the whole world.
+
+Inputs
+    ``init_tensor_parallel(rank, world_size, port, device)`` in each of ``world_size``
+    processes, with the same ``port`` (``get_open_port()``, chosen by the driver).
+Output
+    a ``TensorParallelGroup`` for the model's layers; rank r of a CUDA group uses ``cuda:r``.
+
+Invariants
+    one group per process (``torch.distributed`` is process-global); on a CPU each rank runs
+    one intra-op thread (``torch.set_num_threads(1)``), so N ranks use N cores and no more.
+
+Failure mode
+    a rank that never arrives makes the others fail after ``timeout_s`` (torch.distributed's
+    store timeout) with a ``RuntimeError``/``DistNetworkError``; the executor's watchdog on
+    the processes usually notices a dead rank well before.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+
+from minipaged.model.parallel import TensorParallelGroup
+
+
+def get_open_port() -> int:
+    """A free TCP port on localhost (the OS picks it) for the group's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_for(device: str | torch.device) -> str:
+    """``"nccl"`` for a CUDA device, ``"gloo"`` otherwise (the CPU collectives)."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def device_for_rank(device: str | torch.device, rank: int) -> torch.device:
+    """Rank r's device: ``cuda:r`` on CUDA (one GPU per rank), the CPU otherwise."""
+    device = torch.device(device)
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def init_tensor_parallel(
+    rank: int,
+    world_size: int,
+    port: int,
+    device: str | torch.device = "cpu",
+    timeout_s: float = 60.0,
+    timed: bool = True,
+) -> TensorParallelGroup:
+    """Join the group of ``world_size`` ranks at ``127.0.0.1:port`` as ``rank``."""
+    import torch.distributed as dist
+
+    dev = device_for_rank(device, rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    else:
+        torch.set_num_threads(1)  # one core per rank: N ranks on N cores
+    dist.init_process_group(
+        backend_for(dev),
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return TensorParallelGroup.from_torch_distributed(timed=timed)
+
+
+def time_all_reduce(tp: TensorParallelGroup, shape, iters: int = 50, device="cpu") -> float:
+    """Seconds one all-reduce of a ``shape`` fp32 tensor takes when every rank is ready (a
+    barrier first, then ``iters`` back to back): its own cost, without waiting for a slower
+    rank. Call it on every rank at once."""
+    import time
+
+    import torch.distributed as dist
+
+    x = torch.ones(shape, device=device)
+    if tp.size == 1:
+        return 0.0
+    dist.barrier(group=tp.group)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(x, group=tp.group)
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+def destroy_tensor_parallel() -> None:
+    """Leave the group (a no-op if this process never joined one)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,289 @@
+"""N worker processes, one per tensor-parallel rank, driven from one driver process.
+
+Mirrors vLLM ``vllm/v1/executor/multiproc_executor.py`` (``WorkerProc``, its busy loop and
+``collective_rpc``) and nano-vllm's ``ModelRunner.call`` / ``loop``: the driver sends every
+rank the same message, each rank runs it on its shard, each answers.
+
+Inputs
+    ``WorkerGroup(world_size, factory, kwargs, device)``: ``factory`` is ``"module:callable"``,
+    called in each worker as ``factory(rank=r, tp=TensorParallelGroup, device=..., **kwargs)``
+    after the worker joined the process group; ``call(method, *args)`` runs
+    ``worker.method(*args)`` on every rank.
+Output
+    ``call`` returns the list of the ranks' return values, rank 0 first; ``stats`` adds up
+    the bytes sent per rank and the seconds spent sending and waiting.
+
+How the step crosses the process boundary (and why a pipe)
+    one ``multiprocessing`` pipe per worker; a message is ``pickle.dumps((method, args))``,
+    written once per rank (``send_bytes``), and the answer ``pickle.dumps((status, value))``.
+    A pipe, not a ``torch.distributed`` broadcast: the driver holds no weights and is not a
+    rank, the bytes per step are small (a few hundred to a few thousand), and a pipe plus each
+    process's ``sentinel`` lets the driver wait on "an answer or a death" in one
+    ``multiprocessing.connection.wait`` call, so a dead rank is seen at once, with no shared
+    memory segment to leak. (vLLM's ``MessageQueue`` is a shared-memory ring buffer, faster for
+    many ranks on one host; nano-vllm writes the pickle to one ``SharedMemory`` block.)
+    NOTE: plain ``pickle``, not the pipe's own ``send``: torch registers reducers with
+    multiprocessing's pickler that would move tensors through shared memory.
+
+Invariants
+    every rank gets every message, in the same order; ``call`` returns only when every rank
+    has answered; a worker never outlives the driver (it exits when the pipe closes or its
+    parent process changes) and ignores ``SIGINT`` (the driver shuts it down).
+
+Failure mode
+    a worker that dies: ``WorkerDiedError`` naming its rank and exit code, raised within the
+    wait (its sentinel wakes the driver), and every other worker is then stopped; a worker
+    whose method raises: ``WorkerError`` naming the rank, the method and the exception. Either
+    way the group is shut down (``shutdown``: ask, join, terminate, kill), as it is on
+    ``KeyboardInterrupt`` inside ``call``, at garbage collection and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+import weakref
+from multiprocessing.connection import wait
+from typing import Any, Optional
+
+_SHUTDOWN = "__shutdown__"
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker raised; ``rank`` says which."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class WorkerDiedError(WorkerError):
+    """A tensor-parallel worker process ended while the driver waited for it."""
+
+
+class CallStats:
+    """What the driver's calls cost: bytes sent per rank, seconds pickling and writing them,
+    seconds waiting for the answers (the benchmark reads these)."""
+
+    __slots__ = ("calls", "bytes_sent", "send_seconds", "wait_seconds", "last_message_bytes")
+
+    def __init__(self) -> None:
+        self.calls, self.bytes_sent, self.last_message_bytes = 0, 0, 0
+        self.send_seconds = self.wait_seconds = 0.0
+
+    def add(self, nbytes: int, send_s: float, wait_s: float) -> None:
+        self.calls += 1
+        self.bytes_sent += nbytes
+        self.last_message_bytes = nbytes
+        self.send_seconds += send_s
+        self.wait_seconds += wait_s
+
+
+class WorkerGroup:
+    """``world_size`` spawned worker processes in one torch.distributed group."""
+
+    def __init__(
+        self,
+        world_size: int,
+        factory: str,
+        kwargs: Optional[dict] = None,
+        device: str = "cpu",
+        start_timeout_s: float = 300.0,
+    ) -> None:
+        import torch.multiprocessing as tmp
+
+        from minipaged.distributed.process_group import get_open_port
+
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {world_size!r}")
+        ctx = tmp.get_context("spawn")
+        port = get_open_port()
+        self.world_size = world_size
+        self.procs: list = []
+        self.conns: list = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe(duplex=True)
+            proc = ctx.Process(
+                target=worker_main,
+                args=(rank, world_size, port, str(device), child, factory, dict(kwargs or {}), os.getpid()),
+                name=f"minipaged-tp-worker-{rank}",
+                daemon=True,  # multiprocessing terminates it at the driver's exit
+            )
+            proc.start()
+            child.close()  # the worker holds the only other end: EOF when it dies
+            self.procs.append(proc)
+            self.conns.append(parent)
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
+        self.stats = CallStats()
+        self.closed = False
+        try:
+            self._collect("start", timeout_s=start_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- the driver's side of a step -------------------------------------------------
+    def call(self, method: str, *args, timeout_s: Optional[float] = None) -> list[Any]:
+        """``worker.method(*args)`` on every rank -> the ranks' results, rank 0 first."""
+        if self.closed:
+            raise RuntimeError("the tensor-parallel workers have been shut down")
+        t0 = time.perf_counter()
+        data = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for rank, conn in enumerate(self.conns):
+                try:
+                    conn.send_bytes(data)
+                except (BrokenPipeError, OSError):
+                    raise self._died(rank) from None
+            t1 = time.perf_counter()
+            results = self._collect(method, timeout_s)
+            self.stats.add(len(data), t1 - t0, time.perf_counter() - t1)
+            return results
+        except BaseException:  # a dead rank, a failed rank, KeyboardInterrupt: the group is gone
+            self.shutdown()
+            raise
+
+    def _collect(self, method: str, timeout_s: Optional[float] = None) -> list[Any]:
+        results: list[Any] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            waitables = [self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending]
+            ready = wait(waitables, timeout=left)
+            if not ready:
+                raise TimeoutError(f"tensor-parallel workers {sorted(pending)} did not answer {method!r}")
+            for rank in sorted(pending):
+                conn, proc = self.conns[rank], self.procs[rank]
+                if conn in ready or conn.poll():
+                    try:
+                        status, value = pickle.loads(conn.recv_bytes())
+                    except (EOFError, OSError):
+                        raise self._died(rank) from None
+                    if status == "error":
+                        raise self._blame(
+                            rank, f"tensor-parallel worker rank {rank} failed in {method!r}: {value}"
+                        )
+                    results[rank] = value
+                    pending.discard(rank)
+                elif proc.sentinel in ready:
+                    raise self._died(rank)
+        return results
+
+    def _died(self, rank: int) -> WorkerDiedError:
+        proc = self.procs[rank]
+        proc.join(timeout=1.0)
+        code = proc.exitcode
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return WorkerDiedError(rank, f"tensor-parallel worker rank {rank} died ({how}, pid {proc.pid})")
+
+    def _blame(self, rank: int, message: str) -> WorkerError:
+        """A rank's error, or the death that caused it: a collective fails on every rank when one
+        rank dies, so a rank that is gone within a second is the one to name."""
+        others = [p.sentinel for r, p in enumerate(self.procs) if r != rank and p.is_alive()]
+        if others:
+            wait(others, timeout=1.0)
+        for r, p in enumerate(self.procs):
+            if r != rank and not p.is_alive():
+                err = self._died(r)
+                err.args = (f"{err.args[0]}; rank {rank} then failed: {message}",)
+                return err
+        return WorkerError(rank, message)
+
+    # -- lifetime --------------------------------------------------------------------
+    def alive(self) -> list[bool]:
+        return [p.is_alive() for p in self.procs]
+
+    def shutdown(self) -> None:
+        """Stop every worker (ask, then terminate, then kill) and close the pipes. Idempotent."""
+        self.closed = True
+        self._finalizer()
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _shutdown(procs, conns, grace_s: float = 3.0) -> None:
+    msg = pickle.dumps((_SHUTDOWN, ()))
+    for conn in conns:
+        try:
+            conn.send_bytes(msg)
+        except (OSError, ValueError):
+            pass  # already dead or closed
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()  # SIGTERM: blocked in a collective with a dead peer
+            proc.join(timeout=1.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=1.0)
+    for conn in conns:
+        conn.close()
+
+
+# -- the worker's side -------------------------------------------------------------------
+def _watch_parent(parent_pid: int) -> None:
+    """Exit if the driver is gone (its pid is no longer our parent): never an orphan."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def _resolve(factory: str):
+    module, _, name = factory.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def worker_main(rank, world_size, port, device, conn, factory, kwargs, parent_pid) -> None:
+    """One rank: join the group, build the worker, then answer messages until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the driver, which stops us
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    from minipaged.distributed.process_group import (
+        destroy_tensor_parallel,
+        device_for_rank,
+        init_tensor_parallel,
+    )
+
+    def reply(status: str, value: Any) -> None:
+        conn.send_bytes(pickle.dumps((status, value), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def failure(e: BaseException) -> str:
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        return f"{type(e).__name__}: {e} (at {os.path.basename(where.filename)}:{where.lineno})"
+
+    try:
+        try:
+            tp = init_tensor_parallel(rank, world_size, port, device, timed=kwargs.pop("timed", True))
+            worker = _resolve(factory)(rank=rank, tp=tp, device=device_for_rank(device, rank), **kwargs)
+        except Exception as e:  # noqa: BLE001 - reported to the driver, which raises
+            reply("error", failure(e))
+            return
+        reply("ok", None)
+        while True:
+            try:
+                method, args = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                return  # the driver is gone
+            if method == _SHUTDOWN:
+                return
+            try:
+                value = getattr(worker, method)(*args)
+            except Exception as e:  # noqa: BLE001 - reported to the driver, which raises
+                reply("error", failure(e))
+                continue
+            reply("ok", value)
+    finally:
+        destroy_tensor_parallel()
+        conn.close()

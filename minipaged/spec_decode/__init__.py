@@ -1,0 +1,49 @@
+"""minipaged.spec_decode: speculative decoding on the paged KV cache (vLLM v1's way).
+
+- ``SpeculativeConfig`` (``config.py``): ``LLM(speculative_config={...})``, validated.
+- ``NgramProposer`` (``ngram_proposer.py``): drafts by prompt lookup, no second model.
+- ``DraftModelProposer`` (``draft_model.py``): a small model drafts; its KV lives in its own
+  paged cache addressed by the target's block tables.
+- ``RejectionSampler`` (``rejection_sampler.py``): one target forward scores every draft;
+  greedy acceptance keeps outputs identical to plain greedy decoding, the
+  accept-with-min(1, p/q) rule keeps the target's distribution when sampling.
+- the scheduler's side (drafts to schedule, lookahead slots, how far a verified request
+  advances, which slots go back) is ``minipaged/core/sched/spec.py``, pure Python like the
+  rest of ``minipaged.core``; the worker's side is ``minipaged/worker/spec_decode.py``.
+- ``analysis.py``: acceptance replayed offline; when speculation pays (the cost model).
+- ``viz.py``: one request's block table across speculative steps.
+
+Mirrors vLLM ``vllm/v1/spec_decode/`` and ``vllm/v1/sample/rejection_sampler.py``.
+
+NOTE: the names below are imported on first use, so that ``minipaged.config`` can import
+the torch-free ``config`` without importing torch.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "SPEC_METHODS": "config",
+    "SpeculativeConfig": "config",
+    "NgramProposer": "ngram_proposer",
+    "DraftModelProposer": "draft_model",
+    "DraftSeq": "draft_model",
+    "build_model_input": "draft_model",
+    "write_layer_skip_draft": "draft_model",
+    "RejectionSampler": "rejection_sampler",
+    "RowContext": "rejection_sampler",
+    "SpecDecodeStats": "rejection_sampler",
+    "compute_probs": "rejection_sampler",
+    "row_contexts": "rejection_sampler",
+    "cost_model_speedup": "analysis",
+    "expected_tokens_per_step": "analysis",
+    "replay_greedy": "analysis",
+    "teacher_forced_proposer": "analysis",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'minipaged.spec_decode' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"minipaged.spec_decode.{_EXPORTS[name]}"), name)
