@@ -14,6 +14,15 @@ Like vLLM's ``benchmarks/benchmark_serving.py``, it is a benchmark that prints n
 not a test. Loopback only.
 
     python benchmarks/serve_load.py --fairness             # what one client does to another
+    python benchmarks/serve_load.py --profile --rates 64   # where the server's time goes
+    python benchmarks/serve_load.py --profile --rates 64 --no-engine-process   # ... before the split
+
+``--profile`` (implies ``--spawn``: ``minipaged serve`` as a subprocess, so the clients do
+not share its interpreter) reads the server's ``GET /profile`` before and after each rate
+and prints each part's share of the run's wall time (``minipaged/entrypoints/openai/
+profile.py``: event loop busy, parsing, SSE encoding, tokenizing, detokenizing, the engine
+step, GIL wait). ``--no-engine-process`` runs the server's engine in-process (before issue
+29's split); by default the engine core has its own process.
 
 ``--fairness`` starts ``minipaged serve`` as a subprocess (so that the clients' own work
 does not share the server's interpreter) and runs issue 30's three scenarios, each
@@ -252,6 +261,60 @@ async def scenario_big_prompt(url: str) -> tuple[float, float]:
     return max(gaps), answered
 
 
+PROFILE_ROWS = [
+    ("event_loop", "event loop busy (all of its work)"),
+    ("parse", "  of which: request parsing (json + pydantic)"),
+    ("sse", "  of which: SSE chunks (build + json)"),
+    ("tokenize", "tokenizing (tokenizer thread)"),
+    ("detokenize", "detokenizing + stop strings + logprobs"),
+    ("engine_step", "engine step"),
+    ("gil_wait", "GIL + CPU wait (a probe thread's lateness)"),
+]
+
+
+def print_profile(before: dict, after: dict, engine_process: bool) -> None:
+    wall = after["wall"] - before["wall"]
+    where = "the core process, beside the frontend" if engine_process else "the engine thread, in-process"
+    print(f"  where the server's time went over {wall:.1f} s (share of wall time):")
+    for key, label in PROFILE_ROWS:
+        a, b = after["seconds"].get(key), before["seconds"].get(key)
+        if a is None or b is None:
+            print(f"    {label:<44} n/a")
+            continue
+        extra = f"   ({where})" if key == "engine_step" else ""
+        print(f"    {label:<44} {(a - b) / wall:6.1%}{extra}")
+
+
+def start_serve(extra_args: list[str], threads: int = 0, timeout: float = 300):
+    """``minipaged serve`` as a subprocess on a free port -> (Popen, url); waits for /health."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "minipaged.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    proc = subprocess.Popen(cmd + list(extra_args), env={**os.environ}, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise RuntimeError(f"minipaged serve did not start ({' '.join(cmd)})")
+        time.sleep(0.5)
+
+
 def _rss_mb(pid: int) -> float:
     import psutil
 
@@ -341,13 +404,25 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fairness", action="store_true", help="issue 30's three scenarios (see above)")
     p.add_argument("--trials", type=int, default=3, help="--fairness: trials per scenario (median)")
+    p.add_argument("--profile", action="store_true", help="print where the server's time goes")
+    p.add_argument("--spawn", action="store_true", help="start `minipaged serve` as a subprocess")
+    p.add_argument("--no-engine-process", dest="engine_process", action="store_false")
+    p.add_argument("--model", default=None, help="checkpoint for the spawned server (default: course model)")
     args = p.parse_args(argv)
     if args.fairness:
         return run_fairness(args)
     rates = [float(r) for r in args.rates.split(",")]
 
-    server = None
-    if args.url is None:
+    server = proc = None
+    if args.url is None and (args.spawn or args.profile):
+        extra = ["--max-num-seqs", str(args.max_num_seqs)]
+        extra += [] if args.engine_process else ["--no-engine-process"]
+        extra += [] if args.model is None else ["--model", args.model]
+        proc, url = start_serve(extra, args.threads)
+        import httpx
+
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    elif args.url is None:
         if args.threads:
             import torch
 
@@ -372,6 +447,10 @@ def main(argv=None) -> int:
             f"| {'ITL p50':>8} {'p90':>7} {'p99':>7}  (seconds)"
         )
         for i, rate in enumerate(rates):
+            if args.profile:
+                import httpx
+
+                before = httpx.get(url + "/profile").json()
             r = asyncio.run(run_rate(url, model, rate, args, args.seed + i))
             print(
                 f"{r['rate']:>6.1f} {r['req_per_s']:>7.2f} {r['tok_per_s']:>8.1f} | "
@@ -380,9 +459,14 @@ def main(argv=None) -> int:
                 + " ".join(f"{x:>{w}.3f}" for x, w in zip(r["itl"], (8, 7, 7))),
                 flush=True,
             )
+            if args.profile:
+                print_profile(before, httpx.get(url + "/profile").json(), args.engine_process)
     finally:
         if server is not None:
             server.stop()
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
     return 0
 
 

@@ -1,6 +1,9 @@
 """What the ``minipaged serve`` test modules share: a ``BackgroundServer`` on an offline
-``LLM``'s model with ``check_invariants=True`` (``serve_engine``), an ``openai`` client, the
-offline reference (``offline``) and ``wait_idle`` (no request left, every block free)."""
+``LLM``'s model with ``check_invariants=True`` (``serve_engine``: the engine stepped in this
+process, or, with ``engine_process=True``, an engine core in its own process as
+``minipaged serve`` runs it), an ``openai`` client, the offline reference (``offline``),
+``wait_idle`` (no request left, every block free) and the engine's numbers read the same
+way in both modes (``free_blocks``, ``num_unfinished``, ``check_engine``)."""
 
 from __future__ import annotations
 
@@ -9,19 +12,53 @@ from contextlib import contextmanager
 
 from minipaged import SamplingParams
 
+ENGINE_MODES = ["in-process", "engine-process"]
+
 
 @contextmanager
-def serve_engine(llm, **kw):
-    """A server in this process on a fresh engine over ``llm``'s model; on exit, the async
-    engine must have recorded no error."""
+def serve_engine(llm, engine_process: bool = False, **kw):
+    """A server in this process on a fresh engine over ``llm``'s model (with
+    ``engine_process``, the engine core runs in a child process built from ``llm``'s
+    config); on exit, the async engine must have recorded no error."""
+    from minipaged.engine.core_client import EngineCoreClient
     from minipaged.engine.llm_engine import LLMEngine
     from minipaged.entrypoints.openai.api_server import BackgroundServer
 
     e = llm.llm_engine
-    engine = LLMEngine(e.config, model=e.model, tokenizer=e.tokenizer)
+    if engine_process:
+        engine = EngineCoreClient(e.config, check_invariants=True)
+    else:
+        engine = LLMEngine(e.config, model=e.model, tokenizer=e.tokenizer)
     with BackgroundServer(engine, check_invariants=True, **{"max_n": 4, **kw}) as srv:
         yield srv
     assert srv.serving.async_engine.errors == []
+
+
+def in_core_process(server) -> bool:
+    from minipaged.engine.core_client import EngineCoreClient
+
+    return isinstance(server.serving.engine, EngineCoreClient)
+
+
+def free_blocks(server) -> int:
+    """The pool's free blocks (an engine core's: as of its last step or idle message)."""
+    engine = server.serving.engine
+    if in_core_process(server):
+        return engine.get_num_free_blocks()
+    return engine.kv_cache_manager.get_num_free_blocks()
+
+
+def num_unfinished(server) -> int:
+    return server.serving.engine.get_num_unfinished_requests()
+
+
+def check_engine(server) -> None:
+    """``LLMEngine.check_invariants()``; an engine core runs it after every step itself
+    (``check_invariants=True``): a failure there is a failed step, recorded in ``errors``."""
+    if in_core_process(server):
+        assert server.serving.async_engine.errors == []
+    else:
+        server.serving.engine.check_invariants()
 
 
 def openai_client(server, timeout=120):
@@ -42,12 +79,12 @@ def wait_idle(server, timeout=30.0):
     while time.monotonic() < deadline:
         if (
             not server.serving.async_engine.streams
-            and not engine.has_unfinished_requests()
-            and engine.kv_cache_manager.get_num_free_blocks() == engine.num_blocks
+            and num_unfinished(server) == 0
+            and free_blocks(server) == engine.num_blocks
         ):
             return
         time.sleep(0.05)
     raise AssertionError(
-        f"not idle after {timeout} s: {engine.get_num_unfinished_requests()} unfinished, "
-        f"{engine.num_blocks - engine.kv_cache_manager.get_num_free_blocks()} blocks held"
+        f"not idle after {timeout} s: {num_unfinished(server)} unfinished, "
+        f"{engine.num_blocks - free_blocks(server)} blocks held"
     )

@@ -22,7 +22,13 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi", reason="fastapi is not installed")
 pytest.importorskip("uvicorn", reason="uvicorn is not installed")
 
-from _serve_helpers import offline, wait_idle  # noqa: E402
+from _serve_helpers import (  # noqa: E402
+    ENGINE_MODES,
+    free_blocks,
+    offline,
+    serve_engine,
+    wait_idle,
+)
 
 from minipaged import SamplingParams  # noqa: E402
 from minipaged.entrypoints.openai.api_server import BackgroundServer  # noqa: E402
@@ -30,6 +36,13 @@ from minipaged.entrypoints.openai.live import fetch_trace  # noqa: E402
 from minipaged.entrypoints.openai.protocol import ChatMessage, render_chat  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a big"]
+
+
+@pytest.fixture(scope="module", params=ENGINE_MODES)
+def server(request, llm):
+    """Every test on this fixture runs twice: engine in-process, and an engine-core process."""
+    with serve_engine(llm, engine_process=request.param == "engine-process") as srv:
+        yield srv
 
 
 SP_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -269,7 +282,7 @@ def test_disconnect_mid_stream_frees_blocks(server, client):
         if n == 3:
             break
     engine = server.serving.engine
-    assert engine.kv_cache_manager.get_num_free_blocks() < engine.num_blocks
+    assert free_blocks(server) < engine.num_blocks
     stream.close()  # the client goes away mid-stream
     wait_idle(server)
     m = metrics(server)
@@ -288,7 +301,7 @@ def test_disconnect_while_waiting_for_a_non_streaming_answer(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(head + body)
         deadline = time.monotonic() + 30
-        while engine.kv_cache_manager.get_num_free_blocks() == engine.num_blocks:
+        while free_blocks(server) == engine.num_blocks:
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.02)
     # the socket is closed before any answer: the request is aborted, its blocks freed
@@ -363,15 +376,20 @@ def test_trace_streams_steps(server, client):
     assert rid in viz.timeline_text(trace) or "r" in viz.timeline_text(trace)
 
 
-def test_queue_full_is_503_with_retry_after(llm):
+@pytest.mark.parametrize("mode", ENGINE_MODES)
+def test_queue_full_is_503_with_retry_after(llm, mode):
     import threading
 
     from minipaged.config import EngineConfig
+    from minipaged.engine.core_client import EngineCoreClient
     from minipaged.engine.llm_engine import LLMEngine
 
     e = llm.llm_engine
     config = dataclasses.replace(e.config, max_num_seqs=1)
-    engine = LLMEngine(config, model=e.model, tokenizer=e.tokenizer)
+    if mode == "engine-process":
+        engine = EngineCoreClient(config, check_invariants=True)
+    else:
+        engine = LLMEngine(config, model=e.model, tokenizer=e.tokenizer)
     assert isinstance(config, EngineConfig)
     with BackgroundServer(engine, max_waiting_requests=1) as srv:
         body = {"prompt": "Once upon a time", "max_tokens": 300, "temperature": 0.0}
@@ -450,6 +468,80 @@ def test_cli_serve_subprocess(tmp_path):
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _children(pid: int) -> set[int]:
+    """The pids of ``pid``'s child processes (Linux /proc)."""
+    import glob
+
+    out = set()
+    for f in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            out |= {int(x) for x in open(f).read().split()}
+        except OSError:
+            pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is not alive
+    except OSError:
+        return False
+
+
+def test_a_killed_engine_core_is_a_503_and_a_clean_shutdown(tmp_path):
+    """``minipaged serve`` (engine-core process, the default): kill -9 the core mid-stream;
+    the stream ends with a 503 error event naming the dead core, a new request and
+    ``/health`` get 503, then the server exits by itself (code 1), no process left behind."""
+    import os
+    import re
+    import signal
+
+    port = _free_port()
+    log_path = tmp_path / "serve.log"
+    log = open(log_path, "w")
+    cmd = [sys.executable, "-m", "minipaged.cli", "serve", "--port", str(port), "--max-num-seqs", "8"]
+    proc = subprocess.Popen(cmd + ["--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                httpx.get(url + "/health", timeout=2).raise_for_status()
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "minipaged serve did not start"
+                time.sleep(0.3)
+        core_pid = int(re.search(r"engine core process pid (\d+)", log_path.read_text()).group(1))
+        children = _children(proc.pid)
+        assert core_pid in children
+        body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0.0, "stream": True}
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 3:
+                    os.kill(core_pid, signal.SIGKILL)  # the engine core dies mid-stream
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == 503 and "engine core process died" in err["message"], err
+        r = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=30)
+        assert r.status_code == 503 and "engine core process died" in r.json()["error"]["message"]
+        assert httpx.get(url + "/health", timeout=30).status_code == 503
+        assert proc.wait(timeout=60) == 1  # it shuts itself down
+        assert not any(_alive(pid) for pid in children), "a process of the server is left behind"
+        text = log_path.read_text()
+        assert "the engine core process died (exit code -9)" in text and "Traceback" not in text, text
+    finally:
+        if proc.poll() is None:
             proc.kill()
             proc.wait()
         log.close()

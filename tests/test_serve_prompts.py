@@ -21,13 +21,28 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi", reason="fastapi is not installed")
 pytest.importorskip("uvicorn", reason="uvicorn is not installed")
 
-from _serve_helpers import offline, wait_idle  # noqa: E402
+from _serve_helpers import (  # noqa: E402
+    ENGINE_MODES,
+    check_engine,
+    free_blocks,
+    num_unfinished,
+    offline,
+    serve_engine,
+    wait_idle,
+)
 
 from minipaged import SamplingParams  # noqa: E402
 from minipaged.entrypoints.openai.api_server import BackgroundServer  # noqa: E402
 from minipaged.entrypoints.openai.protocol import PromptError, split_prompts  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a big"]
+
+
+@pytest.fixture(scope="module", params=ENGINE_MODES)
+def server(request, llm):
+    """Every test on this fixture runs twice: engine in-process, and an engine-core process."""
+    with serve_engine(llm, engine_process=request.param == "engine-process") as srv:
+        yield srv
 
 
 def ids_of(llm, text):
@@ -267,12 +282,12 @@ def test_hang_up_mid_stream_aborts_every_prompt(server, client):
         if len(seen) == len(PROMPTS):
             break
     engine = server.serving.engine
-    assert engine.get_num_unfinished_requests() == len(PROMPTS)
-    assert engine.kv_cache_manager.get_num_free_blocks() < engine.num_blocks
+    assert num_unfinished(server) == len(PROMPTS)
+    assert free_blocks(server) < engine.num_blocks
     stream.close()
     wait_idle(server)  # every block is free again
     assert aborted(server) == before + len(PROMPTS)
-    engine.check_invariants()
+    check_engine(server)
 
 
 def test_hang_up_while_waiting_for_a_non_streaming_answer(server):
@@ -281,12 +296,11 @@ def test_hang_up_while_waiting_for_a_non_streaming_answer(server):
         f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode()
-    engine = server.serving.engine
     before = aborted(server)
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(head + body)
         deadline = time.monotonic() + 30
-        while engine.get_num_unfinished_requests() < len(PROMPTS):
+        while num_unfinished(server) < len(PROMPTS):
             assert time.monotonic() < deadline, "the requests never started"
             time.sleep(0.02)
     wait_idle(server)

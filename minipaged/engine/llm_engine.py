@@ -383,6 +383,20 @@ class LLMEngine:
                 self._note_finished(req)
         self._pop_group(group)
 
+    def finish_sequence(self, seq_id: str, stop_reason: str) -> None:
+        """Finish sequence ``seq_id`` as stopped (``FINISHED_STOPPED``, ``stop_reason``), now:
+        its blocks are free before the next step. ``minipaged serve``'s engine core calls
+        it when the frontend found a stop string in the sequence's text (vLLM v1: the
+        output processor aborts the request). Unknown or finished sequences: a no-op."""
+        group = self.seq_to_group.get(str(seq_id))
+        req = None if group is None else next(r for r in group.seqs if r.request_id == seq_id)
+        if req is None or req.is_finished:
+            return
+        self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED, stop_reason)
+        self._note_finished(req)
+        if group.finished:
+            self._pop_group(group)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 

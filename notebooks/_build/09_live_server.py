@@ -82,9 +82,156 @@ print(inspect.getsource(AsyncEngine._loop))
 """)
 
 md(r"""
-This is vLLM v1's `AsyncLLM` in miniature (vLLM also puts the engine core in another
-process; here a thread is enough). Continuous batching needs nothing more: a request
-added between step *k* and *k+1* is in the batch of step *k+1*.
+This is vLLM v1's `AsyncLLM` in miniature. Continuous batching needs nothing more: a
+request added between step *k* and *k+1* is in the batch of step *k+1*. This notebook's
+server steps its engine in a thread of this kernel (it shares the weights of `llm`);
+`minipaged serve` from a terminal does what vLLM v1 does instead, next.
+
+## Two processes: the engine core and the API server
+
+In one process, the engine's step and the server's own work (parsing requests,
+detokenizing, finding stop strings, writing Server-Sent Events) take turns on one
+interpreter lock. vLLM v1 splits them: an **engine core** process runs the scheduler and
+the executor in a busy loop that never waits for anyone, and the **API server** process
+does everything around it. `minipaged serve` does the same by default
+(`minipaged/engine/core.py`, `core_client.py`; `--no-engine-process` keeps the old way).
+Each step, only plain data crosses, one way each:
+
+- in, when a client sends or leaves: `("add", [(request_id, prompt_token_ids, params)])`,
+  `("abort", [request_id])`, and `("stop", [(seq_id, reason)])` when the *frontend*
+  finds a stop string in the text: the core finishes that sequence at its next step
+  boundary, its blocks freed there (vLLM v1 aborts it the same way);
+- out, after every step: for each sequence that moved, its **new token ids** (plus
+  logprob entries if asked, and a finish reason once it ends), and the step's
+  `StepRecord` that `/trace`, `/metrics` and the live view draw.
+
+`EngineCore` is the object the child process drives; here it runs in this kernel on a
+fresh engine, so we can weigh each message in bytes (pickled, as they cross the pipe):
+""")
+
+code(r"""
+from minipaged.engine.core import EngineCore, encode
+from minipaged.engine.core_client import FrontendOutputs
+
+core = EngineCore(LLMEngine(llm.config, model=llm.llm_engine.model,
+                            tokenizer=llm.get_tokenizer()))
+tok = llm.get_tokenizer()
+params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+adds = [(f"r{i}", list(tok(p)["input_ids"]), params)
+        for i, p in enumerate(["Once upon a time", "The little dog", "Lily wanted to",
+                               "One day, a big"])]
+add_msg = ("add", adds)
+front = FrontendOutputs(tok, core.engine.eos_token_ids, lambda t: tok.decode([t]))
+for rid, ids, p in adds:
+    front.add(rid, ids, p, stream=True)
+core.handle(add_msg)
+steps = []
+while (out := core.step()) is not None:
+    steps.append(out)
+    front.process(out[1])                       # the frontend turns token ids into text
+kind, seqs, event, stats = steps[3]             # a decode step with all four running
+print(f"add, 4 requests:              {len(encode(add_msg)):5d} bytes")
+print(f"one step's tokens ({len(seqs)} seqs):     {len(encode(seqs)):5d} bytes   {seqs[0][:2]}")
+print(f"one step's StepRecord:        {len(encode(event)):5d} bytes")
+print(f"abort of one request:         {len(encode(('abort', ['r0']))):5d} bytes")
+print("steps run:", len(steps), "| every block free at the end:",
+      core.engine.kv_cache_manager.get_num_free_blocks() == core.engine.num_blocks)
+""")
+
+md(r"""
+A decode step sends a handful of token ids per sequence: tens of bytes, far less than
+the text and the SSE chunks built from them. The `StepRecord` (block tables included) is
+the biggest part; it is what makes the live view possible. The two processes:
+""")
+
+code(r"""
+from matplotlib.patches import FancyBboxPatch
+
+step_bytes, trace_bytes = len(encode(seqs)), len(encode(event))
+fig, ax = plt.subplots(figsize=(9, 3.4))
+ax.set_xlim(0, 10); ax.set_ylim(0, 4); ax.axis("off")
+for x, title, lines, color in [
+    (0.2, "API server process", "HTTP (uvicorn, FastAPI)\ntokenize prompts\ndetokenize, stop strings\n"
+     "logprob dicts, SSE, /metrics, /trace", viz.palette.STATE_COLORS["prefill"]),
+    (6.0, "engine core process", "busy loop:\n  apply adds / aborts / stops\n  schedule + execute\n"
+     "  update_from_output", viz.palette.STATE_COLORS["decode"])]:
+    ax.add_patch(FancyBboxPatch((x, 0.4), 3.8, 3.1, boxstyle="round,pad=0.05",
+                                facecolor=color, alpha=0.25, edgecolor=color))
+    ax.text(x + 1.9, 3.15, title, ha="center", fontsize=11, weight="bold")
+    ax.text(x + 0.2, 2.7, lines, va="top", fontsize=9, family="monospace")
+ax.annotate("", xy=(6.0, 2.4), xytext=(4.0, 2.4), arrowprops=dict(arrowstyle="->", lw=1.5))
+ax.text(5.0, 2.55, f"add {len(encode(add_msg))} B (4 req)\nabort / stop ~{len(encode(('abort', ['r0'])))} B",
+        ha="center", fontsize=8)
+ax.annotate("", xy=(4.0, 1.2), xytext=(6.0, 1.2), arrowprops=dict(arrowstyle="->", lw=1.5))
+ax.text(5.0, 1.35, f"per step: tokens {step_bytes} B\n+ StepRecord {trace_bytes} B", ha="center",
+        fontsize=8)
+ax.set_title("what crosses between the two processes each step (pickled, over a pipe)")
+plt.show()
+plt.close(fig)
+""")
+
+md(r"""
+Why it pays: the core starts step *k+1* as soon as step *k*'s token ids are on the pipe;
+the frontend turns them into text and SSE chunks **while** step *k+1* runs. In one
+process the two take turns. The timeline below is drawn from the durations just measured
+on this machine (each `core.step()`; each `front.process(...)` plus the SSE chunks it
+yields), laid out both ways; the durations vary from run to run, the shape does not.
+With 8 streams on a small model the frontend's part is thin; in a saturated server (64
+streams, HTTP writes on top) it is a large share of the event loop: see the profile in
+the README.
+""")
+
+code(r"""
+import time as _time
+from minipaged.entrypoints.openai.serving import sse
+
+core2 = EngineCore(LLMEngine(llm.config, model=llm.llm_engine.model, tokenizer=tok))
+front2 = FrontendOutputs(tok, core2.engine.eos_token_ids, lambda t: tok.decode([t]))
+for rid, ids, p in adds:
+    front2.add(rid, ids, p, stream=True)
+more = [(f"s{i}", list(tok(p)["input_ids"]), SamplingParams(temperature=0.0, max_tokens=24,
+                                                               ignore_eos=True))
+        for i, p in enumerate(["Once upon a time", "The little dog", "Lily wanted to",
+                               "One day, a big", "Tom and Sue", "The sun was", "A small bird",
+                               "Max found a"])]
+for rid, ids, p in more:
+    front2.add(rid, ids, p, stream=True)
+core2.handle(("add", more))                     # 8 streams: max_num_seqs of this engine
+core2.step()                                    # warm-up step, not drawn
+t_step, t_front = [], []
+while True:
+    t0 = _time.perf_counter(); out = core2.step(); t1 = _time.perf_counter()
+    if out is None:
+        break
+    outs, _ = front2.process(out[1])                          # detokenize, stop strings
+    chunks = [sse({"choices": [{"index": 0, "text": c.text}]}) for o in outs.values()
+              for c in o.outputs]                               # the SSE chunks they become
+    t2 = _time.perf_counter()
+    t_step.append(t1 - t0); t_front.append(t2 - t1)
+
+fig, (a1, a2) = plt.subplots(2, 1, figsize=(9, 3.2), sharex=True)
+x = 0.0
+for s, f in zip(t_step, t_front):          # one process: step, then the frontend's work
+    a1.barh(0, s, left=x, color=viz.palette.STATE_COLORS["decode"], edgecolor="white"); x += s
+    a1.barh(0, f, left=x, color=viz.palette.STATE_COLORS["prefill"]); x += f
+x = 0.0
+for s, f in zip(t_step, t_front):          # two processes: the frontend overlaps the next step
+    a2.barh(1, s, left=x, color=viz.palette.STATE_COLORS["decode"], edgecolor="white")
+    a2.barh(0, f, left=x + s, color=viz.palette.STATE_COLORS["prefill"]); x += s
+a1.set_yticks([0], ["one process"]); a2.set_yticks([1, 0], ["core", "frontend"])
+a2.set_xlabel("seconds (light: engine steps; dark: detokenize + SSE chunks of the step before)")
+fig.suptitle("the same steps, in one process and in two")
+plt.show()
+plt.close(fig)
+print("steps:", len(t_step), "| in two processes the frontend's work hides behind the next step")
+""")
+
+md(r"""
+The overlap is free only if there is a CPU for each process: on a machine whose cores
+are all busy (the course's 2-core CI box, shared), the two processes take turns on the
+CPUs instead of on the lock, and the split can lose. `benchmarks/serve_load.py --profile`
+prints where a loaded server's time goes, and `benchmarks/serve_vs_vllm.py` measures both
+against vLLM's own server; the README has the numbers.
 
 ## Talking to it with the `openai` client
 """)
@@ -296,6 +443,10 @@ md(r"""
 
 - `minipaged serve` is the same engine behind the OpenAI API: one loop adds and aborts
   requests **between** steps, the step itself runs off the event loop.
+- By default the engine core has its own process (vLLM v1's split): token ids, tens of
+  bytes per sequence, cross each step; the frontend's text and SSE work overlaps the
+  core's next step; a stop string found by the frontend is a `stop` message the core
+  applies at its next step boundary.
 - Arrivals at random times are exactly what continuous batching absorbs: the batch is
   rebuilt every step, and a greedy answer does not depend on who else was in it.
 - The live view, the stepper and `/metrics` all read the same `EngineTrace` the offline

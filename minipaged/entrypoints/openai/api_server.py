@@ -17,7 +17,8 @@ Routes
     ``echo`` with ``logprobs`` is a 400 (vLLM adds the prompt's logprobs; this engine has
     none). ``GET /metrics`` (Prometheus text, ``metrics.py``); ``GET /trace`` (the live
     ``EngineTrace``: SSE of step events, or ``?format=json`` for the recent steps);
-    ``GET /`` (the live page); ``GET /health``.
+    ``GET /`` (the live page); ``GET /health``; ``GET /profile`` (seconds per part of the
+    server's work, ``profile.py``: what ``benchmarks/serve_load.py --profile`` prints).
 Invariants
     a client that disconnects (mid-stream or while waiting) has its requests (every
     prompt's) aborted and their KV blocks freed before the next engine step; one engine,
@@ -155,6 +156,13 @@ def build_app(engine, **serving_kwargs):
                 }
             ],
         }
+
+    @app.get("/profile")
+    async def profile():  # seconds per part of the server's work (profile.py)
+        from minipaged.entrypoints.openai.profile import PROFILE
+
+        core = getattr(serving.async_engine, "client", None)
+        return PROFILE.snapshot(None if core is None else core.stats.get("step_seconds", 0.0))
 
     @app.get("/metrics")
     async def metrics():
@@ -422,10 +430,28 @@ def uvicorn_config(
     )
 
 
+# seconds a server whose engine core process died keeps answering 503 before it exits
+DEAD_CORE_EXIT_DELAY = 3.0
+
+
+def exit_when_core_dies(serving, server, delay: float = DEAD_CORE_EXIT_DELAY) -> None:
+    """A server over an engine core process shuts itself down ``delay`` seconds after the
+    core dies (503 with the reason until then); a no-op for an in-process engine."""
+    import asyncio
+
+    ae = serving.async_engine
+    if hasattr(ae, "on_core_death"):
+        ae.on_core_death = lambda: asyncio.get_running_loop().call_later(
+            delay, lambda: setattr(server, "should_exit", True)
+        )
+
+
 class BackgroundServer:
     """``minipaged serve`` in a thread of this process (tests, notebooks).
 
-    ``BackgroundServer(engine, port=0).start()`` binds 127.0.0.1 on a free port; ``.url``
+    ``BackgroundServer(engine, port=0).start()`` binds 127.0.0.1 on a free port (``engine``:
+    an ``LLMEngine`` stepped in this process, or an ``EngineCoreClient`` whose core runs
+    in its own process, as ``minipaged serve`` by default); ``.url``
     is its base URL, ``.serving`` the ``OpenAIServing``; ``.stop()`` ends it (also on
     ``with``). Loopback only unless ``host`` says otherwise.
     """
@@ -442,6 +468,7 @@ class BackgroundServer:
             self.app, host=host, port=port, log_level=log_level, header_timeout=header_timeout
         )
         self.server = uvicorn.Server(config)
+        exit_when_core_dies(self.serving, self.server)
         self.host = host
         self._thread: Optional[threading.Thread] = None
 
@@ -528,12 +555,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="turn off /trace and the live page (they show every client's request ids and lengths)",
     )
     g.add_argument(
+        "--no-engine-process",
+        dest="engine_process",
+        action="store_false",
+        help="step the engine in this process (default: an engine-core process, as vLLM v1)",
+    )
+    g.add_argument(
         "--check-invariants",
         action="store_true",
         help="run LLMEngine.check_invariants() after every step (slow; for tests)",
     )
     g.add_argument(
-        "--threads", type=non_negative_int, default=0, help="torch CPU threads (0 = torch's default)"
+        "--threads",
+        type=non_negative_int,
+        default=0,
+        help="torch CPU threads (0: torch's default in-process; all CPUs but one in an engine-core process)",
     )
     g.add_argument("--log-level", default="info")
     e = parser.add_argument_group("engine")
@@ -592,7 +628,17 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     try:
-        engine = LLMEngine(EngineConfig(**{k: getattr(args, k) for k in ENGINE_ARGS}))
+        config = EngineConfig(**{k: getattr(args, k) for k in ENGINE_ARGS})
+        if args.engine_process:
+            from minipaged.engine.core_client import EngineCoreClient
+
+            engine = EngineCoreClient(config, check_invariants=args.check_invariants, threads=args.threads)
+        else:
+            engine = LLMEngine(config)
+    except ValueError as e:
+        print(f"minipaged serve: {e}")
+        return 2
+    try:
         app = build_app(
             engine,
             served_model_name=args.served_model_name,
@@ -606,20 +652,26 @@ def run(args: argparse.Namespace) -> int:
             max_unread_steps=args.max_unread_steps,
             enable_trace=not args.disable_trace,
         )
-        config = uvicorn_config(app, args.host, args.port, args.log_level, args.header_timeout)
+        uconfig = uvicorn_config(app, args.host, args.port, args.log_level, args.header_timeout)
     except ValueError as e:
         print(f"minipaged serve: {e}")
+        if args.engine_process:
+            engine.shutdown()
         return 2
+    serving = app.state.serving
+    where = f"engine core process pid {engine.pid}" if args.engine_process else "engine in-process"
     print(
-        f"minipaged serve: {app.state.serving.model_name} on http://{args.host}:{args.port} "
-        f"(live view at /, metrics at /metrics)",
+        f"minipaged serve: {serving.model_name} on http://{args.host}:{args.port} "
+        f"(live view at /, metrics at /metrics; {where})",
         flush=True,
     )
+    server = uvicorn.Server(uconfig)
+    exit_when_core_dies(serving, server)
     try:
-        uvicorn.Server(config).run()
+        server.run()
     finally:
-        engine.shutdown()  # the tensor-parallel workers, if any
-    return 0
+        engine.shutdown()  # the engine core process, or the tensor-parallel workers, if any
+    return 1 if getattr(serving.async_engine, "core_died", False) else 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -1,8 +1,11 @@
 """AsyncEngine: one ``LLMEngine`` stepping in a thread while HTTP handlers come and go.
 
-Mirrors vLLM ``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate`` / ``abort``), without
-its engine-core process: one asyncio task runs the loop, the model step runs off the
-event loop in a single worker thread, and handlers talk to the loop through a queue.
+Mirrors vLLM ``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate`` / ``abort``). Two
+forms, one interface: ``AsyncEngine`` steps the engine in this process (one asyncio task
+runs the loop, the model step runs off the event loop in a single worker thread, and
+handlers talk to the loop through a queue: ``minipaged serve --no-engine-process``);
+``AsyncMPEngine`` (at the end of this file) talks to an engine core in its own process
+(``minipaged/engine/core.py``), as vLLM v1 does and ``minipaged serve`` does by default.
 
 The loop (one turn)::
 
@@ -58,6 +61,7 @@ from typing import Optional
 
 from minipaged.engine.detokenizer import IncrementalDetokenizer
 from minipaged.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from minipaged.entrypoints.openai.profile import PROFILE
 from minipaged.sampling_params import SamplingParams
 from minipaged.viz.palette import FREE_GREY, STATE_COLORS, owner_color
 
@@ -309,6 +313,7 @@ class AsyncEngine:
 
     # -- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
+        PROFILE.install(asyncio.get_running_loop())
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._loop(), name="minipaged-engine-loop")
 
@@ -466,9 +471,12 @@ class AsyncEngine:
         """In the engine thread: one step, then the outputs of the requests that moved
         (the finished ones; partial ones for streamed requests only)."""
         engine = self.engine
+        t0 = time.perf_counter()
         finished = engine.step()
+        PROFILE.add("engine_step", time.perf_counter() - t0)
         if self.check_invariants:
             engine.check_invariants()
+        t0 = time.perf_counter()
         rec = engine.trace.steps[-1]
         outs = {o.request_id: o for o in finished}
         moved = {_group_id(sid, tracked) for sid in rec.scheduled}
@@ -480,6 +488,7 @@ class AsyncEngine:
                 self.num_logprob_dicts += sum(map(len, progress.logprobs)) - before
                 if out is not None:
                     outs[rid] = out
+        PROFILE.add("detokenize", time.perf_counter() - t0)
         event = dataclasses.asdict(rec)
         event["requests"] = {
             rid: dict(engine.trace.requests[rid])
@@ -621,3 +630,156 @@ class AsyncEngine:
         self.streams.clear()
         self._progress.clear()
         self._pending.clear()
+
+
+class AsyncMPEngine(AsyncEngine):
+    """``AsyncEngine``'s interface over an engine core in its own process (vLLM v1's
+    ``AsyncLLM`` over ``EngineCoreClient``): the same streams, queue limits, ``/trace``
+    events and metrics; the loop here only *sends* (adds, aborts), and a reader thread
+    turns each step's token ids into outputs (``FrontendOutputs``: detokenizing, stop
+    strings, logprob dicts) while the core is already running its next step.
+
+    A stop string found here is sent to the core as ``("stop", ...)``: the sequence is
+    finished at the core's next step boundary, its blocks freed there. If the core process
+    dies, every request gets ``EngineDead`` (503), ``dead`` says why (``/health`` 503) and
+    ``on_core_death()`` is called once (the server shuts itself down)."""
+
+    def __init__(self, client, **kwargs) -> None:
+        from minipaged.engine.core_client import FrontendOutputs
+
+        super().__init__(client, **kwargs)
+        self._executor.shutdown(wait=False)  # NOTE: no engine thread: the core is a process
+        self.client = client
+        self.outputs = FrontendOutputs(client.tokenizer, client.eos_token_ids, self._piece)
+        self._lock = threading.Lock()  # the outputs' state: the loop adds, the reader moves
+        self._loop_ref: Optional[asyncio.AbstractEventLoop] = None
+        self.core_died = False
+        self.on_core_death = None  # called once when the core process dies
+
+    async def start(self) -> None:
+        self._loop_ref = asyncio.get_running_loop()
+        await super().start()
+        self.client.start_output_thread(self._on_message)
+
+    async def shutdown(self) -> None:
+        await super().shutdown()
+        await asyncio.get_running_loop().run_in_executor(None, self.client.shutdown)
+
+    # -- the loop: what handlers queued goes to the core, at once --------------------------
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            adds, aborts = [], []
+            while self._pending:
+                item = self._pending.popleft()
+                if item[0] == "add":
+                    _, rid, ids, params = item
+                    stream = self.streams.get(rid)
+                    with self._lock:
+                        self.outputs.add(rid, ids, params, stream is not None and stream.stream)
+                    adds.append((rid, ids, params))
+                else:
+                    aborts.append(item[1])
+            try:
+                if adds:
+                    self.client.send(("add", adds))
+                if aborts:
+                    self.client.send(("abort", aborts))
+            except Exception:  # the core is gone: the reader thread reports it
+                pass
+
+    def _forget_progress(self, request_id: str) -> None:
+        with self._lock:
+            self.outputs.forget(request_id)
+
+    # -- the reader thread -------------------------------------------------------------------
+    def _on_message(self, msg) -> None:
+        """In the reader thread: build the outputs, then hand them to the event loop."""
+        kind = msg[0]
+        loop = self._loop_ref
+        try:
+            # ("step", seqs, event, stats) or ("failed", error, seqs, stats, dead)
+            if kind in ("step", "failed"):
+                seqs = msg[1] if kind == "step" else msg[2]
+                t0 = time.perf_counter()
+                with self._lock:
+                    outs, stops = self.outputs.process(seqs)
+                PROFILE.add("detokenize", time.perf_counter() - t0)
+                if stops:
+                    try:
+                        self.client.send(("stop", stops))
+                    except Exception:
+                        pass
+                if kind == "step":
+                    loop.call_soon_threadsafe(self._on_step, msg[2], outs, msg[3])
+                else:
+                    loop.call_soon_threadsafe(self._on_failed, msg[1], outs, msg[3], msg[4])
+            elif kind == "idle":
+                loop.call_soon_threadsafe(self._on_idle, msg[1])
+            elif kind == "rejected":
+                loop.call_soon_threadsafe(self._on_rejected, msg[1], msg[2])
+            elif kind == "dead":
+                loop.call_soon_threadsafe(self._on_core_dead, msg[1])
+        except RuntimeError:  # the event loop is closed: the server is stopping
+            pass
+
+    def _on_step(self, event: dict, outs: dict, stats: dict) -> None:
+        self.client.stats = stats
+        self._publish(event)
+        self._dispatch(outs)
+
+    def _on_idle(self, stats: dict) -> None:
+        self.client.stats = stats
+        self._running_rids = set()
+        if self.metrics is not None:
+            self.metrics.on_idle(stats["num_free_blocks"], self.client.num_blocks)
+
+    def _on_rejected(self, rid: str, message: str) -> None:
+        self._forget_progress(rid)
+        stream = self.streams.pop(rid, None)
+        if stream is not None and not stream.finished:
+            stream.finished = True
+            stream.queue.put_nowait(ValueError(message) if self.dead is None else EngineDead(message))
+
+    def _on_failed(self, error: str, outs: dict, stats: dict, dead: Optional[str]) -> None:
+        """A step failed in the core: its requests get an error, the others go on."""
+        self.client.stats = stats
+        self.errors.append(error)
+        if self.metrics is not None:
+            self.metrics.on_engine_error()
+        ok = {}
+        for rid, out in outs.items():
+            if out.finished and any(c.finish_reason == "abort" for c in out.outputs):
+                stream = self.streams.pop(rid, None)
+                if stream is not None and not stream.finished:
+                    stream.finished = True
+                    stream.queue.put_nowait(EngineError("the engine failed while serving this request"))
+            else:
+                ok[rid] = out
+        self._dispatch(ok)
+        if dead is not None:
+            self._fail_everything(dead, EngineError("the engine failed while serving this request"))
+
+    def _on_core_dead(self, exitcode) -> None:
+        if self.core_died:
+            return
+        self.core_died = True
+        reason = f"the engine core process died (exit code {exitcode})"
+        print(f"minipaged serve: {reason}; shutting down", file=sys.stderr, flush=True)
+        if self.metrics is not None:
+            self.metrics.on_engine_error()
+        self._fail_everything(reason, EngineDead(f"{reason}; the server is shutting down"))
+        if self.on_core_death is not None:
+            self.on_core_death()
+
+    def _fail_everything(self, reason: str, exc: Exception) -> None:
+        self.dead = reason
+        for stream in list(self.streams.values()):
+            stream.finished = True
+            stream.queue.put_nowait(exc)
+        self.streams.clear()
+        self._pending.clear()
+        with self._lock:
+            for rid in list(self.outputs.groups):
+                self.outputs.forget(rid)

@@ -44,12 +44,14 @@ from starlette.responses import Response
 
 from minipaged.entrypoints.openai.async_engine import (
     AsyncEngine,
+    AsyncMPEngine,
     EngineDead,
     EngineError,
     OutputQueue,
     QueueFull,
     StreamOverflow,
 )
+from minipaged.entrypoints.openai.profile import PROFILE
 from minipaged.entrypoints.openai.protocol import error_body
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body larger than this gets 413
@@ -168,7 +170,11 @@ class OpenAIServing:
         self.max_n = min(max_n, engine.config.max_num_seqs)
         self.max_body_bytes = max_body_bytes
         self.metrics = ServerMetrics(self.model_name)
-        self.async_engine = AsyncEngine(
+        from minipaged.engine.core_client import EngineCoreClient
+
+        # NOTE: an engine core in its own process (minipaged serve's default), or in-process
+        cls = AsyncMPEngine if isinstance(engine, EngineCoreClient) else AsyncEngine
+        self.async_engine = cls(
             engine,
             max_waiting_requests=max_waiting_requests,
             check_invariants=check_invariants,
@@ -227,6 +233,7 @@ class OpenAIServing:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             raise ApiError(400, f"request body is not valid UTF-8 (byte {e.start})")
+        t0 = time.perf_counter()
         try:
             body = json.loads(text)
         except json.JSONDecodeError as e:
@@ -239,6 +246,8 @@ class OpenAIServing:
             raise ApiError(400, f"{where} nested too deeply to parse", field)
         except ValueError as e:  # e.g. an integer over Python's 4300-digit limit
             raise ApiError(400, f"request body is not valid JSON here: {e}")
+        finally:
+            PROFILE.add("parse", time.perf_counter() - t0)
         if not isinstance(body, dict):
             raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
         return body
@@ -247,7 +256,8 @@ class OpenAIServing:
         from pydantic import ValidationError
 
         try:
-            return cls.model_validate(body)
+            with PROFILE.timed("parse"):
+                return cls.model_validate(body)
         except ValidationError as e:
             err = e.errors()[0]
             loc = ".".join(str(x) for x in err["loc"])
@@ -324,7 +334,8 @@ class OpenAIServing:
 
     def _tokenize_sync(self, prompt, param: str):
         try:
-            return self.engine.tokenize(prompt, name=param)
+            with PROFILE.timed("tokenize"):
+                return self.engine.tokenize(prompt, name=param)
         except (ValueError, TypeError, RecursionError, UnicodeError) as e:
             # NOTE: a lone surrogate ("\ud800") makes the tokenizer raise TypeError
             msg = str(e) if isinstance(e, ValueError) else f"{param} cannot be tokenized: {type(e).__name__}"
@@ -447,6 +458,8 @@ class OpenAIServing:
             item = await queue.get()
             if isinstance(item, ValueError):  # refused by the engine: the caller's input
                 raise ApiError(400, str(item))
+            if isinstance(item, EngineDead):  # the engine core process died mid-request
+                raise ApiError(503, str(item))
             if isinstance(item, StreamOverflow):
                 raise ApiError(408, str(item))
             if isinstance(item, BaseException):
@@ -491,6 +504,7 @@ class OpenAIServing:
             if first:
                 yield sse({**head, "choices": first})
             async for p, out in self.outputs(streams):
+                t0 = time.perf_counter()
                 choices = []
                 for c in out.outputs:
                     i = p * n + c.index
@@ -510,7 +524,11 @@ class OpenAIServing:
                 if not echo_only:
                     ntok[p] = sum(len(c.token_ids) for c in out.outputs)
                 if choices:
-                    yield sse({**head, "choices": choices})
+                    chunk = sse({**head, "choices": choices})
+                    PROFILE.add("sse", time.perf_counter() - t0)
+                    yield chunk
+                else:
+                    PROFILE.add("sse", time.perf_counter() - t0)
             if include_usage:
                 yield sse({**head, "choices": [], "usage": usage_of(sum(prompt_lens), sum(ntok))})
         except ApiError as e:

@@ -1,0 +1,99 @@
+"""Where a server's time goes: seconds per part, summed since the server started.
+
+``GET /profile`` answers ``ServerProfile.snapshot()``; ``benchmarks/serve_load.py
+--profile`` takes one before and one after a load run and prints each part's share of
+the run's wall time. No vLLM file mirrors it (vLLM points you at ``py-spy``); it exists
+to show *why* the engine core gets a process of its own.
+
+The parts (each measured where it happens, with ``time.perf_counter``)
+    ``event_loop``: the event-loop thread busy (wall time minus the time it waited in the
+        selector for sockets or timers: the loop's ``select`` is wrapped);
+    ``parse``: request bodies through ``json.loads`` and pydantic (on the loop);
+    ``sse``: building and JSON-encoding the streamed chunks (on the loop);
+    ``tokenize``: prompts through the tokenizer (the tokenizer thread);
+    ``detokenize``: each step's outputs: incremental text, stop strings, logprob dicts
+        (the engine thread in-process; the frontend's reader thread with an engine core);
+    ``engine_step``: ``LLMEngine.step()`` (the engine thread in-process; the core process
+        reports its own, which runs *beside* the frontend rather than inside it);
+    ``gil_wait``: a probe thread sleeps 5 ms again and again and sums how late it wakes:
+        the time a thread that is ready to run waits for the interpreter lock, *and* for a
+        CPU when the machine has fewer free cores than runnable threads (the probe cannot
+        tell the two apart). Every part is wall time, so a thread that is descheduled
+        while in it counts too: on an oversubscribed machine all parts swell.
+    Shares can sum to more than 1: threads (and the core process) run at the same time.
+
+Failure mode: none; ``install`` on a loop without a selector (e.g. uvloop) measures no
+``event_loop`` part (reported as None).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+
+PARTS = ("event_loop", "parse", "sse", "tokenize", "detokenize", "engine_step", "gil_wait")
+PROBE_INTERVAL = 0.005
+
+
+class ServerProfile:
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PARTS, 0.0)
+        self.start = time.perf_counter()
+        self._idle = 0.0  # the loop's seconds in select()
+        self._loop_start = None
+        self._probe = None
+
+    def add(self, part: str, seconds: float) -> None:
+        self.seconds[part] += seconds
+
+    @contextmanager
+    def timed(self, part: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[part] += time.perf_counter() - t0
+
+    def install(self, loop) -> None:
+        """Measure ``loop``'s idle time (its selector) and start the GIL probe."""
+        selector = getattr(loop, "_selector", None)
+        if selector is not None and not hasattr(selector.select, "_minipaged"):
+            real = selector.select
+
+            def select(timeout=None):
+                t0 = time.perf_counter()
+                try:
+                    return real(timeout)
+                finally:
+                    self._idle += time.perf_counter() - t0
+
+            select._minipaged = True
+            selector.select = select
+            self._loop_start = time.perf_counter()
+        if self._probe is None:
+            self._probe = threading.Thread(target=self._gil_probe, name="minipaged-gil-probe", daemon=True)
+            self._probe.start()
+
+    def _gil_probe(self) -> None:
+        while True:
+            t0 = time.perf_counter()
+            time.sleep(PROBE_INTERVAL)
+            late = time.perf_counter() - t0 - PROBE_INTERVAL
+            if late > 0:
+                self.seconds["gil_wait"] += late
+
+    def snapshot(self, core_step_seconds=None) -> dict:
+        """Seconds per part since the start (``wall``), as plain JSON."""
+        now = time.perf_counter()
+        parts = dict(self.seconds)
+        if self._loop_start is not None:
+            parts["event_loop"] = (now - self._loop_start) - self._idle
+        else:
+            parts["event_loop"] = None
+        if core_step_seconds is not None:
+            parts["engine_step"] = core_step_seconds
+        return {"wall": now - self.start, "seconds": parts}
+
+
+PROFILE = ServerProfile()  # one per process: the server's parts are module functions too
