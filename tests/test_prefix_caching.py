@@ -198,9 +198,14 @@ def test_caching_on_equals_off_and_plain_loop(seed, num_blocks, block_size, mode
             if r.status != RequestStatus.FINISHED_IGNORED:
                 assert r.output_token_ids == reference_outputs(r), r.request_id
         assert s.kv_cache_manager.get_num_free_blocks() == num_blocks, "blocks leaked"
-        results[caching] = ([r.output_token_ids for r in reqs], model.num_computed)
+        preempted = sum(r.num_preemptions for r in reqs)
+        results[caching] = ([r.output_token_ids for r in reqs], model.num_computed, preempted)
     assert results[True][0] == results[False][0]
-    assert results[True][1] <= results[False][1]  # caching never computes more
+    if not (results[True][2] or results[False][2]):
+        # NOTE: without preemption caching never computes more. With it, it may: a hit admits a
+        # request earlier, which can push another out to be recomputed (seed=6515 with 6 blocks
+        # of 4 and a budget of 5 computes 40 tokens with caching against 38 without).
+        assert results[True][1] <= results[False][1]
 
 
 # ----------------------------------------------------------------------------- engine

@@ -359,6 +359,11 @@ weights, reading the KV, or recomputing after a preemption).
 code(r"""
 for name, model in MODELS.items():
     c = CostModel(model, A100_40GB)
+    try:
+        c.num_kv_tokens()
+    except ValueError:  # NOTE: OPT-66B / 175B need 4 / 8 GPUs: chapter 11
+        print(f"{name:9s} does not fit one A100-40GB (tensor parallelism: chapter 11)")
+        continue
     p, o, r = BASE if model is OPT_13B else capacity_ratio(SHAREGPT, c)
     print(f"{name:9s} KV budget {c.num_kv_tokens():6d} tokens: vLLM-like {p:6.2f} req/s, "
           f"Orca (Oracle) {o:6.2f} req/s, ratio {r:.2f}x")
