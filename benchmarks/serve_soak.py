@@ -1,7 +1,8 @@
 """Soak: does a long-running ``minipaged serve`` keep anything of the requests it served?
 
 Starts ``minipaged serve`` (the course model) as its own process, sends ``--warmup`` short
-completions, reads the server's resident memory (``VmRSS`` of ``/proc/PID/status``), sends
+completions, reads the resident memory (``VmRSS`` of ``/proc/PID/status``) of the server and
+of its engine-core process, sends
 ``--num-requests`` more in ``--concurrency`` client threads, and reads it again. Prints the
 two readings and the growth; a server that forgot every finished request grows by allocator
 noise only. (vLLM v1's scheduler forgets a request when it finishes; so does minipaged's,
@@ -27,6 +28,33 @@ def rss_mb(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise RuntimeError("no VmRSS")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[-60:]
+    except OSError:
+        return "?"
+
+
+def tree_rss_mb(pid: int) -> dict[int, float]:
+    """RSS of ``pid`` and of every process below it (the engine-core process of the server)."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    tree, todo = [pid], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        tree += kids
+        todo += kids
+    return {p: rss_mb(p) for p in tree}
 
 
 def send(url: str, model: str, n: int, concurrency: int, max_tokens: int) -> int:
@@ -90,16 +118,21 @@ def main(argv=None) -> int:
             time.sleep(0.5)
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         bad = send(url, model, args.warmup, args.concurrency, args.max_tokens)
-        before = rss_mb(server.pid)
+        before = tree_rss_mb(server.pid)
         t0 = time.perf_counter()
         bad += send(url, model, args.num_requests, args.concurrency, args.max_tokens)
         wall = time.perf_counter() - t0
         time.sleep(1.0)
-        after = rss_mb(server.pid)
+        after = tree_rss_mb(server.pid)
         print(f"requests: {args.warmup} warm-up + {args.num_requests} measured, {bad} failed, {wall:.1f} s")
-        print(f"server RSS after warm-up: {before:.1f} MB")
-        print(f"server RSS after the soak: {after:.1f} MB")
-        print(f"growth: {after - before:+.1f} MB over {args.num_requests} requests")
+        for p in before:
+            name = "api server" if p == server.pid else f"child {p} ({_cmdline(p)})"
+            a = after.get(p, float("nan"))
+            print(
+                f"{name}: RSS {before[p]:.1f} MB after warm-up, {a:.1f} MB after the soak ({a - before[p]:+.1f} MB)"
+            )
+        total_b, total_a = sum(before.values()), sum(after.get(p, 0.0) for p in before)
+        print(f"growth: {total_a - total_b:+.1f} MB over {args.num_requests} requests (all processes)")
         return 0 if bad == 0 else 1
     finally:
         server.terminate()
