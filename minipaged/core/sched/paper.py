@@ -551,11 +551,6 @@ class PaperScheduler:
     # -- invariants -----------------------------------------------------------------
     def check_invariants(self) -> None:
         kv = self.kv_cache_manager
-        kv.check_invariants()
-        assert len(self.running) <= self.max_num_seqs, (
-            f"{len(self.running)} running > max_num_seqs {self.max_num_seqs}"
-        )
-        utils.check_output(self._last_output, self.max_num_batched_tokens)
         waiting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         queues = {
             "waiting": (self.waiting, waiting, True),
@@ -563,16 +558,10 @@ class PaperScheduler:
             "swapped": (self.swapped, (RequestStatus.SWAPPED,), True),
             "held": (self._held_seqs(), waiting, False),
         }
-        utils.check_queues(queues, self.requests)
-        running_ids = {r.request_id for r in self.running}
-        assert set(kv.block_tables) == running_ids, (
-            f"device blocks held by {sorted(kv.block_tables)}, running {sorted(running_ids)}"
-        )
+        utils.check_scheduler(self, queues)
         assert set(kv.cpu_block_tables) == {r.request_id for r in self.swapped}, (
             "CPU blocks held by others than swapped"
         )
-        for r in list(self.waiting) + self._held_seqs():
-            assert r.num_computed_tokens == 0, f"waiting {r.request_id} has computed tokens"
         in_flight = {} if self._in_flight is None else self._in_flight.num_scheduled_tokens
         for r in self.running:
             held, expected = (

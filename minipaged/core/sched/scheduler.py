@@ -326,23 +326,13 @@ class Scheduler:
     # -- invariants -----------------------------------------------------------------
     def check_invariants(self) -> None:
         kv = self.kv_cache_manager
-        kv.check_invariants()
-        assert len(self.running) <= self.max_num_seqs, (
-            f"{len(self.running)} running > max_num_seqs {self.max_num_seqs}"
-        )
-        utils.check_output(self._last_output, self.max_num_batched_tokens)
         waiting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         queues = {
             "waiting": (self.waiting, waiting, True),
             "running": (self.running, (RequestStatus.RUNNING,), True),
         }
-        utils.check_queues(queues, self.requests)
-        assert set(kv.block_tables) == {r.request_id for r in self.running}, (
-            f"blocks held by {sorted(kv.block_tables)}, running {sorted(r.request_id for r in self.running)}"
-        )
+        utils.check_scheduler(self, queues)
         in_flight = spec.slots_in_flight(self._in_flight)  # scheduled + lookahead slots
-        for r in self.waiting:
-            assert r.num_computed_tokens == 0, f"waiting {r.request_id} has computed tokens"
         for r in self.running:
             held, expected = (
                 kv.block_tables[r.request_id].num_tokens,

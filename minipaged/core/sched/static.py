@@ -94,17 +94,12 @@ class StaticBatchScheduler(Scheduler):
 
     def check_invariants(self) -> None:
         kv = self.kv_cache_manager
-        kv.check_invariants()
-        utils.check_output(self._last_output, self.max_num_batched_tokens)
         waiting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         queues = {
             "waiting": (self.waiting, waiting, True),
             "running": (self.running, (RequestStatus.RUNNING,), True),
         }
-        utils.check_queues(queues, self.requests)
-        assert set(kv.block_tables) == {r.request_id for r in self.running}, (
-            "blocks held by others than the batch"
-        )
+        utils.check_scheduler(self, queues)
         in_flight = {} if self._in_flight is None else self._in_flight.num_scheduled_tokens
         for r in self.running:
             held = kv.block_tables[r.request_id].num_tokens

@@ -151,6 +151,28 @@ def check_output(out: Optional[SchedulerOutput], max_num_batched_tokens: int) ->
     assert ids == list(out.num_scheduled_tokens), "num_scheduled_tokens is not in batch order"
 
 
+def check_scheduler(sched, queues: dict) -> None:
+    """What every scheduler over block tables asserts in ``check_invariants``: its manager's
+    own invariants, ``running <= max_num_seqs``, the last output's, the queues'
+    (``check_queues``), exactly the running requests hold device blocks, and nothing that
+    waits has computed tokens. Each scheduler then checks what is its own."""
+    kv = sched.kv_cache_manager
+    kv.check_invariants()
+    assert len(sched.running) <= sched.max_num_seqs, (
+        f"{len(sched.running)} running > max_num_seqs {sched.max_num_seqs}"
+    )
+    check_output(sched._last_output, sched.max_num_batched_tokens)
+    check_queues(queues, sched.requests)
+    running = {r.request_id for r in sched.running}
+    assert set(kv.block_tables) == running, (
+        f"device blocks held by {sorted(kv.block_tables)}, running {sorted(running)}"
+    )
+    for name, (queue, statuses, _) in queues.items():
+        if RequestStatus.WAITING in statuses:
+            for r in queue:
+                assert r.num_computed_tokens == 0, f"{name} {r.request_id} has computed tokens"
+
+
 def check_queues(queues: dict, requests: dict) -> None:
     """Every unfinished request is in exactly one queue with an allowed status, and each
     ordered queue is in arrival order. ``queues``: name -> (requests, statuses, ordered)."""
