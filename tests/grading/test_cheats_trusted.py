@@ -1,7 +1,7 @@
 """The cheat suite of issue 24: one submission per attack class, graded with the trusted checker.
 
-Each cheat is the authored chapter 02 notebook with every solution replaced by an attack
-(so no exercise is solved): reaching the checker's state in the kernel, reading answers
+Each cheat is an authored chapter notebook (every chapter whose exercises are all judged
+by the trusted checker) with every solution replaced by an attack (so no exercise is solved): reaching the checker's state in the kernel, reading answers
 from the call stack, lying values, lookup tables of the local-practice cases, and the
 resource attacks. Each must score 0 on every exercise, with the static scan off (the
 trusted boundary must hold on its own). The resource attacks are graded with ``--jobs 2``
@@ -21,8 +21,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from minipaged.checks.notebook import cell_exercise, cell_role, load_authored
-from minipaged.grading.grade import grade_notebook
+from minipaged.checks import has_spec
+from minipaged.checks.notebook import cell_exercise, cell_role, cell_source, load_authored
+from minipaged.grading.grade import check_call, grade_notebook
 from minipaged.grading.sandbox import probe
 from minipaged.grading.trusted import TrustedChecker
 
@@ -30,6 +31,16 @@ ROOT = Path(__file__).resolve().parents[2]
 AUTHORED = load_authored()
 CH02 = AUTHORED["ch02"]
 ISOLATION = probe()
+
+
+def graded_names(authored) -> dict[str, list[str]]:
+    """exercise -> the names its check cell hands to ``check(...)`` (what a solution defines)."""
+    return {ex: check_call(cell_source(authored.check_cells[ex]))[1] for ex in authored.exercises}
+
+
+# every chapter whose exercises are all judged by the trusted checker (ported chapters join
+# the suite on their own)
+TRUSTED_CHAPTERS = [ch for ch, a in AUTHORED.items() if all(has_spec(ex) for ex in a.exercises)]
 FUNCS = {
     "ex2.1": "remove(queue, block)",
     "ex2.2": "popleft(queue)",
@@ -41,14 +52,18 @@ FUNCS = {
 }
 
 
-def cheat_notebook(body: str, prelude: str = "") -> nbformat.NotebookNode:
-    """Chapter 02 with every solution function returning ``body`` (an expression of its
-    arguments), after a ``prelude`` cell of the attacker's own."""
-    nb = copy.deepcopy(CH02.nb)
+def cheat_notebook(body: str, prelude: str = "", chapter: str = "ch02") -> nbformat.NotebookNode:
+    """The chapter's authored notebook with every solution cell replaced by functions that
+    return ``body`` (an expression, whatever the arguments), one per name the exercise's
+    check hands over, after a ``prelude`` cell of the attacker's own."""
+    authored = AUTHORED[chapter]
+    names = graded_names(authored)
+    nb = copy.deepcopy(authored.nb)
     for cell in nb.cells:
         if cell_role(cell) == "solution":
-            sig = FUNCS[cell_exercise(cell)]
-            cell.source = f"def {sig}:\n    return {body}\n"
+            cell.source = "".join(
+                f"def {n}(*args, **kwargs):\n    return {body}\n" for n in names[cell_exercise(cell)]
+            )
     if prelude:
         first_solution = next(i for i, c in enumerate(nb.cells) if cell_role(c) == "solution")
         nb.cells.insert(first_solution, nbformat.v4.new_code_cell(prelude))
@@ -118,14 +133,21 @@ def checker():
         yield c
 
 
+@pytest.mark.parametrize("chapter", TRUSTED_CHAPTERS)
 @pytest.mark.parametrize("attack", list(ATTACKS))
-def test_attack_scores_zero(attack, checker):
+def test_attack_scores_zero(attack, chapter, checker):
     body, prelude = ATTACKS[attack]
+    authored = AUTHORED[chapter]
     r = grade_notebook(
-        cheat_notebook(body, prelude), CH02, timeout=20, isolation=ISOLATION, scan=False, checker=checker
+        cheat_notebook(body, prelude, chapter),
+        authored,
+        timeout=60,
+        isolation=ISOLATION,
+        scan=False,
+        checker=checker,
     )
     assert r.error is None, r.error
-    assert {ex: int(x.passed) for ex, x in r.exercises.items()} == dict.fromkeys(CH02.exercises, 0), [
+    assert {ex: int(x.passed) for ex, x in r.exercises.items()} == dict.fromkeys(authored.exercises, 0), [
         (ex, x.reason) for ex, x in r.exercises.items() if x.passed
     ]
 
