@@ -450,25 +450,34 @@ def test_sharing_references_agree_with_the_package():
     from minipaged.checks.ch06 import (
         _build_pool,
         _prefix_cases,
-        _replay,
+        _run_ops,
         _sharing_cases,
+        pkg_append_slot,
         pkg_block_hashes,
         ref_append_slot,
         ref_block_hashes,
         ref_find_cached_blocks,
         ref_fork,
     )
-    from minipaged.core import Request
+    from minipaged.checks._spec import diff
+    from minipaged.core import BlockSpaceManager, Request
+    from minipaged.grading.codec import to_data
 
-    # the written-out fork / copy-on-write against KVCacheManager.fork / allocate_slots,
-    # with check_invariants after every step
-    for case in _sharing_cases("test", 150, focus="fork"):
-        _replay(case, ref_fork, ref_append_slot)
+    # the written-out fork / copy-on-write against BlockSpaceManager.fork / allocate_slots,
+    # the same state after every step, with check_invariants holding
+    for case in _sharing_cases(random.Random("test"), 150, focus="fork"):
+        written = _run_ops(case, ref_fork, ref_append_slot)
+        package = _run_ops(case, BlockSpaceManager.fork, pkg_append_slot)
+        assert diff(to_data(package), to_data(written), 0.0, 0.0) is None  # notes (messages) aside
+        assert all(
+            s["invariants (ref_cnt = tables holding a block; free queue = ref_cnt 0)"] == "hold"
+            for s in written
+        )
     rng = random.Random(1)
     for _ in range(200):
         tokens, bs = [rng.randrange(9) for _ in range(rng.randint(0, 30))], rng.choice([1, 2, 3, 16])
         assert ref_block_hashes(tokens, bs) == pkg_block_hashes(tokens, bs)
-    for c in _prefix_cases(100):
+    for c in _prefix_cases(random.Random("test"), 100):
         m = _build_pool(c)
         for q in c["queries"]:
             assert [b.block_id for b in ref_find_cached_blocks(m.block_pool, q, c["block_size"])] == [

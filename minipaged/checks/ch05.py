@@ -244,7 +244,9 @@ register(
         cases=_preempt_cases,
         observe=observe_preempt,
         reference=lambda: (ref_preempt_recompute,),
-        describe=lambda c: _describe_recipe(c) + "\n  then: preempt_recompute(scheduler, scheduler.running[-1])",
+        describe=lambda c: (
+            _describe_recipe(c) + "\n  then: preempt_recompute(scheduler, scheduler.running[-1])"
+        ),
         size=_size_recipe,
     ),
 )
@@ -313,8 +315,10 @@ register(
         cases=_running_cases,
         observe=observe_schedule_running,
         reference=lambda: (ref_schedule_running,),
-        describe=lambda c: _describe_recipe(c)
-        + f"\n  then: schedule_running(scheduler, token_budget={c['max_num_batched_tokens']})",
+        describe=lambda c: (
+            _describe_recipe(c)
+            + f"\n  then: schedule_running(scheduler, token_budget={c['max_num_batched_tokens']})"
+        ),
         size=_size_recipe,
     ),
 )
@@ -592,7 +596,11 @@ def judge_design(cases, expected, got) -> str | None:
     base_pre = sum(e["value"]["preemptions"] for e in expected)
     my_steps = sum(m["steps"] for m in mine.values())
     my_pre = sum(m["preemptions"] for m in mine.values())
-    worse = [cases[i]["name"] for i in range(len(cases)) if mine[i]["preemptions"] > expected[i]["value"]["preemptions"]]
+    worse = [
+        cases[i]["name"]
+        for i in range(len(cases))
+        if mine[i]["preemptions"] > expected[i]["value"]["preemptions"]
+    ]
     if worse or my_pre > base_pre * PREEMPTION_BAR or my_steps > base_steps * (1 + STEPS_MARGIN):
         return (
             f"ex5.6: your rule runs, but does not clear the bar on the checker's {len(cases)} workloads: "
