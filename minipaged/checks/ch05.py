@@ -360,7 +360,7 @@ def reference_run(requests=PREDICT_REQUESTS) -> list[dict]:
 
 def predict_request_text(req) -> str:
     rid, prompt, max_tokens, at = req
-    return f"{rid} arrives before step {at}: prompt {prompt} tokens, max_tokens {max_tokens}"
+    return f"{rid} arrives before step {at}: prompt {prompt} token{'' if prompt == 1 else 's'}, max_tokens {max_tokens}"
 
 
 def predict_variant(rng) -> list:

@@ -2,7 +2,16 @@
 
 from _common import ExerciseNotebook, _md
 
-from minipaged.checks.ch05 import DESIGN_KNOBS, DESIGN_WORKLOAD, PREDICT_KNOBS, PREDICT_REQUESTS
+from minipaged.checks.ch05 import (
+    DESIGN_KNOBS,
+    DESIGN_WORKLOAD,
+    PREDICT_KNOBS,
+    PREDICT_REQUESTS,
+    predict_request_text,
+)
+
+# the table of ex5.5 (a student copy made with --seed gets its own requests, written in)
+PREDICT_TABLE = "\n".join(f"    | {k} | {predict_request_text(r)} |" for k, r in enumerate(PREDICT_REQUESTS))
 
 nb = ExerciseNotebook(
     chapter="ch05",
@@ -207,13 +216,12 @@ nb.exercise(
     "predict a run under memory pressure (on paper first)",
     """
     A v1 `Scheduler(num_blocks=5, block_size=2, max_num_seqs=3, max_num_batched_tokens=8)`
-    serves `PREDICT_REQUESTS` (no request stops early):
+    serves the requests of `PREDICT_REQUESTS` (no request stops early; your copy's
+    requests may differ from a classmate's):
 
-    | request | prompt tokens | max_tokens | arrives before step |
-    |---|---|---|---|
-    | A | 4 | 5 | 0 |
-    | B | 3 | 4 | 0 |
-    | C | 2 | 3 | 1 |
+    | event | what happens |
+    |---|---|
+{PREDICT_TABLE}
 
     Ten slots are few: someone will be preempted. What you need from chapters 04 and 05:
     between steps a request holds blocks for its computed tokens; a step needs blocks for
@@ -223,9 +231,11 @@ nb.exercise(
 
     Write `predict_run()`: one dict per step until every request has finished,
     `{"scheduled": {request id: tokens}, "preempted": [request ids preempted in that
-    step]}`. Example: step 0 is `{"scheduled": {"A": 4, "B": 3}, "preempted": []}`. The
-    check shows the scheduler's picture (batch and block tables) at your first mistake.
-    """,
+    step]}`. Example: had only A (prompt 4) and B (prompt 3) arrived before step 0, step 0
+    would be `{"scheduled": {"A": 4, "B": 3}, "preempted": []}`. Work it out on paper
+    first: the check is graded from what this cell returns, and a wrong answer is told
+    which step is wrong and what you gave, not the scheduler's answer.
+    """.replace("{PREDICT_TABLE}\n", PREDICT_TABLE + "\n"),
     """
     def predict_run() -> list[dict]:
         \"\"\"Per step: the scheduled tokens and the preempted requests.\"\"\"
@@ -265,12 +275,13 @@ nb.exercise(
       `scheduler.kv_cache_manager.get_num_free_blocks()`,
       `scheduler.kv_cache_manager.get_block_ids(request_id)`; per request `num_tokens`,
       `num_prompt_tokens`, `num_computed_tokens`, `max_tokens`. Change nothing.
-    - **Invariants the check enforces**, on `DESIGN_WORKLOAD` and on random workloads: no
+    - **Invariants the check enforces**, on `DESIGN_WORKLOAD` and on random workloads
+      (the graded run draws other random workloads than your local check): no
       request is lost, every one gets its `max_tokens` tokens, admission stays FCFS, the
       scheduler's invariants hold after every step, and the run ends (no livelock: if
       your rule refuses while nothing runs, nothing can ever change).
-    - **What it prints**: steps and preemptions of `DESIGN_WORKLOAD` under the default
-      rule and under yours. There is no single right answer: a rule that never preempts,
+    - **What it prints** (the local check): steps and preemptions of `DESIGN_WORKLOAD`
+      under the default rule and under yours. There is no single right answer: a rule that never preempts,
       one that preempts less but keeps the batch full, a watermark... compare designs.
       - **The bar**: on the checker's workloads taken together, at most half the
         preemptions of the default rule (and never more on any one workload), with at
@@ -317,8 +328,10 @@ nb.exercise(
     every question has an answer of the right kind, and a graded failure says how many
     are wrong, never which.
 
-    - `q1`: how many preemptions happen in the run of ex5.5?
-    - `q2`: how many tokens does the preempted request of ex5.5 compute when it is
+    - `q1`: on ex5.5's scheduler, A (prompt 4, max_tokens 5) and B (prompt 3, max_tokens
+      4) arrive before step 0 and C (prompt 2, max_tokens 3) before step 1 (the shipped
+      `PREDICT_REQUESTS`; your copy's may differ): how many preemptions happen?
+    - `q2`: in that run, how many tokens does the preempted request compute when it is
       admitted again?
     - `q3`: which running request does the v1 scheduler preempt, the `"last"` or the
       `"first"` arrival?

@@ -8,7 +8,11 @@ from minipaged.checks.ch06 import (
     SAMPLING_PROMPT,
     SHARE_EVENTS,
     SHARE_KNOBS,
+    share_event_text,
 )
+
+# the table of ex6.5 (a student copy made with --seed gets its own events, written in)
+SHARE_TABLE = "\n".join(f"    | {k} | {share_event_text(e)} |" for k, e in enumerate(SHARE_EVENTS))
 
 nb = ExerciseNotebook(
     chapter="ch06",
@@ -203,24 +207,24 @@ nb.exercise(
     "predict block tables and ref counts (on paper first)",
     """
     A `BlockSpaceManager(num_blocks=8, block_size=4)`, empty at first, sees these events
-    (`SHARE_EVENTS`); its `allocate_slots` does copy-on-write itself, exactly as your
-    `append_slot` does, token by token:
+    (`SHARE_EVENTS`; your copy's may differ from a classmate's); "allocates n tokens" adds
+    n tokens to the request's table (a request holding nothing starts one), and its
+    `allocate_slots` does copy-on-write itself, exactly as your `append_slot` does, token
+    by token:
 
     | event | what happens |
     |---|---|
-    | 0 | A allocates 6 tokens |
-    | 1 | A forks B |
-    | 2 | A forks C |
-    | 3 | B allocates 1 more token |
-    | 4 | C allocates 3 more tokens |
-    | 5 | A finishes (its blocks are freed) |
+{SHARE_TABLE}
 
     Write `predict_sharing()`: a list of six dicts, one per event, each
     `{"tables": {request id: block ids}, "ref_cnt": {block id: ref_cnt}}` after that
     event, with every request that holds blocks and every block whose `ref_cnt > 0`. New
     blocks come from the front of the free queue (never-used blocks in id order first).
-    Example: after event 0, `{"tables": {"A": [0, 1]}, "ref_cnt": {0: 1, 1: 1}}`.
-    """,
+    Example: had event 0 been "A allocates 6 tokens", the answer after it would be
+    `{"tables": {"A": [0, 1]}, "ref_cnt": {0: 1, 1: 1}}`. Work it out on paper first: the
+    check is graded from what this cell returns, and a wrong answer is told which event is
+    wrong and what you gave, not the manager's answer.
+    """.replace("{SHARE_TABLE}\n", SHARE_TABLE + "\n"),
     """
     def predict_sharing() -> list[dict]:
         \"\"\"Tables and ref counts after each event of SHARE_EVENTS.\"\"\"
@@ -286,8 +290,11 @@ nb.exercise(
     every question has an answer of the right kind, and a graded failure says how many
     are wrong, never which.
 
-    - `q1`: how many block copies (copy-on-write) happen in the run of ex6.5?
-    - `q2`: the `ref_cnt` of block 0 after event 2 of ex6.5?
+    - `q1`: in a `BlockSpaceManager(num_blocks=8, block_size=4)`, A allocates 6 tokens,
+      A forks B, A forks C, B allocates 1 more token, C allocates 3 more, A finishes (the
+      shipped `SHARE_EVENTS`; your copy's may differ): how many block copies
+      (copy-on-write) happen?
+    - `q2`: in that run, the `ref_cnt` of block 0 after A forked C?
     - `q3`: does `fork` copy any K/V: `"yes"` or `"no"`?
     - `q4`: the prefix cache hashes a block together with everything before it; does a
       block of the same tokens at another position get the `"same"` or a `"different"`
@@ -311,7 +318,8 @@ nb.outro("""
 1. In ex6.6, why does the saving shrink as the outputs grow longer than the prompt?
 2. Beam search forks and frees sequences every step; what would copy-on-write cost if
    blocks were 256 tokens?
-3. Why is A's block 1 not copied when A finishes in ex6.5, although B and C had shared it?
+3. In the shipped `SHARE_EVENTS`, why is A's block 1 not copied when A finishes, although B
+   and C had shared it?
 
 ## Recap
 
