@@ -447,6 +447,7 @@ def test_scheduler_recipes_are_valid_scheduler_states():
 
 
 def test_sharing_references_agree_with_the_package():
+    from minipaged.checks._spec import diff
     from minipaged.checks.ch06 import (
         _build_pool,
         _prefix_cases,
@@ -459,7 +460,6 @@ def test_sharing_references_agree_with_the_package():
         ref_find_cached_blocks,
         ref_fork,
     )
-    from minipaged.checks._spec import diff
     from minipaged.core import BlockSpaceManager, Request
     from minipaged.grading.codec import to_data
 
