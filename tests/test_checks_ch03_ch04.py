@@ -115,3 +115,19 @@ def test_the_admission_case_carries_the_running_phase_never_the_admitted():
         assert set(case) == {"recipe", "running phase"}
         running = {r["request_id"] for r in case["recipe"]["requests"] if r["state"] == "running"}
         assert {rid for rid, _ in case["running phase"]} <= running  # only what already ran
+
+
+@pytest.mark.parametrize("exercise_id", list(PREDICTIONS))
+def test_the_local_check_judges_the_workload_of_the_students_notebook(exercise_id, monkeypatch, capsys):
+    import sys
+
+    from minipaged.checks import ExerciseFailure, check
+
+    _, name, answer_of, shipped = PREDICTIONS[exercise_id]
+    variant = make_cases(get_spec(exercise_id), "run1", student_seed="dave")[0]
+    # the notebook's namespace (__main__ in a kernel) holds the copy's workload
+    monkeypatch.setattr(sys.modules["__main__"], name, [tuple(x) for x in variant], raising=False)
+    check(exercise_id, lambda: answer_of(variant))
+    assert capsys.readouterr().out == f"✅ {exercise_id} passed\n"
+    with pytest.raises(ExerciseFailure, match="not right"):
+        check(exercise_id, lambda: answer_of(shipped))

@@ -107,7 +107,8 @@ def _describe(c: dict) -> str:
     return (
         f"num_seqs={len(c['seq_lens'])}, num_heads={c['num_heads']}, num_kv_heads={c['num_kv_heads']}, "
         f"head_dim={c['head_dim']}, block_size={c['block_size']}, seq_lens={c['seq_lens']}{extra} "
-        f"(tensors from torch seed {c['seed']}: minipaged.checks.ch03.case_tensors(case))"
+        f"(tensors from torch seed {c['seed']}: minipaged.checks.ch03.case_tensors(case)); "
+        "[flat i] below is the row-major index of an output element"
     )
 
 
