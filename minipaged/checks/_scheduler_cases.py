@@ -7,6 +7,9 @@ the front, with output so far) or WAITING (fresh). ``build(recipe, cls)`` makes 
 ``minipaged.core.Scheduler`` (or a subclass handed to the student) in that state; built
 twice, the two are identical down to block ids, because allocation is deterministic.
 ``snapshot(scheduler)`` is what is compared after the reference and the student acted.
+``recipe_data`` / ``recipe_from_data``: a recipe as plain data and back (a graded case
+crosses to the student's kernel as JSON); ``snapshot_data``: the snapshot keyed by what
+each entry is.
 
 Invariants: every built state passes ``Scheduler.check_invariants()`` (tested in
 tests/test_checks.py); no request is refused at ``add_request``.
@@ -15,7 +18,7 @@ tests/test_checks.py); no request is refused at ``add_request``.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from minipaged.core import Request, RequestStatus, Scheduler
@@ -220,4 +223,35 @@ def random_recipe(
     return recipe
 
 
-__all__ = ["EOS", "Recipe", "ReqSpec", "SNAPSHOT_WHAT", "build", "random_recipe", "snapshot"]
+def recipe_data(recipe: Recipe) -> dict:
+    """A recipe as plain data (what crosses to the student's kernel as a case)."""
+    d = asdict(recipe)
+    for r in d["requests"]:
+        r["stop_token_ids"] = list(r["stop_token_ids"])
+    return d
+
+
+def recipe_from_data(data: dict) -> Recipe:
+    """The ``Recipe`` of ``recipe_data(...)`` (after a JSON round trip)."""
+    d = dict(data)
+    reqs = [ReqSpec(**dict(r, stop_token_ids=tuple(r["stop_token_ids"]))) for r in d.pop("requests")]
+    return Recipe(**d, requests=reqs)
+
+
+def snapshot_data(s: Scheduler) -> dict:
+    """``snapshot(s)`` keyed by what each entry is (``SNAPSHOT_WHAT``), for messages."""
+    return {SNAPSHOT_WHAT[k]: v for k, v in snapshot(s).items()}
+
+
+__all__ = [
+    "EOS",
+    "Recipe",
+    "ReqSpec",
+    "SNAPSHOT_WHAT",
+    "build",
+    "random_recipe",
+    "recipe_data",
+    "recipe_from_data",
+    "snapshot",
+    "snapshot_data",
+]

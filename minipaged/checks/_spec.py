@@ -317,11 +317,29 @@ def _judge_secret(spec: Spec, cases: list, got: list, key: Optional[dict]) -> tu
 # -- the local check (advisory; one process) ------------------------------------------------
 
 
+def _local_cases(spec: Spec) -> list:
+    """The local-practice cases; for a prediction with per-student workloads (the chapter's
+    ``VARIANTS``), the workload the notebook's setup cell defines (a student copy made with
+    ``--seed`` holds its own), so the local check judges the workload the student sees."""
+    if spec.kind == "prediction":
+        import importlib
+        import sys
+
+        from minipaged.checks import chapter_of
+
+        module = importlib.import_module(f"minipaged.checks.{chapter_of(spec.exercise_id)}")
+        variant = getattr(module, "VARIANTS", {}).get(spec.exercise_id)
+        main = sys.modules.get("__main__")
+        if variant is not None and hasattr(main, variant[0]):
+            return [to_data(getattr(main, variant[0]))]
+    return make_cases(spec, LOCAL_SEED)
+
+
 def local_check(spec: Spec, objects: tuple) -> None:
     """What ``check(...)`` in a notebook does: the same observe/judge on the local seed."""
     from minipaged.checks._harness import ExerciseFailure
 
-    cases = make_cases(spec, LOCAL_SEED)
+    cases = _local_cases(spec)
     cases = loads_strict(dumps(cases), max_bytes=1 << 30)
     got_text = dumps(observe_all(spec, cases, objects))
     if spec.kind == "secret":

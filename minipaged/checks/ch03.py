@@ -9,209 +9,190 @@ Exercises (notebooks/exercises/ch03_paged_attention.ipynb)
           softmax over the blocks of one sequence), run under ``TRITON_INTERPRET=1`` on CPU.
     ex3.4 ``combine_partitions(tmp_out, max_logits, exp_sums)``: the split-KV reduce
           ("PagedAttention V2"): merge per-partition results into the exact output.
-    ex3.5 ``predict_reads()`` -> per sequence of ``READ_BLOCK_TABLES``, per split-KV
-          partition, the ``(physical block, tokens read)`` in order (a prediction), compared
-          with the indexing of ``split_kv_partials``; a mismatch shows the walk as text.
+    ex3.5 ``predict_reads()`` -> per sequence of ``READ_SEQUENCES`` (a per-student
+          workload), per split-KV partition, the ``(physical block, tokens read)`` in order
+          (a prediction), judged against the indexing of ``split_kv_partials``.
     ex3.6 ``attention_intensity(num_heads, num_kv_heads, head_dim, seq_len, dtype_bytes)``:
           FLOPs per byte of K/V read by one decode token's attention (the formula of the
-          course cost model, hand-checked in the spec); the check then prints the figure
-          for MHA, GQA and MQA shapes (a measurement of why decode attention is memory-bound).
-    ex3.7 ``concept_answers()``: the end-of-chapter questions with a number or a choice.
+          course cost model); the local check then prints the figure for MHA, GQA and MQA
+          shapes (a measurement of why decode attention is memory-bound).
+    ex3.7 ``concept_answers()``: the end-of-chapter questions (answers in the instructor's key).
 
-Reference: ``minipaged.kernels.reference.paged_attention_ref`` (the package's readable
-torch loop) for ex3.2-ex3.4; plain indexing for ex3.1. Float32 throughout; tolerance
-``atol=1e-5, rtol=1e-4`` for attention outputs, exact equality for gathers.
+Each exercise is a spec (``minipaged.checks._spec``). A case is plain data: the shapes,
+the sequence lengths and a torch seed; ``observe`` (the student's kernel) builds the
+tensors from it (``case_tensors``: seeded, so both sides build the same ones), calls the
+student's function or launches the student's kernel, and returns the output tensors
+(through ``minipaged.grading.codec``). The trusted side computes the expected tensors
+with ``minipaged.kernels.reference.paged_attention_ref`` (ex3.2-ex3.4) or plain indexing
+(ex3.1) and compares within ``rel_tol=1e-4, abs_tol=1e-5`` (exactly for gathers). Shapes
+are kept small (a few thousand values per case): the results cross as JSON text.
 Shapes: q [num_seqs, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads,
 head_dim]; block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32.
+Float32 throughout; an output of another dtype or shape is wrong.
+
+Failure mode: the student's code raising becomes data (``{"raised": ...}``), reported with
+the smallest failing case; a missing Triton (ex3.3) is reported as such.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import random
 
 import torch
 
-from minipaged.checks._harness import (
-    ExerciseFailure,
-    Mismatch,
-    exercise,
-    expect_close_to_reference,
-    expect_true,
-    require_callable,
-    run_cases,
-)
-from minipaged.checks._spec import concept_spec, register
+from minipaged.checks._spec import Spec, attempt, concept_spec, register
 from minipaged.kernels.reference import paged_attention_ref
 
 CHECKS: dict = {}
+SPECS: dict = {}
 ATOL, RTOL = 1e-5, 1e-4
 
 
-def _make_case(
-    seed: int,
-    num_seqs: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    seq_lens: list[int],
-    device: str = "cpu",
-) -> dict:
-    """Random q and caches; each sequence gets random, non-contiguous physical blocks."""
-    g = torch.Generator().manual_seed(seed)
+def case_tensors(c: dict, device: str = "cpu") -> dict:
+    """The tensors a case describes: random q and caches from ``c["seed"]``; each sequence
+    gets random, non-contiguous physical blocks (a few blocks nobody uses)."""
+    g = torch.Generator().manual_seed(int(c["seed"]))
+    block_size, seq_lens = int(c["block_size"]), [int(n) for n in c["seq_lens"]]
+    num_seqs = len(seq_lens)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-    max_blocks = max(blocks_per_seq)
-    num_blocks = sum(blocks_per_seq) + 3  # a few blocks nobody uses
+    num_blocks = sum(blocks_per_seq) + 3
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
+    tables = torch.zeros(num_seqs, max(blocks_per_seq), dtype=torch.int32)
     k = 0
     for b, nb in enumerate(blocks_per_seq):
         tables[b, :nb] = torch.tensor(perm[k : k + nb], dtype=torch.int32)
         k += nb
-    case = dict(
-        q=torch.randn(num_seqs, num_heads, head_dim, generator=g),  # [B, H, D]
-        k_cache=torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g),
-        v_cache=torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g),
+    head_dim, kvh = int(c["head_dim"]), int(c["num_kv_heads"])
+    t = dict(
+        q=torch.randn(num_seqs, int(c["num_heads"]), head_dim, generator=g),  # [B, H, D]
+        k_cache=torch.randn(num_blocks, block_size, kvh, head_dim, generator=g),
+        v_cache=torch.randn(num_blocks, block_size, kvh, head_dim, generator=g),
         block_tables=tables,  # [B, max_blocks]
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),  # [B]
-        scale=1.0 / math.sqrt(head_dim),
     )
-    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    t = {name: v.to(device) for name, v in t.items()}
+    t["scale"] = 1.0 / math.sqrt(head_dim)
+    return t
 
 
-def _random_cases(
-    exercise_id: str,
-    n: int,
-    block_sizes=(1, 2, 4, 8),
-    head_dims=(4, 8, 16),
-    max_len: int = 40,
-    max_seqs: int = 4,
-) -> list[dict]:
-    rng = random.Random(exercise_id)
+def _attention_cases(rng, n, block_sizes=(1, 2, 4, 8), head_dims=(4, 8, 16), max_len=40, max_seqs=4):
     cases = []
-    for _i in range(n):
+    for _ in range(n):
         num_kv_heads = rng.choice([1, 2])
-        num_heads = num_kv_heads * rng.choice([1, 2, 4])
         num_seqs = rng.randint(1, max_seqs)
-        seq_lens = [rng.randint(1, max_len) for _ in range(num_seqs)]
         cases.append(
             dict(
                 seed=rng.randrange(2**31),
-                num_seqs=num_seqs,
-                num_heads=num_heads,
+                num_heads=num_kv_heads * rng.choice([1, 2, 4]),
                 num_kv_heads=num_kv_heads,
                 head_dim=rng.choice(head_dims),
                 block_size=rng.choice(block_sizes),
-                seq_lens=seq_lens,
+                seq_lens=[rng.randint(1, max_len) for _ in range(num_seqs)],
             )
         )
     return cases
 
 
 def _size(c: dict):
-    return (c["num_seqs"] * c["num_heads"] * max(c["seq_lens"]), c["head_dim"])
+    return (
+        len(c["seq_lens"]) * c["num_heads"] * max(c["seq_lens"]),
+        c["head_dim"],
+        c.get("partition_size", 0),
+    )
 
 
 def _describe(c: dict) -> str:
+    extra = f", partition_size={c['partition_size']}" if "partition_size" in c else ""
     return (
-        f"num_seqs={c['num_seqs']}, num_heads={c['num_heads']}, num_kv_heads={c['num_kv_heads']}, "
-        f"head_dim={c['head_dim']}, block_size={c['block_size']}, seq_lens={c['seq_lens']} "
-        f"(tensors from torch seed {c['seed']}; see minipaged/checks/ch03.py)"
+        f"num_seqs={len(c['seq_lens'])}, num_heads={c['num_heads']}, num_kv_heads={c['num_kv_heads']}, "
+        f"head_dim={c['head_dim']}, block_size={c['block_size']}, seq_lens={c['seq_lens']}{extra} "
+        f"(tensors from torch seed {c['seed']}: minipaged.checks.ch03.case_tensors(case)); "
+        "[flat i] below is the row-major index of an output element"
     )
 
 
-def _expect_close(what: str, expected: torch.Tensor, got) -> None:
-    expect_true(
-        f"{what}: expected a torch.Tensor", isinstance(got, torch.Tensor), f"got {type(got).__name__}"
+def _ref_out(c: dict) -> torch.Tensor:
+    """The exact attention output of a case (trusted side)."""
+    t = case_tensors(c)
+    return paged_attention_ref(
+        t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["seq_lens"], scale=t["scale"]
     )
-    expect_true(
-        f"{what}: wrong shape",
-        tuple(got.shape) == tuple(expected.shape),
-        f"expected {tuple(expected.shape)}, got {tuple(got.shape)}",
+
+
+def _attention_spec(exercise_id, title, signature, cases, observe, **kw) -> Spec:
+    return Spec(
+        exercise_id,
+        title,
+        signature,
+        cases=cases,
+        observe=observe,
+        describe=_describe,
+        size=_size,
+        rel_tol=RTOL,
+        abs_tol=ATOL,
+        **kw,
     )
-    got = got.detach().to("cpu", torch.float32)
-    expected = expected.detach().to("cpu", torch.float32)
-    if not torch.allclose(got, expected, atol=ATOL, rtol=RTOL, equal_nan=False):
-        diff = (got - expected).abs()
-        diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
-        idx = tuple(int(i) for i in torch.nonzero(diff == diff.max())[0])
-        raise Mismatch(
-            f"{what}: max abs difference {float(diff.max()):.3g} (allowed {ATOL} + {RTOL} * |expected|)\n"
-            f"    first worst element at index {list(idx)}: expected {float(expected[idx]):.6f}, "
-            f"got {float(got[idx]):.6f}"
-        )
 
 
 # -- ex3.1 -------------------------------------------------------------------------------
 
 
-@exercise(CHECKS, "ex3.1", "gather one sequence's K and V through its block table")
-def check_gather_kv(gather_kv) -> None:
-    require_callable("ex3.1", gather_kv, "gather_kv(k_cache, v_cache, block_table, seq_len)")
-    cases = _random_cases("ex3.1", 80, max_seqs=1)
+def observe_gather(c, gather_kv):
+    t = case_tensors(c)
+    return gather_kv(t["k_cache"], t["v_cache"], t["block_tables"][0].clone(), int(c["seq_lens"][0]))
 
-    def run_one(c):
-        t = _make_case(**c)
-        block_table, seq_len = t["block_tables"][0], int(t["seq_lens"][0])
-        bs = c["block_size"]
-        ids = [int(block_table[i // bs]) for i in range(seq_len)]
-        k_ref = torch.stack([t["k_cache"][ids[i], i % bs] for i in range(seq_len)])  # [L, KVH, D]
-        v_ref = torch.stack([t["v_cache"][ids[i], i % bs] for i in range(seq_len)])  # [L, KVH, D]
-        got = gather_kv(t["k_cache"], t["v_cache"], block_table.clone(), seq_len)
-        expect_true(
-            "gather_kv must return a pair (k, v)",
-            isinstance(got, (tuple, list)) and len(got) == 2,
-            f"got {type(got).__name__}",
-        )
-        for name, ref, x in (("k", k_ref, got[0]), ("v", v_ref, got[1])):
-            expect_true(
-                f"{name}: expected a torch.Tensor", isinstance(x, torch.Tensor), f"got {type(x).__name__}"
-            )
-            expect_true(
-                f"{name}: wrong shape",
-                tuple(x.shape) == tuple(ref.shape),
-                f"expected {tuple(ref.shape)} = [seq_len, num_kv_heads, head_dim], got {tuple(x.shape)}",
-            )
-            if not torch.equal(x, ref):
-                bad = next(i for i in range(seq_len) if not torch.equal(x[i], ref[i]))
-                raise Mismatch(
-                    f"{name}: token {bad} is wrong: it lives in physical block {ids[bad]} "
-                    f"(logical block {bad // bs}), offset {bad % bs}"
-                )
 
-    run_cases("ex3.1", cases, run_one, size=_size, describe=_describe)
+def ref_gather_kv(k_cache, v_cache, block_table, seq_len):
+    """Token ``i`` read from ``[block_table[i // block_size], i % block_size]``, one at a time."""
+    bs = k_cache.shape[1]
+    ids = [int(block_table[i // bs]) for i in range(seq_len)]
+    k = torch.stack([k_cache[ids[i], i % bs] for i in range(seq_len)])  # [L, KVH, D]
+    v = torch.stack([v_cache[ids[i], i % bs] for i in range(seq_len)])  # [L, KVH, D]
+    return k, v
+
+
+register(
+    SPECS,
+    Spec(
+        "ex3.1",
+        "gather one sequence's K and V through its block table",
+        "gather_kv(k_cache, v_cache, block_table, seq_len)",
+        cases=lambda rng: _attention_cases(rng, 60, head_dims=(4, 8), max_seqs=1),
+        observe=observe_gather,
+        reference=lambda: (ref_gather_kv,),
+        describe=lambda c: _describe(c) + "; the result is [k, v], each [seq_len, num_kv_heads, head_dim]",
+        size=_size,
+    ),
+)
 
 
 # -- ex3.2 -------------------------------------------------------------------------------
 
 
-@exercise(CHECKS, "ex3.2", "decode attention through block tables, by hand in torch")
-def check_paged_decode_attention(paged_decode_attention) -> None:
-    require_callable(
-        "ex3.2",
-        paged_decode_attention,
-        "paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)",
+def observe_attention(c, paged_decode_attention):
+    t = case_tensors(c)
+    return paged_decode_attention(
+        t["q"].clone(),
+        t["k_cache"],
+        t["v_cache"],
+        t["block_tables"].clone(),
+        t["seq_lens"].clone(),
+        t["scale"],
     )
-    cases = _random_cases("ex3.2", 60)
 
-    def run_one(c):
-        t = _make_case(**c)
-        expected = paged_attention_ref(
-            t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["seq_lens"], scale=t["scale"]
-        )
-        got = paged_decode_attention(
-            t["q"].clone(),
-            t["k_cache"],
-            t["v_cache"],
-            t["block_tables"].clone(),
-            t["seq_lens"].clone(),
-            t["scale"],
-        )
-        _expect_close("attention output [num_seqs, num_heads, head_dim]", expected, got)
 
-    run_cases("ex3.2", cases, run_one, size=_size, describe=_describe)
+register(
+    SPECS,
+    _attention_spec(
+        "ex3.2",
+        "decode attention through block tables, by hand in torch",
+        "paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)",
+        cases=lambda rng: _attention_cases(rng, 50),
+        observe=observe_attention,
+        expected=lambda c, key: _ref_out(c),
+    ),
+)
 
 
 # -- ex3.3 -------------------------------------------------------------------------------
@@ -221,7 +202,7 @@ def _triton_device() -> str:
     try:
         import triton  # noqa: F401
     except ImportError:
-        raise ExerciseFailure(
+        raise RuntimeError(
             "ex3.3 needs Triton, which is not installed here (Linux x86-64 only); "
             "skip this exercise on this machine"
         ) from None
@@ -229,7 +210,7 @@ def _triton_device() -> str:
         return "cpu"
     if torch.cuda.is_available():
         return "cuda"
-    raise ExerciseFailure(
+    raise RuntimeError(
         "ex3.3: no GPU and TRITON_INTERPRET is not 1; run the setup cell first "
         "(it imports minipaged.kernels, which turns the interpreter on)"
     )
@@ -263,33 +244,30 @@ def launch_decode_kernel(kernel, q, k_cache, v_cache, block_tables, seq_lens, sc
     return out
 
 
-@exercise(CHECKS, "ex3.3", "the Triton decode kernel's loop over blocks (online softmax)")
-def check_paged_decode_kernel(paged_decode_kernel) -> None:
+def observe_kernel(c, paged_decode_kernel):
     device = _triton_device()
     if not hasattr(paged_decode_kernel, "__getitem__"):
-        raise ExerciseFailure(
-            "ex3.3: paged_decode_kernel must be a Triton kernel (decorated with @triton.jit)"
-        )
-    # Few, small cases: the interpreter runs each program in numpy, one after another.
-    cases = _random_cases("ex3.3", 8, block_sizes=(2, 4, 8), head_dims=(8, 16), max_len=24, max_seqs=3)
+        raise TypeError("paged_decode_kernel must be a Triton kernel (decorated with @triton.jit)")
+    t = case_tensors(c, device)
+    return launch_decode_kernel(
+        paged_decode_kernel, t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["seq_lens"], t["scale"]
+    )
 
-    def run_one(c):
-        t = _make_case(**c, device=device)
-        expected = paged_attention_ref(
-            t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["seq_lens"], scale=t["scale"]
-        )
-        got = launch_decode_kernel(
-            paged_decode_kernel,
-            t["q"],
-            t["k_cache"],
-            t["v_cache"],
-            t["block_tables"],
-            t["seq_lens"],
-            t["scale"],
-        )
-        _expect_close("kernel output [num_seqs, num_heads, head_dim]", expected, got)
 
-    run_cases("ex3.3", cases, run_one, size=_size, describe=_describe)
+register(
+    SPECS,
+    _attention_spec(
+        "ex3.3",
+        "the Triton decode kernel's loop over blocks (online softmax)",
+        "paged_decode_kernel[(num_seqs, num_heads)](...)",
+        # few, small cases: the interpreter runs each program in numpy, one after another
+        cases=lambda rng: _attention_cases(
+            rng, 8, block_sizes=(2, 4, 8), head_dims=(8, 16), max_len=24, max_seqs=3
+        ),
+        observe=observe_kernel,
+        expected=lambda c, key: _ref_out(c),
+    ),
+)
 
 
 # -- ex3.4 -------------------------------------------------------------------------------
@@ -329,44 +307,44 @@ def split_kv_partials(t: dict, partition_size: int):
     return tmp_out, max_logits, exp_sums
 
 
-@exercise(CHECKS, "ex3.4", "split-KV: combine partition results into the exact output")
-def check_combine_partitions(combine_partitions) -> None:
-    require_callable("ex3.4", combine_partitions, "combine_partitions(tmp_out, max_logits, exp_sums)")
-    cases = _random_cases("ex3.4", 50, max_len=30)
-    rng = random.Random("ex3.4/partition")
+def _partition_cases(rng):
+    cases = _attention_cases(rng, 50, max_len=30)
     for c in cases:
         c["partition_size"] = rng.choice([1, 2, 4, 8])
-
-    def run_one(c):
-        c = dict(c)
-        partition_size = c.pop("partition_size")
-        t = _make_case(**c)
-        expected = paged_attention_ref(
-            t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["seq_lens"], scale=t["scale"]
-        )
-        tmp_out, max_logits, exp_sums = split_kv_partials(t, partition_size)
-        got = combine_partitions(tmp_out.clone(), max_logits.clone(), exp_sums.clone())
-        _expect_close("combined output [num_seqs, num_heads, head_dim]", expected, got)
-
-    def describe(c):
-        return _describe(c) + f", partition_size={c['partition_size']}"
-
-    run_cases("ex3.4", cases, run_one, size=lambda c: (_size(c), -c["partition_size"]), describe=describe)
+    return cases
 
 
-# -- ex3.5: predict what each split-KV partition reads ----------------------------------------
+def observe_combine(c, combine_partitions):
+    tmp_out, max_logits, exp_sums = split_kv_partials(case_tensors(c), int(c["partition_size"]))
+    return combine_partitions(tmp_out, max_logits, exp_sums)
+
+
+register(
+    SPECS,
+    _attention_spec(
+        "ex3.4",
+        "split-KV: combine partition results into the exact output",
+        "combine_partitions(tmp_out, max_logits, exp_sums)",
+        cases=_partition_cases,
+        observe=observe_combine,
+        expected=lambda c, key: _ref_out(c),
+    ),
+)
+
+
+# -- ex3.5: predict what each split-KV partition reads (one workload per student) -------------
 
 READ_BLOCK_SIZE, READ_PARTITION_SIZE = 4, 8
-READ_BLOCK_TABLES = {"A": [7, 2, 5, 0], "B": [3, 6], "C": [1, 4, 8]}
-READ_SEQ_LENS = {"A": 13, "B": 5, "C": 9}
+# (sequence, block table, tokens): the shipped notebook's; a student copy made with --seed
+# gets the sequences its seed draws (``read_sequences_variant``)
+READ_SEQUENCES = [("A", [7, 2, 5, 0], 13), ("B", [3, 6], 5), ("C", [1, 4, 8], 9)]
 
 
-def reference_reads() -> dict:
-    """Sequence -> per split-KV partition, the (physical block, tokens read from it) in order,
+def reference_reads(sequences=READ_SEQUENCES) -> dict:
+    """Sequence -> per split-KV partition, the [physical block, tokens read from it] in order,
     the way ``split_kv_partials`` (and the kernel) index the cache."""
     out = {}
-    for rid, table in READ_BLOCK_TABLES.items():
-        n = READ_SEQ_LENS[rid]
+    for rid, table, n in sequences:
         parts = []
         for p in range(-(-n // READ_PARTITION_SIZE)):
             pos = torch.arange(p * READ_PARTITION_SIZE, min(n, (p + 1) * READ_PARTITION_SIZE))
@@ -374,47 +352,66 @@ def reference_reads() -> dict:
             reads: list = []
             for b in ids:
                 if reads and reads[-1][0] == b:
-                    reads[-1] = (b, reads[-1][1] + 1)
+                    reads[-1] = [b, reads[-1][1] + 1]
                 else:
-                    reads.append((b, 1))
+                    reads.append([b, 1])
             parts.append(reads)
         out[rid] = parts
     return out
 
 
-def _reads_picture(rid: str) -> str:
-    table, n = READ_BLOCK_TABLES[rid], READ_SEQ_LENS[rid]
-    cells = []
-    for i in range(n):
-        if i and i % READ_PARTITION_SIZE == 0:
-            cells.append("|")
-        cells.append(f"{i}@b{table[i // READ_BLOCK_SIZE]}")
-    return f"{rid}: token@block, '|' = partition boundary: " + " ".join(cells)
+def read_sequences_variant(rng) -> list:
+    """Three sequences A, B, C over distinct physical blocks of a 10-block pool: at least one
+    longer than a partition, one ending mid-block, drawn by ``rng``."""
+    while True:
+        lens = [rng.randint(1, 16) for _ in range(3)]
+        need = [-(-n // READ_BLOCK_SIZE) for n in lens]
+        if sum(need) > 10 or max(lens) <= READ_PARTITION_SIZE or all(n % READ_BLOCK_SIZE == 0 for n in lens):
+            continue
+        blocks = rng.sample(range(10), sum(need))
+        seqs, k = [], 0
+        for rid, n, nb in zip("ABC", lens, need):
+            seqs.append((rid, blocks[k : k + nb], n))
+            k += nb
+        return seqs
 
 
-@exercise(CHECKS, "ex3.5", "predict what each split-KV partition reads")
-def check_predict_reads(predict_reads) -> None:
-    require_callable("ex3.5", predict_reads, "predict_reads")
-    from minipaged.checks._harness import Mismatch
+def read_sequence_row(seq) -> str:
+    rid, table, n = seq
+    return f"| {rid} | `{list(table)}` | {n} |"
 
-    expected = reference_reads()
 
-    def run_one(rid):
-        got = predict_reads()
-        if not isinstance(got, dict):
-            raise Mismatch(f"predict_reads() must return a dict sequence -> partitions, got {got!r}")
-        mine = got.get(rid)
-        try:
-            norm = [[(int(b), int(k)) for b, k in part] for part in mine]
-        except (TypeError, ValueError):
-            norm = mine
-        if norm != expected[rid]:
-            raise Mismatch(
-                f"sequence {rid}:\n    expected {expected[rid]!r}\n    got      {mine!r}\n"
-                f"  the cache as the kernel walks it:\n    {_reads_picture(rid)}"
-            )
+def _reads_cases(rng):
+    return [READ_SEQUENCES if rng is None else read_sequences_variant(rng)]
 
-    run_cases("ex3.5", list(READ_BLOCK_TABLES), run_one, describe=lambda rid: f"sequence {rid}")
+
+def observe_prediction(case, fn):
+    return fn()
+
+
+register(
+    SPECS,
+    Spec(
+        "ex3.5",
+        "predict what each split-KV partition reads",
+        "predict_reads()",
+        cases=_reads_cases,
+        observe=observe_prediction,
+        expected=lambda case, key: reference_reads([tuple(s) for s in case]),
+        describe=lambda c: (
+            f"the sequences of READ_SEQUENCES (block_size {READ_BLOCK_SIZE}, partition size "
+            f"{READ_PARTITION_SIZE}): " + "; ".join(f"{r}: block table {t}, {n} tokens" for r, t, n in c)
+        ),
+        kind="prediction",
+    ),
+)
+VARIANTS = {
+    "ex3.5": (
+        "READ_SEQUENCES",
+        read_sequence_row,
+        "| sequence | block table | tokens |\n|---|---|---|",
+    )
+}
 
 
 # -- ex3.6: arithmetic intensity of decode attention ----------------------------------------
@@ -434,13 +431,7 @@ def ref_attention_intensity(num_heads, num_kv_heads, head_dim, seq_len, dtype_by
     return flops / nbytes
 
 
-@exercise(CHECKS, "ex3.6", "the arithmetic intensity of decode attention (measure)")
-def check_attention_intensity(attention_intensity) -> None:
-    require_callable("ex3.6", attention_intensity, "attention_intensity")
-
-    from minipaged.checks._harness import _print, _redirect_stdout, _StringIO
-
-    rng = random.Random("ex3.6")
+def _intensity_cases(rng):
     cases = [(32, 8, 128, 1000, 2), (1, 1, 1, 1, 1)]
     for _ in range(60):
         kv = rng.choice([1, 2, 4, 8, 16])
@@ -453,30 +444,35 @@ def check_attention_intensity(attention_intensity) -> None:
                 rng.choice([1, 2, 4]),
             )
         )
-    cases += [(32, 8, 128, 0, 2), (32, 6, 128, 10, 2), (32, 8, 128, 10, 0)]
+    bad = [(32, 8, 128, 0, 2), (32, 6, 128, 10, 2), (32, 8, 128, 10, 0), (0, 1, 64, 10, 2), (8, 2, -4, 10, 2)]
+    return cases + rng.sample(bad, 3)
 
-    def run_one(c):
-        expect_close_to_reference(
-            "FLOPs per byte", lambda: ref_attention_intensity(*c), lambda: attention_intensity(*c)
-        )
 
-    verdict = _StringIO()
-    with _redirect_stdout(verdict):
-        run_cases(
-            "ex3.6",
-            cases,
-            run_one,
-            size=lambda c: (min(c) < 1, c[3]),
-            describe=lambda c: (
-                "attention_intensity(num_heads={}, num_kv_heads={}, head_dim={}, seq_len={}, "
-                "dtype_bytes={})".format(*c)
-            ),
-        )
+def _intensity_report(attention_intensity) -> str:
     row = ", ".join(
         f"{name}: {attention_intensity(h, kv, 128, 4096, 2):g}" for name, (h, kv) in INTENSITY_SHAPES.items()
     )
-    _print(f"FLOPs per byte, head_dim 128, 4096 tokens, fp16: {row} (an H100's ridge is about 295)")
-    _print(verdict.getvalue(), end="")
+    return f"FLOPs per byte, head_dim 128, 4096 tokens, fp16: {row} (an H100's ridge is about 295)\n"
+
+
+register(
+    SPECS,
+    Spec(
+        "ex3.6",
+        "the arithmetic intensity of decode attention (measure)",
+        "attention_intensity(num_heads, num_kv_heads, head_dim, seq_len, dtype_bytes)",
+        cases=_intensity_cases,
+        observe=lambda c, fn: attempt(lambda: fn(*c)),
+        reference=lambda: (ref_attention_intensity,),
+        describe=lambda c: (
+            "attention_intensity(num_heads={}, num_kv_heads={}, head_dim={}, seq_len={}, dtype_bytes={})".format(
+                *c
+            )
+        ),
+        size=lambda c: (min(c) < 1, c[3]),
+        report=_intensity_report,
+    ),
+)
 
 
 # -- ex3.7: concept questions ----------------------------------------------------------------
@@ -492,8 +488,15 @@ QUESTIONS = {
     ),
     "q4": ("what the decode kernel is bound by at batch 1: 'memory' or 'compute'", ("memory", "compute")),
 }
-SPECS: dict = {}
 register(SPECS, concept_spec("ex3.7", "concept questions (numbers and choices)", QUESTIONS))
 
 
-__all__ = ["CHECKS", "launch_decode_kernel", "split_kv_partials"]
+__all__ = [
+    "CHECKS",
+    "READ_SEQUENCES",
+    "SPECS",
+    "VARIANTS",
+    "case_tensors",
+    "launch_decode_kernel",
+    "split_kv_partials",
+]

@@ -228,7 +228,11 @@ def apply_variants(nb, seed) -> None:
 
     chapter = nb.metadata.get(META_KEY, {}).get("chapter")
     variants = getattr(importlib.import_module(f"minipaged.checks.{chapter}"), "VARIANTS", {})
-    for ex, (name, event_text) in variants.items():
+    for ex, variant in variants.items():
+        # (name, event_text): a two-column "| event | what happens |" table; (name, row_text,
+        # header): a table of that header (its two first lines), one row_text(item) per item
+        name, event_text = variant[0], variant[1]
+        header = variant[2] if len(variant) > 2 else None
         events = make_cases(get_spec(ex), None, student_seed=seed)[0]
         line_re = re.compile(rf"^{name} = .*$", re.M)
         for cell in nb.cells:
@@ -236,12 +240,13 @@ def apply_variants(nb, seed) -> None:
             if cell.cell_type == "code" and cell_role(cell) == "setup" and line_re.search(src):
                 cell.source = line_re.sub(lambda m: f"{name} = {_literal(events)}", src)
             elif cell.cell_type == "markdown" and cell_role(cell) == "spec" and cell_exercise(cell) == ex:
-                rows = "\n".join(f"| {k} | {event_text(tuple(e))} |" for k, e in enumerate(events))
-                cell.source = re.sub(
-                    r"(\| event \| what happens \|\n\|---\|---\|\n)(\|.*\|\n?)+",
-                    lambda m: m.group(1) + rows + "\n",
-                    src,
-                )
+                if header is None:
+                    rows = "\n".join(f"| {k} | {event_text(tuple(e))} |" for k, e in enumerate(events))
+                    table = r"(\| event \| what happens \|\n\|---\|---\|\n)(\|.*\|\n?)+"
+                else:
+                    rows = "\n".join(event_text(tuple(e)) for e in events)
+                    table = "(" + re.escape(header + "\n") + r")(\|.*\|\n?)+"
+                cell.source = re.sub(table, lambda m: m.group(1) + rows + "\n", src)
 
 
 def make_student_copy(nb, seed=None) -> nbformat.NotebookNode:

@@ -2,7 +2,7 @@
 
 from _common import ExerciseNotebook
 
-from minipaged.checks.ch03 import READ_BLOCK_SIZE, READ_BLOCK_TABLES, READ_PARTITION_SIZE, READ_SEQ_LENS
+from minipaged.checks.ch03 import READ_BLOCK_SIZE, READ_PARTITION_SIZE, READ_SEQUENCES, read_sequence_row
 
 nb = ExerciseNotebook(
     chapter="ch03",
@@ -31,10 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-# ex3.5: block size, split-KV partition size, each sequence's block table and length
+# ex3.5: block size, split-KV partition size; (sequence, block table, tokens) of each sequence
 READ_BLOCK_SIZE, READ_PARTITION_SIZE = {READ_BLOCK_SIZE!r}, {READ_PARTITION_SIZE!r}
-READ_BLOCK_TABLES = {READ_BLOCK_TABLES!r}
-READ_SEQ_LENS = {READ_SEQ_LENS!r}
+READ_SEQUENCES = {READ_SEQUENCES!r}
 """)
 
 nb.exercise(
@@ -209,15 +208,15 @@ nb.exercise(
 
     | sequence | block table | tokens |
     |---|---|---|
-    | A | `[7, 2, 5, 0]` | 13 |
-    | B | `[3, 6]` | 5 |
-    | C | `[1, 4, 8]` | 9 |
+{READ_ROWS}
 
-    Write `predict_reads()`: a dict sequence -> list of partitions, each partition the
-    list of `(physical block id, number of tokens read from it)` in the order the kernel
-    reads them. Example: B -> `[[(3, 4), (6, 1)]]` (one partition; all of block 3, one
-    token of block 6). The check draws the walk of the first sequence you got wrong.
-    """,
+    (the same as `READ_SEQUENCES` in the setup cell). Write `predict_reads()`: a dict
+    sequence -> list of partitions, each partition the list of `(physical block id, number
+    of tokens read from it)` in the order the kernel reads them. Example, for another
+    sequence: block table `[9, 1]` and 5 tokens -> `[[(9, 4), (1, 1)]]` (one partition;
+    all of block 9, one token of block 1). Work it out on paper; the check says which
+    entry is the first wrong one (never the right answer).
+    """.replace("{READ_ROWS}", "\n".join("    " + read_sequence_row(s) for s in READ_SEQUENCES)),
     """
     def predict_reads() -> dict[str, list[list[tuple[int, int]]]]:
         \"\"\"Per sequence, per partition: (block id, tokens read) in order.\"\"\"

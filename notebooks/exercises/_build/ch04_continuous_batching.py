@@ -2,7 +2,13 @@
 
 from _common import ExerciseNotebook, _md
 
-from minipaged.checks.ch04 import PREDICT_KNOBS, PREDICT_REQUESTS, SERVE_KNOBS, SERVE_WORKLOAD
+from minipaged.checks.ch04 import (
+    PREDICT_KNOBS,
+    PREDICT_REQUESTS,
+    SERVE_KNOBS,
+    SERVE_WORKLOAD,
+    predict_request_row,
+)
 
 nb = ExerciseNotebook(
     chapter="ch04",
@@ -215,10 +221,7 @@ nb.exercise(
 
     | request | prompt tokens | max_tokens | arrives before step |
     |---|---|---|---|
-    | A | 6 | 4 | 0 |
-    | B | 5 | 2 | 0 |
-    | C | 4 | 3 | 0 |
-    | D | 5 | 2 | 1 |
+{PREDICT_ROWS}
 
     No request stops early (`ignore_eos`). What you need from chapter 04: running requests
     are served first, in arrival order, then waiting ones are admitted in arrival order
@@ -229,10 +232,10 @@ nb.exercise(
 
     Write `predict_steps()`: a list with one dict per step until every request has
     finished, mapping each request scheduled in that step to its number of tokens. Work it
-    out on paper; do not run a scheduler. Example: step 0 is `{"A": 6, "B": 2}`. The
-    check compares step by step and, at the first difference, shows the scheduler's
-    picture of that step.
-    """,
+    out on paper; do not run a scheduler. Example, for other requests: a step that runs
+    6 tokens of X and 2 of Y is `{"X": 6, "Y": 2}`. The check compares step by step and
+    names the first wrong step (never the right answer).
+    """.replace("{PREDICT_ROWS}", "\n".join("    " + predict_request_row(r) for r in PREDICT_REQUESTS)),
     """
     def predict_steps() -> list[dict[str, int]]:
         \"\"\"Request id -> tokens scheduled, for each step of the run.\"\"\"
@@ -268,9 +271,10 @@ nb.exercise(
     - **Failure mode**: a loop that never ends is a bug; the scheduler itself raises
       `RuntimeError` if a step could do nothing while requests wait.
 
-    The check runs your loop on `SERVE_WORKLOAD` with `max_num_seqs` 1, 2, 4 and 8,
-    compares every finish step with the package's driver, and prints what it measured:
-    the steps the workload took and the mean finish step. Before you run it: how much
+    The check runs your loop on `SERVE_WORKLOAD` with `max_num_seqs` 1, 2, 4 and 8 (and
+    on other small workloads), compares every finish step with the package's driver, and
+    prints what your loop measured on `SERVE_WORKLOAD`: the steps the workload took and
+    the mean finish step. Before you run it: how much
     should 8 seats gain over 1 here, and why not 8 times?
     """,
     """
@@ -319,8 +323,10 @@ nb.exercise(
     every question has an answer of the right kind, and a graded failure says how many
     are wrong, never which.
 
-    - `q1`: how many steps does the run of ex4.4 take with `max_num_seqs=1` instead of 3?
-      (Work it out; you may check it with your `serve`.)
+    - `q1`: the scheduler of ex4.4, but with `max_num_seqs=1` instead of 3, serves A
+      (prompt 6, max_tokens 4), B (5, 2) and C (4, 3), arriving before step 0, and D
+      (5, 2) before step 1: how many steps does the run take? (Work it out; you may
+      check it with your `serve`.)
     - `q2`: a request finishes in step *t*; can another request use its freed blocks in
       the `"same"` step *t* or only from the `"next"` step?
     - `q3`: how many tokens does a step hold that runs 3 decodes and a 5-token prefill
