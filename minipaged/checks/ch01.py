@@ -228,7 +228,8 @@ def reference_starts(events=CONTIG_EVENTS) -> list:
 
 def contig_events_variant(rng: random.Random) -> list:
     """Seven events on a fresh ``CONTIG_KNOBS`` allocator, drawn by ``rng``: an arrival
-    after the first free (so a hole is reused), only placed requests freed, ids never reused."""
+    after the first free (so a hole is reused) and last, only placed requests freed, ids
+    never reused."""
     while True:
         alloc = ContiguousAllocator(**CONTIG_KNOBS)
         events, placed = [], []
@@ -245,7 +246,7 @@ def contig_events_variant(rng: random.Random) -> list:
             events.append((rid, final_len))
         frees = [i for i, (_, n) in enumerate(events) if n is None]
         arrivals = [i for i, (_, n) in enumerate(events) if n is not None]
-        if frees and arrivals[-1] > frees[0] and len(arrivals) >= 4:
+        if frees and arrivals[-1] > frees[0] and len(arrivals) >= 4 and arrivals[-1] == 6:
             return events
 
 

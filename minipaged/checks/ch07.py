@@ -51,7 +51,7 @@ ARRIVAL_MARGIN_S = 0.004  # a variant's arrivals keep this far from every step's
 
 def request_text(k: int, request) -> str:
     p, o, t = request
-    return f"r{k}: prompt {p} tokens, output {o} tokens, arrives at {t * 1e3:.0f} ms"
+    return f"r{k}: prompt {p} tokens, output {o} token{'s' if o != 1 else ''}, arrives at {t * 1e3:.0f} ms"
 
 
 def reference_run(requests=PREDICT_REQUESTS):
