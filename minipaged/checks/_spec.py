@@ -311,11 +311,42 @@ def _judge_secret(spec: Spec, cases: list, got: list, key: Optional[dict]) -> tu
 # -- the local check (advisory; one process) ------------------------------------------------
 
 
+def printed_workload(spec: Spec) -> Optional[list]:
+    """A prediction's workload as the notebook's setup cell defines it (the name in the
+    chapter's ``VARIANTS``, read from ``__main__``): a student's copy made with ``--seed``
+    prints its own, and its local check must judge that one. ``None`` elsewhere (pytest, a
+    script), where the shipped workload is the one."""
+    import importlib
+    import sys
+
+    from minipaged.checks import chapter_of
+
+    if spec.kind != "prediction":
+        return None
+    chapter = importlib.import_module(f"minipaged.checks.{chapter_of(spec.exercise_id)}")
+    name = getattr(chapter, "VARIANTS", {}).get(spec.exercise_id, (None,))[0]
+    main = sys.modules.get("__main__")
+    if name is None or not hasattr(main, name):
+        return None
+    return [to_data(getattr(main, name))]
+
+
 def local_check(spec: Spec, objects: tuple) -> None:
-    """What ``check(...)`` in a notebook does: the same observe/judge on the local seed."""
+    """What ``check(...)`` in a notebook does: the same observe/judge on the local seed (a
+    prediction: on the workload the notebook's setup cell defines, ``printed_workload``)."""
     from minipaged.checks._harness import ExerciseFailure
 
-    cases = make_cases(spec, LOCAL_SEED)
+    cases = printed_workload(spec)
+    if cases is not None:
+        try:
+            expected_records(spec, loads_strict(dumps(cases), max_bytes=1 << 30), None)
+        except Exception:
+            raise ExerciseFailure(
+                f"{spec.exercise_id}: the workload in the setup cell was changed; "
+                "run the setup cell as it was handed out"
+            ) from None
+    else:
+        cases = make_cases(spec, LOCAL_SEED)
     cases = loads_strict(dumps(cases), max_bytes=1 << 30)
     got_text = dumps(observe_all(spec, cases, objects))
     if spec.kind == "secret":

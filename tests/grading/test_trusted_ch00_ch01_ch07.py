@@ -211,3 +211,27 @@ def test_graded_cases_depend_on_the_run_and_the_student(exercise_id):
     a = make_cases(spec, "run1|alice")
     assert a != make_cases(spec, "run1|bob") and a != make_cases(spec, "run2|alice")
     assert a != make_cases(spec, "local")
+
+
+@pytest.mark.parametrize("exercise_id", list(PREDICTIONS))
+def test_the_local_check_of_a_copy_judges_the_workload_it_prints(exercise_id, monkeypatch, capsys):
+    import sys
+
+    from minipaged.checks import ExerciseFailure, check
+
+    chapter, name = PREDICTIONS[exercise_id]
+    spec = get_spec(exercise_id)
+    mine, shipped = _workload(exercise_id, "alice"), _workload(exercise_id, None)
+    right, right_shipped = spec.expected(mine, {}), spec.expected(shipped, {})
+    # the copy's setup cell defined NAME in the kernel's __main__
+    monkeypatch.setattr(sys.modules["__main__"], name, mine, raising=False)
+    check(exercise_id, lambda: right)
+    assert capsys.readouterr().out == f"✅ {exercise_id} passed\n"
+    with pytest.raises(ExerciseFailure, match="not right"):
+        check(exercise_id, lambda: right_shipped)
+    monkeypatch.setattr(sys.modules["__main__"], name, [("broken",)], raising=False)
+    with pytest.raises(ExerciseFailure, match="the workload in the setup cell was changed"):
+        check(exercise_id, lambda: right)
+    # without it (pytest, a script): the shipped workload
+    monkeypatch.delattr(sys.modules["__main__"], name)
+    check(exercise_id, lambda: right_shipped)
