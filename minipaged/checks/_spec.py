@@ -317,29 +317,42 @@ def _judge_secret(spec: Spec, cases: list, got: list, key: Optional[dict]) -> tu
 # -- the local check (advisory; one process) ------------------------------------------------
 
 
-def _local_cases(spec: Spec) -> list:
-    """The local-practice cases; for a prediction with per-student workloads (the chapter's
-    ``VARIANTS``), the workload the notebook's setup cell defines (a student copy made with
-    ``--seed`` holds its own), so the local check judges the workload the student sees."""
-    if spec.kind == "prediction":
-        import importlib
-        import sys
+def printed_workload(spec: Spec) -> Optional[list]:
+    """A prediction's workload as the notebook's setup cell defines it (the name in the
+    chapter's ``VARIANTS``, read from ``__main__``): a student's copy made with ``--seed``
+    prints its own, and its local check must judge that one. ``None`` elsewhere (pytest, a
+    script), where the shipped workload is the one."""
+    import importlib
+    import sys
 
-        from minipaged.checks import chapter_of
+    from minipaged.checks import chapter_of
 
-        module = importlib.import_module(f"minipaged.checks.{chapter_of(spec.exercise_id)}")
-        variant = getattr(module, "VARIANTS", {}).get(spec.exercise_id)
-        main = sys.modules.get("__main__")
-        if variant is not None and hasattr(main, variant[0]):
-            return [to_data(getattr(main, variant[0]))]
-    return make_cases(spec, LOCAL_SEED)
+    if spec.kind != "prediction":
+        return None
+    chapter = importlib.import_module(f"minipaged.checks.{chapter_of(spec.exercise_id)}")
+    name = getattr(chapter, "VARIANTS", {}).get(spec.exercise_id, (None,))[0]
+    main = sys.modules.get("__main__")
+    if name is None or not hasattr(main, name):
+        return None
+    return [to_data(getattr(main, name))]
 
 
 def local_check(spec: Spec, objects: tuple) -> None:
-    """What ``check(...)`` in a notebook does: the same observe/judge on the local seed."""
+    """What ``check(...)`` in a notebook does: the same observe/judge on the local seed (a
+    prediction: on the workload the notebook's setup cell defines, ``printed_workload``)."""
     from minipaged.checks._harness import ExerciseFailure
 
-    cases = _local_cases(spec)
+    cases = printed_workload(spec)
+    if cases is not None:
+        try:
+            expected_records(spec, loads_strict(dumps(cases), max_bytes=1 << 30), None)
+        except Exception:
+            raise ExerciseFailure(
+                f"{spec.exercise_id}: the workload in the setup cell was changed; "
+                "run the setup cell as it was handed out"
+            ) from None
+    else:
+        cases = make_cases(spec, LOCAL_SEED)
     cases = loads_strict(dumps(cases), max_bytes=1 << 30)
     got_text = dumps(observe_all(spec, cases, objects))
     if spec.kind == "secret":

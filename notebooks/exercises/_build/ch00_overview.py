@@ -2,11 +2,14 @@
 
 from _common import ExerciseNotebook, _md
 
-from minipaged.checks.ch00 import EVENTS, STATEMENTS
+from minipaged.checks.ch00 import EVENTS, STATEMENTS, event_text
 
 # NOTE: the setup cell holds the data as literals (texts only, no answers): a submission may
 # not import minipaged.checks, and the checker keeps its own copy.
 _STATEMENT_TEXTS = "\n".join(f"    {sid!r}: {text!r}," for sid, text in STATEMENTS.items())
+# NOTE: the rows of the events table come from the same text a student's copy gets for its
+# own events (``minipaged exercises --student OUT --seed S`` rewrites this table and EVENTS)
+_EVENT_ROWS = "\n".join(f"    | {k} | {event_text(e)} |" for k, e in enumerate(EVENTS))
 
 nb = ExerciseNotebook(
     chapter="ch00",
@@ -65,18 +68,13 @@ nb.exercise(
 nb.exercise(
     "ex0.2",
     "predict the block tables (on paper first)",
-    """
+    f"""
     A `KVCacheManager` with **8 blocks of 4 slots**, empty at first, sees these events in
-    order (`EVENTS` in the setup):
+    order (`EVENTS` in the setup; your copy's events may differ from a classmate's):
 
     | event | what happens |
     |---|---|
-    | 0 | A allocates 10 tokens |
-    | 1 | B allocates 5 tokens |
-    | 2 | B allocates 4 more tokens |
-    | 3 | A finishes: its blocks are freed |
-    | 4 | C allocates 6 tokens |
-    | 5 | D allocates 5 tokens |
+{_EVENT_ROWS}
 
     What you need from chapter 00: a request holds `ceil(tokens / block_size)` blocks; the
     free queue hands out blocks that were never used first, in id order; a finished
@@ -84,9 +82,10 @@ nb.exercise(
 
     Write `predict_tables()`: a list of six dicts, one per event, each mapping every request
     that holds blocks *after* that event to its block ids in logical order. Work it out on
-    paper; do not call the manager. Example: after event 0 the answer is
-    `{"A": [0, 1, 2]}`. The check compares each event with the engine and, at the first
-    difference, shows the engine's picture.
+    paper; do not call the manager. Example: had event 0 been "A allocates 10 more tokens"
+    (in the fresh pool), the answer after it would be `{{"A": [0, 1, 2]}}`. The check compares
+    each event with the engine; at the first difference it names the event and what you
+    predicted (the grader judges the same way, on your copy's events).
     """,
     """
     def predict_tables() -> list[dict[str, list[int]]]:

@@ -2,7 +2,11 @@
 
 from _common import ExerciseNotebook
 
-from minipaged.checks.ch01 import CONTIG_EVENTS, CONTIG_KNOBS
+from minipaged.checks.ch01 import CONTIG_EVENTS, CONTIG_KNOBS, contig_event_text
+
+# NOTE: the rows of the events table come from the same text a student's copy gets for its
+# own events (``minipaged exercises --student OUT --seed S`` rewrites this table and CONTIG_EVENTS)
+_EVENT_ROWS = "\n".join(f"    | {k} | {contig_event_text(e)} |" for k, e in enumerate(CONTIG_EVENTS))
 
 nb = ExerciseNotebook(
     chapter="ch01",
@@ -122,26 +126,23 @@ nb.exercise(
 nb.exercise(
     "ex1.4",
     "predict where contiguous regions go (on paper first)",
-    """
+    f"""
     A contiguous allocator (`ContiguousAllocator(num_slots=32, max_model_len=16,
     policy="pow2")`, the paper's Orca (Pow2) baseline) reserves for each request
     `min(next_pow2(final_len), max_model_len)` slots in **one** region, placed first-fit:
     at the lowest start slot of a free hole large enough. A freed region becomes a hole,
-    merged with free neighbours. Events, in order (`CONTIG_EVENTS`):
+    merged with free neighbours. A request that does not fit is not placed (it waits, and
+    takes no part in the later events). Events, in order (`CONTIG_EVENTS`; your copy's
+    events may differ from a classmate's):
 
     | event | what happens |
     |---|---|
-    | 0 | A arrives, final length 5 |
-    | 1 | B arrives, final length 9 |
-    | 2 | C arrives, final length 3 |
-    | 3 | A finishes (its region is freed) |
-    | 4 | D arrives, final length 7 |
-    | 5 | E arrives, final length 4 |
-    | 6 | F arrives, final length 6 |
+{_EVENT_ROWS}
 
-    Write `predict_regions()`: for each of the six arrivals, in order, the start slot of
-    its region, or `None` if no hole is large enough (it must wait). Example: A starts at
-    `0`. The check shows the pool, slot by slot, around your first mistake.
+    Write `predict_regions()`: for each arrival, in order, the start slot of its region,
+    or `None` if no hole is large enough. Example: the first request starts at `0`. The
+    check compares with the allocator; at the first difference it names the allocation and
+    what you predicted (the grader judges the same way, on your copy's events).
     """,
     """
     def predict_regions() -> list:
@@ -199,11 +200,12 @@ nb.exercise(
     every question has an answer of the right kind, and a graded failure says how many
     are wrong, never which.
 
-    - `q1`: in ex1.4 after E is placed, how many reserved slots will never hold a token
-      (internal fragmentation)?
+    - `q1`: the allocator of ex1.4, fresh, sees: A (final length 5), B (9) and C (3)
+      arrive, A finishes, D (7) and E (4) arrive. How many reserved slots will never hold
+      a token (internal fragmentation)?
     - `q2`: how many blocks of 4 slots does a 9-token request hold when paged?
-    - `q3`: F of ex1.4 does not fit, and 0 slots are free: is that `"internal"` or
-      `"external"` fragmentation, or `"neither"`?
+    - `q3`: then F (final length 6) arrives and does not fit, and 0 slots are free: is that
+      `"internal"` or `"external"` fragmentation, or `"neither"`?
     - `q4`: which waste does paging leave, at most `block_size - 1` slots per request:
       `"internal"` or `"external"`?
 

@@ -42,7 +42,8 @@ nb.exercise(
     "ex7.1",
     "predict who runs, step by step (on paper first)",
     """
-    Three requests (printed by the setup cell) are served by the vLLM-like policy on the
+    Three requests (`PREDICT_REQUESTS`, printed by the setup cell; your copy's requests may
+    differ from a classmate's) are served by the vLLM-like policy on the
     simulated OPT-13B / A100-40GB with `max_num_batched_tokens = 8` and chunked prefill on;
     memory is plentiful. The scheduler's rule (chapters 04 and 05): running requests first,
     one token each when decoding or the rest of their prompt (as much as the budget
@@ -55,8 +56,9 @@ nb.exercise(
     Write `predict_steps()`: a list with one dict per step, until every request is done,
     mapping each request scheduled in that step (`"r0"`, `"r1"`, `"r2"`) to the number of
     tokens it computes. Example of one step: `{"r0": 6, "r1": 2}`. Work it out on paper; do
-    not call the simulator. The check compares step by step with the simulator and, at the
-    first difference, shows the simulated run.
+    not call the simulator. The check compares step by step with the simulator; at the
+    first difference it names the step and what you predicted (the grader judges the same
+    way, on your copy's requests).
     """,
     """
     def predict_steps() -> list[dict[str, int]]:
