@@ -20,7 +20,7 @@ import nbformat
 import pytest
 
 from minipaged.checks import CHAPTER_MODULES, ExerciseFailure, chapter_of, check, get_spec, list_exercises
-from minipaged.checks._harness import Mismatch, is_not_implemented, pass_line, run_cases
+from minipaged.checks._harness import is_not_implemented, pass_line
 from minipaged.checks._spec import judge, make_cases, observe_all
 from minipaged.checks.notebook import (
     MalformedNotebook,
@@ -253,31 +253,7 @@ def test_failure_names_the_smallest_case_and_expected_vs_got():
 # -- harness ---------------------------------------------------------------------------------
 
 
-def test_run_cases_reports_the_smallest_failing_case_and_hides_student_prints(capsys):
-    def run_one(n):
-        print("debug", n)  # the student's print: captured, shown only on failure
-        if n >= 5:
-            raise Mismatch(f"value {n}")
-
-    with pytest.raises(ExerciseFailure) as info:
-        run_cases("ex0.1", [9, 7, 5, 3, 1], run_one, size=lambda n: n)
-    msg = str(info.value)
-    assert "failed on case 3 of 5" in msg and "    5\n" in msg and "value 5" in msg
-    assert "your code printed:\n    debug 5" in msg
-    assert capsys.readouterr().out == ""
-
-    run_cases("ex0.1", [1, 2], lambda n: print("noise"))
-    assert capsys.readouterr().out == "✅ ex0.1 passed\n"
-
-
-def test_run_cases_chains_the_students_exception_and_spots_the_stub():
-    def crash(_):
-        return 1 // 0
-
-    with pytest.raises(ExerciseFailure, match="your code raised ZeroDivisionError") as info:
-        run_cases("ex0.2", [1], crash)
-    assert isinstance(info.value.__cause__, ZeroDivisionError)
-
+def test_the_stub_is_spotted_through_wrappers():
     class InterpreterError(Exception):  # the shape of triton's wrapper
         pass
 
@@ -483,35 +459,3 @@ def test_sharing_references_agree_with_the_package():
             assert [b.block_id for b in ref_find_cached_blocks(m.block_pool, q, c["block_size"])] == [
                 b.block_id for b in m.get_computed_blocks(Request("q", list(q)))[0]
             ]
-
-
-# -- the harness holds its own references (issue 15) ------------------------------------------
-
-
-def test_run_cases_keeps_hiding_prints_when_contextlib_is_patched(capsys, monkeypatch):
-    import contextlib
-
-    monkeypatch.setattr(contextlib, "redirect_stdout", lambda buf: contextlib.nullcontext())
-
-    def run_one(case):
-        print("student noise")
-        if case == 2:
-            raise Mismatch("wrong")
-
-    with pytest.raises(ExerciseFailure, match="student noise"):
-        run_cases("ex9.9", [1, 2], run_one)
-    assert "student noise" not in capsys.readouterr().out  # captured by the harness's own reference
-
-
-def test_expect_equal_refuses_an_answer_that_equals_anything():
-    from minipaged.checks._harness import expect_equal
-
-    ns: dict = {"__name__": "__main__"}
-    exec("class Anything(list):\n    def __eq__(self, other):\n        return True\n", ns)
-    anything = ns["Anything"]()
-    assert anything == [1, 2, 3]  # it lies
-    with pytest.raises(Mismatch, match="defines == itself"):
-        expect_equal("slots", [1, 2, 3], anything)
-    with pytest.raises(Mismatch, match="defines == itself"):
-        expect_equal("slots", [[1]], [anything])  # also inside a list
-    expect_equal("slots", [1, 2, 3], [1, 2, 3])  # plain values still compare

@@ -3,9 +3,12 @@
 Concept
     Each exercise in an exercise notebook is three cells: a markdown spec, a *solution*
     cell where the student writes the real thing (a function, a Triton kernel), and a
-    *check* cell that calls ``check("ex2.3", student_function)``. The checker runs the
-    student's code and a reference (the package's own implementation where it exists, a
-    small reference held in the checker otherwise) on many seeded cases, smallest first.
+    *check* cell that calls ``check("ex2.3", student_function)``. Every exercise is a
+    ``Spec`` (``_spec.py``): cases as plain data, an ``observe`` that runs the student's
+    code on them, and the reference's expected observations, judged apart from the
+    student's objects. Locally (``check``) all three run in the notebook, on the
+    local-practice cases; ``minipaged grade`` judges them in a trusted process on cases
+    drawn for the grading run (``minipaged.grading.trusted``).
 
 Inputs / outputs
     ``check(exercise_id, *student_objects)`` prints exactly one line, ``✅ ex2.3 passed``,
@@ -16,8 +19,9 @@ Inputs / outputs
     ``list_exercises()`` -> ``{exercise_id: title}`` for every registered exercise.
 
 Invariants
-    Checks are deterministic: the cases of an exercise come from a RNG seeded with its id,
-    so a failure is reproducible and the same for every student. One chapter module per
+    Checks are deterministic: the local cases come from a RNG seeded with the exercise id
+    (and the student's seed, for per-student variants), so a failure is reproducible; the
+    graded cases come from the grading run's seed and are never these. One chapter module per
     chapter (``ch00`` .. ``ch07``), imported lazily: ``check("ex2.1", ...)`` never imports
     torch; ``ex3.*`` do.
 
@@ -49,21 +53,15 @@ def chapter_of(exercise_id: str) -> str:
     return f"ch{int(m.group(1)):02d}"
 
 
-def _registry(chapter: str) -> dict:
+def _specs(chapter: str) -> dict:
     if chapter not in CHAPTER_MODULES:
         raise ValueError(f"no checkers for chapter {chapter!r} (known: {', '.join(CHAPTER_MODULES)})")
-    module = importlib.import_module(f"minipaged.checks.{chapter}")
-    return module.CHECKS
-
-
-def _specs(chapter: str) -> dict:
-    _registry(chapter)
-    return getattr(importlib.import_module(f"minipaged.checks.{chapter}"), "SPECS", {})
+    return importlib.import_module(f"minipaged.checks.{chapter}").SPECS
 
 
 def get_spec(exercise_id: str):
     """The exercise's spec (cases / observe / expected: ``minipaged.checks._spec``), or
-    ``None`` for an exercise still checked the old way, in the student's process."""
+    ``None`` for an id no chapter defines."""
     return _specs(chapter_of(exercise_id)).get(exercise_id)
 
 
@@ -77,24 +75,21 @@ def check(exercise_id: str, *student_objects) -> None:
     This is the local, advisory check (local-practice cases, one process); ``minipaged
     grade`` judges the same spec in a trusted process on cases drawn for the grading run."""
     spec = get_spec(exercise_id)
-    if spec is not None:
-        from minipaged.checks._spec import local_check
+    if spec is None:
+        known = ", ".join(_specs(chapter_of(exercise_id)))
+        raise ValueError(f"unknown exercise_id {exercise_id!r} (known: {known})")
+    from minipaged.checks._spec import local_check
 
-        local_check(spec, student_objects)
-        return
-    checks = _registry(chapter_of(exercise_id))
-    if exercise_id not in checks:
-        raise ValueError(f"unknown exercise_id {exercise_id!r} (known: {', '.join(checks)})")
-    checks[exercise_id](*student_objects)
+    local_check(spec, student_objects)
 
 
 def list_exercises(chapters=CHAPTER_MODULES) -> dict[str, str]:
     """``{exercise_id: title}`` for the given chapters, in course order."""
     out = {}
     for ch in chapters:
-        both = {**_registry(ch), **_specs(ch)}
-        for ex_id in sorted(both, key=lambda e: int(e.split(".")[1])):
-            out[ex_id] = getattr(both[ex_id], "title", "")
+        specs = _specs(ch)
+        for ex_id in sorted(specs, key=lambda e: int(e.split(".")[1])):
+            out[ex_id] = specs[ex_id].title
     return out
 
 

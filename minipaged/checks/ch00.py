@@ -34,7 +34,6 @@ from minipaged.checks._spec import Spec, attempt, concept_spec, register
 from minipaged.core import KVCacheManager
 from minipaged.sim.cost_model import GPUS, MODELS, CostModel
 
-CHECKS: dict = {}
 SPECS: dict = {}
 CONCEPTS = ("data", "addressing", "scheduling")
 
@@ -293,7 +292,6 @@ register(SPECS, concept_spec("ex0.5", "concept questions (numbers and choices)",
 
 
 __all__ = [
-    "CHECKS",
     "EVENTS",
     "QUESTIONS",
     "SPECS",

@@ -36,7 +36,6 @@ from minipaged.core import KVCacheManager
 from minipaged.core.kv.contiguous import ContiguousAllocator
 from minipaged.sim.cost_model import GPUS, LLAMA_7B, MODELS, OPT_13B, CostModel
 
-CHECKS: dict = {}
 SPECS: dict = {}
 
 # Real configurations (the fields that matter), as in their config.json files.
@@ -363,7 +362,6 @@ register(SPECS, concept_spec("ex1.6", "concept questions (numbers and choices)",
 
 
 __all__ = [
-    "CHECKS",
     "CONTIG_EVENTS",
     "CONTIG_KNOBS",
     "QUESTIONS",

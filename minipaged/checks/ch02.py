@@ -24,8 +24,6 @@ from __future__ import annotations
 from minipaged.checks._spec import Spec, attempt, concept_spec, register
 from minipaged.core import BlockPool, BlockTable, FreeKVCacheBlockQueue, KVCacheBlock, KVCacheManager
 
-CHECKS: dict = {}
-
 
 class _StudentQueue(FreeKVCacheBlockQueue):
     """The queue handed to the student's code: its own popleft / remove are switched off."""
@@ -487,7 +485,6 @@ register(SPECS, concept_spec("ex2.7", "concept questions (numbers and choices)",
 
 
 __all__ = [
-    "CHECKS",
     "FIT_BLOCK_SIZES",
     "FIT_LENS",
     "FIT_SLOTS",

@@ -44,7 +44,6 @@ import torch
 from minipaged.checks._spec import Spec, attempt, concept_spec, register
 from minipaged.kernels.reference import paged_attention_ref
 
-CHECKS: dict = {}
 SPECS: dict = {}
 ATOL, RTOL = 1e-5, 1e-4
 
@@ -492,7 +491,6 @@ register(SPECS, concept_spec("ex3.7", "concept questions (numbers and choices)",
 
 
 __all__ = [
-    "CHECKS",
     "READ_SEQUENCES",
     "SPECS",
     "VARIANTS",

@@ -51,7 +51,6 @@ from minipaged.checks._spec import Spec, concept_spec, register
 from minipaged.core import Request, RequestStatus, Scheduler
 from minipaged.core.sched.utils import check_stop as pkg_check_stop
 
-CHECKS: dict = {}
 SPECS: dict = {}
 
 
@@ -519,7 +518,6 @@ register(SPECS, concept_spec("ex4.6", "concept questions (numbers and choices)",
 
 
 __all__ = [
-    "CHECKS",
     "PREDICT_KNOBS",
     "PREDICT_REQUESTS",
     "SERVE_KNOBS",

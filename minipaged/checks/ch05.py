@@ -50,7 +50,6 @@ from minipaged.core import Request, Scheduler
 from minipaged.core.sched import utils as sched_utils
 from minipaged.core.sched.output import SchedulerOutput
 
-CHECKS: dict = {}
 SPECS: dict = {}
 
 
@@ -658,7 +657,6 @@ register(SPECS, concept_spec("ex5.7", "concept questions (numbers and choices)",
 
 
 __all__ = [
-    "CHECKS",
     "DESIGN_KNOBS",
     "DESIGN_WORKLOAD",
     "PREDICT_KNOBS",

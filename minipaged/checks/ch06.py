@@ -42,7 +42,6 @@ from typing import Optional
 from minipaged.checks._spec import Spec, attempt, concept_spec, register
 from minipaged.core import BlockPool, BlockSpaceManager, BlockTable, KVCacheBlock, Request, hash_block_tokens
 
-CHECKS: dict = {}
 SPECS: dict = {}
 
 
@@ -619,7 +618,6 @@ register(SPECS, concept_spec("ex6.7", "concept questions (numbers and choices)",
 
 
 __all__ = [
-    "CHECKS",
     "QUESTIONS",
     "SAMPLING_BLOCK_SIZES",
     "SAMPLING_OUTPUTS",

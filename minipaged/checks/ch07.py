@@ -38,7 +38,6 @@ from minipaged.sim import (
 )
 from minipaged.sim.simulator import sustainable_rate as _sim_sustainable_rate
 
-CHECKS: dict = {}
 SPECS: dict = {}
 
 # -- ex7.1: predict who runs (one workload per student) --------------------------------------
@@ -255,7 +254,6 @@ register(SPECS, concept_spec("ex7.4", "concept questions (numbers and choices)",
 
 __all__ = [
     "CHANGES",
-    "CHECKS",
     "PREDICT_REQUESTS",
     "QUESTIONS",
     "SPECS",

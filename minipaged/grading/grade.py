@@ -1,19 +1,21 @@
 """``minipaged grade SUBMISSION... [--csv FILE] [--timeout S] [--budget S] [--jobs N]``.
 
 Concept
-    A submission is a student's copy of an exercise notebook. Before it runs:
-    every check cell is *restored from the authored notebook* (matched by exercise id;
-    the student's own check cells are dropped, each authored check goes right after the
-    student's last solution cell of that exercise, or at the end), and every cell the
-    student can write is *scanned* (``scan.py``): a banned construct (patching a module,
-    reflection, import or IPython hooks, the chapter's reference implementation) scores
-    zero for the exercises it can affect, with the reason. Then the cells run one by one
-    in a fresh Jupyter kernel inside a throw-away sandbox (``sandbox.py``: bubblewrap, an
-    unprivileged user, rlimits), after a grader cell that arms ``_guard.py`` (checkers
-    imported and their state snapshotted before any student code; one random token per
-    exercise). A check cell is the grader's: it restores the snapshot and runs the armed
-    checker, which prints a verdict with the exercise's token. An exercise scores 1 when
-    that verdict arrived and no scan finding zeroes it, else 0.
+    A submission is a student's copy of an exercise notebook. The student's own check
+    cells are dropped; in place of each exercise's check the grader puts a *driver cell*
+    right after the student's last solution cell of that exercise (or at the end). The
+    cells run one by one in a fresh Jupyter kernel inside a throw-away sandbox
+    (``sandbox.py``: bubblewrap, an unprivileged user per concurrent slot, rlimits, a
+    capped ``/tmp``). A driver cell (``driver.py``) carries only plain-data cases, drawn
+    for this grading run by the trusted checker (``trusted.py``, a process outside the
+    sandbox, which alone holds the references, the expected values and the instructor's
+    key); it calls the student's objects on them and prints the observations as JSON,
+    which the trusted side decodes strictly and judges. Nothing the judge holds is ever in
+    the student's interpreter, so patching, reflection, frames and lying objects there can
+    only change what the kernel prints, never the verdict. Every cell is also *scanned*
+    (``scan.py``) for the use of the package's own implementation of the exercise (the one
+    thing the boundary cannot tell from the student's work): a finding in an exercise's
+    solution cell zeroes that exercise; tampering elsewhere is a flag for a human.
 
 Inputs / outputs
     ``grade_submission(path, authored, timeout, budget=, isolation=)`` ->
@@ -22,8 +24,9 @@ Inputs / outputs
     ``format_table(results)`` is the printed table; ``write_csv(results, path)``.
 
 Invariants
-    a wrong, crashing, hanging or banned exercise scores zero for itself only (or, for
-    tampering, the exercises checked after it); errors never stop the run. Cost is
+    a wrong, crashing, hanging or banned exercise scores zero for itself only (a package
+    implementation used outside any solution cell: the exercises checked after it); errors
+    never stop the run. Cost is
     bounded: each cell has ``timeout``, the submission ``budget`` (cells, restarts and
     replays together); after a kernel death or an ignored interrupt a fresh kernel is
     armed and the earlier student cells are replayed once, at most ``MAX_RESTARTS`` times;
@@ -39,7 +42,6 @@ Failure mode
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 import re
@@ -54,7 +56,6 @@ DEFAULT_TIMEOUT = 60.0
 DEFAULT_BUDGET = 600.0  # seconds of kernel time per submission, all cells and restarts together
 MAX_RESTARTS = 2  # fresh kernels after a death or a hang, per submission
 MAX_CELLS = 400  # code cells of one submission the grader runs at most
-_TOKENS_RE = re.compile(r"^MPTOKENS (\{.*\})$", re.M)
 
 
 @dataclass
@@ -99,7 +100,6 @@ class _PlanCell:
     index: Optional[int]
     findings: list = field(default_factory=list)  # scan findings (student cells)
     names: list = field(default_factory=list)  # check: the objects handed to the check
-    trusted: bool = False  # check: judged by the trusted checker (a spec), not the in-kernel guard
 
 
 def check_call(source: str) -> tuple[str, list[str]]:
@@ -118,26 +118,9 @@ def check_call(source: str) -> tuple[str, list[str]]:
     raise ValueError(f"an authored check cell must call check('exN.M', name, ...): {source!r}")
 
 
-def grader_check_source(authored_check_source: str) -> str:
-    """The cell the grader runs for a check: the armed guard, never the student's ``check``."""
-    ex, names = check_call(authored_check_source)
-    return (
-        "from minipaged.grading.guard import graded_check as _mp_graded_check\n"
-        f"_mp_graded_check({ex!r}{''.join(', ' + n for n in names)})"
-    )
-
-
-def prelude_source(chapter: str, exercises: list[str]) -> str:
-    return (
-        "import minipaged.grading.guard as _mp_guard\n"
-        f"_mp_guard.arm({chapter!r}, {list(exercises)!r})\n"
-        "del _mp_guard"
-    )
-
-
 def build_plan(nb, authored) -> list[_PlanCell]:
-    """The cells to run: the student's code cells, with the authored check cells restored
-    (as grader check cells) right after each exercise's last solution cell."""
+    """The cells to run: the student's code cells, with a driver cell for each exercise
+    right after the exercise's last solution cell."""
     from minipaged.checks.notebook import cell_exercise, cell_role, cell_source
     from minipaged.grading.scan import scan_cells
 
@@ -167,12 +150,10 @@ def build_plan(nb, authored) -> list[_PlanCell]:
     if len(plan) > MAX_CELLS:
         raise _TooManyCells(len(plan))
     for ex in authored.exercises:
-        src = cell_source(authored.check_cells[ex])
-        if has_spec(ex):
-            _, names = check_call(src)
-            check = _PlanCell("", "check", ex, None, names=names, trusted=True)
-        else:
-            check = _PlanCell(grader_check_source(src), "check", ex, None)
+        if not has_spec(ex):
+            raise ValueError(f"exercise {ex} of the authored notebook has no spec in minipaged.checks")
+        _, names = check_call(cell_source(authored.check_cells[ex]))
+        check = _PlanCell("", "check", ex, None, names=names)
         if ex in last_solution_pos:
             inserts.append((last_solution_pos[ex], check))
         else:
@@ -183,19 +164,23 @@ def build_plan(nb, authored) -> list[_PlanCell]:
 
 
 def banned(plan: list[_PlanCell]) -> dict[str, str]:
-    """exercise -> reason, for exercises a scan finding zeroes: a finding in an exercise's own
-    solution cell zeroes it; one that can change later checks (patching, reflection, hooks),
-    or any finding in a cell of no exercise, zeroes every exercise checked after that cell."""
+    """exercise -> reason, for exercises a scan finding zeroes: any finding in an exercise's
+    own solution cell zeroes it (the authored solutions scan clean); in a cell of no
+    exercise, a use of the package's implementation (``tamper=False``) zeroes every exercise
+    checked after it. Tampering outside a solution cell is a flag for a human only: the
+    trusted boundary makes it powerless (the cheat suite shows it with the scan off)."""
     out: dict[str, str] = {}
     for pos, cell in enumerate(plan):
-        if cell.kind != "student" or not cell.findings:
+        if cell.kind != "student":
             continue
-        f = cell.findings[0]
-        more = f" (+{len(cell.findings) - 1} more)" if len(cell.findings) > 1 else ""
-        reason = f"banned in cell {cell.index}: {f}{more}"
+        found = cell.findings if cell.exercise else [f for f in cell.findings if not f.tamper]
+        if not found:
+            continue
+        more = f" (+{len(found) - 1} more)" if len(found) > 1 else ""
+        reason = f"banned in cell {cell.index}: {found[0]}{more}"
         if cell.exercise:
             out.setdefault(cell.exercise, reason)
-        if cell.exercise is None or any(x.tamper for x in cell.findings):
+        else:
             for later in plan[pos + 1 :]:
                 if later.kind == "check":
                     out.setdefault(later.exercise, reason)
@@ -218,9 +203,8 @@ class _TooManyCells(Exception):
 class _Run:
     cell: _PlanCell
     run: object
-    tokens: dict
-    payload: str = ""  # trusted check: the cases sent (the trusted side's own text)
-    result: Optional[str] = None  # trusted check: the JSON text the kernel printed
+    payload: str = ""  # check: the cases sent (the trusted side's own text)
+    result: Optional[str] = None  # check: the JSON text the kernel printed
 
 
 def _run_plan(
@@ -243,10 +227,10 @@ def _run_plan(
     runner = KernelRunner(cwd=cwd, timeout=timeout, isolation=isolation)
     results: list[_Run] = []
     deadline = time.monotonic() + budget
-    state = {"tokens": {}, "restarts": 0}
+    state = {"restarts": 0}
     bad: set[int] = set()  # plan positions that hung or killed a kernel: never replayed
-    legacy = [c.exercise for c in plan if c.kind == "check" and not c.trusted]
-    prelude = prelude_source(chapter, legacy)
+    # the grader's first cell: the kernel is up and imports the driver (it holds nothing)
+    prelude = "import minipaged.grading.driver"
 
     def left() -> float:
         return deadline - time.monotonic()
@@ -254,10 +238,8 @@ def _run_plan(
     def start_kernel() -> bool:
         runner.restart() if runner.km is not None else runner.start()
         run = runner.run(prelude, timeout=max(1.0, min(120.0, left())), store_history=False)
-        m = _TOKENS_RE.search(run.stdout)
-        if run.status != "ok" or not m:
+        if run.status != "ok":
             raise RuntimeError(f"the grader's first cell failed in the kernel: {run.status} {run.error}")
-        state["tokens"] = json.loads(m.group(1))
         return True
 
     def stopped(why: str) -> CellRun:
@@ -281,23 +263,23 @@ def _run_plan(
                     if left() <= 0:
                         stop_reason = f"the submission's time budget ({budget:g} s) ran out before this cell"
             if stop_reason:
-                results.append(_Run(cell, stopped(stop_reason), dict(state["tokens"])))
+                results.append(_Run(cell, stopped(stop_reason)))
                 continue
             payload = nonce = ""
             source = cell.source
-            if cell.trusted:
+            if cell.kind == "check":
                 payload, nonce = checker.payload(cell.exercise, seed, student_seed)
                 source = driver.check_source(cell.exercise, payload, cell.names)
             run = runner.run(
                 source,
                 timeout=max(0.1, min(timeout, left())),
                 store_history=cell.kind == "student",
-                max_output_bytes=MAX_RESULT_BYTES + 2**16 if cell.trusted else None,
+                max_output_bytes=MAX_RESULT_BYTES + 2**16 if cell.kind == "check" else None,
             )
             if not run.alive:
                 bad.add(pos)
-            result = driver.extract(run.stdout, nonce) if cell.trusted else None
-            results.append(_Run(cell, run, dict(state["tokens"]), payload, result))
+            result = driver.extract(run.stdout, nonce) if cell.kind == "check" else None
+            results.append(_Run(cell, run, payload, result))
     finally:
         runner.shutdown()
     return results
@@ -390,25 +372,17 @@ def grade_notebook(
                 cell.exercise, f"its solution cell (cell {cell.index}): {_reason(run)}"
             )
         if cell.kind == "check":
-            if cell.trusted:
-                ok, reason = False, ""
-                if run.status != "ok":
-                    reason = _reason(run)
-                elif r.result is None:
-                    reason = "the check printed no results (the driver cell did not run to its end)"
-                else:
-                    ok, reason = checker.judge(cell.exercise, r.payload, r.result)
-                    # one line for the table and the CSV, as the in-kernel checks' reasons
-                    reason = "" if ok else " | ".join(ln.strip() for ln in reason.splitlines()[:6])
-                    if ok:
-                        reason = ""
-                    elif reason.startswith("the grader's checker failed"):
-                        result.flags.append(f"{cell.exercise}: {reason}")
+            ok, reason = False, ""
+            if run.status != "ok":
+                reason = _reason(run)
+            elif r.result is None:
+                reason = "the check printed no results (the driver cell did not run to its end)"
             else:
-                token = r.tokens.get(cell.exercise)
-                verdict = f"MPV {token} {cell.exercise}"
-                ok = run.status == "ok" and token is not None and verdict in run.stdout.splitlines()
-                reason = ""
+                ok, reason = checker.judge(cell.exercise, r.payload, r.result)
+                # one line for the table and the CSV
+                reason = "" if ok else " | ".join(ln.strip() for ln in reason.splitlines()[:6])
+                if reason.startswith("the grader's checker failed"):
+                    result.flags.append(f"{cell.exercise}: {reason}")
             if cell.exercise in zeroed:
                 ok, reason = False, zeroed[cell.exercise]
             elif not ok:
@@ -416,9 +390,6 @@ def grade_notebook(
                 if cell.exercise in solution_trouble:
                     reason = f"{solution_trouble[cell.exercise]}; then the check: {reason}"
             result.exercises[cell.exercise] = ExerciseResult(ok, reason)
-            if "the grader put back what the submission had changed" in run.stdout:
-                line = next(ln for ln in run.stdout.splitlines() if "the grader put back" in ln)
-                result.flags.append(f"{cell.exercise}: {line.strip('()')}")
     # authored order, whatever order the cells ran in
     result.exercises = {ex: result.exercises[ex] for ex in authored.exercises}
     result.seconds = time.monotonic() - t0

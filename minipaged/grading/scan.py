@@ -10,10 +10,14 @@ Concept
 Inputs / outputs
     ``scan_cells(sources, chapter)`` -> one list of ``Finding(line, rule, message, tamper)``
     per cell (imports carry over from cell to cell); ``scan_source(source, chapter)``: one cell.
-    ``tamper`` findings (patching modules or classes, reflection, import hooks, IPython
-    hooks) can change how *later* checks behave; the others (using the reference the
-    exercise asks you to write) only concern the cell's own exercise. The grader turns
-    findings into a zero for the affected exercises with the message as the reason.
+    The grader's judge runs in another process on plain data, so no finding is needed to
+    protect a verdict (the cheat suite shows it with the scan off). What the scan is for:
+    the package's own implementation of what an exercise asks for, reached directly
+    (``rule="reference"``, ``tamper=False``: the package's classes, the checkers'
+    references in ``minipaged.checks``) or through reflection (``__class__``, base-class
+    calls, ``setattr``: the ``tamper`` findings), which the boundary cannot tell from the
+    student's own work. Any finding in an exercise's solution cell zeroes that exercise;
+    elsewhere, a reference zeroes the exercises after it and the rest are flags for a human.
 
 Rules (one line each in ``RULES``)
     banned modules (importlib, ctypes, gc, inspect, runpy, IPython, ipykernel, builtins,
@@ -37,8 +41,9 @@ Failure mode
     a cell that does not parse gives no finding (it fails when it runs); the scan never
     raises for student input.
 
-Limits: a static scan cannot see everything Python allows; it is one layer of several
-(see docs/instructor_guide.md, "What the grader guarantees").
+Limits: a static scan cannot see everything Python allows: a student who reaches the
+package's implementation in a way the scan misses passes that exercise (see
+docs/instructor_guide.md, "What the grader guarantees").
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ BANNED_MODULES = (
     "jupyter_client",
     "zmq",
 )
+CHECKER_MODULES = ("minipaged.checks", "minipaged.grading")
 BANNED_SYS = (
     "sys.modules",
     "sys.meta_path",
@@ -291,6 +297,12 @@ class _Scanner(ast.NodeVisitor):
 
     def check_name(self, node, name: str, context: str = "use") -> None:
         m = _prefix_match(name, BANNED_MODULES)
+        if m in CHECKER_MODULES:
+            # NOTE: the checkers hold a reference of every exercise (ch02.ref_slot_mapping ...)
+            self.flag(
+                node, "reference", f"uses {name} (the checkers hold the exercises' references)", tamper=False
+            )
+            return
         if m:
             self.flag(node, "banned-module", f"uses {name} ({m} is not allowed in a submission)")
             return
