@@ -688,3 +688,20 @@ def test_chat_logprobs_and_streamed_logprobs(server, client):
         if ch.choices and ch.choices[0].logprobs:
             streamed += ch.choices[0].logprobs.token_logprobs
     assert len(streamed) == 5 and all(lp <= 0.0 for lp in streamed)
+
+
+def test_profile_reports_every_part(server, client):
+    """``GET /profile``: seconds per part of the server's work since it started (what
+    ``benchmarks/serve_load.py --profile`` prints as shares), each a number >= 0 or None
+    where it cannot be measured, and growing as requests are served."""
+    from minipaged.entrypoints.openai.profile import PARTS
+
+    before = httpx.get(server.url + "/profile").json()
+    client.completions.create(model=server.serving.model_name, prompt="Hi", max_tokens=4, temperature=0.0)
+    after = httpx.get(server.url + "/profile").json()
+    assert set(after["seconds"]) == set(PARTS) and after["wall"] > before["wall"]
+    for part in PARTS:
+        a, b = after["seconds"][part], before["seconds"][part]
+        assert a is None or a >= b >= 0, (part, b, a)
+    assert after["seconds"]["engine_step"] > before["seconds"]["engine_step"]
+    assert after["seconds"]["event_loop_cpu"] is not None
