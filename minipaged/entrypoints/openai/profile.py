@@ -47,6 +47,7 @@ class ServerProfile:
         self.start = time.perf_counter()
         self._idle = 0.0  # the loop's seconds in select()
         self._loop_start = None
+        self._selector = None
         self._loop_thread = None
         self._loop_cpu0 = None
         self._probe = None
@@ -64,8 +65,11 @@ class ServerProfile:
 
     def install(self, loop) -> None:
         """Measure ``loop``'s idle time (its selector)."""
+        # NOTE: a process may run several servers one after the other (tests): the loop
+        # parts follow the newest loop only
         self._loop_thread = threading.get_ident()
         self._loop_cpu0 = self._thread_cpu()
+        self._loop_start, self._idle = None, 0.0
         selector = getattr(loop, "_selector", None)
         if selector is not None and not hasattr(selector.select, "_minipaged"):
             real = selector.select
@@ -75,10 +79,12 @@ class ServerProfile:
                 try:
                     return real(timeout)
                 finally:
-                    self._idle += time.perf_counter() - t0
+                    if self._selector is selector:
+                        self._idle += time.perf_counter() - t0
 
             select._minipaged = True
             selector.select = select
+            self._selector = selector
             self._loop_start = time.perf_counter()
 
     def _thread_cpu(self):
