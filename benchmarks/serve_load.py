@@ -263,6 +263,7 @@ async def scenario_big_prompt(url: str) -> tuple[float, float]:
 
 PROFILE_ROWS = [
     ("event_loop", "event loop busy (all of its work)"),
+    ("event_loop_cpu", "  its thread's CPU time (without lock waits)"),
     ("parse", "  of which: request parsing (json + pydantic)"),
     ("sse", "  of which: SSE chunks (build + json)"),
     ("tokenize", "tokenizing (tokenizer thread)"),

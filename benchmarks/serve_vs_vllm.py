@@ -80,6 +80,8 @@ def start_vllm(args, log):
         str(args.max_num_seqs),
         "--served-model-name",
         "vllm",
+        # NOTE: no log line per request, as minipaged runs (--log-level warning)
+        "--disable-uvicorn-access-log",
     ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space)}
     env.pop("PYTHONPATH", None)  # NOTE: vLLM's venv, not this checkout

@@ -413,11 +413,29 @@ def test_an_unread_stream_is_aborted_and_holds_one_output(llm):
 
 
 # -- transport -----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def impatient(llm):
+def _has_httptools() -> bool:
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "h11",
+        pytest.param(
+            "httptools",
+            marks=pytest.mark.skipif(not _has_httptools(), reason="httptools is not installed"),
+        ),
+    ],
+)
+def impatient(llm, request):
+    """A server with short header and body deadlines, on each HTTP parser it can run."""
     from _serve_helpers import serve_engine
 
-    with serve_engine(llm, body_timeout=0.5, header_timeout=0.5) as srv:
+    with serve_engine(llm, body_timeout=0.5, header_timeout=0.5, http=request.param) as srv:
         yield srv
 
 
@@ -458,6 +476,24 @@ def test_headers_that_never_end_get_the_connection_closed(impatient, baseline):
     with socket.create_connection((impatient.host, impatient.port)) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         assert _read_all(s) == b""
+    _serves_normally(impatient, baseline)
+
+
+def test_headers_over_the_cap_get_the_connection_closed(impatient, baseline):
+    from minipaged.entrypoints.openai.api_server import MAX_HEADER_BYTES
+
+    with socket.create_connection((impatient.host, impatient.port)) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        try:
+            for i in range(2 * MAX_HEADER_BYTES // 1024):
+                s.sendall(f"x-pad-{i}: ".encode() + b"a" * 1000 + b"\r\n")
+        except OSError:
+            pass  # the server closed the connection while we sent
+        try:
+            data = _read_all(s)
+        except ConnectionResetError:  # closed with our bytes unread: a reset, no answer
+            data = b""
+    assert b"200 OK" not in data, data[:100]
     _serves_normally(impatient, baseline)
 
 

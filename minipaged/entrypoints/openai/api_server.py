@@ -24,10 +24,13 @@ Invariants
     prompt's) aborted and their KV blocks freed before the next engine step; one engine,
     touched only by the loop.
 Transport
-    uvicorn's h11 server (``uvicorn_config``) with a deadline on each request's headers
-    (``header_timeout``: a connection that sends them slower is closed, which uvicorn
-    alone never does), on its body (``body_timeout``: 408, connection closed),
-    ``timeout_keep_alive`` on idle connections and a cap on the header size.
+    uvicorn (``uvicorn_config``) with its httptools parser when installed (C, as vLLM's
+    server runs), else its h11 one (pure Python), and uvloop when installed (uvicorn's
+    ``loop="auto"``); either way a deadline on each request's headers (``header_timeout``:
+    a connection that sends them slower is closed, which uvicorn alone never does), on
+    its body (``body_timeout``: 408, connection closed), ``timeout_keep_alive`` on idle
+    connections and a cap on the header size. uvloop and httptools are the optional
+    ``minipaged[serve]`` extra (vLLM depends on both); nothing needs them.
 Privacy
     ``/trace`` (and the live page drawn from it) shows every client's request ids, prompt
     and output lengths and stop reasons to anyone who can reach the server: fine for a
@@ -358,27 +361,46 @@ def build_app(engine, **serving_kwargs):
 
 
 # -- running it ----------------------------------------------------------------------------
-def header_timeout_protocol(seconds: float):
-    """uvicorn's h11 protocol with a deadline on each request's headers.
+def _http_parser() -> str:
+    """The HTTP protocol ``minipaged serve`` runs: ``httptools`` (C, llhttp: what vLLM's
+    uvicorn runs) when it is installed, else ``h11`` (pure Python, always there)."""
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return "h11"
+    return "httptools"
+
+
+def header_timeout_protocol(seconds: float, parser: str = "h11", max_header_bytes: int = MAX_HEADER_BYTES):
+    """uvicorn's h11 or httptools protocol with a deadline on each request's headers.
 
     uvicorn closes an idle keep-alive connection (``timeout_keep_alive``) but cancels
     that timer on the first byte of the next request, so a client that sends its headers
     a byte at a time (or never finishes them) holds the connection forever. Here a timer
     starts when the connection opens and after each response, and is cancelled when a
     request's headers are complete (uvicorn starts a new request cycle); if it fires, the
-    connection is closed.
+    connection is closed. With httptools, headers larger than ``max_header_bytes`` also
+    close the connection (h11 enforces its ``h11_max_incomplete_event_size`` itself).
     """
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    if parser == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
+    elif parser == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol as Base
+    else:
+        raise ValueError(f"parser must be 'h11' or 'httptools', got {parser!r}")
+    cap = max_header_bytes if parser == "httptools" else None
 
-    class HeaderTimeoutProtocol(H11Protocol):
+    class HeaderTimeoutProtocol(Base):
         def connection_made(self, transport) -> None:
             self._header_timer = None
+            self._header_bytes = 0
             super().connection_made(transport)
             self._arm_header_timer()
 
         def _arm_header_timer(self) -> None:
             self._cancel_header_timer()
             self._header_cycle = self.cycle
+            self._header_bytes = 0
             self._header_timer = self.loop.call_later(seconds, self._header_timeout)
 
         def _cancel_header_timer(self) -> None:
@@ -393,8 +415,15 @@ def header_timeout_protocol(seconds: float):
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self._header_timer is not None and self.cycle is not self._header_cycle:
+            if self._header_timer is None:
+                return
+            if self.cycle is not self._header_cycle:
                 self._cancel_header_timer()  # the headers are in: a request cycle started
+            elif cap is not None:
+                self._header_bytes += len(data)
+                if self._header_bytes > cap:  # still no end of the headers
+                    self._cancel_header_timer()
+                    self.transport.close()
 
         def on_response_complete(self) -> None:
             cycle = self.cycle
@@ -410,13 +439,27 @@ def header_timeout_protocol(seconds: float):
 
 
 def uvicorn_config(
-    app, host: str, port: int, log_level: str = "info", header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    app,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+    http: str = "auto",
+    loop: str = "auto",
 ):
-    """The ``uvicorn.Config`` of ``minipaged serve`` (also ``BackgroundServer``'s)."""
+    """The ``uvicorn.Config`` of ``minipaged serve`` (also ``BackgroundServer``'s).
+
+    ``http``: ``"auto"`` (httptools if installed, else h11), ``"h11"`` or ``"httptools"``;
+    ``loop``: uvicorn's (``"auto"``: uvloop if installed, else asyncio; or ``"asyncio"``).
+    """
     import uvicorn
 
     if not isinstance(header_timeout, (int, float)) or not header_timeout > 0:
         raise ValueError(f"header_timeout must be a number of seconds > 0, got {header_timeout!r}")
+    if http not in ("auto", "h11", "httptools"):
+        raise ValueError(f"http must be 'auto', 'h11' or 'httptools', got {http!r}")
+    if loop not in ("auto", "asyncio", "uvloop"):
+        raise ValueError(f"loop must be 'auto', 'asyncio' or 'uvloop', got {loop!r}")
     return uvicorn.Config(
         app,
         host=host,
@@ -424,7 +467,8 @@ def uvicorn_config(
         log_level=log_level,
         lifespan="on",
         timeout_graceful_shutdown=5,
-        http=header_timeout_protocol(header_timeout),
+        http=header_timeout_protocol(header_timeout, _http_parser() if http == "auto" else http),
+        loop=loop,
         timeout_keep_alive=5,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
@@ -462,10 +506,11 @@ class BackgroundServer:
         import uvicorn
 
         header_timeout = serving_kwargs.pop("header_timeout", DEFAULT_HEADER_TIMEOUT)
+        http = serving_kwargs.pop("http", "auto")
         self.app = build_app(engine, **serving_kwargs)
         self.serving = self.app.state.serving  # OpenAIServing
         config = uvicorn_config(
-            self.app, host=host, port=port, log_level=log_level, header_timeout=header_timeout
+            self.app, host=host, port=port, log_level=log_level, header_timeout=header_timeout, http=http
         )
         self.server = uvicorn.Server(config)
         exit_when_core_dies(self.serving, self.server)
@@ -571,6 +616,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="torch CPU threads (0: torch's default in-process; all CPUs but one in an engine-core process)",
     )
+    g.add_argument(
+        "--http",
+        default="auto",
+        choices=["auto", "h11", "httptools"],
+        help="HTTP parser (auto: httptools if installed, as vLLM's uvicorn, else h11)",
+    )
     g.add_argument("--log-level", default="info")
     e = parser.add_argument_group("engine")
     e.add_argument("--model", default=None, help="a local HF folder or hub id (default: the course model)")
@@ -652,7 +703,7 @@ def run(args: argparse.Namespace) -> int:
             max_unread_steps=args.max_unread_steps,
             enable_trace=not args.disable_trace,
         )
-        uconfig = uvicorn_config(app, args.host, args.port, args.log_level, args.header_timeout)
+        uconfig = uvicorn_config(app, args.host, args.port, args.log_level, args.header_timeout, args.http)
     except ValueError as e:
         print(f"minipaged serve: {e}")
         if args.engine_process:
@@ -667,6 +718,9 @@ def run(args: argparse.Namespace) -> int:
     )
     server = uvicorn.Server(uconfig)
     exit_when_core_dies(serving, server)
+    from minipaged.engine.core import freeze_gc_heap
+
+    freeze_gc_heap()  # NOTE: as vLLM's API server: the start-up heap is never collected again
     try:
         server.run()
     finally:

@@ -59,6 +59,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
+from minipaged.engine.core import step_event
 from minipaged.engine.detokenizer import IncrementalDetokenizer
 from minipaged.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from minipaged.entrypoints.openai.profile import PROFILE
@@ -489,7 +490,7 @@ class AsyncEngine:
                 if out is not None:
                     outs[rid] = out
         PROFILE.add("detokenize", time.perf_counter() - t0)
-        event = dataclasses.asdict(rec)
+        event = step_event(rec)
         event["requests"] = {
             rid: dict(engine.trace.requests[rid])
             for rid in list(rec.arrived_ids) + list(rec.finished_ids)

@@ -23,14 +23,24 @@ minipaged has. Counters get Prometheus' ``_total`` suffix, as in vLLM.
 
 Inputs: the loop's step events (``StepRecord`` dicts) and request events. Output:
 ``render()`` -> bytes. Failure mode: none; a metric never blocks serving.
+
+NOTE: the values are plain Python numbers, counted in the event-loop thread (the only one
+that calls these methods or ``render``), and handed to ``prometheus_client`` as metric
+families only when ``/metrics`` is read (``collect``): a ``prometheus_client`` histogram
+takes a lock and walks its buckets on every ``observe``, once per streamed token, which
+was a tenth of a saturated server's event-loop time. The text is the same.
 Prefix-cache queries and hits are counted at a sequence's first admission (its prompt);
 vLLM counts re-admissions after a preemption too.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 # NOTE: as vLLM does: no *_created samples beside every counter and histogram.
 prometheus_client.disable_created_metrics()
@@ -105,115 +115,149 @@ E2E_BUCKETS = [
 ]
 
 
+class _Histogram:
+    """Bucket counts (``counts[i]``: observations <= ``buckets[i]``, the last one +Inf, not
+    cumulative), their sum and count."""
+
+    __slots__ = ("buckets", "counts", "sum")
+
+    def __init__(self, buckets: list[float]) -> None:
+        self.buckets = list(buckets)
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+    def family(self, name: str, doc: str, labels: list[str], values: list[str]):
+        fam = HistogramMetricFamily(name, doc, labels=labels)
+        cum, rows = 0, []
+        for le, c in zip(self.buckets + [float("inf")], self.counts):
+            cum += c
+            rows.append((floatToGoString(le), cum))
+        fam.add_metric(values, rows, self.sum)
+        return fam
+
+
+# (attribute, kind, name, help): the order /metrics lists them in
+_METRICS = [
+    ("running", "gauge", "vllm:num_requests_running", "Number of requests in model execution batches."),
+    ("waiting", "gauge", "vllm:num_requests_waiting", "Number of requests waiting to be processed."),
+    ("kv_usage", "gauge", "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+    ("preemptions", "counter", "vllm:num_preemptions", "Cumulative number of preemption from the engine."),
+    (
+        "prefix_queries",
+        "counter",
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+    ),
+    (
+        "prefix_hits",
+        "counter",
+        "vllm:prefix_cache_hits",
+        "Prefix cache hits, in terms of number of cached tokens.",
+    ),
+    ("prompt_tokens", "counter", "vllm:prompt_tokens", "Number of prefill tokens processed."),
+    ("generation_tokens", "counter", "vllm:generation_tokens", "Number of generation tokens processed."),
+    ("success", "success", "vllm:request_success", "Count of successfully processed requests."),
+    (
+        "ttft",
+        "histogram",
+        "vllm:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds.",
+    ),
+    ("itl", "histogram", "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds."),
+    ("e2e", "histogram", "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."),
+    ("steps", "counter", "minipaged:engine_steps", "Engine steps taken."),
+    ("errors", "counter", "minipaged:engine_errors", "Engine steps that raised an exception (should stay 0)."),
+]
+
+
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        labels = ["model_name", "engine"]
-        values = (model_name, "0")
-
-        def make(cls, name, doc, **kw):
-            return cls(name, doc, labelnames=labels, registry=self.registry, **kw).labels(*values)
-
-        self.running = make(
-            Gauge, "vllm:num_requests_running", "Number of requests in model execution batches."
-        )
-        self.waiting = make(Gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        self.kv_usage = make(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.preemptions = make(
-            Counter, "vllm:num_preemptions", "Cumulative number of preemption from the engine."
-        )
-        self.prefix_queries = make(
-            Counter,
-            "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.",
-        )
-        self.prefix_hits = make(
-            Counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
-        )
-        self.prompt_tokens = make(Counter, "vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = make(
-            Counter, "vllm:generation_tokens", "Number of generation tokens processed."
-        )
-        self._success = Counter(
-            "vllm:request_success",
-            "Count of successfully processed requests.",
-            labelnames=labels + ["finished_reason"],
-            registry=self.registry,
-        )
-        self._values = values
-        self.ttft = make(
-            Histogram,
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            buckets=TTFT_BUCKETS,
-        )
-        self.itl = make(
-            Histogram,
-            "vllm:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
-            buckets=ITL_BUCKETS,
-        )
-        self.e2e = make(
-            Histogram,
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds.",
-            buckets=E2E_BUCKETS,
-        )
-        self.steps = make(Counter, "minipaged:engine_steps", "Engine steps taken.")
-        self.errors = make(
-            Counter, "minipaged:engine_errors", "Engine steps that raised an exception (should stay 0)."
-        )
+        self._labels = ["model_name", "engine"]
+        self._values = [model_name, "0"]
+        self.running = self.waiting = 0
+        self.kv_usage = 0.0
+        self.preemptions = self.prefix_queries = self.prefix_hits = 0
+        self.prompt_tokens = self.generation_tokens = self.steps = self.errors = 0
+        self.success: dict[str, int] = {}  # finished_reason -> requests, in first-seen order
+        self.ttft = _Histogram(TTFT_BUCKETS)
+        self.itl = _Histogram(ITL_BUCKETS)
+        self.e2e = _Histogram(E2E_BUCKETS)
         self._prompt_len: dict[str, int] = {}  # sequence id -> prompt length (until admitted)
         self._held: set[str] = set()  # sequences holding blocks after the previous step
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
 
     # -- events from the loop ------------------------------------------------------------
     def on_step(self, event: dict, num_blocks: int, num_pending: int) -> None:
-        self.steps.inc()
-        self.running.set(len(event["block_tables"]))
-        self.waiting.set(len(event["waiting_ids"]) + num_pending)
-        self.kv_usage.set(1.0 - event["num_free_blocks"] / num_blocks if num_blocks else 0.0)
-        self.preemptions.inc(len(event["preempted_ids"]) + len(event["swapped_out_ids"]))
+        self.steps += 1
+        self.running = len(event["block_tables"])
+        self.waiting = len(event["waiting_ids"]) + num_pending
+        self.kv_usage = 1.0 - event["num_free_blocks"] / num_blocks if num_blocks else 0.0
+        self.preemptions += len(event["preempted_ids"]) + len(event["swapped_out_ids"])
         for rid, info in event["requests"].items():
             if info.get("finish_step") is None:
                 self._prompt_len[rid] = info["prompt_len"]
-        for rid, n in event["scheduled"].items():
-            if rid in self._held or rid not in self._prompt_len:
-                continue
-            prompt_len = self._prompt_len.pop(rid)  # first admission
-            computed_before = event["num_tokens"].get(rid, n) - n
-            self.prefix_queries.inc(prompt_len)
-            self.prefix_hits.inc(max(0, computed_before))
+        if self._prompt_len:
+            for rid, n in event["scheduled"].items():
+                if rid in self._held or rid not in self._prompt_len:
+                    continue
+                prompt_len = self._prompt_len.pop(rid)  # first admission
+                computed_before = event["num_tokens"].get(rid, n) - n
+                self.prefix_queries += prompt_len
+                self.prefix_hits += max(0, computed_before)
         self._held = set(event["block_tables"])
         for rid in event["finished_ids"]:
             self._prompt_len.pop(rid, None)
 
     def on_idle(self, num_free_blocks: int, num_blocks: int) -> None:
         """The engine holds no request (after aborts no step reports it)."""
-        self.running.set(0)
-        self.waiting.set(0)
-        self.kv_usage.set(1.0 - num_free_blocks / num_blocks if num_blocks else 0.0)
+        self.running = self.waiting = 0
+        self.kv_usage = 1.0 - num_free_blocks / num_blocks if num_blocks else 0.0
         self._held = set()
 
     def on_first_token(self, seconds: float, prompt_len: int, num_tokens: int) -> None:
         self.ttft.observe(seconds)
-        self.prompt_tokens.inc(prompt_len)
-        self.generation_tokens.inc(num_tokens)
+        self.prompt_tokens += prompt_len
+        self.generation_tokens += num_tokens
 
     def on_next_token(self, seconds: float, num_tokens: int) -> None:
         self.itl.observe(seconds)
-        self.generation_tokens.inc(num_tokens)
+        self.generation_tokens += num_tokens
 
     def on_request_finished(self, out, seconds: float) -> None:
         reasons = {c.finish_reason for c in out.outputs}
         reason = "length" if reasons == {"length"} else sorted(reasons)[0] if reasons else "stop"
-        self._success.labels(*self._values, reason).inc()
+        self.success[reason] = self.success.get(reason, 0) + 1
         self.e2e.observe(seconds)
 
     def on_request_aborted(self, rid: str) -> None:
-        self._success.labels(*self._values, "abort").inc()
+        self.success["abort"] = self.success.get("abort", 0) + 1
 
     def on_engine_error(self) -> None:
-        self.errors.inc()
+        self.errors += 1
+
+    # -- /metrics ----------------------------------------------------------------------
+    def collect(self):
+        """The metric families, as ``prometheus_client`` renders them (a collector)."""
+        labels, values = self._labels, self._values
+        for attr, kind, name, doc in _METRICS:
+            v = getattr(self, attr)
+            if kind == "histogram":
+                yield v.family(name, doc, labels, values)
+                continue
+            if kind == "success":
+                fam = CounterMetricFamily(name, doc, labels=labels + ["finished_reason"])
+                for reason, count in v.items():
+                    fam.add_metric(values + [reason], count)
+                yield fam
+                continue
+            fam = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=labels)
+            fam.add_metric(values, float(v))
+            yield fam
 
     def render(self) -> bytes:
         return prometheus_client.generate_latest(self.registry)
