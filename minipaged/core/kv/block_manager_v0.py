@@ -80,11 +80,14 @@ class BlockSpaceManager(KVCacheManager):
         Exact with shared blocks: once all but one holder of a shared partly filled block
         have copied it, the last one writes in place.
         """
-        empty = BlockTable([], 0, self.block_size)
-        got = [self.block_tables.get(_request_id(r), empty) for r in requests]
-        tables = [t.blocks for t in got]
-        refs = {b.block_id: b.ref_cnt for t in tables for b in t}
-        lens = [t.num_tokens for t in got]
+        tables, lens = [], []
+        for r in requests:
+            t = self.block_tables.get(_request_id(r))
+            tables.append([] if t is None else t.blocks)
+            lens.append(0 if t is None else t.num_tokens)
+        # NOTE: only a table's last block can need a copy, so only last blocks are counted
+        # (per step, not per block held)
+        refs = {t[-1].block_id: t[-1].ref_cnt for t in tables if t}
         return _num_blocks_needed(tables, lens, list(num_new_tokens), refs, self.block_size)
 
     def get_num_blocks_to_prefill(self, request, forks=()) -> int:
@@ -92,6 +95,8 @@ class BlockSpaceManager(KVCacheManager):
         plus, for each request of ``forks`` (to be forked from it at its prompt's end),
         the blocks of its own output, re-prefilled from the prompt's last full block on."""
         bs = self.block_size
+        if not forks:
+            return cdiv(request.num_tokens, bs)
         shared = request.num_prompt_tokens // bs
         return cdiv(request.num_tokens, bs) + sum(
             cdiv(f.num_tokens, bs) - shared for f in forks if f.num_tokens > f.num_prompt_tokens

@@ -252,8 +252,8 @@ class PaperScheduler:
     def _allocate(self, plan, computed=None):
         """The new blocks of every ``(request, n)``, all or nothing (None)."""
         kv = self.kv_cache_manager
-        if computed is not None:  # a lone request leaving waiting, with its cache hits
-            ((request, n),) = plan
+        if len(plan) == 1:  # a lone request (leaving waiting: with its cache hits)
+            ((request, n),) = plan  # NOTE: allocate_slots is all or nothing by itself
             blocks = kv.allocate_slots(request, n, computed)
             return None if blocks is None else [blocks]
         if (
@@ -273,14 +273,12 @@ class PaperScheduler:
                 continue
             rid = request.request_id
             out.scheduled.append((request, n))
-            out.new_block_ids.extend(b.block_id for b in blocks)
-            table = kv.get_block_ids(rid)
-            if rid in self._synced and not copies & set(table):
-                out.scheduled_cached_reqs.append(
-                    CachedRequestData(rid, [b.block_id for b in blocks], request.num_computed_tokens)
-                )
+            new_ids = [b.block_id for b in blocks]
+            out.new_block_ids.extend(new_ids)
+            if rid in self._synced and not (copies and copies.intersection(kv.get_block_ids(rid))):
+                out.scheduled_cached_reqs.append(CachedRequestData(rid, new_ids, request.num_computed_tokens))
             else:  # NOTE: new to the worker, or copy-on-write rewrote its table (v0 sent all)
-                out.scheduled_new_reqs.append(utils.new_request_data(request, table))
+                out.scheduled_new_reqs.append(utils.new_request_data(request, kv.get_block_ids(rid)))
                 self._synced.add(rid)
             kv.cache_blocks(request, request.num_computed_tokens + n)
             self._maybe_fork(request, n, out)
