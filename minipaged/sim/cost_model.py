@@ -339,6 +339,15 @@ class CostModel:
     # -- time ---------------------------------------------------------------------
     def breakdown(self, batch: Iterable[tuple[int, int]]) -> StepCost:
         """FLOPs, bytes (per GPU) and time of one step; ``batch`` = ``(num_new, num_computed)`` pairs."""
+        return StepCost(*self.step_costs(batch))
+
+    def step_time(self, batch: Iterable[tuple[int, int]]) -> float:
+        """Seconds one engine step over ``batch`` takes."""
+        return self.step_costs(batch)[4]  # NOTE: the simulator's once-per-step call: no StepCost
+
+    def step_costs(self, batch: Iterable[tuple[int, int]]) -> tuple[float, float, float, float, float, float]:
+        """The model of one step: ``(flops, bytes, compute_s, memory_s, time_s, comm_s)``, the
+        fields of ``StepCost`` (``breakdown``; ``step_time`` is ``time_s``)."""
         num_tokens = num_seqs = ctx = attn = 0
         for q, c in batch:
             if q < 0 or c < 0:
@@ -360,11 +369,7 @@ class CostModel:
         compute_s = flops / self._eff_flops
         memory_s = nbytes / self._eff_bw
         time_s = max(compute_s, memory_s) + comm_s + self.step_overhead_s
-        return StepCost(flops, nbytes, compute_s, memory_s, time_s, comm_s)
-
-    def step_time(self, batch: Iterable[tuple[int, int]]) -> float:
-        """Seconds one engine step over ``batch`` takes."""
-        return self.breakdown(batch).time_s
+        return flops, nbytes, compute_s, memory_s, time_s, comm_s
 
     def swap_time(self, num_tokens: int) -> float:
         """Seconds to copy the K/V of ``num_tokens`` token slots over PCIe (one direction).

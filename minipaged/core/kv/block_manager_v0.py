@@ -133,23 +133,25 @@ class BlockSpaceManager(KVCacheManager):
         t = self.block_tables.get(rid)
         start = (0 if t is None else t.num_tokens) + len(computed) * self.block_size
         total = start + num_new_tokens
-        if cdiv(total, self.block_size) > self.num_blocks:
+        num_total_blocks = cdiv(total, self.block_size)
+        if num_total_blocks > self.num_blocks:
             raise ValueError(
-                f"request {rid!r} needs {cdiv(total, self.block_size)} blocks for {total} "
+                f"request {rid!r} needs {num_total_blocks} blocks for {total} "
                 f"tokens but the pool has only {self.num_blocks}"
             )
         table = [] if t is None else t.blocks
         cow = self._needs_copy_on_write(rid)
-        num_grow = cdiv(total, self.block_size) - len(table) - len(computed)
+        num_grow = num_total_blocks - len(table) - len(computed)
         # NOTE: a cache hit sitting in the free queue leaves it when shared, so it costs a
         # free block just like a new one.
-        num_revived = sum(1 for b in computed if b.ref_cnt == 0)
+        num_revived = sum(1 for b in computed if b.ref_cnt == 0) if computed else 0
         if num_grow + int(cow) + num_revived > self.block_pool.get_num_free_blocks():
             return None  # NOTE: nothing changed; the caller preempts or waits
         if computed:
             self.block_pool.touch(computed)
             table = list(computed)
-        new_blocks = self.block_pool.get_new_blocks(num_grow + int(cow))
+        # NOTE: most decode steps stay inside the last block: no new block, no pool call
+        new_blocks = self.block_pool.get_new_blocks(num_grow + int(cow)) if num_grow or cow else []
         if cow:
             shared, copy = table[-1], new_blocks[0]
             table[-1] = copy
