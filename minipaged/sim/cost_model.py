@@ -75,6 +75,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from operator import mul
 
 GiB = 1024**3
 
@@ -348,17 +349,18 @@ class CostModel:
     def step_costs(self, batch: Iterable[tuple[int, int]]) -> tuple[float, float, float, float, float, float]:
         """The model of one step: ``(flops, bytes, compute_s, memory_s, time_s, comm_s)``, the
         fields of ``StepCost`` (``breakdown``; ``step_time`` is ``time_s``)."""
-        num_tokens = num_seqs = ctx = attn = 0
-        for q, c in batch:
-            if q < 0 or c < 0:
-                raise ValueError(f"token counts must be >= 0, got (num_new={q}, num_computed={c})")
-            if q == 0:
-                continue
-            num_tokens += q
-            num_seqs += 1
-            ctx += c
-            # query j (0-based) of the chunk sees c + j + 1 keys (causal)
-            attn += q * c + q * (q + 1) // 2
+        # NOTE: the sums over the batch run in C (zip, sum, map): the simulator calls this once
+        # per simulated step, for batches of hundreds of sequences. Integer sums: exact.
+        pairs = batch if isinstance(batch, list) else list(batch)
+        qs, cs = tuple(zip(*pairs)) or ((), ())  # new tokens q, context c, of each sequence
+        if qs and (min(qs) < 0 or min(cs) < 0):
+            q, c = next((q, c) for q, c in pairs if q < 0 or c < 0)
+            raise ValueError(f"token counts must be >= 0, got (num_new={q}, num_computed={c})")
+        if 0 in qs:  # a sequence with no new token costs nothing
+            qs, cs = tuple(zip(*[(q, c) for q, c in pairs if q])) or ((), ())
+        num_tokens, num_seqs, ctx = sum(qs), len(qs), sum(cs)
+        # query j (0-based) of a chunk sees c + j + 1 keys (causal): q * c + q (q + 1) / 2 in all
+        attn = sum(map(mul, qs, cs)) + (sum(map(mul, qs, qs)) + num_tokens) // 2
         flops = (
             self._flops_per_token * num_tokens + self._flops_per_seq * num_seqs + self._flops_per_attn * attn
         )
