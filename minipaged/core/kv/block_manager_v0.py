@@ -107,6 +107,8 @@ class BlockSpaceManager(KVCacheManager):
         (the rest of its prefill or re-prefill, ``forks`` as above)."""
         t = self.block_tables.get(request.request_id)
         held = 0 if t is None else len(t.blocks)
+        if not forks:  # NOTE: the common case, inlined: the watermark rule asks it per running request
+            return max(0, cdiv(request.num_tokens, self.block_size) - held)
         return max(0, self.get_num_blocks_to_prefill(request, forks) - held)
 
     # -- allocation with copy-on-write ---------------------------------------------

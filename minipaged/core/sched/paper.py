@@ -220,7 +220,7 @@ class PaperScheduler:
     def _num_to_compute(self, request: Request) -> int:
         """Tokens left before it samples; a leader with held sequences stops at its
         prompt's end, where they fork."""
-        if self._fork_target(request) is not None:
+        if self.seq_groups and self._fork_target(request) is not None:
             return request.num_prompt_tokens - request.num_computed_tokens
         return request.num_tokens - request.num_computed_tokens
 
@@ -390,6 +390,8 @@ class PaperScheduler:
         return g if g is not None and g.needs_fork and g.leader is request else None
 
     def _forks_of(self, request: Request) -> list[Request]:
+        if not self.seq_groups:  # NOTE: no group at all (n = 1): asked per running request
+            return []
         g = self._fork_target(request)
         return [] if g is None else g.unfinished[1:]
 
