@@ -380,9 +380,10 @@ def simulate(
         # samples now (one pass over the batch, not a second one after the update)
         firsts = []
         for (r, k), (_, c) in zip(out.scheduled, batch):
-            if c + k == r.num_tokens:  # its prefill completes: it samples
+            num_output = len(r.output_token_ids)
+            if c + k == len(r.prompt_token_ids) + num_output:  # its prefill completes: it samples
                 rec = owner[r.request_id]
-                last = len(r.output_token_ids) + 1 >= rec.output_len
+                last = num_output + 1 >= rec.output_len
                 sampled[r.request_id] = EOS_TOKEN_ID if last else OTHER_TOKEN_ID
                 if rec.first_token_time is None:
                     firsts.append(rec)

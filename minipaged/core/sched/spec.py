@@ -112,7 +112,10 @@ def advance(
     prefill chunk). A request's ``sampled_token_ids`` entry is a token, or a list (accepted
     drafts + 1) when ``out`` scheduled drafts for it."""
     rid = request.request_id
-    done = request.num_computed_tokens + num_new_tokens >= request.num_tokens  # else a chunk
+    # else a chunk (num_tokens spelled out: this runs per request per step)
+    done = request.num_computed_tokens + num_new_tokens >= len(request.prompt_token_ids) + len(
+        request.output_token_ids
+    )
     drafts = out.scheduled_spec_decode_tokens.get(rid) if out.scheduled_spec_decode_tokens else None
     if not drafts:  # NOTE: the common case (no speculation), kept short: it runs per request per step
         request.num_computed_tokens += num_new_tokens

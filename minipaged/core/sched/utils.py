@@ -30,7 +30,7 @@ def check_stop(request: Request, max_model_len: Optional[int]) -> bool:
             RequestStatus.FINISHED_LENGTH,
             f"max_tokens={params.max_tokens} reached",
         )
-    elif max_model_len is not None and request.num_tokens >= max_model_len:
+    elif max_model_len is not None and len(request.prompt_token_ids) + num_output >= max_model_len:
         request.status, request.stop_reason = (
             RequestStatus.FINISHED_LENGTH,
             f"max_model_len={max_model_len} reached",
