@@ -14,7 +14,7 @@ Inputs
 
 Outputs
     ``step_time(batch)`` in seconds; ``breakdown(batch)`` with FLOPs, bytes, the compute and
-    memory times and which one bounds the step; ``kv_cache_bytes()`` and
+    memory times and which one bounds the step (both read ``step_costs(batch)``, the model); ``kv_cache_bytes()`` and
     ``num_gpu_blocks(block_size)``: the KV budget,
     ``GPU memory * utilization - weights - activation reserve``; ``swap_time(num_tokens)``:
     copying that much KV over PCIe.
