@@ -14,7 +14,7 @@ Inputs
 
 Outputs
     ``step_time(batch)`` in seconds; ``breakdown(batch)`` with FLOPs, bytes, the compute and
-    memory times and which one bounds the step; ``kv_cache_bytes()`` and
+    memory times and which one bounds the step (both read ``step_costs(batch)``, the model); ``kv_cache_bytes()`` and
     ``num_gpu_blocks(block_size)``: the KV budget,
     ``GPU memory * utilization - weights - activation reserve``; ``swap_time(num_tokens)``:
     copying that much KV over PCIe.
@@ -75,6 +75,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from operator import mul
 
 GiB = 1024**3
 
@@ -339,17 +340,27 @@ class CostModel:
     # -- time ---------------------------------------------------------------------
     def breakdown(self, batch: Iterable[tuple[int, int]]) -> StepCost:
         """FLOPs, bytes (per GPU) and time of one step; ``batch`` = ``(num_new, num_computed)`` pairs."""
-        num_tokens = num_seqs = ctx = attn = 0
-        for q, c in batch:
-            if q < 0 or c < 0:
-                raise ValueError(f"token counts must be >= 0, got (num_new={q}, num_computed={c})")
-            if q == 0:
-                continue
-            num_tokens += q
-            num_seqs += 1
-            ctx += c
-            # query j (0-based) of the chunk sees c + j + 1 keys (causal)
-            attn += q * c + q * (q + 1) // 2
+        return StepCost(*self.step_costs(batch))
+
+    def step_time(self, batch: Iterable[tuple[int, int]]) -> float:
+        """Seconds one engine step over ``batch`` takes."""
+        return self.step_costs(batch)[4]  # NOTE: the simulator's once-per-step call: no StepCost
+
+    def step_costs(self, batch: Iterable[tuple[int, int]]) -> tuple[float, float, float, float, float, float]:
+        """The model of one step: ``(flops, bytes, compute_s, memory_s, time_s, comm_s)``, the
+        fields of ``StepCost`` (``breakdown``; ``step_time`` is ``time_s``)."""
+        # NOTE: the sums over the batch run in C (zip, sum, map): the simulator calls this once
+        # per simulated step, for batches of hundreds of sequences. Integer sums: exact.
+        pairs = batch if isinstance(batch, list) else list(batch)
+        qs, cs = tuple(zip(*pairs)) or ((), ())  # new tokens q, context c, of each sequence
+        if qs and (min(qs) < 0 or min(cs) < 0):
+            q, c = next((q, c) for q, c in pairs if q < 0 or c < 0)
+            raise ValueError(f"token counts must be >= 0, got (num_new={q}, num_computed={c})")
+        if 0 in qs:  # a sequence with no new token costs nothing
+            qs, cs = tuple(zip(*[(q, c) for q, c in pairs if q])) or ((), ())
+        num_tokens, num_seqs, ctx = sum(qs), len(qs), sum(cs)
+        # query j (0-based) of a chunk sees c + j + 1 keys (causal): q * c + q (q + 1) / 2 in all
+        attn = sum(map(mul, qs, cs)) + (sum(map(mul, qs, qs)) + num_tokens) // 2
         flops = (
             self._flops_per_token * num_tokens + self._flops_per_seq * num_seqs + self._flops_per_attn * attn
         )
@@ -360,11 +371,7 @@ class CostModel:
         compute_s = flops / self._eff_flops
         memory_s = nbytes / self._eff_bw
         time_s = max(compute_s, memory_s) + comm_s + self.step_overhead_s
-        return StepCost(flops, nbytes, compute_s, memory_s, time_s, comm_s)
-
-    def step_time(self, batch: Iterable[tuple[int, int]]) -> float:
-        """Seconds one engine step over ``batch`` takes."""
-        return self.breakdown(batch).time_s
+        return flops, nbytes, compute_s, memory_s, time_s, comm_s
 
     def swap_time(self, num_tokens: int) -> float:
         """Seconds to copy the K/V of ``num_tokens`` token slots over PCIe (one direction).

@@ -375,13 +375,24 @@ def simulate(
         out = sched.schedule()
         batch = [(k, r.num_computed_tokens) for r, k in out.scheduled]
         sampled = {}
-        for r, k in out.scheduled:
-            if r.num_computed_tokens + k == r.num_tokens:  # its prefill completes: it samples
-                last = r.num_output_tokens + 1 >= owner[r.request_id].output_len
+        # NOTE: a request samples exactly when update_from_output appends a token to it, so
+        # a record still without a first token gets it this step iff one of its sequences
+        # samples now (one pass over the batch, not a second one after the update)
+        firsts = []
+        for (r, k), (_, c) in zip(out.scheduled, batch):
+            num_output = len(r.output_token_ids)
+            if c + k == len(r.prompt_token_ids) + num_output:  # its prefill completes: it samples
+                rec = owner[r.request_id]
+                last = num_output + 1 >= rec.output_len
                 sampled[r.request_id] = EOS_TOKEN_ID if last else OTHER_TOKEN_ID
+                if rec.first_token_time is None:
+                    firsts.append(rec)
         for _, child in out.fork_samples:  # forked this step: sampled from the parent's row
-            last = child.num_output_tokens + 1 >= owner[child.request_id].output_len
+            rec = owner[child.request_id]
+            last = child.num_output_tokens + 1 >= rec.output_len
             sampled[child.request_id] = EOS_TOKEN_ID if last else OTHER_TOKEN_ID
+            if rec.first_token_time is None:
+                firsts.append(rec)
         if batch:
             t += step_time(batch)
             if out.blocks_to_swap_out or out.blocks_to_swap_in:
@@ -394,10 +405,8 @@ def simulate(
             t = max(t, reqs[i].arrival_time)  # blocked until something changes
             continue
         finished = sched.update_from_output(out, sampled)
-        for r in [r for r, _ in out.scheduled] + [c for _, c in out.fork_samples]:
-            rec = owner[r.request_id]
-            if rec.first_token_time is None and r.num_output_tokens > 0:
-                rec.first_token_time = t
+        for rec in firsts:
+            rec.first_token_time = t
         for r in finished:
             rec = owner[r.request_id]
             if r.status == RequestStatus.FINISHED_IGNORED:

@@ -150,7 +150,7 @@ overheads in one fixed number, one GPU (no tensor parallelism), block size free 
 """)
 
 code(r"""
-print(inspect.getsource(CostModel.breakdown))
+print(inspect.getsource(CostModel.step_costs))  # breakdown(batch) wraps it in a StepCost
 """)
 
 md(r"""

@@ -80,11 +80,14 @@ class BlockSpaceManager(KVCacheManager):
         Exact with shared blocks: once all but one holder of a shared partly filled block
         have copied it, the last one writes in place.
         """
-        empty = BlockTable([], 0, self.block_size)
-        got = [self.block_tables.get(_request_id(r), empty) for r in requests]
-        tables = [t.blocks for t in got]
-        refs = {b.block_id: b.ref_cnt for t in tables for b in t}
-        lens = [t.num_tokens for t in got]
+        tables, lens = [], []
+        for r in requests:
+            t = self.block_tables.get(_request_id(r))
+            tables.append([] if t is None else t.blocks)
+            lens.append(0 if t is None else t.num_tokens)
+        # NOTE: only a table's last block can need a copy, so only last blocks are counted
+        # (per step, not per block held)
+        refs = {t[-1].block_id: t[-1].ref_cnt for t in tables if t}
         return _num_blocks_needed(tables, lens, list(num_new_tokens), refs, self.block_size)
 
     def get_num_blocks_to_prefill(self, request, forks=()) -> int:
@@ -92,6 +95,8 @@ class BlockSpaceManager(KVCacheManager):
         plus, for each request of ``forks`` (to be forked from it at its prompt's end),
         the blocks of its own output, re-prefilled from the prompt's last full block on."""
         bs = self.block_size
+        if not forks:
+            return cdiv(request.num_tokens, bs)
         shared = request.num_prompt_tokens // bs
         return cdiv(request.num_tokens, bs) + sum(
             cdiv(f.num_tokens, bs) - shared for f in forks if f.num_tokens > f.num_prompt_tokens
@@ -102,6 +107,8 @@ class BlockSpaceManager(KVCacheManager):
         (the rest of its prefill or re-prefill, ``forks`` as above)."""
         t = self.block_tables.get(request.request_id)
         held = 0 if t is None else len(t.blocks)
+        if not forks:  # NOTE: the common case, inlined: the watermark rule asks it per running request
+            return max(0, cdiv(request.num_tokens, self.block_size) - held)
         return max(0, self.get_num_blocks_to_prefill(request, forks) - held)
 
     # -- allocation with copy-on-write ---------------------------------------------
@@ -128,23 +135,25 @@ class BlockSpaceManager(KVCacheManager):
         t = self.block_tables.get(rid)
         start = (0 if t is None else t.num_tokens) + len(computed) * self.block_size
         total = start + num_new_tokens
-        if cdiv(total, self.block_size) > self.num_blocks:
+        num_total_blocks = cdiv(total, self.block_size)
+        if num_total_blocks > self.num_blocks:
             raise ValueError(
-                f"request {rid!r} needs {cdiv(total, self.block_size)} blocks for {total} "
+                f"request {rid!r} needs {num_total_blocks} blocks for {total} "
                 f"tokens but the pool has only {self.num_blocks}"
             )
         table = [] if t is None else t.blocks
         cow = self._needs_copy_on_write(rid)
-        num_grow = cdiv(total, self.block_size) - len(table) - len(computed)
+        num_grow = num_total_blocks - len(table) - len(computed)
         # NOTE: a cache hit sitting in the free queue leaves it when shared, so it costs a
         # free block just like a new one.
-        num_revived = sum(1 for b in computed if b.ref_cnt == 0)
+        num_revived = sum(1 for b in computed if b.ref_cnt == 0) if computed else 0
         if num_grow + int(cow) + num_revived > self.block_pool.get_num_free_blocks():
             return None  # NOTE: nothing changed; the caller preempts or waits
         if computed:
             self.block_pool.touch(computed)
             table = list(computed)
-        new_blocks = self.block_pool.get_new_blocks(num_grow + int(cow))
+        # NOTE: most decode steps stay inside the last block: no new block, no pool call
+        new_blocks = self.block_pool.get_new_blocks(num_grow + int(cow)) if num_grow or cow else []
         if cow:
             shared, copy = table[-1], new_blocks[0]
             table[-1] = copy

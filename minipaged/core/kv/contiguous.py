@@ -184,8 +184,9 @@ class ContiguousAllocator:
     def append_tokens(self, request, num_new_tokens: int = 1) -> None:
         """Record ``num_new_tokens`` more tokens in the request's region (no allocation)."""
         rid = _request_id(request)
-        _check_positive_int("num_new_tokens", num_new_tokens)
-        region = self._get_region(rid)
+        if not (type(num_new_tokens) is int and num_new_tokens > 0):  # NOTE: per decode: checked inline
+            _check_positive_int("num_new_tokens", num_new_tokens)
+        region = self.regions.get(rid) or self._get_region(rid)
         if region.num_tokens + num_new_tokens > region.final_len:
             raise ValueError(
                 f"request {rid!r}: {region.num_tokens} + {num_new_tokens} tokens exceed its "

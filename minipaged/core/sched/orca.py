@@ -120,11 +120,12 @@ class OrcaScheduler(Scheduler):
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]):
         finished = super().update_from_output(output, sampled_token_ids)
+        regions = self.allocator.regions  # NOTE: read directly: this runs per request per step
         for req, _ in output.scheduled:  # a decode wrote one more K/V into its region
             if not req.is_finished:
-                region = self.allocator.get_region(req.request_id)
-                if req.num_computed_tokens > region.num_tokens:
-                    self.allocator.append_tokens(req, req.num_computed_tokens - region.num_tokens)
+                grown = req.num_computed_tokens - regions[req.request_id].num_tokens
+                if grown > 0:
+                    self.allocator.append_tokens(req, grown)
         return finished
 
     def check_invariants(self) -> None:

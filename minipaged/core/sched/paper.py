@@ -220,7 +220,7 @@ class PaperScheduler:
     def _num_to_compute(self, request: Request) -> int:
         """Tokens left before it samples; a leader with held sequences stops at its
         prompt's end, where they fork."""
-        if self._fork_target(request) is not None:
+        if self.seq_groups and self._fork_target(request) is not None:
             return request.num_prompt_tokens - request.num_computed_tokens
         return request.num_tokens - request.num_computed_tokens
 
@@ -252,8 +252,8 @@ class PaperScheduler:
     def _allocate(self, plan, computed=None):
         """The new blocks of every ``(request, n)``, all or nothing (None)."""
         kv = self.kv_cache_manager
-        if computed is not None:  # a lone request leaving waiting, with its cache hits
-            ((request, n),) = plan
+        if len(plan) == 1:  # a lone request (leaving waiting: with its cache hits)
+            ((request, n),) = plan  # NOTE: allocate_slots is all or nothing by itself
             blocks = kv.allocate_slots(request, n, computed)
             return None if blocks is None else [blocks]
         if (
@@ -273,14 +273,12 @@ class PaperScheduler:
                 continue
             rid = request.request_id
             out.scheduled.append((request, n))
-            out.new_block_ids.extend(b.block_id for b in blocks)
-            table = kv.get_block_ids(rid)
-            if rid in self._synced and not copies & set(table):
-                out.scheduled_cached_reqs.append(
-                    CachedRequestData(rid, [b.block_id for b in blocks], request.num_computed_tokens)
-                )
+            new_ids = [b.block_id for b in blocks]
+            out.new_block_ids.extend(new_ids)
+            if rid in self._synced and not (copies and copies.intersection(kv.get_block_ids(rid))):
+                out.scheduled_cached_reqs.append(CachedRequestData(rid, new_ids, request.num_computed_tokens))
             else:  # NOTE: new to the worker, or copy-on-write rewrote its table (v0 sent all)
-                out.scheduled_new_reqs.append(utils.new_request_data(request, table))
+                out.scheduled_new_reqs.append(utils.new_request_data(request, kv.get_block_ids(rid)))
                 self._synced.add(rid)
             kv.cache_blocks(request, request.num_computed_tokens + n)
             self._maybe_fork(request, n, out)
@@ -392,6 +390,8 @@ class PaperScheduler:
         return g if g is not None and g.needs_fork and g.leader is request else None
 
     def _forks_of(self, request: Request) -> list[Request]:
+        if not self.seq_groups:  # NOTE: no group at all (n = 1): asked per running request
+            return []
         g = self._fork_target(request)
         return [] if g is None else g.unfinished[1:]
 
@@ -419,17 +419,17 @@ class PaperScheduler:
         its first token was sampled from its parent's logits row."""
         if output is not self._in_flight:
             raise ValueError("update_from_output() needs the output of the last schedule()")
-        need = [
+        need = [  # NOTE: the dict lookup first: it rules out almost every request at once
             r.request_id
             for r, n in output.scheduled
-            if not r.is_finished
+            if r.request_id not in sampled_token_ids
+            and not r.is_finished
             and r.num_computed_tokens + n == r.num_tokens
-            and r.request_id not in sampled_token_ids
         ]
         need += [
             c.request_id
             for _, c in output.fork_samples
-            if not c.is_finished and c.request_id not in sampled_token_ids
+            if c.request_id not in sampled_token_ids and not c.is_finished
         ]
         if need:
             raise ValueError(f"sampled_token_ids lacks a token for requests {need}")

@@ -40,8 +40,13 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "finished_aborted"  # abort_request
     FINISHED_IGNORED = "finished_ignored"  # refused: can never fit
 
+    def __init__(self, value: str) -> None:
+        # NOTE: computed once per member: schedulers and the simulator ask it per request
+        # per step, and an Enum's ``value`` is a slow property
+        self._finished = value.startswith("finished")
+
     def is_finished(self) -> bool:
-        return self.value.startswith("finished")
+        return self._finished
 
 
 @dataclass(slots=True, eq=False)
@@ -88,7 +93,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished()
+        return self.status._finished
 
     def append_output_token_id(self, token_id: int) -> None:
         self.output_token_ids.append(int(token_id))

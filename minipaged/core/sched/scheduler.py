@@ -222,12 +222,12 @@ class Scheduler:
         accepted count only (``spec.advance``)."""
         if output is not self._in_flight:
             raise ValueError("update_from_output() needs the output of the last schedule()")
-        need = [
+        need = [  # NOTE: the dict lookup first: it rules out almost every request at once
             r.request_id
             for r, n in output.scheduled
-            if not r.is_finished
+            if r.request_id not in sampled_token_ids
+            and not r.is_finished
             and r.num_computed_tokens + n >= r.num_tokens
-            and r.request_id not in sampled_token_ids
         ]
         if need:
             raise ValueError(f"sampled_token_ids lacks a token for requests {need}")

@@ -90,8 +90,11 @@ def plan(sched, out, request: Request, budget: int) -> tuple[int, int]:
 
     NOTE: recorded before the allocation: if the request then preempts itself, the entries
     stay in ``out`` unread (it is not in ``out.scheduled``)."""
-    drafts = usable_drafts(
-        request, sched.spec_decode.spec_token_ids.pop(request.request_id, []), sched.max_model_len, budget
+    proposed = sched.spec_decode.spec_token_ids
+    drafts = (  # NOTE: most steps propose nothing: skip the room arithmetic then
+        usable_drafts(request, proposed.pop(request.request_id), sched.max_model_len, budget)
+        if request.request_id in proposed
+        else []
     )
     left = request.num_tokens + len(drafts) - request.num_computed_tokens
     n = utils.num_new_tokens(left, budget, sched.enable_chunked_prefill, sched.max_num_batched_tokens)
@@ -109,15 +112,23 @@ def advance(
     prefill chunk). A request's ``sampled_token_ids`` entry is a token, or a list (accepted
     drafts + 1) when ``out`` scheduled drafts for it."""
     rid = request.request_id
-    drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+    # else a chunk (num_tokens spelled out: this runs per request per step)
+    done = request.num_computed_tokens + num_new_tokens >= len(request.prompt_token_ids) + len(
+        request.output_token_ids
+    )
+    drafts = out.scheduled_spec_decode_tokens.get(rid) if out.scheduled_spec_decode_tokens else None
+    if not drafts:  # NOTE: the common case (no speculation), kept short: it runs per request per step
+        request.num_computed_tokens += num_new_tokens
+        if out.num_lookahead_slots and out.num_lookahead_slots.get(rid):
+            kv_cache_manager.trim_slots(request, request.num_computed_tokens)
+        if not done:
+            return []
+        sampled = sampled_token_ids.get(rid, [])
+        return sampled if isinstance(sampled, list) else [sampled]
     sampled = sampled_token_ids.get(rid, [])
     tokens = sampled if isinstance(sampled, list) else [sampled]
-    done = request.num_computed_tokens + num_new_tokens >= request.num_tokens  # else a chunk
-    request.num_computed_tokens += (
-        num_verified(num_new_tokens, len(drafts), len(tokens)) if drafts else num_new_tokens
-    )
-    if drafts or out.num_lookahead_slots.get(rid):
-        kv_cache_manager.trim_slots(request, request.num_computed_tokens)
+    request.num_computed_tokens += num_verified(num_new_tokens, len(drafts), len(tokens))
+    kv_cache_manager.trim_slots(request, request.num_computed_tokens)
     return tokens if done else []
 
 

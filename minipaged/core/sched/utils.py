@@ -21,19 +21,21 @@ def check_stop(request: Request, max_model_len: Optional[int]) -> bool:
     """Set a finished status on ``request`` if its newest token ends it (vLLM's order):
     ``max_tokens``, then the model's context, then (once ``min_tokens`` are out) EOS and
     ``stop_token_ids``. Stop *strings* are the output processor's (they need text)."""
-    tok = request.output_token_ids[-1]
+    out = request.output_token_ids
+    tok = out[-1]
     params = request.sampling_params
-    if request.num_output_tokens >= params.max_tokens:
+    num_output = len(out)  # NOTE: computed once: this runs per request per step
+    if num_output >= params.max_tokens:
         request.status, request.stop_reason = (
             RequestStatus.FINISHED_LENGTH,
             f"max_tokens={params.max_tokens} reached",
         )
-    elif max_model_len is not None and request.num_tokens >= max_model_len:
+    elif max_model_len is not None and len(request.prompt_token_ids) + num_output >= max_model_len:
         request.status, request.stop_reason = (
             RequestStatus.FINISHED_LENGTH,
             f"max_model_len={max_model_len} reached",
         )
-    elif request.num_output_tokens < params.min_tokens:
+    elif num_output < params.min_tokens:
         return False  # NOTE: as vLLM, EOS and stop tokens do not count before min_tokens
     elif not params.ignore_eos and request.eos_token_id is not None and tok == request.eos_token_id:
         request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, f"eos token {tok}"
@@ -127,12 +129,15 @@ def finish_step(out: SchedulerOutput, max_num_batched_tokens: int, max_num_seqs:
     out.total_num_scheduled_tokens = total = sum(out.num_scheduled_tokens.values())
     if total > max_num_batched_tokens or len(out.scheduled) > max_num_seqs:
         raise RuntimeError(f"over budget: {total} tokens, {len(out.scheduled)} sequences")
+    decode, prefill = out.decode_ids, out.prefill_ids
     for req, n in out.scheduled:
         # NOTE: a request that computes only its newest sampled token is decoding
-        if n == 1 and req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1:
-            out.decode_ids.append(req.request_id)
+        # (lengths read directly: this runs per request per step)
+        num_output = len(req.output_token_ids)
+        if n == 1 and num_output and req.num_computed_tokens == len(req.prompt_token_ids) + num_output - 1:
+            decode.append(req.request_id)
         else:
-            out.prefill_ids.append(req.request_id)
+            prefill.append(req.request_id)
     return out
 
 
