@@ -94,23 +94,36 @@ class WorkerGroup:
         kwargs: Optional[dict] = None,
         device: str = "cpu",
         start_timeout_s: float = 300.0,
+        comm: Optional[str] = None,
     ) -> None:
+        import torch
         import torch.multiprocessing as tmp
 
+        from minipaged.distributed import shm_comm
         from minipaged.distributed.process_group import get_open_port
 
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {world_size!r}")
+        comm = os.environ.get("MINIPAGED_TP_COMM", "auto") if comm is None else comm
+        if comm not in ("auto", "shm", "torch"):
+            raise ValueError(f"comm (MINIPAGED_TP_COMM) must be 'auto', 'shm' or 'torch', got {comm!r}")
+        on_cpu = torch.device(device).type == "cpu"
+        if comm == "shm" and not (on_cpu and shm_comm.supported()):
+            raise ValueError("comm='shm' needs a CPU device on x86-64 with /dev/shm")
+        self.comm = "shm" if comm != "torch" and world_size > 1 and on_cpu and shm_comm.supported() else "torch"
         ctx = tmp.get_context("spawn")
         port = get_open_port()
         self.world_size = world_size
         self.procs: list = []
         self.conns: list = []
+        # one segment for the group, made here so that the driver can unlink it and abort a wait
+        shm_path, self._shm = shm_comm.create_segment(world_size) if self.comm == "shm" else (None, None)
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self._shm, shm_path)
         for rank in range(world_size):
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=worker_main,
-                args=(rank, world_size, port, str(device), child, factory, dict(kwargs or {}), os.getpid()),
+                args=(rank, world_size, port, str(device), child, factory, dict(kwargs or {}), os.getpid(), shm_path),
                 name=f"minipaged-tp-worker-{rank}",
                 daemon=True,  # multiprocessing terminates it at the driver's exit
             )
@@ -118,7 +131,6 @@ class WorkerGroup:
             child.close()  # the worker holds the only other end: EOF when it dies
             self.procs.append(proc)
             self.conns.append(parent)
-        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
         self.stats = CallStats()
         self.closed = False
         try:
@@ -126,6 +138,9 @@ class WorkerGroup:
         except BaseException:
             self.shutdown()
             raise
+        # every rank has mapped the segment: its name can go, the memory stays until the last
+        # map does (so no way of dying, even a SIGKILL of this process, leaves it in /dev/shm)
+        shm_comm.unlink_segment(shm_path)
 
     # -- the driver's side of a step -------------------------------------------------
     def call(self, method: str, *args, timeout_s: Optional[float] = None) -> list[Any]:
@@ -175,7 +190,14 @@ class WorkerGroup:
                     raise self._died(rank)
         return results
 
+    def _abort_collectives(self) -> None:
+        """Make every rank waiting in a shared-memory collective raise (a peer is gone)."""
+        from minipaged.distributed.shm_comm import abort
+
+        abort(self._shm, self.world_size)
+
     def _died(self, rank: int) -> WorkerDiedError:
+        self._abort_collectives()
         proc = self.procs[rank]
         proc.join(timeout=1.0)
         code = proc.exitcode
@@ -185,6 +207,7 @@ class WorkerGroup:
     def _blame(self, rank: int, message: str) -> WorkerError:
         """A rank's error, or the death that caused it: a collective fails on every rank when one
         rank dies, so a rank that is gone within a second is the one to name."""
+        self._abort_collectives()
         others = [p.sentinel for r, p in enumerate(self.procs) if r != rank and p.is_alive()]
         if others:
             wait(others, timeout=1.0)
@@ -211,7 +234,10 @@ class WorkerGroup:
         self.shutdown()
 
 
-def _shutdown(procs, conns, grace_s: float = 3.0) -> None:
+def _shutdown(procs, conns, shm=None, shm_path=None, grace_s: float = 3.0) -> None:
+    from minipaged.distributed import shm_comm
+
+    shm_comm.abort(shm, len(procs))  # a rank still in a collective stops waiting
     msg = pickle.dumps((_SHUTDOWN, ()))
     for conn in conns:
         try:
@@ -230,6 +256,9 @@ def _shutdown(procs, conns, grace_s: float = 3.0) -> None:
             proc.join(timeout=1.0)
     for conn in conns:
         conn.close()
+    shm_comm.unlink_segment(shm_path)  # gone already unless the workers never started
+    if shm is not None:
+        shm.close()
 
 
 # -- the worker's side -------------------------------------------------------------------
@@ -246,7 +275,7 @@ def _resolve(factory: str):
     return getattr(importlib.import_module(module), name)
 
 
-def worker_main(rank, world_size, port, device, conn, factory, kwargs, parent_pid) -> None:
+def worker_main(rank, world_size, port, device, conn, factory, kwargs, parent_pid, shm_path=None) -> None:
     """One rank: join the group, build the worker, then answer messages until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the driver, which stops us
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
@@ -265,7 +294,9 @@ def worker_main(rank, world_size, port, device, conn, factory, kwargs, parent_pi
 
     try:
         try:
-            tp = init_tensor_parallel(rank, world_size, port, device, timed=kwargs.pop("timed", True))
+            tp = init_tensor_parallel(
+                rank, world_size, port, device, timed=kwargs.pop("timed", True), shm_path=shm_path
+            )
             worker = _resolve(factory)(rank=rank, tp=tp, device=device_for_rank(device, rank), **kwargs)
         except Exception as e:  # noqa: BLE001 - reported to the driver, which raises
             reply("error", failure(e))

@@ -69,9 +69,11 @@ class TensorParallelGroup:
     collective, nothing beside a collective's own tens of microseconds).
     """
 
-    __slots__ = ("rank", "size", "group", "timed", "comm_seconds", "num_collectives")
+    __slots__ = ("rank", "size", "group", "timed", "comm_seconds", "num_collectives", "num_shm", "shm")
 
-    def __init__(self, rank: int = 0, size: int = 1, group: Any = None, timed: bool = True) -> None:
+    def __init__(
+        self, rank: int = 0, size: int = 1, group: Any = None, timed: bool = True, shm: Any = None
+    ) -> None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
         if not isinstance(rank, int) or not 0 <= rank < size:
@@ -82,13 +84,17 @@ class TensorParallelGroup:
         self.timed = timed
         self.comm_seconds = 0.0
         self.num_collectives = 0
+        self.num_shm = 0  # of which through the shared-memory segment
+        self.shm = shm  # a ShmCommunicator (ranks on one host, CPU) or None: gloo / NCCL only
 
     @classmethod
-    def from_torch_distributed(cls, group: Any = None, timed: bool = True) -> TensorParallelGroup:
+    def from_torch_distributed(
+        cls, group: Any = None, timed: bool = True, shm: Any = None
+    ) -> TensorParallelGroup:
         """This process's rank and world size in ``group`` (an initialised torch.distributed)."""
         import torch.distributed as dist
 
-        return cls(dist.get_rank(group), dist.get_world_size(group), group, timed)
+        return cls(dist.get_rank(group), dist.get_world_size(group), group, timed, shm)
 
     def __repr__(self) -> str:
         return f"TensorParallelGroup(rank={self.rank}, size={self.size})"
@@ -100,7 +106,10 @@ class TensorParallelGroup:
         import torch.distributed as dist
 
         t0 = time.perf_counter() if self.timed else 0.0
-        dist.all_reduce(x, group=self.group)
+        if self.shm is not None and self.shm.all_reduce(x) is not None:
+            self.num_shm += 1
+        else:  # CUDA (NCCL), no segment, or too big for it: torch.distributed
+            dist.all_reduce(x, group=self.group)
         self._count(t0)
         return x
 
@@ -111,11 +120,16 @@ class TensorParallelGroup:
         import torch.distributed as dist
 
         t0 = time.perf_counter() if self.timed else 0.0
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x, group=self.group)
+        out = self.shm.all_gather(x, dim) if self.shm is not None else None
+        if out is not None:
+            self.num_shm += 1
+        else:
+            x = x.contiguous()
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x, group=self.group)
+            out = torch.cat(parts, dim=dim)
         self._count(t0)
-        return torch.cat(parts, dim=dim)
+        return out
 
     def _count(self, t0: float) -> None:
         self.num_collectives += 1
