@@ -59,10 +59,12 @@ def init_tensor_parallel(
     timed: bool = True,
     shm_path: Optional[str] = None,
     shm_slot_bytes: int = DEFAULT_SLOT_BYTES,
+    shm_wake=None,
 ) -> TensorParallelGroup:
     """Join the group of ``world_size`` ranks at ``127.0.0.1:port`` as ``rank``; on a CPU with
     ``shm_path`` (a segment from ``shm_comm.create_segment``) also map it: the group's
-    all-reduces and all-gathers that fit go through it, the rest through gloo."""
+    all-reduces and all-gathers that fit go through it, the rest through gloo (``shm_wake``:
+    this rank's wake-up read fd and every rank's write fd, ``shm_comm.make_wake_pipes``)."""
     import torch.distributed as dist
 
     dev = device_for_rank(device, rank)
@@ -79,7 +81,7 @@ def init_tensor_parallel(
     )
     shm = None
     if shm_path is not None and dev.type == "cpu":
-        shm = ShmCommunicator(shm_path, rank, world_size, shm_slot_bytes, timeout_s)
+        shm = ShmCommunicator(shm_path, rank, world_size, shm_slot_bytes, timeout_s, shm_wake)
     return TensorParallelGroup.from_torch_distributed(timed=timed, shm=shm)
 
 

@@ -18,13 +18,20 @@ One collective (number s, the same on every rank: every rank runs the same layer
 
     1. copy this rank's tensor into its slot (s % 2, rank)
     2. publish: header[rank] = s
-    3. wait until header[r] >= s for every rank r (spin a little, then yield, then sleep)
+    3. wait until header[r] >= s for every rank r: spin a little (about 50 us: on an idle
+       machine the peer is usually that close), then poll with ``os.sched_yield`` between
+       (0.5 ms: a loaded machine may run something else, perhaps the peer, meanwhile), then
+       block in ``select`` on this rank's wake-up pipe, into which every rank writes a byte
+       after each publish (so a long wait sleeps in the kernel and is woken like a gloo rank by
+       its socket, instead of taking a core from the rank it waits for: 2 cores here, and other
+       processes)
     4. all-reduce: out = slot(s%2, 0) + slot(s%2, 1) + ... in rank order;
        all-gather: out = cat(slot(s%2, 0), slot(s%2, 1), ...)
 
 Inputs
     ``create_segment(world_size, slot_bytes)`` in the driver (a path and the driver's map);
-    ``ShmCommunicator(path, rank, world_size, slot_bytes, timeout_s)`` in each rank;
+    ``ShmCommunicator(path, rank, world_size, slot_bytes, timeout_s, wake)`` in each rank,
+    ``wake = (this rank's read fd, every rank's write fd)`` (``make_wake_pipes``);
     ``all_reduce(x)`` / ``all_gather(x, dim)`` with a contiguous CPU tensor of at most
     ``slot_bytes`` bytes, called by every rank in the same order with the same shapes.
 Outputs
@@ -54,8 +61,8 @@ Memory ordering (what this relies on)
 
 Failure mode
     a peer that never publishes (dead, or raised before this collective): the waiting rank
-    raises ``RuntimeError`` when the driver sets the abort flag (``abort``, done by the
-    ``WorkerGroup`` as soon as it sees a rank die or fail) or after ``timeout_s``. The segment's
+    raises ``RuntimeError`` when the driver sets the abort flag and wakes it (``abort``, done by
+    the ``WorkerGroup`` as soon as it sees a rank die or fail) or after ``timeout_s``. The segment's
     name is unlinked by the driver as soon as every rank has mapped it, so nothing is left in
     ``/dev/shm`` however a process ends (the memory is freed when the last map goes: at exit).
 """
@@ -65,9 +72,11 @@ from __future__ import annotations
 import mmap
 import os
 import platform
+import select
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
@@ -75,9 +84,9 @@ import torch
 LINE = 64  # bytes per header line: one cache line per rank's sequence number
 PAGE = 4096
 DEFAULT_SLOT_BYTES = 1 << 20  # 1 MiB: a prefill all-reduce of [512, 512] fp32 still fits
-SPIN = 400  # polls before yielding (a few tens of microseconds)
-YIELDS = 2000  # os.sched_yield() polls before sleeping
-SLEEP_S = 50e-6
+SPIN = 1000  # polls of the peer's sequence number before yielding (about 50 us)
+YIELD_S = 0.5e-3  # then os.sched_yield() between polls for this long, then block
+BLOCK_S = 0.05  # one select() on the wake-up pipe; the abort flag and the deadline between
 
 
 def supported() -> bool:
@@ -121,10 +130,33 @@ def unlink_segment(path: Optional[str]) -> None:
             pass
 
 
-def abort(mm: Optional[mmap.mmap], world_size: int) -> None:
-    """Set the abort flag: every rank waiting in a collective raises ``RuntimeError``."""
+def abort(mm: Optional[mmap.mmap], world_size: int, wake_fds: Sequence[int] = ()) -> None:
+    """Set the abort flag and wake every rank (``wake_fds``: their pipes' write ends): a rank
+    waiting in a collective raises ``RuntimeError``."""
     if mm is not None and not mm.closed:
         memoryview(mm)[LINE * world_size : LINE * world_size + 8].cast("q")[0] = 1
+    for fd in wake_fds:
+        _poke(fd)
+
+
+def _poke(fd: int) -> None:
+    try:
+        os.write(fd, b"\0")
+    except (BlockingIOError, BrokenPipeError, OSError):
+        pass  # full (the reader wakes anyway) or gone
+
+
+def make_wake_pipes(ctx, world_size: int) -> tuple[list, list]:
+    """One pipe per rank, from a multiprocessing context (its ends can be handed to spawned
+    processes): (read ends, write ends), non-blocking; rank r reads ``[r]``, writes every other."""
+    readers, writers = [], []
+    for _ in range(world_size):
+        r, w = ctx.Pipe(duplex=False)
+        os.set_blocking(r.fileno(), False)
+        os.set_blocking(w.fileno(), False)
+        readers.append(r)
+        writers.append(w)
+    return readers, writers
 
 
 class ShmCommunicator:
@@ -137,6 +169,7 @@ class ShmCommunicator:
         world_size: int,
         slot_bytes: int = DEFAULT_SLOT_BYTES,
         timeout_s: float = 60.0,
+        wake: Optional[tuple[int, Sequence[int]]] = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
@@ -156,17 +189,23 @@ class ShmCommunicator:
         self._abort_at = world_size * self._stride
         slots = torch.frombuffer(self._mm, dtype=torch.uint8, offset=data, count=2 * world_size * slot_bytes)
         self._slots = slots.view(2, world_size, slot_bytes)  # [parity, rank, bytes]
-        self._views: dict = {}  # (parity, dtype, shape) -> the ranks' slots as tensors of that shape
+        self._views: dict = {}  # (parity, dtype, shape, inference) -> the ranks' slots as tensors of that shape
         self._fence = threading.Lock()
+        # wake-up pipes: this rank's read end, the write ends of the peers it wakes (no pipes:
+        # wait by polling and sched_yield, for a group made by hand)
+        self._wake_r = None if wake is None else wake[0]
+        self._wake_w = [] if wake is None else [fd for r, fd in enumerate(wake[1]) if r != rank]
         self.seq = 0
-        self.num_waits = 0  # collectives in which this rank had to wait past the spin
+        self.num_waits = 0  # collectives in which this rank blocked (the peer was not there)
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through the segment (else the caller uses gloo)."""
         return x.device.type == "cpu" and x.numel() * x.element_size() <= self.slot_bytes
 
     def _slot_views(self, parity: int, x: torch.Tensor) -> list[torch.Tensor]:
-        key = (parity, x.dtype, tuple(x.shape))
+        # NOTE: a view made under inference_mode is an inference tensor, which cannot be written
+        # outside it: the views made in each mode are kept apart
+        key = (parity, x.dtype, tuple(x.shape), torch.is_inference_mode_enabled())
         views = self._views.get(key)
         if views is None:
             if len(self._views) > 256:  # many prefill shapes: start over
@@ -186,6 +225,8 @@ class ShmCommunicator:
             pass
         header, stride = self._header, self._stride
         header[self.rank * stride] = seq
+        for fd in self._wake_w:  # a peer that already waits in select() wakes up
+            _poke(fd)
         for r in range(self.world_size):
             if r != self.rank and header[r * stride] < seq:
                 self._wait(r * stride, seq)
@@ -200,22 +241,34 @@ class ShmCommunicator:
                 return
         self.num_waits += 1
         deadline = time.monotonic() + self.timeout_s
-        polls = 0
-        while header[at] < seq:
+        fd = self._wake_r
+        yield_until = time.perf_counter() + YIELD_S
+        while True:
+            if fd is not None:
+                self._drain(fd)  # NOTE: before the check: a byte written after it wakes select
+            if header[at] >= seq:
+                return
             if header[self._abort_at]:
                 raise RuntimeError(
                     f"shared-memory collective {seq} aborted on rank {self.rank}: a peer rank failed"
                 )
-            polls += 1
-            if polls < YIELDS:
-                os.sched_yield()  # 2 cores, 3 processes: give the peer the core
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"shared-memory collective {seq} timed out on rank {self.rank} after "
+                    f"{self.timeout_s:.0f} s: rank {at // self._stride} never arrived"
+                )
+            if fd is None or time.perf_counter() < yield_until:
+                os.sched_yield()  # a core for whoever needs it (the peer, on a loaded machine)
             else:
-                time.sleep(SLEEP_S)
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"shared-memory collective {seq} timed out on rank {self.rank} after "
-                        f"{self.timeout_s:.0f} s: rank {at // self._stride} never arrived"
-                    )
+                select.select([fd], [], [], BLOCK_S)  # sleep in the kernel until a peer writes
+
+    @staticmethod
+    def _drain(fd: int) -> None:
+        try:
+            while len(os.read(fd, 4096)) == 4096:
+                pass
+        except BlockingIOError:
+            pass
 
     def all_reduce(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """``x`` summed over the ranks, in place, bit-identical on every rank; ``None`` (and no

@@ -118,12 +118,16 @@ class WorkerGroup:
         self.conns: list = []
         # one segment for the group, made here so that the driver can unlink it and abort a wait
         shm_path, self._shm = shm_comm.create_segment(world_size) if self.comm == "shm" else (None, None)
-        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self._shm, shm_path)
+        readers, self._wake = shm_comm.make_wake_pipes(ctx, world_size) if self._shm else ([], [])
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self.procs, self.conns, self._shm, shm_path, self._wake
+        )
         for rank in range(world_size):
             parent, child = ctx.Pipe(duplex=True)
+            wake = (readers[rank], self._wake) if readers else None
             proc = ctx.Process(
                 target=worker_main,
-                args=(rank, world_size, port, str(device), child, factory, dict(kwargs or {}), os.getpid(), shm_path),
+                args=(rank, world_size, port, str(device), child, factory, dict(kwargs or {}), os.getpid(), shm_path, wake),
                 name=f"minipaged-tp-worker-{rank}",
                 daemon=True,  # multiprocessing terminates it at the driver's exit
             )
@@ -131,6 +135,8 @@ class WorkerGroup:
             child.close()  # the worker holds the only other end: EOF when it dies
             self.procs.append(proc)
             self.conns.append(parent)
+        for r in readers:  # the workers have theirs; the driver keeps the write ends (abort)
+            r.close()
         self.stats = CallStats()
         self.closed = False
         try:
@@ -194,7 +200,7 @@ class WorkerGroup:
         """Make every rank waiting in a shared-memory collective raise (a peer is gone)."""
         from minipaged.distributed.shm_comm import abort
 
-        abort(self._shm, self.world_size)
+        abort(self._shm, self.world_size, [w.fileno() for w in self._wake if not w.closed])
 
     def _died(self, rank: int) -> WorkerDiedError:
         self._abort_collectives()
@@ -234,10 +240,11 @@ class WorkerGroup:
         self.shutdown()
 
 
-def _shutdown(procs, conns, shm=None, shm_path=None, grace_s: float = 3.0) -> None:
+def _shutdown(procs, conns, shm=None, shm_path=None, wake=(), grace_s: float = 3.0) -> None:
     from minipaged.distributed import shm_comm
 
-    shm_comm.abort(shm, len(procs))  # a rank still in a collective stops waiting
+    # a rank still waiting in a shared-memory collective stops waiting
+    shm_comm.abort(shm, len(procs), [w.fileno() for w in wake if not w.closed])
     msg = pickle.dumps((_SHUTDOWN, ()))
     for conn in conns:
         try:
@@ -259,6 +266,8 @@ def _shutdown(procs, conns, shm=None, shm_path=None, grace_s: float = 3.0) -> No
     shm_comm.unlink_segment(shm_path)  # gone already unless the workers never started
     if shm is not None:
         shm.close()
+    for w in wake:
+        w.close()
 
 
 # -- the worker's side -------------------------------------------------------------------
@@ -275,7 +284,9 @@ def _resolve(factory: str):
     return getattr(importlib.import_module(module), name)
 
 
-def worker_main(rank, world_size, port, device, conn, factory, kwargs, parent_pid, shm_path=None) -> None:
+def worker_main(
+    rank, world_size, port, device, conn, factory, kwargs, parent_pid, shm_path=None, wake=None
+) -> None:
     """One rank: join the group, build the worker, then answer messages until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the driver, which stops us
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
@@ -295,7 +306,13 @@ def worker_main(rank, world_size, port, device, conn, factory, kwargs, parent_pi
     try:
         try:
             tp = init_tensor_parallel(
-                rank, world_size, port, device, timed=kwargs.pop("timed", True), shm_path=shm_path
+                rank,
+                world_size,
+                port,
+                device,
+                timed=kwargs.pop("timed", True),
+                shm_path=shm_path,
+                shm_wake=None if wake is None else (wake[0].fileno(), [w.fileno() for w in wake[1]]),
             )
             worker = _resolve(factory)(rank=rank, tp=tp, device=device_for_rank(device, rank), **kwargs)
         except Exception as e:  # noqa: BLE001 - reported to the driver, which raises
