@@ -9,6 +9,7 @@ The layers themselves are in ``minipaged/model/parallel.py``. Mirrors vLLM
 ``vllm/distributed/`` and ``vllm/v1/executor/multiproc_executor.py``.
 """
 
+from minipaged.distributed import shm_comm
 from minipaged.distributed.workers import WorkerDiedError, WorkerError, WorkerGroup
 
-__all__ = ["WorkerDiedError", "WorkerError", "WorkerGroup"]
+__all__ = ["WorkerDiedError", "WorkerError", "WorkerGroup", "shm_comm"]

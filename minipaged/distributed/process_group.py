@@ -127,8 +127,8 @@ def destroy_tensor_parallel() -> None:
 
 
 class CommWorker:
-    """A rank with no model: only the group's collectives (the benchmark's ``--level comm`` and
-    the tests drive it through a ``WorkerGroup``)."""
+    """A rank with no model, only the group's collectives: the benchmark's ``--level comm``
+    drives it through a ``WorkerGroup`` to time one all-reduce, gloo against shared memory."""
 
     def __init__(self, rank: int, tp: TensorParallelGroup, device) -> None:
         self.rank, self.tp, self.device = rank, tp, torch.device(device)
@@ -136,15 +136,5 @@ class CommWorker:
     def time_all_reduce(self, shape, iters: int = 50, via: str = "group") -> float:
         return time_all_reduce(self.tp, shape, iters, self.device, via)
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (this rank's part, the same ``x`` on every rank unless ``x`` has a leading
-        dimension of the world size: then row ``rank``) summed over the ranks."""
-        part = x[self.rank].clone() if x.dim() and x.shape[0] == self.tp.size else x.clone()
-        return self.tp.all_reduce(part.to(self.device)).cpu()
-
-    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Row ``rank`` of ``x`` gathered along ``dim`` over the ranks."""
-        return self.tp.all_gather(x[self.rank].clone().to(self.device), dim).cpu()
-
     def comm_stats(self) -> dict:
-        return {"num_collectives": self.tp.num_collectives, "num_shm": self.tp.num_shm}
+        return {"num_collectives": self.tp.num_collectives, "num_shm": self.tp.num_shm, "shm": self.tp.shm is not None}
