@@ -111,16 +111,23 @@ class TensorParallelWorker:
             "weight_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
         }
 
-    def time_all_reduce(self, shape, iters: int = 50) -> float:
-        """Seconds per all-reduce of ``shape`` with every rank ready (call on all ranks)."""
+    def time_all_reduce(self, shape, iters: int = 50, via: str = "group") -> float:
+        """Seconds per all-reduce of ``shape`` with every rank ready (call on all ranks);
+        ``via="torch"``: through torch.distributed even where the group has shared memory."""
         from minipaged.distributed.process_group import time_all_reduce
 
-        return time_all_reduce(self.tp, shape, iters, self.model.device)
+        return time_all_reduce(self.tp, shape, iters, self.model.device, via)
 
     def comm_stats(self, reset: bool = False) -> dict:
-        out = {"comm_seconds": self.tp.comm_seconds, "num_collectives": self.tp.num_collectives}
+        tp = self.tp
+        out = {
+            "comm_seconds": tp.comm_seconds,
+            "num_collectives": tp.num_collectives,
+            "num_shm": tp.num_shm,  # of which through the shared-memory segment
+            "shm": tp.shm is not None,
+        }
         if reset:
-            self.tp.comm_seconds, self.tp.num_collectives = 0.0, 0
+            tp.comm_seconds, tp.num_collectives, tp.num_shm = 0.0, 0, 0
         return out
 
 
