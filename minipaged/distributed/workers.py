@@ -25,6 +25,16 @@ How the step crosses the process boundary (and why a pipe)
     NOTE: plain ``pickle``, not the pipe's own ``send``: torch registers reducers with
     multiprocessing's pickler that would move tensors through shared memory.
 
+The collectives' segment (CPU ranks only, ``minipaged/distributed/shm_comm.py``)
+    the driver creates one ``/dev/shm`` file for the group's shared-memory all-reduce and one
+    wake-up pipe per rank, hands them to the workers, and unlinks the file as soon as every
+    rank answered ``start`` (each has mapped it by then): for the rest of the run the segment
+    has no name, and its memory goes when the last process that maps it exits, however it
+    exits. When a rank dies or fails, the driver sets the segment's abort flag and writes to
+    every wake-up pipe, so a rank waiting in a collective raises instead of waiting for a peer
+    that will not come. ``comm="torch"`` (or ``MINIPAGED_TP_COMM=torch``) makes no segment:
+    every collective through gloo, as before.
+
 Invariants
     every rank gets every message, in the same order; ``call`` returns only when every rank
     has answered; a worker never outlives the driver (it exits when the pipe closes or its

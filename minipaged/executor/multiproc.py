@@ -23,7 +23,8 @@ Outputs
 How the output crosses (``minipaged/distributed/workers.py``)
     ``pickle`` of the plain half, written to one pipe per worker. The bytes per step are a
     few hundred for a decode step of a few requests (ids and counts), more when new requests
-    bring their prompts; ``stats`` counts them.
+    bring their prompts; ``stats`` counts them. The workers' all-reduces go between the
+    workers (shared memory on a CPU, NCCL on CUDA), never through the driver.
 
 Invariants
     every worker receives every step, in order, so every worker's block tables are the same;

@@ -24,8 +24,8 @@ How one decoder layer splits over N ranks (r = this rank)::
     norms         replicated (every rank holds the whole vector)
 
 Inputs
-    a ``TensorParallelGroup`` (rank, size, torch.distributed group) given to each layer at
-    construction; at ``size == 1`` there is no group and every layer *is* its ``nn.Linear``
+    a ``TensorParallelGroup`` (rank, size, torch.distributed group, and on a CPU the
+    shared-memory communicator its all-reduces use) given to each layer at construction; at ``size == 1`` there is no group and every layer *is* its ``nn.Linear``
     / ``nn.Embedding`` (same ``forward``, same speed, same state-dict names).
 Outputs
     each layer's ``forward`` returns what the unsharded layer returns, restricted to this
@@ -64,9 +64,14 @@ class TensorParallelGroup:
     """Where this rank stands: ``rank`` of ``size``, and the collectives between the ranks.
 
     ``group`` is a ``torch.distributed`` process group (``None``: the default group, or no
-    group at all when ``size == 1``). ``comm_seconds`` adds up the wall time spent in
-    collectives when ``timed`` is set (the benchmark reads it; two ``perf_counter`` calls per
-    collective, nothing beside a collective's own tens of microseconds).
+    group at all when ``size == 1``). ``shm``: a ``ShmCommunicator``
+    (``minipaged/distributed/shm_comm.py``) when the ranks are CPU processes of one host: an
+    all-reduce or all-gather that fits its slots goes through shared memory (tens of
+    microseconds), anything else through ``group`` (gloo: about 500 us for a decode step's
+    [8, 512] here; NCCL on CUDA, where there is never a segment). ``comm_seconds`` adds up the
+    wall time spent in collectives when ``timed`` is set (the benchmark reads it; two
+    ``perf_counter`` calls per collective), ``num_collectives`` counts them, ``num_shm`` those
+    that went through shared memory.
     """
 
     __slots__ = ("rank", "size", "group", "timed", "comm_seconds", "num_collectives", "num_shm", "shm")
