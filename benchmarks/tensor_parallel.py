@@ -301,8 +301,12 @@ def report(args, results: dict, outputs: dict) -> int:
             print(
                 f"      collectives (rank 0, waiting for the other rank included): "
                 f"{100 * r['comm_seconds'] / r['seconds']:.1f}% of the wall time, "
-                f"{r['collectives_per_step']:.0f} per step, {r['shm_per_step']:.0f} of them via {r['comm_path']}"
-                + ("" if r["comm_path"] == "torch.distributed" else ", the rest via torch.distributed")
+                f"{r['collectives_per_step']:.1f} per step, "
+                + (
+                    "all via torch.distributed"
+                    if r["comm_path"] == "torch.distributed"
+                    else f"{r['shm_per_step']:.1f} of them via shared memory, the rest via torch.distributed"
+                )
             )
         if "all_reduce_decode_s" in r:
             print(
