@@ -10,7 +10,8 @@ rank maps and read each other's. This one is plain Python over ``mmap`` and
 The segment (one per group, one file in ``/dev/shm``)::
 
     header   one 64-byte line per rank: its sequence number (int64: how many collectives it
-             has published); then one line with the abort flag
+             has published); then one line with the abort flag, one with the driver's
+             "still sending the step" flag (``set_sending``, ``wait_until_sent``)
     slots    [2 parities][world_size ranks][slot_bytes]: rank r's part of collective s lies in
              slot (s % 2, r)
 
@@ -96,7 +97,7 @@ def supported() -> bool:
 
 def _layout(world_size: int, slot_bytes: int) -> tuple[int, int]:
     """(offset of the slots, total bytes) of a segment."""
-    data = -(-LINE * (world_size + 1) // PAGE) * PAGE
+    data = -(-LINE * (world_size + 2) // PAGE) * PAGE
     return data, data + 2 * world_size * slot_bytes
 
 
@@ -137,6 +138,12 @@ def abort(mm: Optional[mmap.mmap], world_size: int, wake_fds: Sequence[int] = ()
         memoryview(mm)[LINE * world_size : LINE * world_size + 8].cast("q")[0] = 1
     for fd in wake_fds:
         _poke(fd)
+
+
+def set_sending(mm: Optional[mmap.mmap], world_size: int, sending: bool) -> None:
+    """The driver's flag: it is writing a step's message to the ranks' pipes (``True``) or done."""
+    if mm is not None and not mm.closed:
+        memoryview(mm)[LINE * (world_size + 1) : LINE * (world_size + 1) + 8].cast("q")[0] = int(sending)
 
 
 def _poke(fd: int) -> None:
@@ -187,6 +194,7 @@ class ShmCommunicator:
         self._header = memoryview(self._mm)[:data].cast("q")
         self._stride = LINE // 8
         self._abort_at = world_size * self._stride
+        self._sending_at = (world_size + 1) * self._stride
         slots = torch.frombuffer(self._mm, dtype=torch.uint8, offset=data, count=2 * world_size * slot_bytes)
         self._slots = slots.view(2, world_size, slot_bytes)  # [parity, rank, bytes]
         self._views: dict = {}  # (parity, dtype, shape, inference) -> the ranks' slots as tensors of that shape
@@ -261,6 +269,15 @@ class ShmCommunicator:
                 os.sched_yield()  # a core for whoever needs it (the peer, on a loaded machine)
             else:
                 select.select([fd], [], [], BLOCK_S)  # sleep in the kernel until a peer writes
+
+    def wait_until_sent(self, limit_s: float = 0.01) -> None:
+        """Yield the core while the driver is still writing the step to the ranks' pipes (at
+        most ``limit_s``): a rank woken on the driver's core must not keep it from the rest."""
+        header, at = self._header, self._sending_at
+        if header[at]:
+            deadline = time.perf_counter() + limit_s
+            while header[at] and time.perf_counter() < deadline:
+                os.sched_yield()
 
     @staticmethod
     def _drain(fd: int) -> None:

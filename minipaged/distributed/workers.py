@@ -61,6 +61,8 @@ import weakref
 from multiprocessing.connection import wait
 from typing import Any, Optional
 
+from minipaged.distributed import shm_comm
+
 _SHUTDOWN = "__shutdown__"
 
 
@@ -109,7 +111,6 @@ class WorkerGroup:
         import torch
         import torch.multiprocessing as tmp
 
-        from minipaged.distributed import shm_comm
         from minipaged.distributed.process_group import get_open_port
 
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
@@ -166,11 +167,13 @@ class WorkerGroup:
         t0 = time.perf_counter()
         data = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         try:
+            shm_comm.set_sending(self._shm, self.world_size, True)
             for rank, conn in enumerate(self.conns):
                 try:
                     conn.send_bytes(data)
                 except (BrokenPipeError, OSError):
                     raise self._died(rank) from None
+            shm_comm.set_sending(self._shm, self.world_size, False)
             t1 = time.perf_counter()
             results = self._collect(method, timeout_s)
             self.stats.add(len(data), t1 - t0, time.perf_counter() - t1)
@@ -208,9 +211,7 @@ class WorkerGroup:
 
     def _abort_collectives(self) -> None:
         """Make every rank waiting in a shared-memory collective raise (a peer is gone)."""
-        from minipaged.distributed.shm_comm import abort
-
-        abort(self._shm, self.world_size, [w.fileno() for w in self._wake if not w.closed])
+        shm_comm.abort(self._shm, self.world_size, [w.fileno() for w in self._wake if not w.closed])
 
     def _died(self, rank: int) -> WorkerDiedError:
         self._abort_collectives()
@@ -251,8 +252,6 @@ class WorkerGroup:
 
 
 def _shutdown(procs, conns, shm=None, shm_path=None, wake=(), grace_s: float = 3.0) -> None:
-    from minipaged.distributed import shm_comm
-
     # a rank still waiting in a shared-memory collective stops waiting
     shm_comm.abort(shm, len(procs), [w.fileno() for w in wake if not w.closed])
     msg = pickle.dumps((_SHUTDOWN, ()))
@@ -336,6 +335,12 @@ def worker_main(
                 return  # the driver is gone
             if method == _SHUTDOWN:
                 return
+            if tp.shm is not None:
+                # NOTE: a pipe wakes its reader on the writer's core, so this rank may just have
+                # preempted the driver before it wrote the next rank's message: yield to it
+                # until it has (then it blocks), rather than have the peers wait for that message
+                # in the step's first collective
+                tp.shm.wait_until_sent()
             try:
                 value = getattr(worker, method)(*args)
             except Exception as e:  # noqa: BLE001 - reported to the driver, which raises
