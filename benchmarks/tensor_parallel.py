@@ -6,7 +6,8 @@
 
 ``--level engine`` (the default): ``LLM(model)`` against ``LLM(model, tensor_parallel_size=N)``
 on the same requests (``num_seqs`` random prompts, greedy, ``max_tokens`` each, one warm-up
-call first), median of ``--repeats`` timed ``generate`` calls: tokens/s, whether the tokens
+call first), median of ``--repeats`` timed ``generate`` calls, the two engines' calls
+alternating (tp=1, tp=N, tp=1, ...: a load that drifts on a shared machine hits both alike): tokens/s, whether the tokens
 agree, and for tp=N the share of the wall time in rank 0's collectives (all-reduces and the
 logits all-gather, waiting for the slower rank included), the all-reduce's own cost (every rank
 ready), and the share spent sending each step's scheduler output to the workers, with its bytes
@@ -160,14 +161,18 @@ def engine_level(args, path: str) -> dict:
         block_size=BLOCK_SIZE, max_num_seqs=args.num_seqs, max_num_batched_tokens=512, device=args.device
     )
     results, outputs = {}, {}
-    for size in (1, args.tp):
-        label = f"tp={size}" + (" (in-process)" if size == 1 else " workers")
-        llm = LLM(path, tensor_parallel_size=size, **engine_kw)
-        try:
-            llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-            executor = llm.llm_engine.executor
-            runs = []
-            for _ in range(args.repeats):
+    sizes = (1, args.tp)
+    labels = {size: f"tp={size}" + (" (in-process)" if size == 1 else " workers") for size in sizes}
+    llms = {}
+    try:
+        for size in sizes:  # both engines up first, then their runs alternate (a drifting load
+            llms[size] = LLM(path, tensor_parallel_size=size, **engine_kw)  # hits both alike)
+            llms[size].generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        runs: dict[int, list] = {size: [] for size in sizes}
+        for _ in range(args.repeats):
+            for size in sizes:
+                llm = llms[size]
+                executor = llm.llm_engine.executor
                 if size > 1:
                     executor.comm_stats(True)
                     executor.workers.stats = type(executor.stats)()
@@ -178,16 +183,17 @@ def engine_level(args, path: str) -> dict:
                 if size > 1:
                     st = executor.stats
                     executor.workers.stats = type(st)()
-                    comm = executor.comm_stats()[0]
-                    extra = _call_extra(st, comm)
-                runs.append((args.num_seqs * args.max_tokens / secs, secs, extra))
-            runs.sort(key=lambda r: r[0])
-            tps, secs, extra = runs[len(runs) // 2]
-            results[label] = {"tokens_per_s": tps, "seconds": secs, "all_runs": [r[0] for r in runs], **extra}
+                    extra = _call_extra(st, executor.comm_stats()[0])
+                runs[size].append((args.num_seqs * args.max_tokens / secs, secs, extra))
+                outputs[labels[size]] = [o.outputs[0].token_ids for o in outs]
+        for size in sizes:
+            rs = sorted(runs[size], key=lambda r: r[0])
+            tps, secs, extra = rs[len(rs) // 2]
+            results[labels[size]] = {"tokens_per_s": tps, "seconds": secs, "all_runs": [r[0] for r in rs], **extra}
             if size > 1:
-                _all_reduce_alone(executor.workers, results[label], args, hidden)
-            outputs[label] = [o.outputs[0].token_ids for o in outs]
-        finally:
+                _all_reduce_alone(llms[size].llm_engine.executor.workers, results[labels[size]], args, hidden)
+    finally:
+        for llm in llms.values():
             llm.shutdown()
     return results, outputs
 
@@ -296,6 +302,7 @@ def report(args, results: dict, outputs: dict) -> int:
     )
     for label, r in results.items():
         line = f"  {label:18s} {r['tokens_per_s']:8.1f} tok/s  ({r['tokens_per_s'] / base:.2f}x)"
+        line += f"  (runs: {', '.join(f'{t:.1f}' for t in r['all_runs'])})"
         print(line)
         if "comm_seconds" in r and r["comm_seconds"]:
             print(
