@@ -122,15 +122,21 @@ def comm_level(args) -> int:
     shapes = [[args.num_seqs, hidden], [min(args.num_seqs * args.prompt_len, 512), hidden]]
     rows = {}
     for comm in ("torch", "shm"):
-        with WorkerGroup(args.tp, "minipaged.distributed.process_group:CommWorker", {}, args.device, comm=comm) as g:
+        with WorkerGroup(
+            args.tp, "minipaged.distributed.process_group:CommWorker", {}, args.device, comm=comm
+        ) as g:
             for shape in shapes:
                 iters = 200 if shape[0] <= 64 else 20
-                runs = sorted(g.call("time_all_reduce", shape, iters, "group")[0] for _ in range(args.repeats))
+                runs = sorted(
+                    g.call("time_all_reduce", shape, iters, "group")[0] for _ in range(args.repeats)
+                )
                 rows[(comm, tuple(shape))] = runs
     if args.json:
         print(json.dumps({f"{c} {list(s)}": r for (c, s), r in rows.items()}, indent=2))
         return 0
-    print(f"comm level: one all-reduce of fp32, {args.tp} ranks with nothing else to do, median of {args.repeats}")
+    print(
+        f"comm level: one all-reduce of fp32, {args.tp} ranks with nothing else to do, median of {args.repeats}"
+    )
     for shape in shapes:
         g = rows[("torch", tuple(shape))]
         m = rows[("shm", tuple(shape))]
@@ -189,7 +195,12 @@ def engine_level(args, path: str) -> dict:
         for size in sizes:
             rs = sorted(runs[size], key=lambda r: r[0])
             tps, secs, extra = rs[len(rs) // 2]
-            results[labels[size]] = {"tokens_per_s": tps, "seconds": secs, "all_runs": [r[0] for r in rs], **extra}
+            results[labels[size]] = {
+                "tokens_per_s": tps,
+                "seconds": secs,
+                "all_runs": [r[0] for r in rs],
+                **extra,
+            }
             if size > 1:
                 _all_reduce_alone(llms[size].llm_engine.executor.workers, results[labels[size]], args, hidden)
     finally:

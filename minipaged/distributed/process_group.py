@@ -137,4 +137,8 @@ class CommWorker:
         return time_all_reduce(self.tp, shape, iters, self.device, via)
 
     def comm_stats(self) -> dict:
-        return {"num_collectives": self.tp.num_collectives, "num_shm": self.tp.num_shm, "shm": self.tp.shm is not None}
+        return {
+            "num_collectives": self.tp.num_collectives,
+            "num_shm": self.tp.num_shm,
+            "shm": self.tp.shm is not None,
+        }

@@ -121,7 +121,9 @@ class WorkerGroup:
         on_cpu = torch.device(device).type == "cpu"
         if comm == "shm" and not (on_cpu and shm_comm.supported()):
             raise ValueError("comm='shm' needs a CPU device on x86-64 with /dev/shm")
-        self.comm = "shm" if comm != "torch" and world_size > 1 and on_cpu and shm_comm.supported() else "torch"
+        self.comm = (
+            "shm" if comm != "torch" and world_size > 1 and on_cpu and shm_comm.supported() else "torch"
+        )
         ctx = tmp.get_context("spawn")
         port = get_open_port()
         self.world_size = world_size
@@ -138,7 +140,18 @@ class WorkerGroup:
             wake = (readers[rank], self._wake) if readers else None
             proc = ctx.Process(
                 target=worker_main,
-                args=(rank, world_size, port, str(device), child, factory, dict(kwargs or {}), os.getpid(), shm_path, wake),
+                args=(
+                    rank,
+                    world_size,
+                    port,
+                    str(device),
+                    child,
+                    factory,
+                    dict(kwargs or {}),
+                    os.getpid(),
+                    shm_path,
+                    wake,
+                ),
                 name=f"minipaged-tp-worker-{rank}",
                 daemon=True,  # multiprocessing terminates it at the driver's exit
             )

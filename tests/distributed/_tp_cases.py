@@ -139,4 +139,8 @@ class CollectiveWorker:
         return "done"
 
     def stats(self) -> dict:
-        return {"num_collectives": self.tp.num_collectives, "num_shm": self.tp.num_shm, "shm": self.tp.shm is not None}
+        return {
+            "num_collectives": self.tp.num_collectives,
+            "num_shm": self.tp.num_shm,
+            "shm": self.tp.shm is not None,
+        }
