@@ -323,6 +323,8 @@ def report(args, results: dict, outputs: dict) -> int:
                 + (
                     "all via torch.distributed"
                     if r["comm_path"] == "torch.distributed"
+                    else "all via shared memory"
+                    if r["shm_per_step"] == r["collectives_per_step"]
                     else f"{r['shm_per_step']:.1f} of them via shared memory, the rest via torch.distributed"
                 )
             )

@@ -32,7 +32,10 @@ The collectives' segment (CPU ranks only, ``minipaged/distributed/shm_comm.py``)
     has no name, and its memory goes when the last process that maps it exits, however it
     exits. When a rank dies or fails, the driver sets the segment's abort flag and writes to
     every wake-up pipe, so a rank waiting in a collective raises instead of waiting for a peer
-    that will not come. ``comm="torch"`` (or ``MINIPAGED_TP_COMM=torch``) makes no segment:
+    that will not come. While the driver writes a step to the pipes it sets the segment's
+    "sending" flag: a rank woken on the driver's core yields until it is clear, so the driver
+    is not kept from the next rank's pipe (the peers would wait for that rank in the step's
+    first collective). ``comm="torch"`` (or ``MINIPAGED_TP_COMM=torch``) makes no segment:
     every collective through gloo, as before.
 
 Invariants
