@@ -6,7 +6,8 @@
 
 ``--level engine`` (the default): ``LLM(model)`` against ``LLM(model, tensor_parallel_size=N)``
 on the same requests (``num_seqs`` random prompts, greedy, ``max_tokens`` each, one warm-up
-call first), median of ``--repeats`` timed ``generate`` calls: tokens/s, whether the tokens
+call first), median of ``--repeats`` timed ``generate`` calls, the two engines' calls
+alternating (tp=1, tp=N, tp=1, ...: a load that drifts on a shared machine hits both alike): tokens/s, whether the tokens
 agree, and for tp=N the share of the wall time in rank 0's collectives (all-reduces and the
 logits all-gather, waiting for the slower rank included), the all-reduce's own cost (every rank
 ready), and the share spent sending each step's scheduler output to the workers, with its bytes
@@ -84,6 +85,70 @@ def generate(forward, prompts, max_tokens: int, blocks_per_seq: int):
     return out, time.perf_counter() - t0
 
 
+def _call_extra(st, comm: dict) -> dict:
+    """What one timed generation cost in communication (``st``: the driver's ``CallStats``;
+    ``comm``: rank 0's ``comm_stats``)."""
+    steps = max(1, st.calls)
+    return {
+        "steps": st.calls,
+        "comm_seconds": comm["comm_seconds"],
+        "collectives_per_step": comm["num_collectives"] / steps,
+        "shm_per_step": comm.get("num_shm", 0) / steps,
+        "comm_path": "shared memory" if comm.get("shm") else "torch.distributed",
+        "send_seconds": st.send_seconds,
+        "bytes_per_step": st.bytes_sent / steps,
+    }
+
+
+def _all_reduce_alone(grp, r: dict, args, hidden: int) -> None:
+    """One all-reduce of a decode step's ``[num_seqs, hidden]`` with every rank ready, the
+    group's way and torch.distributed's (gloo / NCCL), median of 3 x 100; and its floor: that
+    cost times the decode steps' collectives, as a share of the generation's wall time."""
+    shape = [args.num_seqs, hidden]
+    for via, key in (("group", "all_reduce_decode_s"), ("torch", "all_reduce_torch_s")):
+        runs = sorted(grp.call("time_all_reduce", shape, 100, via)[0] for _ in range(3))
+        r[key] = runs[1]
+    r["all_reduce_floor_share"] = (
+        r["all_reduce_decode_s"] * r["collectives_per_step"] * (args.max_tokens - 1) / r["seconds"]
+    )
+
+
+def comm_level(args) -> int:
+    """One all-reduce alone, gloo against the shared-memory segment, on 2 bare ranks (no model):
+    a decode step's [num_seqs, hidden] and a prefill's [num_seqs * prompt_len, hidden]."""
+    from minipaged.distributed import WorkerGroup
+
+    hidden = 512 if args.model == "random-llama-20m" else args.hidden
+    shapes = [[args.num_seqs, hidden], [min(args.num_seqs * args.prompt_len, 512), hidden]]
+    rows = {}
+    for comm in ("torch", "shm"):
+        with WorkerGroup(
+            args.tp, "minipaged.distributed.process_group:CommWorker", {}, args.device, comm=comm
+        ) as g:
+            for shape in shapes:
+                iters = 200 if shape[0] <= 64 else 20
+                runs = sorted(
+                    g.call("time_all_reduce", shape, iters, "group")[0] for _ in range(args.repeats)
+                )
+                rows[(comm, tuple(shape))] = runs
+    if args.json:
+        print(json.dumps({f"{c} {list(s)}": r for (c, s), r in rows.items()}, indent=2))
+        return 0
+    print(
+        f"comm level: one all-reduce of fp32, {args.tp} ranks with nothing else to do, median of {args.repeats}"
+    )
+    for shape in shapes:
+        g = rows[("torch", tuple(shape))]
+        m = rows[("shm", tuple(shape))]
+        gm, mm = g[len(g) // 2], m[len(m) // 2]
+        print(
+            f"  {str(shape):12s} gloo {1e6 * gm:8.0f} us   shared memory {1e6 * mm:8.0f} us   "
+            f"({gm / mm:.1f}x; runs gloo {', '.join(f'{1e6 * t:.0f}' for t in g)}, "
+            f"shm {', '.join(f'{1e6 * t:.0f}' for t in m)})"
+        )
+    return 0
+
+
 def engine_level(args, path: str) -> dict:
     """tp=1 vs tp=N through ``LLM`` (see the module docstring)."""
     from minipaged import LLM, SamplingParams
@@ -102,14 +167,18 @@ def engine_level(args, path: str) -> dict:
         block_size=BLOCK_SIZE, max_num_seqs=args.num_seqs, max_num_batched_tokens=512, device=args.device
     )
     results, outputs = {}, {}
-    for size in (1, args.tp):
-        label = f"tp={size}" + (" (in-process)" if size == 1 else " workers")
-        llm = LLM(path, tensor_parallel_size=size, **engine_kw)
-        try:
-            llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-            executor = llm.llm_engine.executor
-            runs = []
-            for _ in range(args.repeats):
+    sizes = (1, args.tp)
+    labels = {size: f"tp={size}" + (" (in-process)" if size == 1 else " workers") for size in sizes}
+    llms = {}
+    try:
+        for size in sizes:  # both engines up first, then their runs alternate (a drifting load
+            llms[size] = LLM(path, tensor_parallel_size=size, **engine_kw)  # hits both alike)
+            llms[size].generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        runs: dict[int, list] = {size: [] for size in sizes}
+        for _ in range(args.repeats):
+            for size in sizes:
+                llm = llms[size]
+                executor = llm.llm_engine.executor
                 if size > 1:
                     executor.comm_stats(True)
                     executor.workers.stats = type(executor.stats)()
@@ -120,32 +189,29 @@ def engine_level(args, path: str) -> dict:
                 if size > 1:
                     st = executor.stats
                     executor.workers.stats = type(st)()
-                    comm = executor.comm_stats()[0]
-                    extra = {
-                        "steps": st.calls,
-                        "comm_seconds": comm["comm_seconds"],
-                        "collectives_per_step": comm["num_collectives"] / max(1, st.calls),
-                        "send_seconds": st.send_seconds,
-                        "bytes_per_step": st.bytes_sent / max(1, st.calls),
-                    }
-                runs.append((args.num_seqs * args.max_tokens / secs, secs, extra))
-            runs.sort(key=lambda r: r[0])
-            tps, secs, extra = runs[len(runs) // 2]
-            results[label] = {"tokens_per_s": tps, "seconds": secs, "all_runs": [r[0] for r in runs], **extra}
+                    extra = _call_extra(st, executor.comm_stats()[0])
+                runs[size].append((args.num_seqs * args.max_tokens / secs, secs, extra))
+                outputs[labels[size]] = [o.outputs[0].token_ids for o in outs]
+        for size in sizes:
+            rs = sorted(runs[size], key=lambda r: r[0])
+            tps, secs, extra = rs[len(rs) // 2]
+            results[labels[size]] = {
+                "tokens_per_s": tps,
+                "seconds": secs,
+                "all_runs": [r[0] for r in rs],
+                **extra,
+            }
             if size > 1:
-                per = executor.workers.call("time_all_reduce", [args.num_seqs, hidden])[0]
-                r = results[label]
-                r["all_reduce_decode_s"] = per
-                r["all_reduce_floor_share"] = per * r["collectives_per_step"] * (args.max_tokens - 1) / secs
-            outputs[label] = [o.outputs[0].token_ids for o in outs]
-        finally:
+                _all_reduce_alone(llms[size].llm_engine.executor.workers, results[labels[size]], args, hidden)
+    finally:
+        for llm in llms.values():
             llm.shutdown()
     return results, outputs
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--level", default="engine", choices=["engine", "model"])
+    ap.add_argument("--level", default="engine", choices=["engine", "model", "comm"])
     ap.add_argument("--model", default="random-llama-20m")
     ap.add_argument("--num-seqs", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -154,7 +220,19 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--comm",
+        default="auto",
+        choices=["auto", "torch"],
+        help="tp=N collectives: auto (shared memory on a CPU, NCCL on CUDA) or torch (gloo / NCCL only)",
+    )
+    ap.add_argument("--hidden", type=int, default=512, help="--level comm with another --model")
     args = ap.parse_args(argv)
+    import os
+
+    os.environ["MINIPAGED_TP_COMM"] = args.comm  # read by WorkerGroup in this (the driver) process
+    if args.level == "comm":
+        return comm_level(args)
 
     from minipaged.distributed import WorkerGroup
     from minipaged.model import load_model
@@ -214,22 +292,11 @@ def main(argv=None) -> int:
                 st = grp.stats  # the generation's calls only
                 grp.stats = type(st)()
                 comm = grp.call("comm_stats")[0]
-                return {
-                    "steps": st.calls,
-                    "comm_seconds": comm["comm_seconds"],
-                    "collectives_per_step": comm["num_collectives"] / max(1, st.calls),
-                    "send_seconds": st.send_seconds,
-                    "bytes_per_step": st.bytes_sent / max(1, st.calls),
-                }
+                return _call_extra(st, comm)
 
             measure(label, forward, before, after)
             if size > 1:  # the all-reduce alone, every rank ready: a decode step's [B, hidden]
-                hidden = ref.config.hidden_size
-                per = grp.call("time_all_reduce", [args.num_seqs, hidden])[0]
-                r = results[label]
-                decode_steps = args.max_tokens - 1
-                r["all_reduce_decode_s"] = per
-                r["all_reduce_floor_share"] = per * r["collectives_per_step"] * decode_steps / r["seconds"]
+                _all_reduce_alone(grp, results[label], args, ref.config.hidden_size)
 
     return report(args, results, outputs)
 
@@ -246,22 +313,32 @@ def report(args, results: dict, outputs: dict) -> int:
     )
     for label, r in results.items():
         line = f"  {label:18s} {r['tokens_per_s']:8.1f} tok/s  ({r['tokens_per_s'] / base:.2f}x)"
+        line += f"  (runs: {', '.join(f'{t:.1f}' for t in r['all_runs'])})"
+        print(line)
         if "comm_seconds" in r and r["comm_seconds"]:
-            line += (
-                f"  collectives {100 * r['comm_seconds'] / r['seconds']:.1f}% of the wall time "
-                f"({r['collectives_per_step']:.0f} per step)"
+            print(
+                f"      collectives (rank 0, waiting for the other rank included): "
+                f"{100 * r['comm_seconds'] / r['seconds']:.1f}% of the wall time, "
+                f"{r['collectives_per_step']:.1f} per step, "
+                + (
+                    "all via torch.distributed"
+                    if r["comm_path"] == "torch.distributed"
+                    else "all via shared memory"
+                    if r["shm_per_step"] == r["collectives_per_step"]
+                    else f"{r['shm_per_step']:.1f} of them via shared memory, the rest via torch.distributed"
+                )
             )
         if "all_reduce_decode_s" in r:
-            line += (
-                f"  (an all-reduce of [{args.num_seqs}, hidden] alone: {1e6 * r['all_reduce_decode_s']:.0f} us, "
-                f"{100 * r['all_reduce_floor_share']:.1f}% of the wall time over the decode steps)"
+            print(
+                f"      one all-reduce of [{args.num_seqs}, hidden] alone: {1e6 * r['all_reduce_decode_s']:.0f} us "
+                f"this way, {1e6 * r['all_reduce_torch_s']:.0f} us through torch.distributed; "
+                f"{100 * r['all_reduce_floor_share']:.1f}% of the wall time over the decode steps"
             )
         if "send_seconds" in r:
-            line += (
-                f"  sending inputs {100 * r['send_seconds'] / r['seconds']:.1f}% "
+            print(
+                f"      sending the step's inputs: {100 * r['send_seconds'] / r['seconds']:.1f}% of the wall time "
                 f"({r['bytes_per_step']:.0f} B per step per rank)"
             )
-        print(line)
     print(f"  greedy tokens equal across configurations: {'yes' if same else 'NO'}")
     return 0
 

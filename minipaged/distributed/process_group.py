@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import socket
 from datetime import timedelta
+from typing import Optional
 
 import torch
 
+from minipaged.distributed.shm_comm import DEFAULT_SLOT_BYTES, ShmCommunicator
 from minipaged.model.parallel import TensorParallelGroup
 
 
@@ -55,8 +57,14 @@ def init_tensor_parallel(
     device: str | torch.device = "cpu",
     timeout_s: float = 60.0,
     timed: bool = True,
+    shm_path: Optional[str] = None,
+    shm_slot_bytes: int = DEFAULT_SLOT_BYTES,
+    shm_wake=None,
 ) -> TensorParallelGroup:
-    """Join the group of ``world_size`` ranks at ``127.0.0.1:port`` as ``rank``."""
+    """Join the group of ``world_size`` ranks at ``127.0.0.1:port`` as ``rank``; on a CPU with
+    ``shm_path`` (a segment from ``shm_comm.create_segment``) also map it: the group's
+    all-reduces and all-gathers that fit go through it, the rest through gloo (``shm_wake``:
+    this rank's wake-up read fd and every rank's write fd, ``shm_comm.make_wake_pipes``)."""
     import torch.distributed as dist
 
     dev = device_for_rank(device, rank)
@@ -71,27 +79,43 @@ def init_tensor_parallel(
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
-    return TensorParallelGroup.from_torch_distributed(timed=timed)
+    shm = None
+    if shm_path is not None and dev.type == "cpu":
+        shm = ShmCommunicator(shm_path, rank, world_size, shm_slot_bytes, timeout_s, shm_wake)
+    return TensorParallelGroup.from_torch_distributed(timed=timed, shm=shm)
 
 
-def time_all_reduce(tp: TensorParallelGroup, shape, iters: int = 50, device="cpu") -> float:
+def time_all_reduce(
+    tp: TensorParallelGroup, shape, iters: int = 50, device="cpu", via: str = "group"
+) -> float:
     """Seconds one all-reduce of a ``shape`` fp32 tensor takes when every rank is ready (a
     barrier first, then ``iters`` back to back): its own cost, without waiting for a slower
-    rank. Call it on every rank at once."""
+    rank. ``via="group"``: the way the model's layers all-reduce (the shared-memory segment
+    where the group has one and the tensor fits, else torch.distributed); ``"torch"``:
+    ``torch.distributed.all_reduce`` (gloo / NCCL) always. Call it on every rank at once.
+    NOTE: the counters of ``tp`` (``comm_seconds``...) are left as they were."""
     import time
 
     import torch.distributed as dist
 
+    if via not in ("group", "torch"):
+        raise ValueError(f"via must be 'group' or 'torch', got {via!r}")
     x = torch.ones(shape, device=device)
     if tp.size == 1:
         return 0.0
+    saved = tp.comm_seconds, tp.num_collectives, tp.num_shm
     dist.barrier(group=tp.group)
     t0 = time.perf_counter()
     for _ in range(iters):
-        dist.all_reduce(x, group=tp.group)
+        if via == "group":
+            tp.all_reduce(x.fill_(1.0))
+        else:
+            dist.all_reduce(x.fill_(1.0), group=tp.group)
     if x.is_cuda:
         torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
+    secs = (time.perf_counter() - t0) / iters
+    tp.comm_seconds, tp.num_collectives, tp.num_shm = saved
+    return secs
 
 
 def destroy_tensor_parallel() -> None:
@@ -100,3 +124,21 @@ def destroy_tensor_parallel() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+class CommWorker:
+    """A rank with no model, only the group's collectives: the benchmark's ``--level comm``
+    drives it through a ``WorkerGroup`` to time one all-reduce, gloo against shared memory."""
+
+    def __init__(self, rank: int, tp: TensorParallelGroup, device) -> None:
+        self.rank, self.tp, self.device = rank, tp, torch.device(device)
+
+    def time_all_reduce(self, shape, iters: int = 50, via: str = "group") -> float:
+        return time_all_reduce(self.tp, shape, iters, self.device, via)
+
+    def comm_stats(self) -> dict:
+        return {
+            "num_collectives": self.tp.num_collectives,
+            "num_shm": self.tp.num_shm,
+            "shm": self.tp.shm is not None,
+        }

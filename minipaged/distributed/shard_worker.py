@@ -110,15 +110,22 @@ class ModelShardWorker:
             "param_shapes": {n: list(p.shape) for n, p in m.named_parameters()},
         }
 
-    def time_all_reduce(self, shape, iters: int = 50) -> float:
-        """Seconds per all-reduce of ``shape`` with every rank ready (call on all ranks)."""
+    def time_all_reduce(self, shape, iters: int = 50, via: str = "group") -> float:
+        """Seconds per all-reduce of ``shape`` with every rank ready (call on all ranks);
+        ``via="torch"``: through torch.distributed even where the group has shared memory."""
         from minipaged.distributed.process_group import time_all_reduce
 
-        return time_all_reduce(self.tp, shape, iters, self.model.device)
+        return time_all_reduce(self.tp, shape, iters, self.model.device, via)
 
     def comm_stats(self, reset: bool = False) -> dict:
         """Seconds and count of this rank's collectives (with ``timed=True``)."""
-        out = {"comm_seconds": self.tp.comm_seconds, "num_collectives": self.tp.num_collectives}
+        tp = self.tp
+        out = {
+            "comm_seconds": tp.comm_seconds,
+            "num_collectives": tp.num_collectives,
+            "num_shm": tp.num_shm,  # of which through the shared-memory segment
+            "shm": tp.shm is not None,
+        }
         if reset:
-            self.tp.comm_seconds, self.tp.num_collectives = 0.0, 0
+            tp.comm_seconds, tp.num_collectives, tp.num_shm = 0.0, 0, 0
         return out

@@ -25,6 +25,19 @@ How the step crosses the process boundary (and why a pipe)
     NOTE: plain ``pickle``, not the pipe's own ``send``: torch registers reducers with
     multiprocessing's pickler that would move tensors through shared memory.
 
+The collectives' segment (CPU ranks only, ``minipaged/distributed/shm_comm.py``)
+    the driver creates one ``/dev/shm`` file for the group's shared-memory all-reduce and one
+    wake-up pipe per rank, hands them to the workers, and unlinks the file as soon as every
+    rank answered ``start`` (each has mapped it by then): for the rest of the run the segment
+    has no name, and its memory goes when the last process that maps it exits, however it
+    exits. When a rank dies or fails, the driver sets the segment's abort flag and writes to
+    every wake-up pipe, so a rank waiting in a collective raises instead of waiting for a peer
+    that will not come. While the driver writes a step to the pipes it sets the segment's
+    "sending" flag: a rank woken on the driver's core yields until it is clear, so the driver
+    is not kept from the next rank's pipe (the peers would wait for that rank in the step's
+    first collective). ``comm="torch"`` (or ``MINIPAGED_TP_COMM=torch``) makes no segment:
+    every collective through gloo, as before.
+
 Invariants
     every rank gets every message, in the same order; ``call`` returns only when every rank
     has answered; a worker never outlives the driver (it exits when the pipe closes or its
@@ -50,6 +63,8 @@ import traceback
 import weakref
 from multiprocessing.connection import wait
 from typing import Any, Optional
+
+from minipaged.distributed import shm_comm
 
 _SHUTDOWN = "__shutdown__"
 
@@ -94,23 +109,52 @@ class WorkerGroup:
         kwargs: Optional[dict] = None,
         device: str = "cpu",
         start_timeout_s: float = 300.0,
+        comm: Optional[str] = None,
     ) -> None:
+        import torch
         import torch.multiprocessing as tmp
 
         from minipaged.distributed.process_group import get_open_port
 
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {world_size!r}")
+        comm = os.environ.get("MINIPAGED_TP_COMM", "auto") if comm is None else comm
+        if comm not in ("auto", "shm", "torch"):
+            raise ValueError(f"comm (MINIPAGED_TP_COMM) must be 'auto', 'shm' or 'torch', got {comm!r}")
+        on_cpu = torch.device(device).type == "cpu"
+        if comm == "shm" and not (on_cpu and shm_comm.supported()):
+            raise ValueError("comm='shm' needs a CPU device on x86-64 with /dev/shm")
+        self.comm = (
+            "shm" if comm != "torch" and world_size > 1 and on_cpu and shm_comm.supported() else "torch"
+        )
         ctx = tmp.get_context("spawn")
         port = get_open_port()
         self.world_size = world_size
         self.procs: list = []
         self.conns: list = []
+        # one segment for the group, made here so that the driver can unlink it and abort a wait
+        shm_path, self._shm = shm_comm.create_segment(world_size) if self.comm == "shm" else (None, None)
+        readers, self._wake = shm_comm.make_wake_pipes(ctx, world_size) if self._shm else ([], [])
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self.procs, self.conns, self._shm, shm_path, self._wake
+        )
         for rank in range(world_size):
             parent, child = ctx.Pipe(duplex=True)
+            wake = (readers[rank], self._wake) if readers else None
             proc = ctx.Process(
                 target=worker_main,
-                args=(rank, world_size, port, str(device), child, factory, dict(kwargs or {}), os.getpid()),
+                args=(
+                    rank,
+                    world_size,
+                    port,
+                    str(device),
+                    child,
+                    factory,
+                    dict(kwargs or {}),
+                    os.getpid(),
+                    shm_path,
+                    wake,
+                ),
                 name=f"minipaged-tp-worker-{rank}",
                 daemon=True,  # multiprocessing terminates it at the driver's exit
             )
@@ -118,7 +162,8 @@ class WorkerGroup:
             child.close()  # the worker holds the only other end: EOF when it dies
             self.procs.append(proc)
             self.conns.append(parent)
-        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
+        for r in readers:  # the workers have theirs; the driver keeps the write ends (abort)
+            r.close()
         self.stats = CallStats()
         self.closed = False
         try:
@@ -126,6 +171,9 @@ class WorkerGroup:
         except BaseException:
             self.shutdown()
             raise
+        # every rank has mapped the segment: its name can go, the memory stays until the last
+        # map does (so no way of dying, even a SIGKILL of this process, leaves it in /dev/shm)
+        shm_comm.unlink_segment(shm_path)
 
     # -- the driver's side of a step -------------------------------------------------
     def call(self, method: str, *args, timeout_s: Optional[float] = None) -> list[Any]:
@@ -135,11 +183,13 @@ class WorkerGroup:
         t0 = time.perf_counter()
         data = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         try:
+            shm_comm.set_sending(self._shm, self.world_size, True)
             for rank, conn in enumerate(self.conns):
                 try:
                     conn.send_bytes(data)
                 except (BrokenPipeError, OSError):
                     raise self._died(rank) from None
+            shm_comm.set_sending(self._shm, self.world_size, False)
             t1 = time.perf_counter()
             results = self._collect(method, timeout_s)
             self.stats.add(len(data), t1 - t0, time.perf_counter() - t1)
@@ -175,7 +225,12 @@ class WorkerGroup:
                     raise self._died(rank)
         return results
 
+    def _abort_collectives(self) -> None:
+        """Make every rank waiting in a shared-memory collective raise (a peer is gone)."""
+        shm_comm.abort(self._shm, self.world_size, [w.fileno() for w in self._wake if not w.closed])
+
     def _died(self, rank: int) -> WorkerDiedError:
+        self._abort_collectives()
         proc = self.procs[rank]
         proc.join(timeout=1.0)
         code = proc.exitcode
@@ -185,6 +240,7 @@ class WorkerGroup:
     def _blame(self, rank: int, message: str) -> WorkerError:
         """A rank's error, or the death that caused it: a collective fails on every rank when one
         rank dies, so a rank that is gone within a second is the one to name."""
+        self._abort_collectives()
         others = [p.sentinel for r, p in enumerate(self.procs) if r != rank and p.is_alive()]
         if others:
             wait(others, timeout=1.0)
@@ -211,7 +267,9 @@ class WorkerGroup:
         self.shutdown()
 
 
-def _shutdown(procs, conns, grace_s: float = 3.0) -> None:
+def _shutdown(procs, conns, shm=None, shm_path=None, wake=(), grace_s: float = 3.0) -> None:
+    # a rank still waiting in a shared-memory collective stops waiting
+    shm_comm.abort(shm, len(procs), [w.fileno() for w in wake if not w.closed])
     msg = pickle.dumps((_SHUTDOWN, ()))
     for conn in conns:
         try:
@@ -230,6 +288,11 @@ def _shutdown(procs, conns, grace_s: float = 3.0) -> None:
             proc.join(timeout=1.0)
     for conn in conns:
         conn.close()
+    shm_comm.unlink_segment(shm_path)  # gone already unless the workers never started
+    if shm is not None:
+        shm.close()
+    for w in wake:
+        w.close()
 
 
 # -- the worker's side -------------------------------------------------------------------
@@ -246,7 +309,9 @@ def _resolve(factory: str):
     return getattr(importlib.import_module(module), name)
 
 
-def worker_main(rank, world_size, port, device, conn, factory, kwargs, parent_pid) -> None:
+def worker_main(
+    rank, world_size, port, device, conn, factory, kwargs, parent_pid, shm_path=None, wake=None
+) -> None:
     """One rank: join the group, build the worker, then answer messages until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the driver, which stops us
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
@@ -265,7 +330,15 @@ def worker_main(rank, world_size, port, device, conn, factory, kwargs, parent_pi
 
     try:
         try:
-            tp = init_tensor_parallel(rank, world_size, port, device, timed=kwargs.pop("timed", True))
+            tp = init_tensor_parallel(
+                rank,
+                world_size,
+                port,
+                device,
+                timed=kwargs.pop("timed", True),
+                shm_path=shm_path,
+                shm_wake=None if wake is None else (wake[0].fileno(), [w.fileno() for w in wake[1]]),
+            )
             worker = _resolve(factory)(rank=rank, tp=tp, device=device_for_rank(device, rank), **kwargs)
         except Exception as e:  # noqa: BLE001 - reported to the driver, which raises
             reply("error", failure(e))
@@ -278,6 +351,12 @@ def worker_main(rank, world_size, port, device, conn, factory, kwargs, parent_pi
                 return  # the driver is gone
             if method == _SHUTDOWN:
                 return
+            if tp.shm is not None:
+                # NOTE: a pipe wakes its reader on the writer's core, so this rank may just have
+                # preempted the driver before it wrote the next rank's message: yield to it
+                # until it has (then it blocks), rather than have the peers wait for that message
+                # in the step's first collective
+                tp.shm.wait_until_sent()
             try:
                 value = getattr(worker, method)(*args)
             except Exception as e:  # noqa: BLE001 - reported to the driver, which raises

@@ -23,7 +23,8 @@ Outputs
 How the output crosses (``minipaged/distributed/workers.py``)
     ``pickle`` of the plain half, written to one pipe per worker. The bytes per step are a
     few hundred for a decode step of a few requests (ids and counts), more when new requests
-    bring their prompts; ``stats`` counts them.
+    bring their prompts; ``stats`` counts them. The workers' all-reduces go between the
+    workers (shared memory on a CPU, NCCL on CUDA), never through the driver.
 
 Invariants
     every worker receives every step, in order, so every worker's block tables are the same;
@@ -111,16 +112,23 @@ class TensorParallelWorker:
             "weight_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
         }
 
-    def time_all_reduce(self, shape, iters: int = 50) -> float:
-        """Seconds per all-reduce of ``shape`` with every rank ready (call on all ranks)."""
+    def time_all_reduce(self, shape, iters: int = 50, via: str = "group") -> float:
+        """Seconds per all-reduce of ``shape`` with every rank ready (call on all ranks);
+        ``via="torch"``: through torch.distributed even where the group has shared memory."""
         from minipaged.distributed.process_group import time_all_reduce
 
-        return time_all_reduce(self.tp, shape, iters, self.model.device)
+        return time_all_reduce(self.tp, shape, iters, self.model.device, via)
 
     def comm_stats(self, reset: bool = False) -> dict:
-        out = {"comm_seconds": self.tp.comm_seconds, "num_collectives": self.tp.num_collectives}
+        tp = self.tp
+        out = {
+            "comm_seconds": tp.comm_seconds,
+            "num_collectives": tp.num_collectives,
+            "num_shm": tp.num_shm,  # of which through the shared-memory segment
+            "shm": tp.shm is not None,
+        }
         if reset:
-            self.tp.comm_seconds, self.tp.num_collectives = 0.0, 0
+            tp.comm_seconds, tp.num_collectives, tp.num_shm = 0.0, 0, 0
         return out
 
 

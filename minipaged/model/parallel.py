@@ -24,8 +24,8 @@ How one decoder layer splits over N ranks (r = this rank)::
     norms         replicated (every rank holds the whole vector)
 
 Inputs
-    a ``TensorParallelGroup`` (rank, size, torch.distributed group) given to each layer at
-    construction; at ``size == 1`` there is no group and every layer *is* its ``nn.Linear``
+    a ``TensorParallelGroup`` (rank, size, torch.distributed group, and on a CPU the
+    shared-memory communicator its all-reduces use) given to each layer at construction; at ``size == 1`` there is no group and every layer *is* its ``nn.Linear``
     / ``nn.Embedding`` (same ``forward``, same speed, same state-dict names).
 Outputs
     each layer's ``forward`` returns what the unsharded layer returns, restricted to this
@@ -64,14 +64,21 @@ class TensorParallelGroup:
     """Where this rank stands: ``rank`` of ``size``, and the collectives between the ranks.
 
     ``group`` is a ``torch.distributed`` process group (``None``: the default group, or no
-    group at all when ``size == 1``). ``comm_seconds`` adds up the wall time spent in
-    collectives when ``timed`` is set (the benchmark reads it; two ``perf_counter`` calls per
-    collective, nothing beside a collective's own tens of microseconds).
+    group at all when ``size == 1``). ``shm``: a ``ShmCommunicator``
+    (``minipaged/distributed/shm_comm.py``) when the ranks are CPU processes of one host: an
+    all-reduce or all-gather that fits its slots goes through shared memory (tens of
+    microseconds), anything else through ``group`` (gloo: about 500 us for a decode step's
+    [8, 512] here; NCCL on CUDA, where there is never a segment). ``comm_seconds`` adds up the
+    wall time spent in collectives when ``timed`` is set (the benchmark reads it; two
+    ``perf_counter`` calls per collective), ``num_collectives`` counts them, ``num_shm`` those
+    that went through shared memory.
     """
 
-    __slots__ = ("rank", "size", "group", "timed", "comm_seconds", "num_collectives")
+    __slots__ = ("rank", "size", "group", "timed", "comm_seconds", "num_collectives", "num_shm", "shm")
 
-    def __init__(self, rank: int = 0, size: int = 1, group: Any = None, timed: bool = True) -> None:
+    def __init__(
+        self, rank: int = 0, size: int = 1, group: Any = None, timed: bool = True, shm: Any = None
+    ) -> None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
         if not isinstance(rank, int) or not 0 <= rank < size:
@@ -82,13 +89,17 @@ class TensorParallelGroup:
         self.timed = timed
         self.comm_seconds = 0.0
         self.num_collectives = 0
+        self.num_shm = 0  # of which through the shared-memory segment
+        self.shm = shm  # a ShmCommunicator (ranks on one host, CPU) or None: gloo / NCCL only
 
     @classmethod
-    def from_torch_distributed(cls, group: Any = None, timed: bool = True) -> TensorParallelGroup:
+    def from_torch_distributed(
+        cls, group: Any = None, timed: bool = True, shm: Any = None
+    ) -> TensorParallelGroup:
         """This process's rank and world size in ``group`` (an initialised torch.distributed)."""
         import torch.distributed as dist
 
-        return cls(dist.get_rank(group), dist.get_world_size(group), group, timed)
+        return cls(dist.get_rank(group), dist.get_world_size(group), group, timed, shm)
 
     def __repr__(self) -> str:
         return f"TensorParallelGroup(rank={self.rank}, size={self.size})"
@@ -100,7 +111,10 @@ class TensorParallelGroup:
         import torch.distributed as dist
 
         t0 = time.perf_counter() if self.timed else 0.0
-        dist.all_reduce(x, group=self.group)
+        if self.shm is not None and self.shm.all_reduce(x) is not None:
+            self.num_shm += 1
+        else:  # CUDA (NCCL), no segment, or too big for it: torch.distributed
+            dist.all_reduce(x, group=self.group)
         self._count(t0)
         return x
 
@@ -111,11 +125,16 @@ class TensorParallelGroup:
         import torch.distributed as dist
 
         t0 = time.perf_counter() if self.timed else 0.0
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x, group=self.group)
+        out = self.shm.all_gather(x, dim) if self.shm is not None else None
+        if out is not None:
+            self.num_shm += 1
+        else:
+            x = x.contiguous()
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x, group=self.group)
+            out = torch.cat(parts, dim=dim)
         self._count(t0)
-        return torch.cat(parts, dim=dim)
+        return out
 
     def _count(self, t0: float) -> None:
         self.num_collectives += 1

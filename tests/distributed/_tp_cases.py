@@ -102,3 +102,45 @@ def shm_segments(pids) -> set[str]:
 def left_behind(segments) -> set[str]:
     """Those of ``segments`` still in /dev/shm."""
     return {s for s in segments if os.path.exists(s)}
+
+
+def rank_part(shape, dtype, seed: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s input to collective ``seed``: seeded, so the test recomputes it."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+class CollectiveWorker:
+    """A rank that runs a list of collectives through its group (shared memory where it has a
+    segment and the tensor fits, else gloo) on seeded inputs (``rank_part``)."""
+
+    def __init__(self, rank, tp, device) -> None:
+        self.rank, self.tp = rank, tp
+
+    def run(self, ops, inference: bool = False):
+        """``ops``: ``(kind, shape, dtype, seed)`` with kind ``"sum"`` or ``"gather"``;
+        a shape whose first entry is negative means the transposed (non-contiguous) tensor."""
+        out = []
+        with torch.inference_mode(inference):
+            for kind, shape, dtype, seed in ops:
+                x = rank_part([abs(n) for n in shape], dtype, seed, self.rank)
+                if shape[0] < 0:
+                    x = x.t()
+                out.append(self.tp.all_reduce(x) if kind == "sum" else self.tp.all_gather(x, -1))
+        return [t.clone() for t in out]
+
+    def wait_in_all_reduce(self, sleeping_rank: int, seconds: float) -> str:
+        """Every rank but ``sleeping_rank`` enters an all-reduce; that one sleeps first."""
+        import time
+
+        if self.rank == sleeping_rank:
+            time.sleep(seconds)
+        self.tp.all_reduce(torch.ones(4))
+        return "done"
+
+    def stats(self) -> dict:
+        return {
+            "num_collectives": self.tp.num_collectives,
+            "num_shm": self.tp.num_shm,
+            "shm": self.tp.shm is not None,
+        }
