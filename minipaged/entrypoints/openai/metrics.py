@@ -170,7 +170,12 @@ _METRICS = [
     ("itl", "histogram", "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds."),
     ("e2e", "histogram", "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."),
     ("steps", "counter", "minipaged:engine_steps", "Engine steps taken."),
-    ("errors", "counter", "minipaged:engine_errors", "Engine steps that raised an exception (should stay 0)."),
+    (
+        "errors",
+        "counter",
+        "minipaged:engine_errors",
+        "Engine steps that raised an exception (should stay 0).",
+    ),
 ]
 
 
