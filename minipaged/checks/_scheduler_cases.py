@@ -82,6 +82,17 @@ class Recipe:
         return (len(self.requests), self.num_blocks, self.max_num_batched_tokens)
 
 
+def arrivals_of(requests) -> dict:
+    """``[(rid, prompt_len, max_tokens, step), ...]`` (a workload as plain data) ->
+    ``{step: [Request, ...]}`` for ``run_scheduler``; prompts are tokens 10, 11, ..."""
+    arrivals: dict = {}
+    for rid, prompt, max_tokens, at in requests:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        req = Request(rid, [10 + i for i in range(prompt)], sampling_params=params)
+        arrivals.setdefault(at, []).append(req)
+    return arrivals
+
+
 def _tokens(rid: str, n: int, start: int = 10) -> list[int]:
     # deterministic, never the EOS id
     base = sum(map(ord, rid))

@@ -40,6 +40,7 @@ from minipaged.checks._harness import expect_equal
 from minipaged.checks._scheduler_cases import (
     EOS,
     SNAPSHOT_WHAT,
+    arrivals_of,
     build,
     random_recipe,
     recipe_data,
@@ -315,24 +316,13 @@ PREDICT_REQUESTS = [("A", 6, 4, 0), ("B", 5, 2, 0), ("C", 4, 3, 0), ("D", 5, 2, 
 PREDICT_KNOBS = {"num_blocks": 16, "block_size": 4, "max_num_seqs": 3, "max_num_batched_tokens": 8}
 
 
-def _arrivals(requests) -> dict:
-    from minipaged.sampling_params import SamplingParams
-
-    arrivals: dict = {}
-    for rid, prompt, max_tokens, at in requests:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        req = Request(rid, [10 + i for i in range(prompt)], sampling_params=params)
-        arrivals.setdefault(at, []).append(req)
-    return arrivals
-
-
 def reference_steps(requests=PREDICT_REQUESTS, **knobs):
     """The trace of the v1 ``Scheduler`` (fake model: token 1) on ``requests``."""
     from minipaged.trace import run_scheduler
 
     k = dict(PREDICT_KNOBS, **knobs)
     sched = Scheduler(k.pop("num_blocks"), k.pop("block_size"), **k)
-    return run_scheduler(sched, _arrivals(requests), next_token=lambda r: 1)
+    return run_scheduler(sched, arrivals_of(requests), next_token=lambda r: 1)
 
 
 def predicted_steps(requests) -> list:
@@ -438,7 +428,7 @@ def _serve_cases(rng) -> list:
             workload.append((f"r{k}", prompt, rng.randint(1, min(10, cap - prompt)), rng.randint(0, 6)))
         case = {"workload": workload, "knobs": knobs, "max_num_seqs": rng.randint(1, 4)}
         try:
-            ref_serve(_serve_scheduler(knobs, case["max_num_seqs"]), _arrivals(workload))
+            ref_serve(_serve_scheduler(knobs, case["max_num_seqs"]), arrivals_of(workload))
         except (ValueError, RuntimeError):
             continue  # a workload the scheduler refuses: not a case for the engine loop
         cases.append(case)
@@ -447,7 +437,7 @@ def _serve_cases(rng) -> list:
 
 def observe_serve(case, serve) -> dict:
     s = _serve_scheduler(case["knobs"], case["max_num_seqs"])
-    arrivals = _arrivals([tuple(r) for r in case["workload"]])
+    arrivals = arrivals_of([tuple(r) for r in case["workload"]])
     got = serve(s, arrivals)
     everyone = [r for reqs in arrivals.values() for r in reqs]
     return {
@@ -463,7 +453,7 @@ def observe_serve(case, serve) -> dict:
 def _serve_report(serve) -> str:
     lines = []
     for seats in SERVE_SEATS:
-        finish = serve(_serve_scheduler(SERVE_KNOBS, seats), _arrivals(SERVE_WORKLOAD))
+        finish = serve(_serve_scheduler(SERVE_KNOBS, seats), arrivals_of(SERVE_WORKLOAD))
         steps = max(finish.values()) + 1
         lines.append(
             f"max_num_seqs={seats}: {steps} steps, mean finish step {sum(finish.values()) / len(finish):.2f}\n"

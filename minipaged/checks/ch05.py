@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 
 from minipaged.checks._harness import is_not_implemented
-from minipaged.checks._scheduler_cases import Recipe, ReqSpec, build, random_recipe, snapshot
+from minipaged.checks._scheduler_cases import Recipe, ReqSpec, arrivals_of, build, random_recipe, snapshot
 from minipaged.checks._spec import Spec, attempt, concept_spec, register
 from minipaged.core import Request, Scheduler
 from minipaged.core.sched import utils as sched_utils
@@ -331,24 +331,13 @@ PREDICT_KNOBS = {"num_blocks": 5, "block_size": 2, "max_num_seqs": 3, "max_num_b
 _PREDICT_MAX_STEPS = 12  # a variant stays small enough to work on paper
 
 
-def _arrivals(requests) -> dict:
-    from minipaged.sampling_params import SamplingParams
-
-    arrivals: dict = {}
-    for rid, prompt, max_tokens, at in requests:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        req = Request(rid, [10 + i for i in range(prompt)], sampling_params=params)
-        arrivals.setdefault(at, []).append(req)
-    return arrivals
-
-
 def reference_steps(requests=PREDICT_REQUESTS, knobs=PREDICT_KNOBS):
     """The trace of the v1 ``Scheduler`` (fake model: token 1) on ``requests``."""
     from minipaged.trace import run_scheduler
 
     k = dict(knobs)
     sched = Scheduler(k.pop("num_blocks"), k.pop("block_size"), **k)
-    return run_scheduler(sched, _arrivals(requests), next_token=lambda r: 1)
+    return run_scheduler(sched, arrivals_of(requests), next_token=lambda r: 1)
 
 
 def reference_run(requests=PREDICT_REQUESTS) -> list[dict]:
@@ -471,7 +460,7 @@ def run_admission(rule, workload=DESIGN_WORKLOAD, knobs=None) -> dict:
 
     k = dict(DESIGN_KNOBS, **(knobs or {}))
     sched = _Rule(k.pop("num_blocks"), k.pop("block_size"), watermark=None, **k)
-    arrivals = _arrivals([tuple(w) for w in workload])
+    arrivals = arrivals_of([tuple(w) for w in workload])
     everyone = [r for at in sorted(arrivals) for r in arrivals[at]]
     admitted, preemptions, step, problem = [], 0, 0, None
     last = max(arrivals, default=0)
