@@ -29,7 +29,7 @@ Invariants
     never stop the run. Cost is
     bounded: each cell has ``timeout``, the submission ``budget`` (cells, restarts and
     replays together); after a kernel death or an ignored interrupt a fresh kernel is
-    armed and the earlier student cells are replayed once, at most ``MAX_RESTARTS`` times;
+    started and the earlier student cells are replayed once, at most ``MAX_RESTARTS`` times;
     output is capped per cell. The CSV is rewritten after every submission.
 
 Failure mode
@@ -286,7 +286,7 @@ def _run_plan(
 
 
 def _restart_and_replay(runner, plan: list[_PlanCell], upto: int, bad: set[int], start_kernel, left) -> None:
-    """Fresh kernel (armed again); re-run the student's cells before ``upto`` that did not hang
+    """Fresh kernel; re-run the student's cells before ``upto`` that did not hang
     or crash, once each, within the submission's budget."""
     start_kernel()
     for pos in range(upto):
