@@ -136,9 +136,5 @@ class CommWorker:
     def time_all_reduce(self, shape, iters: int = 50, via: str = "group") -> float:
         return time_all_reduce(self.tp, shape, iters, self.device, via)
 
-    def comm_stats(self) -> dict:
-        return {
-            "num_collectives": self.tp.num_collectives,
-            "num_shm": self.tp.num_shm,
-            "shm": self.tp.shm is not None,
-        }
+    def comm_stats(self, reset: bool = False) -> dict:
+        return self.tp.comm_stats(reset)

@@ -47,8 +47,8 @@ from typing import Optional
 from minipaged.core.sched.request import Request, RequestStatus
 from minipaged.engine.core import decode, encode, run_engine_core
 from minipaged.engine.detokenizer import IncrementalDetokenizer
-from minipaged.engine.output_processor import OutputProcessor
-from minipaged.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from minipaged.engine.output_processor import OutputProcessor, logprob_dict
+from minipaged.engine.outputs import CompletionOutput, RequestOutput
 
 STATUS_OF_REASON = {
     "stop": RequestStatus.FINISHED_STOPPED,
@@ -238,20 +238,6 @@ def seq_params(params, eos_token_ids: list[int]):
     if extra and not p.ignore_eos:
         p = dataclasses.replace(p, stop_token_ids=p.stop_token_ids + extra)
     return p
-
-
-def logprob_dict(entry, piece) -> dict:
-    """One generated token's ``Logprobs`` as vLLM's dict: the sampled token, then the top k
-    (token id -> ``Logprob`` with its rank and text), as ``OutputProcessor`` builds them."""
-    d = {
-        entry.sampled_token_id: Logprob(
-            entry.sampled_logprob, entry.sampled_rank, piece(entry.sampled_token_id)
-        )
-    }
-    for rank, (tid, lp) in enumerate(zip(entry.token_ids, entry.logprobs), start=1):
-        if tid not in d:
-            d[tid] = Logprob(lp, rank, piece(tid))
-    return d
 
 
 class FrontendOutputs:

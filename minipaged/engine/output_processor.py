@@ -46,6 +46,21 @@ class _SeqState:
     stop_string: Optional[str] = None
 
 
+def logprob_dict(entry, piece) -> dict:
+    """One generated token's ``Logprobs`` as vLLM's dict: the sampled token, then the top k
+    (token id -> ``Logprob`` with its rank and text, ``piece(token_id)``); the one builder
+    ``OutputProcessor`` and the server's frontends share."""
+    d = {
+        entry.sampled_token_id: Logprob(
+            entry.sampled_logprob, entry.sampled_rank, piece(entry.sampled_token_id)
+        )
+    }
+    for rank, (tid, lp) in enumerate(zip(entry.token_ids, entry.logprobs), start=1):
+        if tid not in d:
+            d[tid] = Logprob(lp, rank, piece(tid))
+    return d
+
+
 @dataclass
 class OutputProcessor:
     tokenizer: object = None
@@ -95,18 +110,7 @@ class OutputProcessor:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _logprob_dicts(self, entries: list[Logprobs]) -> list[dict[int, Logprob]]:
-        out = []
-        for e in entries:
-            d = {
-                e.sampled_token_id: Logprob(
-                    e.sampled_logprob, e.sampled_rank, self._decoded(e.sampled_token_id)
-                )
-            }
-            for rank, (tid, lp) in enumerate(zip(e.token_ids, e.logprobs), start=1):
-                if tid not in d:
-                    d[tid] = Logprob(lp, rank, self._decoded(tid))
-            out.append(d)
-        return out
+        return [logprob_dict(e, self._decoded) for e in entries]
 
     def _text(self, req: Request, st: Optional[_SeqState], reason: Optional[str]) -> str:
         if st is not None and st.detokenizer is not None:

@@ -120,16 +120,7 @@ class TensorParallelWorker:
         return time_all_reduce(self.tp, shape, iters, self.model.device, via)
 
     def comm_stats(self, reset: bool = False) -> dict:
-        tp = self.tp
-        out = {
-            "comm_seconds": tp.comm_seconds,
-            "num_collectives": tp.num_collectives,
-            "num_shm": tp.num_shm,  # of which through the shared-memory segment
-            "shm": tp.shm is not None,
-        }
-        if reset:
-            tp.comm_seconds, tp.num_collectives, tp.num_shm = 0.0, 0, 0
-        return out
+        return self.tp.comm_stats(reset)
 
 
 class MultiprocExecutor:

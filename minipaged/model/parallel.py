@@ -104,6 +104,19 @@ class TensorParallelGroup:
     def __repr__(self) -> str:
         return f"TensorParallelGroup(rank={self.rank}, size={self.size})"
 
+    def comm_stats(self, reset: bool = False) -> dict:
+        """This rank's collectives so far: seconds (with ``timed``), count, how many went
+        through the shared-memory segment, whether there is one; ``reset`` zeroes the counts."""
+        out = {
+            "comm_seconds": self.comm_seconds,
+            "num_collectives": self.num_collectives,
+            "num_shm": self.num_shm,
+            "shm": self.shm is not None,
+        }
+        if reset:
+            self.comm_seconds, self.num_collectives, self.num_shm = 0.0, 0, 0
+        return out
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (every rank gets the sum)."""
         if self.size == 1:

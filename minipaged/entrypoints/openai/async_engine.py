@@ -61,7 +61,8 @@ from typing import Optional
 
 from minipaged.engine.core import step_event
 from minipaged.engine.detokenizer import IncrementalDetokenizer
-from minipaged.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from minipaged.engine.output_processor import logprob_dict
+from minipaged.engine.outputs import CompletionOutput, RequestOutput
 from minipaged.entrypoints.openai.profile import PROFILE
 from minipaged.sampling_params import SamplingParams
 from minipaged.viz.palette import FREE_GREY, STATE_COLORS, owner_color
@@ -218,20 +219,6 @@ def partial_output(engine, request_id: str, progress: Optional[_Progress] = None
             )
         )
     return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, comps, False)
-
-
-def logprob_dict(entry, piece) -> dict:
-    """One generated token's ``Logprobs`` as vLLM's dict: the sampled token, then the top k
-    (token id -> ``Logprob`` with its rank and text), as ``OutputProcessor`` builds them."""
-    d = {
-        entry.sampled_token_id: Logprob(
-            entry.sampled_logprob, entry.sampled_rank, piece(entry.sampled_token_id)
-        )
-    }
-    for rank, (tid, lp) in enumerate(zip(entry.token_ids, entry.logprobs), start=1):
-        if tid not in d:
-            d[tid] = Logprob(lp, rank, piece(tid))
-    return d
 
 
 def _release_memory() -> None:
