@@ -261,6 +261,9 @@ def judge(spec: Spec, cases: list, got_text: str, key: Optional[dict] = None) ->
             return False, f"{head}\n  your code raised {got[i]['raised']}: {msg}{tail}"
         where, e, g = d
         where = where.removeprefix("value.").removeprefix("value")
+        if where.split(".")[-1] == "raised":  # both raised, not the same exception
+            where = where.removesuffix("raised").rstrip(".")
+            return False, f"{head}\n  {where or 'result'}: expected {e}, but your code raised {g}{tail}"
         if type(g) is dict and "raised" in g and not (type(e) is dict and "raised" in e):
             return (
                 False,
