@@ -10,6 +10,8 @@
 #   kernel_correctness  benchmarks/gpu_kernels_check.py: kernels + cache ops, compiled, vs the torch reference
 #   kernel_bench        benchmarks/kernels.py --quick --tune: paged vs contiguous, % of peak, block sizes, figure
 #   serving             benchmarks/gpu_serving.py: random 1.1B Llama, bf16, 256 requests, (a)-(d)
+#   tensor_parallel     benchmarks/tensor_parallel.py --level model: tp over NCCL, tp = the GPUs (at most 2;
+#                       with one GPU a world of one, which still starts NCCL), tokens equal across sizes
 #   report              benchmarks/gpu_report.py: OUTDIR/<device-slug>.json + OUTDIR/summary.txt
 # A real run then copies the report, summary and figure to OUTDIR/results/ and to
 # benchmarks/results/ (for the lead to commit); a dry run writes to OUTDIR only. Total time is kept under GPU_CHECK_TOTAL_S
@@ -44,10 +46,12 @@ if [ "$DRY" = 1 ]; then
   export CUDA_VISIBLE_DEVICES=""  # the CPU path even on a GPU machine
   export TRITON_INTERPRET=1
   DRYFLAG="--dry-run"
-  B_ENV=60; B_CORRECT=90; B_KBENCH=60; B_SERVE=120
+  B_ENV=60; B_CORRECT=90; B_KBENCH=60; B_SERVE=120; B_TP=90
+  TP_ARGS="--device cpu --model tiny-llama --tp 2 --repeats 1 --max-tokens 4"
 else
   DRYFLAG=""
-  B_ENV=60; B_CORRECT=110; B_KBENCH=120; B_SERVE=240  # serving gets >= 185 s of the 450
+  B_ENV=60; B_CORRECT=110; B_KBENCH=120; B_SERVE=200; B_TP=60  # serving gets >= 145 s of the 450
+  TP_ARGS="--device cuda --repeats 3"
 fi
 
 now() { date +%s; }
@@ -110,6 +114,17 @@ else
   else
     record serving skipped - 0 "transformers missing"
   fi
+fi
+if has torch && has transformers; then
+  if [ "$DRY" = 0 ]; then
+    NGPU=$("$PY" -c "import torch; print(min(2, max(1, torch.cuda.device_count())))" 2>/dev/null || echo 1)
+    TP_ARGS="$TP_ARGS --tp $NGPU"
+  fi
+  run_step tensor_parallel "$B_TP" \
+    bash -c '"$0" benchmarks/tensor_parallel.py --level model $2 --json > "$1/tensor_parallel.json"' \
+    "$PY" "$OUT" "$TP_ARGS"
+else
+  record tensor_parallel skipped - 0 "torch or transformers missing"
 fi
 
 # The report: always, even when every step above failed.

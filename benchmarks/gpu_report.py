@@ -4,7 +4,7 @@
     python benchmarks/gpu_report.py combine OUTDIR [--copy-to benchmarks/results]
 
 ``combine`` reads what the steps left in OUTDIR (``env.json``, ``steps.tsv`` written by the
-shell script, ``kernel_correctness.json``, ``kernels.json``, ``serving.json``; a missing or
+shell script, ``kernel_correctness.json``, ``kernels.json``, ``serving.json``, ``tensor_parallel.json``; a missing or
 broken file is recorded, not fatal) and writes
 
     OUTDIR/<device-slug>.json   device, versions, every step's status and every figure
@@ -116,6 +116,10 @@ def headline(report: dict) -> dict:
     h["serving_tokens_per_s_a"] = a.get("tokens_per_s")
     h["engine_overhead_ms_per_step"] = a.get("overhead_ms_per_step")
     h["engine_overhead_fraction"] = a.get("overhead_fraction")
+    tp = report.get("tensor_parallel", {})
+    if tp.get("results"):
+        h["tensor_parallel_tokens_per_s"] = {k: round(v["tokens_per_s"], 1) for k, v in tp["results"].items()}
+        h["tensor_parallel_outputs_equal"] = tp.get("outputs_equal")
     return h
 
 
@@ -193,6 +197,13 @@ def format_summary(report: dict) -> str:
             )
     elif sv.get("error"):
         lines.append(f"serving: {sv['error']}")
+    if h.get("tensor_parallel_tokens_per_s"):
+        tp_args = report["tensor_parallel"].get("args", {})
+        lines.append(
+            f"tensor parallel ({tp_args.get('model')}, {tp_args.get('device')}, model level): "
+            + ", ".join(f"{k} {v} tok/s" for k, v in h["tensor_parallel_tokens_per_s"].items())
+            + f"; greedy tokens equal: {h['tensor_parallel_outputs_equal']}"
+        )
     return "\n".join(lines)
 
 
@@ -212,6 +223,7 @@ def combine(out_dir: str, copy_to: str | None = None) -> dict:
         "kernel_correctness": _load(os.path.join(out_dir, "kernel_correctness.json")),
         "kernel_bench": _load(os.path.join(out_dir, "kernels.json")),
         "serving": _load(os.path.join(out_dir, "serving.json")),
+        "tensor_parallel": _load(os.path.join(out_dir, "tensor_parallel.json")),
         "paper_kernel_overhead": list(PAPER_KERNEL_OVERHEAD),
     }
     report["headline"] = headline(report)

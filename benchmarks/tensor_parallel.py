@@ -1,8 +1,8 @@
 """Tensor parallelism on this machine: tp=1 against tp=2 tokens/s, and where a tp step goes.
 
     python benchmarks/tensor_parallel.py [--level engine|model] [--model random-llama-20m|tiny-llama|course|DIR]
-        [--num-seqs 8] [--prompt-len 64] [--max-tokens 32] [--repeats 3] [--tp 2]
-        [--device cpu|cuda] [--json]
+        [--num-seqs 8] [--prompt-len 64] [--max-tokens 32] [--repeats 5] [--tp 2]
+        [--device cpu|cuda] [--attention-backend auto|torch|cpu|triton] [--json]
 
 ``--level engine`` (the default): ``LLM(model)`` against ``LLM(model, tensor_parallel_size=N)``
 on the same requests (``num_seqs`` random prompts, greedy, ``max_tokens`` each, one warm-up
@@ -11,7 +11,16 @@ alternating (tp=1, tp=N, tp=1, ...: a load that drifts on a shared machine hits 
 agree, and for tp=N the share of the wall time in rank 0's collectives (all-reduces and the
 logits all-gather, waiting for the slower rank included), the all-reduce's own cost (every rank
 ready), and the share spent sending each step's scheduler output to the workers, with its bytes
-per step. The driver process (scheduler, detokenizer) runs beside the workers.
+per step. The driver process (scheduler, detokenizer) runs beside the workers. Both engines
+run ``--attention-backend`` ("auto": the C kernels on a CPU, Triton on CUDA). Where the rest
+goes: one more tp=1 run under ``torch.profiler`` gives the share of its time in the matrix
+multiplies, the only work that tensor parallelism divides among the ranks; everything else
+(attention over the rank's heads aside: norms, RoPE, cache writes, the Python of every module
+call) each rank repeats whole, so Amdahl's law estimates tp=N at ``1 / (share / N + 1 - share)``,
+printed beside the measured ratio (an estimate, not a bound: the profiler's own overhead
+lowers the share it finds, and half the weights per rank fit the caches better). The ratio is printed two ways: of the
+medians, and the median of the ratios of each tp=1 run and the tp=N run right after it (the
+runs alternate, so a pair sees the same machine; on a shared VM the second is steadier).
 
 ``--level model``: one seeded greedy workload (``num_seqs`` random prompts decoded together for ``max_tokens``
 tokens each: one prefill step, then decode steps), run three ways, each ``--repeats`` times:
@@ -100,6 +109,22 @@ def _call_extra(st, comm: dict) -> dict:
     }
 
 
+def _matmul_share(llm, prompts, params) -> float:
+    """The share of one tp=1 ``generate``'s wall time spent in the matrix multiplies (the
+    linear layers and the LM head: ``aten::addmm`` / ``aten::mm`` self time, ``torch.profiler``),
+    the work that tensor parallelism splits among the ranks."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        secs = time.perf_counter() - t0
+    matmul_us = sum(
+        e.self_cpu_time_total for e in prof.key_averages() if e.key in ("aten::addmm", "aten::mm")
+    )
+    return min(1.0, matmul_us / 1e6 / secs)
+
+
 def _all_reduce_alone(grp, r: dict, args, hidden: int) -> None:
     """One all-reduce of a decode step's ``[num_seqs, hidden]`` with every rank ready, the
     group's way and torch.distributed's (gloo / NCCL), median of 3 x 100; and its floor: that
@@ -164,7 +189,11 @@ def engine_level(args, path: str) -> dict:
     del meta
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     engine_kw = dict(
-        block_size=BLOCK_SIZE, max_num_seqs=args.num_seqs, max_num_batched_tokens=512, device=args.device
+        block_size=BLOCK_SIZE,
+        max_num_seqs=args.num_seqs,
+        max_num_batched_tokens=512,
+        device=args.device,
+        attention_backend=args.attention_backend,
     )
     results, outputs = {}, {}
     sizes = (1, args.tp)
@@ -203,6 +232,11 @@ def engine_level(args, path: str) -> dict:
             }
             if size > 1:
                 _all_reduce_alone(llms[size].llm_engine.executor.workers, results[labels[size]], args, hidden)
+                pairs = sorted(b[0] / a[0] for a, b in zip(runs[1], runs[size]))  # each tp=1 run, then tp=N
+                results[labels[size]]["paired_ratio"] = pairs[len(pairs) // 2]
+        share = _matmul_share(llms[1], prompts, params)
+        results[labels[1]]["matmul_share"] = share
+        results[labels[args.tp]]["amdahl_estimate"] = 1.0 / (share / args.tp + 1.0 - share)
     finally:
         for llm in llms.values():
             llm.shutdown()
@@ -216,9 +250,10 @@ def main(argv=None) -> int:
     ap.add_argument("--num-seqs", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
         "--comm",
@@ -243,7 +278,10 @@ def main(argv=None) -> int:
     if args.level == "engine":
         results, outputs = engine_level(args, path)
         return report(args, results, outputs)
-    ref, _ = load_model(path, device=args.device)
+    from minipaged.kernels.selector import get_attn_backend
+
+    backend = get_attn_backend(args.attention_backend, args.device, block_size=BLOCK_SIZE)
+    ref, _ = load_model(path, device=args.device, attention_backend=backend)
     g = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(3, ref.vocab_size, (args.prompt_len,), generator=g).tolist()
@@ -251,7 +289,9 @@ def main(argv=None) -> int:
     ]
     blocks_per_seq = -(-(args.prompt_len + args.max_tokens) // BLOCK_SIZE)
     num_blocks = blocks_per_seq * args.num_seqs
-    kwargs = dict(model=path, num_blocks=num_blocks, block_size=BLOCK_SIZE, timed=True)
+    kwargs = dict(
+        model=path, attention_backend=backend, num_blocks=num_blocks, block_size=BLOCK_SIZE, timed=True
+    )
     tokens = args.num_seqs * args.max_tokens
     results, outputs = {}, {}
 
@@ -333,6 +373,16 @@ def report(args, results: dict, outputs: dict) -> int:
                 f"      one all-reduce of [{args.num_seqs}, hidden] alone: {1e6 * r['all_reduce_decode_s']:.0f} us "
                 f"this way, {1e6 * r['all_reduce_torch_s']:.0f} us through torch.distributed; "
                 f"{100 * r['all_reduce_floor_share']:.1f}% of the wall time over the decode steps"
+            )
+        if "matmul_share" in r:
+            print(
+                f"      matrix multiplies: {100 * r['matmul_share']:.0f}% of the wall time (torch.profiler, one "
+                "more run); the rest each tp rank repeats whole (norms, RoPE, cache writes, module calls)"
+            )
+        if "amdahl_estimate" in r:
+            print(
+                f"      Amdahl's estimate if only the matrix multiplies split: {r['amdahl_estimate']:.2f}x; "
+                f"measured {r['tokens_per_s'] / base:.2f}x (median of the paired runs: {r['paired_ratio']:.2f}x)"
             )
         if "send_seconds" in r:
             print(

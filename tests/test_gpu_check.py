@@ -59,7 +59,13 @@ def dry_run(tmp_path_factory):
 def test_dry_run_every_step_ok(dry_run):
     out, res, _ = dry_run
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
-    assert read_steps(out) == {"env": "ok", "kernel_correctness": "ok", "kernel_bench": "ok", "serving": "ok"}
+    assert read_steps(out) == {
+        "env": "ok",
+        "kernel_correctness": "ok",
+        "kernel_bench": "ok",
+        "serving": "ok",
+        "tensor_parallel": "ok",
+    }
     assert "kernel correctness" in res.stdout and "finished in" in res.stdout
 
 
@@ -118,6 +124,11 @@ def test_dry_run_report_holds_every_figure(dry_run):
     assert sv["systems"]["continuous+paged"]["overhead_ms_per_step"] >= 0
     h = report["headline"]
     assert h["serving_ratios"] == sv["ratios"] and h["kernel_cases"] == kc["counts"]
+
+    tp = report["tensor_parallel"]  # tp=1 in-process, tp=1 in a worker, tp=2 over torch.distributed
+    assert set(tp["results"]) == {"tp=1 in-process", "tp=1 worker", "tp=2 workers"}
+    assert tp["outputs_equal"] is True and all(r["tokens_per_s"] > 0 for r in tp["results"].values())
+    assert h["tensor_parallel_outputs_equal"] is True and "tensor parallel" in report["summary"]
 
 
 def test_total_time_guard_skips_steps_and_still_reports(tmp_path):
