@@ -1,5 +1,7 @@
 """Load benchmark of ``minipaged serve``: throughput, TTFT and inter-token latency at
-several Poisson arrival rates, measured with the official ``openai`` client.
+several Poisson arrival rates, measured with ``aiohttp`` as vLLM's own serving benchmark
+measures (``--client openai``: the official ``openai`` client, which costs the load generator four
+to five times the CPU per streamed token; on a 2-core machine that CPU is taken from the server).
 
     python benchmarks/serve_load.py                         # starts a server in-process
     python benchmarks/serve_load.py --rates 1,2,4,8 --num-requests 64
@@ -70,39 +72,94 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[k]
 
 
-async def run_rate(url: str, model: str, rate: float, args, seed: int) -> dict:
-    import openai
+def default_client() -> str:
+    """``"aiohttp"`` where it is installed (``pip install minipaged[bench]``), else ``"openai"``."""
+    import importlib.util
 
+    return "aiohttp" if importlib.util.find_spec("aiohttp") else "openai"
+
+
+async def _stream_openai(client, body: dict, on_text) -> int:
+    """One streamed completion through the official ``openai`` client -> its completion tokens."""
+    body = dict(body)
+    extra = {"ignore_eos": body.pop("ignore_eos")}
+    stream = await client.completions.create(**body, extra_body=extra)
+    tokens = 0
+    async for ch in stream:
+        if ch.usage is not None:
+            tokens = ch.usage.completion_tokens
+        if ch.choices and ch.choices[0].text:
+            on_text()
+    return tokens
+
+
+async def _stream_aiohttp(session, url: str, body: dict, on_text) -> int:
+    """The same request read as vLLM's own serving benchmark reads it (``aiohttp``, the server-sent
+    events split by hand, one ``json.loads`` per event) -> its completion tokens."""
+    import json
+
+    tokens = 0
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+        async for raw in resp.content:  # one line at a time
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("usage"):
+                tokens = ev["usage"]["completion_tokens"]
+            if ev.get("choices") and ev["choices"][0].get("text"):
+                on_text()
+    return tokens
+
+
+async def run_rate(url: str, model: str, rate: float, args, seed: int) -> dict:
+    """One rate: ``args.num_requests`` streamed requests at Poisson arrival times, through
+    ``args.client`` ("aiohttp" or "openai"; default: ``default_client()``)."""
+    client = getattr(args, "client", None) or default_client()
     rng = random.Random(seed)
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
     ttft, itl, out_tokens = [], [], []
+    if client == "aiohttp":
+        import aiohttp
+
+        session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=600), connector=aiohttp.TCPConnector(limit=0)
+        )
+    elif client == "openai":
+        import openai
+
+        session = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+    else:
+        raise ValueError(f"client must be 'aiohttp' or 'openai', got {client!r}")
 
     async def one(delay: float) -> None:
         await asyncio.sleep(delay)
-        prompt = rng.choice(PROMPTS)
-        max_tokens = rng.randint(args.min_tokens, args.max_tokens)
+        body = {
+            "model": model,
+            "prompt": rng.choice(PROMPTS),
+            "max_tokens": rng.randint(args.min_tokens, args.max_tokens),
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        }
         t0 = time.perf_counter()
         last = None
-        stream = await client.completions.create(
-            model=model,
-            prompt=prompt,
-            max_tokens=max_tokens,
-            temperature=0.0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        async for ch in stream:
+
+        def on_text() -> None:
+            nonlocal last
             now = time.perf_counter()
-            if ch.usage is not None:
-                out_tokens.append(ch.usage.completion_tokens)
-            if not ch.choices or not ch.choices[0].text:
-                continue
             if last is None:
                 ttft.append(now - t0)
             else:
                 itl.append(now - last)
             last = now
+
+        if client == "aiohttp":
+            out_tokens.append(await _stream_aiohttp(session, url, body, on_text))
+        else:
+            out_tokens.append(await _stream_openai(session, body, on_text))
 
     t = 0.0
     delays = []
@@ -110,15 +167,19 @@ async def run_rate(url: str, model: str, rate: float, args, seed: int) -> dict:
         t += rng.expovariate(rate)
         delays.append(t)
     start = time.perf_counter()
-    await asyncio.gather(*(one(d) for d in delays))
+    try:
+        await asyncio.gather(*(one(d) for d in delays))
+    finally:
+        await session.close()
     elapsed = time.perf_counter() - start
-    await client.close()
     return {
         "rate": rate,
+        "client": client,
         "requests": args.num_requests,
         "seconds": elapsed,
         "req_per_s": args.num_requests / elapsed,
         "tok_per_s": sum(out_tokens) / elapsed,
+        "output_tokens": sum(out_tokens),
         "ttft": [percentile(ttft, q) for q in (50, 90, 99)],
         "itl": [percentile(itl, q) for q in (50, 90, 99)],
         "itl_mean": statistics.fmean(itl) if itl else float("nan"),
@@ -403,6 +464,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=32, help="engine option (in-process server)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--client",
+        choices=["aiohttp", "openai"],
+        default=None,
+        help="the load generator's HTTP client (default: aiohttp where installed, as vLLM's benchmark)",
+    )
     p.add_argument("--fairness", action="store_true", help="issue 30's three scenarios (see above)")
     p.add_argument("--trials", type=int, default=3, help="--fairness: trials per scenario (median)")
     p.add_argument("--profile", action="store_true", help="print where the server's time goes")

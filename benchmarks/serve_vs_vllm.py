@@ -18,9 +18,15 @@ Both get ``--max-num-seqs``, float32 and the same checkpoint. Then, for each tri
 rate, the same seeded Poisson load of ``benchmarks/serve_load.py`` (streaming, greedy,
 ``ignore_eos``, ``max_tokens`` drawn in ``--min-tokens..--max-tokens``) goes to one server
 and then the other, alternating which goes first, so slow drifts of a shared machine hit
-both alike. Printed per rate: the median over trials of output tokens/s and of TTFT and
-ITL p50 / p99 for each, and minipaged's tokens/s over vLLM's. It is a benchmark that
-prints numbers, not a test; on a small shared CPU the spread between trials is printed too.
+both alike (each server is first warmed up with a burst of full batches). Printed per rate:
+the median over trials of output tokens/s and of TTFT and ITL p50 / p99 for each, and
+minipaged's tokens/s over vLLM's. It is a benchmark that prints numbers, not a test; on a
+small shared CPU the spread between trials is printed too.
+
+The load generator runs on the same machine as the servers and takes CPU from them: with
+``--client aiohttp`` (the default where installed, ``pip install minipaged[bench]``; vLLM's
+``vllm bench serve`` reads streams the same way) it costs a fifth of what the official
+``openai`` client (``--client openai``) costs per streamed token.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_load import run_rate, start_serve  # noqa: E402
+from serve_load import default_client, run_rate, start_serve  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COURSE_MODEL = os.path.join(REPO, "minipaged", "data", "course_model")
@@ -112,6 +118,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--client",
+        choices=["aiohttp", "openai"],
+        default=None,
+        help="the load generator's HTTP client (default: aiohttp where installed, as vLLM's benchmark)",
+    )
     p.add_argument("--kv-space", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE in GiB")
     p.add_argument("--vllm-python", default="/work/main/.venv-vllm/bin/python")
     p.add_argument("--minipaged-args", default="", help="extra `minipaged serve` arguments")
@@ -119,6 +131,7 @@ def main(argv=None) -> int:
     p.add_argument("--vllm-log", default="/tmp/serve_vs_vllm_vllm.log")
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
+    args.client = args.client or default_client()
     log = open(args.vllm_log, "w")
     vllm = mini = None
     try:
@@ -134,12 +147,11 @@ def main(argv=None) -> int:
         servers = {}
         for name, url in (("vllm", vllm_url), ("minipaged", mini_url)):
             servers[name] = (url, httpx.get(url + "/v1/models").json()["data"][0]["id"])
-            # warm-up: a few requests, not measured
-            asyncio.run(
-                run_rate(
-                    url, servers[name][1], 8.0, argparse.Namespace(**{**vars(args), "num_requests": 8}), 99
-                )
-            )
+            # warm-up, not measured: a few requests, then a burst of twice max_num_seqs at the
+            # highest rate, so that each server has run full batches before its first trial
+            for rate, n in ((8.0, 8), (max(rates), 2 * args.max_num_seqs)):
+                warm = argparse.Namespace(**{**vars(args), "num_requests": n})
+                asyncio.run(run_rate(url, servers[name][1], rate, warm, 99))
         results = {(n, r): [] for n in servers for r in rates}
         for trial in range(args.trials):
             for i, rate in enumerate(rates):
@@ -158,7 +170,7 @@ def main(argv=None) -> int:
         print(
             f"\nmedian of {args.trials} alternating trials, {args.num_requests} streaming requests per rate, "
             f"max_tokens {args.min_tokens}..{args.max_tokens}, max_num_seqs {args.max_num_seqs}, "
-            f"model {args.model}, {os.cpu_count()} CPUs"
+            f"model {args.model}, {os.cpu_count()} CPUs, load generator {args.client}"
         )
         print(
             f"{'rate':>5} {'server':<9} {'tok/s':>8} {'(min..max)':>15} | {'TTFT p50':>8} {'p99':>6} | "

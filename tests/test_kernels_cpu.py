@@ -70,6 +70,30 @@ def test_mixed_decode_and_prefill_rows_equal_the_reference(shape):
     torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("long_chunk", [False, True], ids=["rows-in-c", "sdpa-buckets"])
+def test_prefill_chunks_short_in_c_and_long_in_sdpa_equal_the_reference(long_chunk):
+    """Chunks of at most ROWS_AS_DECODES_MAX_QUERY tokens go to the C kernel row by row (each row a
+    decode of its causal prefix, cached tokens before the chunk included); a longer chunk sends
+    the step's prefill rows to the SDPA buckets. Both equal the reference."""
+    limit = cpu.ROWS_AS_DECODES_MAX_QUERY
+    q_lens = [1, 3, limit + 6 if long_chunk else limit, 1, 2]
+    seq_lens = [9, 3, q_lens[2] + 5, 40, 18]  # chunks after 0, 5 and 16 cached tokens too
+    k, v, tables, lens = make_paged(seq_lens, 16, 2, 32, seed=6)
+    cu = cu_from(q_lens)
+    q = torch.randn(sum(q_lens), 8, 32, generator=torch.Generator().manual_seed(7))
+    want = paged_attention_prefill_ref(q, k, v, tables, cu, lens)
+    got = cpu.paged_attention_cpu(q, k, v, tables, cu, lens, max(q_lens), max(seq_lens))
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+def test_rows_as_decodes_by_hand():
+    """Two sequences: 2 cached + a chunk of 3, and a decode after 4 cached tokens."""
+    tables = torch.tensor([[7, 9], [3, 0]], dtype=torch.int32)
+    plan = cpu.plan_rows_as_decodes(tables, torch.tensor([0, 3, 4]), torch.tensor([5, 5]))
+    assert plan.seq_lens.tolist() == [3, 4, 5, 5]  # row i of the chunk sees 2 + i + 1 tokens
+    assert plan.block_tables.tolist() == [[7, 9], [7, 9], [7, 9], [3, 0]]
+
+
 def test_cache_write_equals_the_torch_op():
     k_cache, v_cache, _, _ = make_paged([30], 4, 2, 8, seed=6)
     key_rows = torch.randn(5, 4, 8)[:, 1:3]  # strided rows, as the model's k slice

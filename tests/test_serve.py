@@ -714,3 +714,31 @@ def test_profile_reports_every_part(server, client):
         assert a is None or a >= b >= 0, (part, b, a)
     assert after["seconds"]["engine_step"] > before["seconds"]["engine_step"]
     assert after["seconds"]["event_loop_cpu"] is not None
+
+
+@pytest.mark.parametrize("client", ["aiohttp", "openai"])
+def test_load_generator_reads_every_token(server, client):
+    """``benchmarks/serve_load.py``'s two clients (``aiohttp``, as vLLM's serving benchmark
+    reads streams, and the official ``openai`` client) count the same completion tokens as the
+    requests asked for (greedy, ``ignore_eos``) and time a first chunk for every request."""
+    import argparse
+    import asyncio
+    import random
+    from pathlib import Path
+
+    pytest.importorskip(client)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from serve_load import PROMPTS as LOAD_PROMPTS
+    from serve_load import run_rate
+
+    args = argparse.Namespace(num_requests=6, min_tokens=2, max_tokens=6, client=client)
+    res = asyncio.run(run_rate(server.url, server.serving.model_name, 50.0, args, seed=3))
+    rng = random.Random(3)
+    for _ in range(6):
+        rng.expovariate(50.0)  # the arrival times are drawn first, then each request's length
+    asked = 0
+    for _ in range(6):
+        rng.choice(LOAD_PROMPTS)  # the prompt, then the length
+        asked += rng.randint(2, 6)
+    assert res["client"] == client and res["output_tokens"] == asked
+    assert res["ttft"][0] > 0 and res["tok_per_s"] > 0

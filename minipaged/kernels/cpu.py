@@ -16,7 +16,11 @@ Inputs / outputs
     ``paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale)``: the
     decode contract of ``reference.paged_attention_ref`` (q [B, H, D] -> [B, H, D]).
     ``paged_attention_cpu(...)``: the varlen contract of ``torch_backend.paged_attention_torch``: decode rows
-    go to the C kernel, prefill rows to the torch backend's padded SDPA buckets.
+    go to the C kernel; so do the rows of short prefill chunks (every chunk at most
+    ``ROWS_AS_DECODES_MAX_QUERY`` tokens), each as a decode query over its causal prefix
+    (``plan_rows_as_decodes``: row i of a sequence attends to its first ``cached + i + 1``
+    tokens, which the cache holds since it is written first); longer chunks go to the torch
+    backend's padded SDPA buckets.
     ``reshape_and_cache_cpu(...)``: ``cache_ops.reshape_and_cache`` in C.
     ``rms_norm_cpu``, ``rotary_neox_cpu`` (in place), ``silu_and_mul_cpu``: the small layers.
 
@@ -46,6 +50,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -266,16 +271,51 @@ def paged_attention_decode_cpu(
     return out
 
 
+# A prefill chunk of at most this many tokens is attended in C, row by row: each row reads its
+# prefix once, which on one thread costs less than gathering, padding and masking the chunk
+# for SDPA; longer chunks keep SDPA, whose matmuls use every torch thread.
+# ``tests/test_kernels_cpu.py`` holds both paths to the reference.
+ROWS_AS_DECODES_MAX_QUERY = 128
+
+
+@dataclass
+class RowsAsDecodes:
+    """The plan of a step whose every row goes to the C decode kernel: per query row, its
+    sequence's block table and the length of its causal prefix (``plan_rows_as_decodes``)."""
+
+    block_tables: torch.Tensor  # [T, max_blocks] int32: row t's sequence's table
+    seq_lens: torch.Tensor  # [T] int32: cached tokens before the chunk + t's place in it + 1
+
+
+def plan_rows_as_decodes(block_tables, cu_seqlens_q, seq_lens) -> RowsAsDecodes:
+    """Row t of sequence b (``cu[b] <= t < cu[b + 1]``) as a decode query: table ``block_tables[b]``,
+    length ``seq_lens[b] - (cu[b + 1] - t) + 1``."""
+    cu = cu_seqlens_q.to(torch.long)
+    q_lens = cu[1:] - cu[:-1]  # [B]
+    seq_of_row = torch.repeat_interleave(torch.arange(q_lens.shape[0]), q_lens)  # [T]
+    ends = seq_lens.to(torch.long) - cu[1:]  # [B]: row t's length is t + ends[b] + 1
+    lens = torch.arange(seq_of_row.shape[0]) + ends[seq_of_row] + 1  # [T]
+    tables = block_tables.to(torch.int32).index_select(0, seq_of_row).contiguous()
+    return RowsAsDecodes(tables, lens.to(torch.int32).contiguous())
+
+
 def paged_attention_cpu(
     q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_query_len, max_seq_len, scale=None,
     metadata=None, k_scale=1.0, v_scale=1.0,
 ) -> torch.Tensor:  # fmt: skip
-    """``paged_attention_torch``'s contract (q [T, H, D] -> [T, H, D]): decode rows in C, prefill
-    rows in the torch backend's padded SDPA buckets. ``metadata``: ``build_attn_metadata(...,
-    decodes=False)`` for this step, built here when None."""
+    """``paged_attention_torch``'s contract (q [T, H, D] -> [T, H, D]): decode rows in C; prefill
+    rows in C too when every chunk is short (``metadata`` a ``RowsAsDecodes``, or None and
+    ``max_query_len <= ROWS_AS_DECODES_MAX_QUERY``), else in the torch backend's padded SDPA
+    buckets (``metadata``: ``build_attn_metadata(..., decodes=False)``, built here when None)."""
     if max_query_len == 1:  # decode only: every row is its sequence's one query
         return paged_attention_decode_cpu(
             q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
+        )
+    if metadata is None and max_query_len <= ROWS_AS_DECODES_MAX_QUERY:
+        metadata = plan_rows_as_decodes(block_tables, cu_seqlens_q, seq_lens)
+    if isinstance(metadata, RowsAsDecodes):
+        return paged_attention_decode_cpu(
+            q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, k_scale, v_scale
         )
     scale = _default_scale(q.shape[2], scale)
     if metadata is None:

@@ -22,7 +22,8 @@ Invariants
       layer's two scales, and every backend reads ``stored * scale`` back (``kernels/quant.py``).
     - Backends compute the same function; "triton" picks the decode kernel when every
       sequence has exactly one query (``inp.is_decode_only``), the varlen kernel otherwise;
-      "cpu" sends decode rows to its C kernel and prefill rows to the torch backend's buckets.
+      "cpu" sends decode rows to its C kernel, and prefill rows too while every chunk of the
+      step is short (``ROWS_AS_DECODES_MAX_QUERY``), else those to the torch backend's buckets.
     - "torch" plans once per step (``build_attn_metadata``: block ids, masks, buckets) in the
       first layer and keeps the plan on ``inp.attn_metadata`` for the other layers, as vLLM
       builds its attention metadata once per step for all layers.
@@ -97,14 +98,20 @@ class PagedAttention(nn.Module):
             # NOTE: the step's first layer plans and the others reuse the plan; the "cpu" backend
             # plans only its prefill rows (its decode rows need no plan)
             if inp.attn_metadata is None and not (on_cpu and inp.is_decode_only):
-                inp.attn_metadata = build_attn_metadata(
-                    inp.block_tables,
-                    inp.cu_seqlens_q,
-                    inp.seq_lens,
-                    k_cache.shape[1],
-                    self.num_heads * self.head_dim,
-                    decodes=not on_cpu,
-                )
+                if on_cpu and inp.max_query_len <= cpu_kernels.ROWS_AS_DECODES_MAX_QUERY:
+                    # short chunks: every row a decode of its causal prefix, in C
+                    inp.attn_metadata = cpu_kernels.plan_rows_as_decodes(
+                        inp.block_tables, inp.cu_seqlens_q, inp.seq_lens
+                    )
+                else:
+                    inp.attn_metadata = build_attn_metadata(
+                        inp.block_tables,
+                        inp.cu_seqlens_q,
+                        inp.seq_lens,
+                        k_cache.shape[1],
+                        self.num_heads * self.head_dim,
+                        decodes=not on_cpu,
+                    )
             attend = cpu_kernels.paged_attention_cpu if on_cpu else paged_attention_torch
             return attend(
                 q,
