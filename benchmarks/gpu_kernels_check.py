@@ -3,8 +3,8 @@
     python benchmarks/gpu_kernels_check.py --json OUT.json [--budget-s 150]   # on a CUDA GPU
     python benchmarks/gpu_kernels_check.py --json OUT.json --dry-run          # tiny, interpreter
 
-Step (a) of ``benchmarks/gpu_check.sh``: the same cases as ``tests/test_paged_attention.py``
-and ``tests/test_cache_ops.py``, but sized for a GPU (contexts up to 2k tokens, the default
+Step (a) of ``benchmarks/gpu_check.sh``: the same cases as ``tests/kernels/test_paged_attention.py``
+and ``tests/kernels/test_cache_ops.py``, but sized for a GPU (contexts up to 2k tokens, the default
 tile sizes) and compiled instead of interpreted. A plain script, not pytest, so that it runs
 on a machine that has only torch, triton and transformers.
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create the virtual environment that holds vLLM (CPU build) for the differential
-# scheduler test (benchmarks/vllm_diff, tests/test_vllm_diff.py).
+# scheduler test (benchmarks/vllm_diff, tests/core/test_vllm_diff.py).
 #
 # vLLM is never a dependency of the course: it lives in its own venv, by default
 # .venv-vllm/ in the repository root (git-ignored). Point the test at another one with

@@ -1,5 +1,5 @@
 """Pinned scheduler behaviour: seeded runs whose EngineTraces are stored in
-``tests/golden/scheduler_traces.json`` and compared by ``tests/test_golden_traces.py``.
+``tests/golden/scheduler_traces.json`` and compared by ``tests/core/test_golden_traces.py``.
 
 The traces were recorded before the core was split into ``minipaged/core/kv`` and
 ``minipaged/core/sched`` (issue 11), so the test proves the split changed no step.

@@ -1,5 +1,5 @@
 """A tiny random Llama checkpoint with a word-level tokenizer ("w4".."w127"), for tests that
-need string prompts without the course model (tests/test_llm_api.py, test_api_properties.py)."""
+need string prompts without the course model (tests/engine/test_llm_api.py, test_api_properties.py)."""
 
 import torch
 

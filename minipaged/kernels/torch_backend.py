@@ -4,7 +4,7 @@ vectorized torch calls.
 Mirrors vLLM's torch SDPA backend (``vllm/v1/attention/backends/cpu_attn.py`` before its C
 kernels, ``vllm/attention/ops/paged_attn.py``) and, for decode, the split-KV idea of the Triton
 V2 kernel (``paged_attention.py``) and FlashDecoding. The readable version of the same function
-is ``reference.py``; ``tests/test_fast_path.py`` and ``tests/test_kernels_reference.py`` hold
+is ``reference.py``; ``tests/kernels/test_fast_path.py`` and ``tests/kernels/test_kernels_reference.py`` hold
 this one to it.
 
 Inputs / outputs

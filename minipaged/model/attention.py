@@ -95,8 +95,8 @@ class PagedAttention(nn.Module):
 
         # 2. Read: each query attends to its sequence's tokens, found through its block table.
         if self.backend in ("torch", "cpu"):
-            # NOTE: the step's first layer plans and the others reuse the plan; the "cpu" backend
-            # plans only its prefill rows (its decode rows need no plan)
+            # NOTE: the step's first layer plans and the others reuse the plan; a decode-only
+            # step on the "cpu" backend needs none
             if inp.attn_metadata is None and not (on_cpu and inp.is_decode_only):
                 if on_cpu and inp.max_query_len <= cpu_kernels.ROWS_AS_DECODES_MAX_QUERY:
                     # short chunks: every row a decode of its causal prefix, in C

@@ -17,7 +17,7 @@ Inputs / outputs
 Invariants
     - ``RMSNorm`` and ``RotaryEmbedding`` compute in fp32 and cast back, as Hugging Face does,
       so fp32 results match transformers to rounding; ``forward_cpu`` equals ``forward_native``
-      to rounding (``tests/test_layers_cpu.py``).
+      to rounding (``tests/model/test_layers_cpu.py``).
     - ``RMSNorm(x, residual)`` is vLLM's fused residual add: it returns ``(norm(x + residual),
       x + residual)``, so a pre-norm decoder carries the residual stream beside the hidden state.
     - ``PagedCausalLM.allocate_kv_caches`` returns one ``(k_cache, v_cache)`` pair per layer,

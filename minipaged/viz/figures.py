@@ -241,7 +241,7 @@ FIGURES: dict[str, tuple[str, Callable, str]] = {
 
 # Figures drawn in this palette by commands too slow to rerun in a test (``minipaged
 # simulate``: minutes). ``minipaged figures --stamp`` records their sha256 and the palette's
-# fingerprint in ``figures/palette_stamps.json``; tests/test_figures_fresh.py checks both.
+# fingerprint in ``figures/palette_stamps.json``; tests/viz/test_figures_fresh.py checks both.
 PALETTE_FIGURES = ("sim_latency_sharegpt.png", "sim_latency_alpaca.png", "sim_block_size.png")
 STAMPS = "palette_stamps.json"
 

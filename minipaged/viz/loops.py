@@ -3,7 +3,7 @@
 Chapters 04 and 08 read vLLM v1's ``Scheduler.schedule`` and the paper's
 ``PaperScheduler.schedule`` side by side, but exercises ex4.1 (the waiting phase) and
 ex5.4 (the running phase) ask a student to write pieces of that very loop, so no chapter
-prints its lines (``tests/test_no_printed_answers.py``'s rule). What a chapter prints
+prints its lines (``tests/viz/test_no_printed_answers.py``'s rule). What a chapter prints
 instead is read off the real source with ``ast``, so it cannot drift from the code:
 
     from minipaged.viz.loops import loop_outline, outline_text, diff_outlines_text

@@ -12,7 +12,7 @@ Two encodings that must never be mistaken for each other, so they share no colou
   Okabe-Ito's bluish green, yellow and orange, Paul Tol's sand and green and ColorBrewer
   PRGn's purple; then lighter and darker versions.
 
-Colour-blind reasoning, checked by ``tests/test_palette.py``: every request colour is at
+Colour-blind reasoning, checked by ``tests/viz/test_palette.py``: every request colour is at
 least 25 CIELAB units (Delta E 1976) from every state colour for normal vision and at
 least 12 when both are seen through the deuteranopia and protanopia simulations of
 Machado et al. (2009), the two common forms; the greys and blues of the states differ

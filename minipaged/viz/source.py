@@ -5,7 +5,7 @@ student to write a function, the chapter shows only its *contract*: the signatur
 the docstring (``contract``), or for a Triton kernel the pseudocode of its docstring
 (``kernel_pseudocode``). The bodies are printed by the instructor's appendix
 (``notebooks/99_instructor_appendix.ipynb``), to be opened after the exercise notebook has
-been handed in, and ``tests/test_no_printed_answers.py`` fails when a chapter's stored
+been handed in, and ``tests/viz/test_no_printed_answers.py`` fails when a chapter's stored
 output contains one of them.
 
     from minipaged.viz.source import contract, body, EXERCISE_BODIES

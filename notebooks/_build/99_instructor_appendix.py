@@ -12,7 +12,7 @@ md(r"""
 functions below by their contract only (signature and docstring, `minipaged.viz.source.contract`),
 because an exercise asks a student to write each body. Here are the package's own bodies,
 for the instructor and for the student who has finished: compare them with your solution.
-`tests/test_no_printed_answers.py` keeps every other notebook from printing them.
+`tests/viz/test_no_printed_answers.py` keeps every other notebook from printing them.
 
 The list is `minipaged.viz.source.EXERCISE_BODIES` (exercise id -> the functions it asks
 for). The scheduler's loops are not here either: chapters 04 and 08 show them as pseudocode and

@@ -1,7 +1,7 @@
 """Tensor parallelism at the model level: two gloo ranks, the same inputs, the same logits.
 
 The reference is the same checkpoint in one process (``load_model``, world size 1), itself
-checked against transformers in ``tests/test_model.py``; the last step is also compared with
+checked against transformers in ``tests/model/test_model.py``; the last step is also compared with
 transformers directly. Three checkpoints: the course model (GQA 8/2, tied embeddings), a
 random Llama with GQA 4/2 and an untied LM head (``tests/_tiny_llama.py``), and a random
 Qwen2 (q/k/v biases: the column-parallel bias shards). One ``WorkerGroup`` of 2 spawned

@@ -5,7 +5,7 @@
  * ops cost about as much as the attention itself.
  *
  * float32, rows contiguous unless a stride is given. Built with -O3 -ffast-math (the sums of
- * squares vectorize); the results equal the torch forms to float rounding (tests/test_layers_cpu.py).
+ * squares vectorize); the results equal the torch forms to float rounding (tests/model/test_layers_cpu.py).
  */
 #include <math.h>
 #include <stddef.h>

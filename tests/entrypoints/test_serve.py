@@ -727,7 +727,7 @@ def test_load_generator_reads_every_token(server, client):
     from pathlib import Path
 
     pytest.importorskip(client)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from serve_load import PROMPTS as LOAD_PROMPTS
     from serve_load import run_rate
 

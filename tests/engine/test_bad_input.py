@@ -1,6 +1,6 @@
 """Bad input ends in a ``ValueError`` naming the argument (or argparse's exit code 2), never
 in a traceback from deep inside or a silent wrong answer (issue 12's table, row by row;
-the ``grade`` rows are tested in tests/test_grade.py)."""
+the ``grade`` rows are tested in tests/grading/test_grade.py)."""
 
 from __future__ import annotations
 

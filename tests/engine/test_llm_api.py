@@ -2,7 +2,7 @@
 
 Runs on a tiny random Llama checkpoint with a word-level tokenizer ("w4".."w127"), so
 string prompts work without the course model. Greedy references come from the engine's
-own run on a roomy pool, checked against transformers in tests/test_engine.py.
+own run on a roomy pool, checked against transformers in tests/engine/test_engine.py.
 """
 
 from __future__ import annotations

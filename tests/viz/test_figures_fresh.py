@@ -15,7 +15,7 @@ import os
 
 from minipaged.viz import figures, palette
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIG = os.path.join(REPO, "figures")
 
 

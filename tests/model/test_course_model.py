@@ -16,7 +16,7 @@ import transformers
 
 from minipaged.model import COURSE_MODEL_DIR, ModelInput, load_model
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MAX_BYTES = 20 * 2**20
 PROMPTS = ["Once upon a time", "One day, Tom found", "Lily was sad because"]
 NEW_TOKENS = 32

@@ -101,7 +101,7 @@ def test_bad_input_names_the_problem():
 
 
 def test_a_cpu_model_runs_its_small_layers_in_c(tmp_path):
-    """Which layers ``attention_backend="cpu"`` builds in C (their results: tests/test_model.py
+    """Which layers ``attention_backend="cpu"`` builds in C (their results: tests/model/test_model.py
     runs every architecture on both backends against transformers)."""
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(tiny_llama_config()).save_pretrained(tmp_path)

@@ -28,7 +28,7 @@ from minipaged.trace import EngineTrace, StepRecord  # noqa: E402
 from minipaged.viz import figures as F  # noqa: E402
 from minipaged.viz import palette  # noqa: E402
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
 def hand_trace() -> EngineTrace:
@@ -581,7 +581,7 @@ def test_short_names():
 def test_owner_colours_are_distinct_and_stable():
     colours = [palette.owner_color(k) for k in range(21)]
     assert len(set(colours)) == 21
-    assert palette.owner_color(1) == palette.YELLOW  # see tests/test_palette.py
+    assert palette.owner_color(1) == palette.YELLOW  # see tests/viz/test_palette.py
     with pytest.raises(ValueError):
         palette.owner_color(-1)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 CHROMIUM = os.environ.get("MINIPAGED_CHROMIUM", "/usr/bin/chromium")
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "00_overview.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "00_overview.ipynb"
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",

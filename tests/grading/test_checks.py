@@ -37,7 +37,9 @@ from minipaged.checks.notebook import (
 from minipaged.grading.codec import dumps
 
 AUTHORED = load_authored()
-KEY = json.loads((Path(__file__).parent.parent / "notebooks/exercises/_instructor/key.json").read_text())
+KEY = json.loads(
+    (Path(__file__).resolve().parents[2] / "notebooks/exercises/_instructor/key.json").read_text()
+)
 
 
 def _exercise_cells(chapter: str):

@@ -19,7 +19,7 @@ import pytest
 
 from minipaged.viz.source import EXERCISE_BODIES, body, contract, resolve, source
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHAPTERS = sorted(glob.glob(os.path.join(REPO, "notebooks", "0[0-9]_*.ipynb")))
 EXERCISES = sorted(glob.glob(os.path.join(REPO, "notebooks", "exercises", "ch*.ipynb")))
 WINDOW = 3

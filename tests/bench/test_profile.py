@@ -12,11 +12,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
-from test_model import BLOCK_SIZE, NUM_BLOCKS, build_input, prompt, shuffled_tables  # noqa: E402
+from _model_cases import BLOCK_SIZE, NUM_BLOCKS, build_input, prompt, shuffled_tables  # noqa: E402
 
 from minipaged.bench.serving import _weight_matrices, forward_breakdown, plot_forward_breakdown  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cpu_profile.json"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "cpu_profile.json"
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ Each tiny checkpoint (Llama with GQA and untied embeddings, Mistral with a head_
 not hidden / heads, Qwen2 with its q/k/v biases, GPT-2 with Conv1D weights) is randomly
 initialised, perturbed (so biases and norm weights are not 0 / 1), saved with
 ``save_pretrained`` and loaded through ``load_model``. ModelInputs are built by hand here,
-independently of the engine's ModelRunner, over a *shuffled* block table with block_size 4.
+independently of the engine's ModelRunner (``tests/_model_cases.py``), over a *shuffled* block
+table with block_size 4.
 """
 
 from __future__ import annotations
@@ -12,14 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from _model_cases import BLOCK_SIZE, NUM_BLOCKS, VOCAB, build_input, prompt, shuffled_tables
 
-from minipaged.model import ModelInput, load_model
+from minipaged.model import load_model
 from minipaged.model.layers import RotaryEmbedding, rope_parameters
 
-BLOCK_SIZE = 4
-NUM_BLOCKS = 32
 ATOL = 1e-4
-VOCAB = 96
 
 
 def _configs():
@@ -87,55 +86,10 @@ def pair(request, tmp_path_factory):
     return f"{arch} ({backend})", hf, model
 
 
-# ---------------------------------------------------------------------------------------
-# Building ModelInputs by hand
-# ---------------------------------------------------------------------------------------
-
-
-def shuffled_tables(num_seqs: int, blocks_each: int, seed: int = 0) -> list[list[int]]:
-    """Disjoint, shuffled block tables (physical block ids in no particular order)."""
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
-    return [perm[i * blocks_each : (i + 1) * blocks_each] for i in range(num_seqs)]
-
-
-def build_input(chunks, tables) -> ModelInput:
-    """chunks[b] = (new token ids, number of tokens of b already in the cache)."""
-    ids, pos, slots, seq_lens, cu, logits_idx = [], [], [], [], [0], []
-    for (new_ids, num_computed), table in zip(chunks, tables):
-        for j, tok in enumerate(new_ids):
-            p = num_computed + j
-            ids.append(tok)
-            pos.append(p)
-            slots.append(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
-        seq_lens.append(num_computed + len(new_ids))
-        cu.append(cu[-1] + len(new_ids))
-        logits_idx.append(cu[-1] - 1)
-    width = max(len(t) for t in tables)
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    q_lens = [len(c[0]) for c in chunks]
-    return ModelInput(
-        input_ids=torch.tensor(ids, dtype=torch.long),
-        positions=torch.tensor(pos, dtype=torch.long),
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
-        block_tables=torch.tensor(padded, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-        logits_indices=torch.tensor(logits_idx, dtype=torch.long),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-    )
-
-
 def hf_last_logits(hf, ids: list[int]) -> torch.Tensor:
     """transformers' logits for the last token of ``ids`` (no cache), [vocab] fp32."""
     with torch.no_grad():
         return hf(input_ids=torch.tensor([ids])).logits[0, -1].float()
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (n,), generator=g).tolist()
 
 
 # ---------------------------------------------------------------------------------------

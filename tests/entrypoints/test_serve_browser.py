@@ -1,7 +1,7 @@
 """The live page of ``minipaged serve`` in a real browser (headless Debian Chromium).
 
 The server runs in this process on 127.0.0.1; Playwright drives the system Chromium (as
-``tests/test_browser.py`` does) to ``/``; requests are sent while the page is open, and the
+``tests/viz/test_browser.py`` does) to ``/``; requests are sent while the page is open, and the
 picture must change: blocks take their owners' colours (``minipaged.viz.palette``), rows
 for the running sequences appear, and all blocks are free again when the requests end.
 

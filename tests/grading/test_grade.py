@@ -39,9 +39,9 @@ from minipaged.grading.grade import (
 )
 from minipaged.grading.sandbox import probe
 
-SUBMISSIONS = Path(__file__).parent / "fixtures" / "submissions"
+SUBMISSIONS = Path(__file__).resolve().parents[1] / "fixtures" / "submissions"
 EXPECTED = json.loads((SUBMISSIONS / "expected.json").read_text())
-CHEATS = Path(__file__).parent / "fixtures" / "cheats"
+CHEATS = Path(__file__).resolve().parents[1] / "fixtures" / "cheats"
 CHEAT_EXPECTED = json.loads((CHEATS / "expected.json").read_text())
 AUTHORED = load_authored()
 TIMEOUT = 5.0
