@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import time
@@ -96,8 +97,6 @@ async def _stream_openai(client, body: dict, on_text) -> int:
 async def _stream_aiohttp(session, url: str, body: dict, on_text) -> int:
     """The same request read as vLLM's own serving benchmark reads it (``aiohttp``, the server-sent
     events split by hand, one ``json.loads`` per event) -> its completion tokens."""
-    import json
-
     tokens = 0
     async with session.post(url + "/v1/completions", json=body) as resp:
         if resp.status != 200:

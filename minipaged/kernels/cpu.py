@@ -299,29 +299,35 @@ def plan_rows_as_decodes(block_tables, cu_seqlens_q, seq_lens) -> RowsAsDecodes:
     return RowsAsDecodes(tables, lens.to(torch.int32).contiguous())
 
 
+def plan_attention(block_tables, cu_seqlens_q, seq_lens, max_query_len: int, block_size: int, row_cost: int):
+    """The step's plan for ``paged_attention_cpu`` (built once per step, shared by every layer):
+    ``RowsAsDecodes`` when every chunk is short, else the SDPA buckets of the prefill rows
+    (``build_attn_metadata(..., decodes=False)``; ``row_cost`` = heads * head_dim)."""
+    if max_query_len <= ROWS_AS_DECODES_MAX_QUERY:
+        return plan_rows_as_decodes(block_tables, cu_seqlens_q, seq_lens)
+    return build_attn_metadata(block_tables, cu_seqlens_q, seq_lens, block_size, row_cost, decodes=False)
+
+
 def paged_attention_cpu(
     q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_query_len, max_seq_len, scale=None,
     metadata=None, k_scale=1.0, v_scale=1.0,
 ) -> torch.Tensor:  # fmt: skip
     """``paged_attention_torch``'s contract (q [T, H, D] -> [T, H, D]): decode rows in C; prefill
-    rows in C too when every chunk is short (``metadata`` a ``RowsAsDecodes``, or None and
-    ``max_query_len <= ROWS_AS_DECODES_MAX_QUERY``), else in the torch backend's padded SDPA
-    buckets (``metadata``: ``build_attn_metadata(..., decodes=False)``, built here when None)."""
+    rows in C too when every chunk is short, else in the torch backend's padded SDPA buckets.
+    ``metadata``: ``plan_attention(...)`` for this step, built here when None."""
     if max_query_len == 1:  # decode only: every row is its sequence's one query
         return paged_attention_decode_cpu(
             q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
         )
-    if metadata is None and max_query_len <= ROWS_AS_DECODES_MAX_QUERY:
-        metadata = plan_rows_as_decodes(block_tables, cu_seqlens_q, seq_lens)
+    if metadata is None:
+        metadata = plan_attention(
+            block_tables, cu_seqlens_q, seq_lens, max_query_len, k_cache.shape[1], q.shape[1] * q.shape[2]
+        )
     if isinstance(metadata, RowsAsDecodes):
         return paged_attention_decode_cpu(
             q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, k_scale, v_scale
         )
     scale = _default_scale(q.shape[2], scale)
-    if metadata is None:
-        metadata = build_attn_metadata(
-            block_tables, cu_seqlens_q, seq_lens, k_cache.shape[1], q.shape[1] * q.shape[2], decodes=False
-        )
     out = torch.empty_like(q)  # [T, H, D]
     rows = metadata.decode_rows
     if rows is not None and rows.shape[0] > 0:

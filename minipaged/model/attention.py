@@ -98,20 +98,14 @@ class PagedAttention(nn.Module):
             # NOTE: the step's first layer plans and the others reuse the plan; a decode-only
             # step on the "cpu" backend needs none
             if inp.attn_metadata is None and not (on_cpu and inp.is_decode_only):
-                if on_cpu and inp.max_query_len <= cpu_kernels.ROWS_AS_DECODES_MAX_QUERY:
-                    # short chunks: every row a decode of its causal prefix, in C
-                    inp.attn_metadata = cpu_kernels.plan_rows_as_decodes(
-                        inp.block_tables, inp.cu_seqlens_q, inp.seq_lens
+                tables, cu, lens = inp.block_tables, inp.cu_seqlens_q, inp.seq_lens
+                row_cost = self.num_heads * self.head_dim
+                if on_cpu:  # short chunks row by row in C, else SDPA buckets for the prefill rows
+                    inp.attn_metadata = cpu_kernels.plan_attention(
+                        tables, cu, lens, inp.max_query_len, k_cache.shape[1], row_cost
                     )
                 else:
-                    inp.attn_metadata = build_attn_metadata(
-                        inp.block_tables,
-                        inp.cu_seqlens_q,
-                        inp.seq_lens,
-                        k_cache.shape[1],
-                        self.num_heads * self.head_dim,
-                        decodes=not on_cpu,
-                    )
+                    inp.attn_metadata = build_attn_metadata(tables, cu, lens, k_cache.shape[1], row_cost)
             attend = cpu_kernels.paged_attention_cpu if on_cpu else paged_attention_torch
             return attend(
                 q,
