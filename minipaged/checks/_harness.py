@@ -62,3 +62,41 @@ def expect_equal(what: str, expected: Any, got: Any) -> None:
         same = False  # True == 1 in Python, but a count is not a yes/no
     if not same:
         raise Mismatch(f"{what}:\n    expected {expected!r}\n    got      {got!r}")
+
+
+# -- concept questions: variants per student ------------------------------------------------
+
+
+def question_variants(questions: dict) -> dict:
+    """``{question id: [(text, choices), ...]}`` from a chapter's ``QUESTIONS``, whose values
+    are one ``(text, choices)`` (the old form: one variant) or a list of them (variant 0 is
+    the one the shipped notebook asks)."""
+    out = {}
+    for qid, item in questions.items():
+        variants = list(item) if isinstance(item, list) else [item]
+        if not variants or not all(isinstance(v, tuple) and len(v) == 2 for v in variants):
+            raise ValueError(f"question {qid}: give (text, choices) or a list of them")
+        out[qid] = variants
+    return out
+
+
+def draw_questions(questions: dict, rng) -> dict:
+    """``{question id: variant index}``: all 0 (the shipped notebook's) when ``rng`` is None,
+    else one variant per question drawn from ``rng`` (the student's seed)."""
+    variants = question_variants(questions)
+    return {q: 0 if rng is None else rng.randrange(len(v)) for q, v in variants.items()}
+
+
+def key_answer(key_item: dict, variant: int, where: str) -> dict:
+    """The key's ``{"answer", "how"}`` of one variant: ``{"variants": [...]}`` per variant,
+    or (the old form) one item for a question with a single variant."""
+    if not isinstance(key_item, dict):
+        raise ValueError(f"the instructor's key: {where} must be a dict")
+    if "variants" in key_item:
+        items = key_item["variants"]
+        if not isinstance(items, list) or not 0 <= variant < len(items):
+            raise ValueError(f"the instructor's key has no answer for {where} variant {variant}")
+        return items[variant]
+    if variant != 0:
+        raise ValueError(f"the instructor's key has one answer for {where}, not variant {variant}")
+    return key_item

@@ -99,7 +99,7 @@ def make_cases(spec: Spec, seed: Any, student_seed: Any = None) -> list:
     """The cases of ``spec`` as plain data. A function exercise draws them from ``seed`` (the
     grading run's and the student's); a prediction exercise from ``student_seed`` alone (the
     workload printed in that student's copy), ``None`` being the shipped notebook's."""
-    if spec.kind == "prediction":
+    if spec.kind == "prediction" or getattr(spec.cases, "per_student", False):
         rng = None if student_seed is None else case_rng(spec.exercise_id, f"student|{student_seed}")
     else:
         rng = case_rng(spec.exercise_id, seed)
@@ -408,19 +408,33 @@ def _from_key(key: Optional[dict], exercise_id: str) -> dict:
 
 def concept_spec(exercise_id: str, title: str, questions: dict, fn_name: str = "concept_answers") -> Spec:
     """The concept-questions exercise: ``questions`` maps a question id to (what is asked, the
-    allowed choices or ``None`` for a number). The answers are in the instructor's key only."""
-    choices = {q: opts for q, (_, opts) in questions.items() if opts}
+    allowed choices or ``None`` for a number), or to a list of such variants, one drawn per
+    student (``_harness.draw_questions``). The answers are in the instructor's key only."""
+    from minipaged.checks._harness import draw_questions, key_answer, question_variants
+
+    variants = question_variants(questions)
+    choices = {q: opts for q, v in variants.items() for _, opts in v[:1] if opts}
 
     def observe(case, fn):
         return fn()
+
+    def cases(rng):  # the student's variant of each question (``draw_questions``)
+        return [draw_questions(questions, rng)]
+
+    cases.per_student = True  # drawn from the student's seed, as a prediction's workload
+
+    def expected(case, key):
+        answers = _from_key(key, exercise_id)
+        drawn = case if isinstance(case, dict) else {}
+        return {q: key_answer(answers.get(q), drawn.get(q, 0), f"{exercise_id} {q}") for q in variants}
 
     return Spec(
         exercise_id,
         title,
         f"{fn_name}()",
-        cases=lambda rng: [None],
+        cases=cases,
         observe=observe,
-        expected=lambda case, key: _from_key(key, exercise_id),
+        expected=expected,
         kind="secret",
         shape=answers_shape(list(questions), choices),
     )

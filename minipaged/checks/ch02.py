@@ -472,9 +472,27 @@ register(
 
 # -- ex2.7: concept questions (the answers are in the instructor's key) ---------------------
 
+# NOTE: a list is one question's variants, one drawn per student (variant 0: the shipped
+# notebook's); the key holds one answer per variant
 QUESTIONS = {
-    "q1": ("slot of token 5 with block_table [3, 1, 4] and block_size 4", None),
-    "q2": ("blocks a request holds after allocating 3, then 2 more tokens, with block_size 2", None),
+    "q1": [
+        ("slot of token 5 with block_table [3, 1, 4] and block_size 4", None),
+        ("the flat slot of token 6 with `block_table = [2, 5, 0]` and `block_size = 4`?", None),
+        ("the flat slot of token 9 with `block_table = [7, 2, 3]` and `block_size = 4`?", None),
+    ],
+    "q2": [
+        ("blocks a request holds after allocating 3, then 2 more tokens, with block_size 2", None),
+        (
+            "how many blocks does a request hold after allocating 7 tokens and then 6 more, "
+            "with `block_size = 4`?",
+            None,
+        ),
+        (
+            "how many blocks does a request hold after allocating 4 tokens and then 5 more, "
+            "with `block_size = 2`?",
+            None,
+        ),
+    ],
     "q3": ("which end of the free queue does a new block come from", ("front", "back")),
     "q4": (
         "the largest block size of FIT_BLOCK_SIZES that still fits as many FIT_LENS requests as block_size 1",

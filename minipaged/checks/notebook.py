@@ -227,7 +227,9 @@ def apply_variants(nb, seed) -> None:
     from minipaged.checks._spec import make_cases
 
     chapter = nb.metadata.get(META_KEY, {}).get("chapter")
-    variants = getattr(importlib.import_module(f"minipaged.checks.{chapter}"), "VARIANTS", {})
+    module = importlib.import_module(f"minipaged.checks.{chapter}")
+    _apply_question_variants(nb, module, seed)
+    variants = getattr(module, "VARIANTS", {})
     for ex, variant in variants.items():
         # (name, event_text): a two-column "| event | what happens |" table; (name, row_text,
         # header): a table of that header (its two first lines), one row_text(item) per item
@@ -247,6 +249,31 @@ def apply_variants(nb, seed) -> None:
                     rows = "\n".join(event_text(tuple(e)) for e in events)
                     table = "(" + re.escape(header + "\n") + r")(\|.*\|\n?)+"
                 cell.source = re.sub(table, lambda m: m.group(1) + rows + "\n", src)
+
+
+def _apply_question_variants(nb, module, seed) -> None:
+    """In each concept exercise's spec cell, the student's variant of each question (the
+    bullet ``- `qN`: ...``) in place of the shipped one (variant 0, left as written)."""
+    from minipaged.checks._harness import question_variants
+    from minipaged.checks._spec import make_cases
+
+    for ex, spec in getattr(module, "SPECS", {}).items():
+        if spec.kind != "secret" or not getattr(spec.cases, "per_student", False):
+            continue
+        drawn = make_cases(spec, None, student_seed=seed)[0]
+        texts = question_variants(module.QUESTIONS)
+        for cell in nb.cells:
+            if cell.cell_type != "markdown" or cell_role(cell) != "spec" or cell_exercise(cell) != ex:
+                continue
+            src = cell_source(cell)
+            for qid, k in drawn.items():
+                if k == 0:
+                    continue
+                item = re.compile(rf"^- `{re.escape(qid)}`: .*?(?=\n- `|\n\n|\Z)", re.M | re.S)
+                if not item.search(src):
+                    raise ValueError(f"{ex}: the spec cell has no bullet for {qid}")
+                src = item.sub(lambda m: f"- `{qid}`: {texts[qid][k][0]}", src, count=1)
+            cell.source = src
 
 
 def make_student_copy(nb, seed=None) -> nbformat.NotebookNode:

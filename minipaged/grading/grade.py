@@ -321,11 +321,14 @@ def grade_notebook(
     scan: bool = True,
     checker=None,
     seed: Optional[str] = None,
+    student_seed: Optional[str] = None,
 ) -> SubmissionResult:
     """Grade an in-memory notebook of ``authored.chapter``. ``scan=False`` ignores the static
     scan's findings (used by the tests to show what the other layers hold on their own).
     ``checker``: the ``TrustedChecker`` (one is started when ``None``); ``seed``: this grading
-    run's seed (a fresh random one when ``None``)."""
+    run's seed (a fresh random one when ``None``); ``student_seed``: the student's seed from
+    the instructor (``roster.student_seed``), ``None`` for the shipped variants. The seed in
+    the notebook's metadata is never read: it is the student's to edit."""
     t0 = time.monotonic()
     result = SubmissionResult(submission=submission, chapter=authored.chapter)
     try:
@@ -339,9 +342,10 @@ def grade_notebook(
         from minipaged.grading.trusted import TrustedChecker
 
         with TrustedChecker() as own:
-            return grade_notebook(nb, authored, timeout, submission, budget, isolation, scan, own, seed)
+            return grade_notebook(
+                nb, authored, timeout, submission, budget, isolation, scan, own, seed, student_seed
+            )
     seed = seed if seed is not None else new_seed()
-    student_seed = student_seed_of(nb)
     result.flags = _flags(plan)
     zeroed = banned(plan) if scan else {}
     with tempfile.TemporaryDirectory(prefix="minipaged-grade-") as cwd:
@@ -406,6 +410,7 @@ def grade_submission(
     scan: bool = True,
     checker=None,
     seed: Optional[str] = None,
+    student_seed: Optional[str] = None,
 ) -> SubmissionResult:
     """Grade one notebook file; never raises for a bad submission."""
     from minipaged.checks.notebook import (
@@ -440,6 +445,7 @@ def grade_submission(
         scan=scan,
         checker=checker,
         seed=seed,
+        student_seed=student_seed,
     )
 
 
@@ -455,10 +461,13 @@ def grade_many(
     on_result=None,
     key_path=None,
     seed: Optional[str] = None,
+    student_seeds: Optional[dict] = None,
 ) -> list[SubmissionResult]:
     """Grade several submissions (``jobs`` at a time, one sandboxed kernel each, each job with
-    its own sandbox uid and its own trusted checker process); results in input order. ``on_result(results_so_far)`` is called after each submission (in input
-    order of those done), e.g. to rewrite the CSV."""
+    its own sandbox uid and its own trusted checker process); results in input order.
+    ``on_result(results_so_far)`` is called after each submission (in input order of those
+    done), e.g. to rewrite the CSV. ``student_seeds``: ``{path: the student's seed}`` from
+    the roster (``roster.py``); when given, a path it lacks gets a row of zeros saying so."""
     import threading
 
     from minipaged.grading.trusted import TrustedChecker
@@ -481,6 +490,18 @@ def grade_many(
         i, path = i_path
         if progress:
             print(f"grading {path} ...", file=sys.stderr, flush=True)
+        if student_seeds is not None and student_seeds.get(str(path)) is None:
+            r = _zero_row(
+                str(path),
+                chapter or _chapter_from_name(str(path), authored_by_chapter),
+                authored_by_chapter,
+                "not in the roster: the grader cannot tell whose submission this is",
+            )
+            with lock:
+                done[i] = r
+                if on_result is not None:
+                    on_result([done[k] for k in sorted(done)])
+            return r
         try:
             r = grade_submission(
                 path,
@@ -491,6 +512,7 @@ def grade_many(
                 isolation=None if isolation is None else isolation.for_slot(slot),
                 checker=checker,
                 seed=seed,
+                student_seed=None if student_seeds is None else student_seeds[str(path)],
             )
         except Exception as e:  # never lose the rest of the class to one submission
             r = _zero_row(str(path), None, authored_by_chapter, f"the grader failed on this file: {e}")
@@ -520,13 +542,6 @@ def new_seed() -> str:
     import secrets
 
     return secrets.token_hex(8)
-
-
-def student_seed_of(nb):
-    """The per-student seed a copy was made with (``minipaged exercises --student --seed``)."""
-    meta = nb.get("metadata", {}).get("minipaged", {})
-    seed = meta.get("seed") if isinstance(meta, dict) else None
-    return seed if isinstance(seed, (int, str)) and not isinstance(seed, bool) else None
 
 
 def _chapter_from_name(name: str, authored_by_chapter: dict) -> Optional[str]:
@@ -653,7 +668,27 @@ def _csv_path(text: str) -> str:
 
 def add_arguments(parser) -> None:
     parser.add_argument(
-        "submissions", nargs="+", metavar="SUBMISSION", help="student notebooks (.ipynb) to grade"
+        "submissions",
+        nargs="*",
+        metavar="SUBMISSION",
+        help="student notebooks (.ipynb) to grade (default with --roster: every notebook it names)",
+    )
+    parser.add_argument(
+        "--roster",
+        metavar="FILE",
+        help="CSV with the columns student_id and file (a notebook or a folder): whose each "
+        "submission is; the student's seed is HMAC(secret, student id), never the notebook's",
+    )
+    parser.add_argument(
+        "--nbgrader-layout",
+        action="store_true",
+        help="tell the student id from nbgrader's folders: submitted/<student_id>/<assignment>/*.ipynb",
+    )
+    parser.add_argument(
+        "--secret",
+        metavar="FILE",
+        help="the instructor's secret for the per-student seeds (default: $MINIPAGED_GRADING_SECRET); "
+        "needed with --roster or --nbgrader-layout",
     )
     parser.add_argument(
         "--csv",
@@ -753,6 +788,26 @@ def run(args) -> int:
     except ValueError as e:
         print(f"minipaged grade: {e}", file=sys.stderr)
         return 2
+    student_seeds = None
+    submissions = list(args.submissions)
+    if args.roster or args.nbgrader_layout:
+        from minipaged.grading import roster as roster_mod
+
+        try:
+            secret = roster_mod.load_secret(args.secret)
+            roster = roster_mod.load_roster(args.roster) if args.roster else None
+        except ValueError as e:
+            print(f"minipaged grade: {e}", file=sys.stderr)
+            return 2
+        if not submissions and roster is not None:
+            submissions = [p for p, _ in roster.notebooks()]
+        ids = roster_mod.identify(submissions, roster, nbgrader=args.nbgrader_layout)
+        student_seeds = {
+            p: (None if sid is None else roster_mod.student_seed(secret, sid)) for p, sid in ids.items()
+        }
+    if not submissions:
+        print("minipaged grade: no submissions (name notebooks, or pass --roster FILE)", file=sys.stderr)
+        return 2
     seed = args.seed or new_seed()
     print(f"graded cases drawn from seed {seed}", file=sys.stderr, flush=True)
     if args.csv:
@@ -773,7 +828,7 @@ def run(args) -> int:
             write_csv(done, args.csv)
 
     results = grade_many(
-        args.submissions,
+        submissions,
         authored,
         timeout=args.timeout,
         chapter=args.chapter,
@@ -784,6 +839,7 @@ def run(args) -> int:
         on_result=save,
         key_path=key_path,
         seed=seed,
+        student_seeds=student_seeds,
     )
     print(format_table(results, details=not args.quiet), end="")
     if args.csv:
