@@ -46,6 +46,15 @@ def add_arguments(parser) -> None:
         "workloads and the graded cases are drawn from it, so two students' answers differ",
     )
     parser.add_argument(
+        "--roster",
+        metavar="FILE",
+        help="with --student: one copy per student of the roster CSV (student_id column) in "
+        "OUT/<student_id>/, each drawn from HMAC(--secret, student id), as `minipaged grade --roster` draws",
+    )
+    parser.add_argument(
+        "--secret", metavar="FILE", help="the instructor's secret (default: $MINIPAGED_GRADING_SECRET)"
+    )
+    parser.add_argument(
         "--nbgrader",
         metavar="OUT",
         help="write an nbgrader source assignment into course folder OUT (OUT/source/NAME/)",
@@ -116,6 +125,25 @@ def run(args) -> int:
         return 0
 
     out = Path(args.student)
+    if args.roster:
+        from minipaged.grading.roster import load_roster, load_secret, student_seed
+
+        try:
+            secret, roster = load_secret(args.secret), load_roster(args.roster)
+        except ValueError as e:
+            print(f"minipaged exercises: {e}", file=sys.stderr)
+            return 2
+        for sid in roster.students:
+            folder = out / sid
+            folder.mkdir(parents=True, exist_ok=True)
+            for ch in chapters:
+                target = folder / authored[ch].name
+                if target.exists() and not args.force:
+                    print(f"minipaged exercises: {target} exists; pass --force to overwrite", file=sys.stderr)
+                    return 2
+                nbformat.write(make_student_copy(authored[ch].nb, seed=student_seed(secret, sid)), target)
+            print(f"wrote {folder}/  ({len(chapters)} notebooks)")
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     targets = [(authored[ch], out / authored[ch].name) for ch in chapters]
     existing = [str(t) for _, t in targets if t.exists()]

@@ -105,7 +105,9 @@ def load_roster(path) -> Roster:
     reader = csv.DictReader(text.splitlines())
     fields = [f.strip() for f in reader.fieldnames or []]
     if "student_id" not in fields or "file" not in fields:
-        raise ValueError(f"--roster {path}: the header must name the columns student_id and file, got {fields}")
+        raise ValueError(
+            f"--roster {path}: the header must name the columns student_id and file, got {fields}"
+        )
     roster = Roster(path=path)
     for lineno, row in enumerate(reader, start=2):
         row = {(k or "").strip(): (v or "").strip() for k, v in row.items()}
