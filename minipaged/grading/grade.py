@@ -82,6 +82,7 @@ class SubmissionResult:
     cells: list = field(default_factory=list)  # CellReport per executed cell
     flags: list = field(default_factory=list)  # things for a human to look at
     seconds: float = 0.0
+    copies: Optional[list] = None  # copy detection's flagged pairs ("ex2.3 ~ bob.ipynb (97%)")
 
     @property
     def score(self) -> int:
@@ -614,7 +615,8 @@ def write_csv(results: list[SubmissionResult], path) -> None:
     exs = sorted({ex for r in results for ex in r.exercises}, key=_ex_key)
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(["submission", "chapter", *exs, "score", "max_score", "note"])
+        with_copies = any(r.copies is not None for r in results)
+        w.writerow(["submission", "chapter", *exs, "score", "max_score", "note"] + ["copies"] * with_copies)
         for r in results:
             row = [r.submission, r.chapter or ""]
             for ex in exs:
@@ -623,7 +625,37 @@ def write_csv(results: list[SubmissionResult], path) -> None:
             reasons = [f"{ex}: {res.reason}" for ex, res in r.exercises.items() if not res.passed]
             note = r.error or "; ".join(reasons + r.flags)
             row += [r.score, "" if r.max_score is None else r.max_score, note]
+            if with_copies:
+                row.append("; ".join(r.copies or []))
             w.writerow(row)
+
+
+def copy_report_path(csv_path) -> Path:
+    """Where the copy-detection report goes: beside the CSV, ``NAME.copies.html``."""
+    p = Path(csv_path)
+    return p.with_name(p.stem + ".copies.html")
+
+
+def detect_copies(results: list[SubmissionResult], authored_by_chapter: dict, html_path=None) -> list:
+    """Fingerprint every submission's solution cells (``copy_detect.py``), set each result's
+    ``copies``, write the HTML report to ``html_path``; returns the flagged pairs."""
+    from minipaged.checks.notebook import MalformedNotebook, read_submission
+    from minipaged.grading import copy_detect
+
+    entries = []
+    for r in results:
+        try:
+            nb = read_submission(r.submission)
+        except MalformedNotebook:
+            nb = None
+        entries.append((r.submission, r.chapter, nb))
+    matches, texts = copy_detect.detect(entries, authored_by_chapter)
+    flagged = copy_detect.by_submission(matches)
+    for r in results:
+        r.copies = flagged.get(r.submission, [])
+    if html_path is not None:
+        copy_detect.write_html(matches, texts, html_path)
+    return matches
 
 
 # -- command line ------------------------------------------------------------------------
@@ -750,6 +782,13 @@ def add_arguments(parser) -> None:
         metavar="S",
         help="seed of the graded cases (default: a fresh random one per run, printed)",
     )
+    parser.add_argument(
+        "--no-copy-detection",
+        action="store_true",
+        help="skip copy detection (by default every solution cell is fingerprinted against the "
+        "package, the authored solutions and the other submissions; flagged pairs go in the CSV's "
+        "copies column and NAME.copies.html beside it)",
+    )
     parser.add_argument("--quiet", action="store_true", help="print the table without the reasons")
 
 
@@ -841,8 +880,17 @@ def run(args) -> int:
         seed=seed,
         student_seeds=student_seeds,
     )
+    if not args.no_copy_detection:
+        report = copy_report_path(args.csv) if args.csv else None
+        matches = detect_copies(results, authored, report)
+        print(f"copy detection: {len(matches)} flagged pairs", file=sys.stderr)
+        for r in results:
+            for c in r.copies or []:
+                print(f"{r.submission}: copy? {c}", file=sys.stderr)
     print(format_table(results, details=not args.quiet), end="")
     if args.csv:
         write_csv(results, args.csv)
         print(f"wrote {args.csv}")
+        if not args.no_copy_detection:
+            print(f"wrote {copy_report_path(args.csv)}")
     return 0
