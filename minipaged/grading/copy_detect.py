@@ -108,13 +108,13 @@ def detect(entries, authored_by_chapter: dict, package: dict | None = None) -> t
     boiler: dict[tuple, object] = {}
     authored_fp: dict[str, object] = {}
     subs: dict[str, dict] = {}  # exercise -> {submission: fingerprint}
-    for ch, a in authored_by_chapter.items():
+    for a in authored_by_chapter.values():
         for ex, stub in _stubs(a).items():
             boiler[ex] = _fingerprint("stub", stub).hashes if stub else []
         for ex, text in solution_texts(a.nb).items():
             authored_fp[ex] = _fingerprint(f"authored:{ex}", text, boiler.get(ex, []))
             texts[f"authored:{ex}"] = text
-    for name, chapter, nb in entries:
+    for name, _chapter, nb in entries:
         if nb is None:
             continue
         for ex, text in solution_texts(nb).items():
