@@ -17,10 +17,8 @@ from minipaged.grading.grade import SubmissionResult, copy_report_path, detect_c
 AUTHORED = load_authored()
 CH02 = AUTHORED["ch02"]
 PACKAGE_CODE = textwrap.dedent(inspect.getsource(block_pool.BlockPool.free_blocks))
-# every identifier renamed, and the lines re-spaced: what a copier does to hide it
-RENAMED = (
-    PACKAGE_CODE.replace("ordered_blocks", "my_list").replace("block", "thing").replace("front", "head")
-)
+# the identifiers renamed: what a copier does to hide it
+RENAMED = PACKAGE_CODE.replace("ordered_blocks", "my_list").replace("block", "thing").replace("front", "head")
 
 
 def _with(nb, ex, text):
