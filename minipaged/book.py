@@ -12,7 +12,8 @@ Nothing is executed (nbconvert's HTML exporter over the stored outputs).
 ``--slides CHAPTER`` also writes ``OUT/slides/NAME.slides.html`` (nbconvert's reveal.js
 exporter; each ``#``/``##`` heading starts a slide) with reveal.js 4 and require.js copied
 beside it from the npm registry at build time (cached in ``~/.cache/minipaged/book``), so the
-slides open without the internet; where npm cannot fetch them the slides point at the CDN and
+slides start without the internet (MathJax and web fonts still come from their CDN and are
+left out offline: formulas then read as TeX); where npm cannot fetch them the slides point at the CDN and
 the command says so.
 Invariant: every local link and image of every page resolves inside OUT (a link to a missing
 file is an error naming the page and the link). Failure: ``ValueError`` for a bad ``--root`` or
@@ -35,7 +36,10 @@ from pathlib import Path
 
 REVEAL_VERSION = "4.6.1"  # the layout nbconvert's reveal template expects (dist/, plugin/notes/)
 REQUIREJS_VERSION = "2.3.7"
+JQUERY_VERSION = "3.7.1"
 REVEAL_CDN = f"https://unpkg.com/reveal.js@{REVEAL_VERSION}"
+_REQUIRE_CDN = f"https://cdnjs.cloudflare.com/ajax/libs/require.js/{REQUIREJS_VERSION}/require.min.js"
+_JQUERY_CDN = f"https://cdnjs.cloudflare.com/ajax/libs/jquery/{JQUERY_VERSION}/jquery.min.js"
 
 _PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
@@ -207,6 +211,7 @@ def build_site(
     from nbconvert import HTMLExporter
 
     root = course_root(root)
+    slide_chapters = [find_chapter(root, name) for name in slides]  # a bad name fails before any work
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for folder in ("figures",):
@@ -264,7 +269,7 @@ def build_site(
     pages.insert(0, "index.html")
 
     notes: list[str] = []
-    slide_paths = [write_slides(root, find_chapter(root, name), out, reveal_prefix, notes) for name in slides]
+    slide_paths = [write_slides(root, path, out, reveal_prefix, notes) for path in slide_chapters]
     if broken:
         raise ValueError("local links to files that do not exist: " + "; ".join(broken))
     return {"pages": pages, "slides": slide_paths, "notes": notes}
@@ -301,23 +306,25 @@ def _npm_package(name: str, version: str, cache: Path) -> Path | None:
     return dest
 
 
-def _reveal_assets(slides_dir: Path, notes: list[str]) -> tuple[str, str]:
-    """(reveal prefix, require.js url) for pages in ``slides_dir``: local copies when npm can
-    fetch them, else the CDN (with a note)."""
+def _reveal_assets(slides_dir: Path, notes: list[str]) -> tuple[str, str, str]:
+    """(reveal prefix, require.js url, jQuery url) for pages in ``slides_dir``: local copies
+    when npm can fetch them, else the CDN (with a note)."""
     cache = Path(os.environ.get("MINIPAGED_CACHE", Path.home() / ".cache" / "minipaged")) / "book"
     reveal = _npm_package("reveal.js", REVEAL_VERSION, cache)
     requirejs = _npm_package("requirejs", REQUIREJS_VERSION, cache)
-    if reveal is None or requirejs is None:
+    jquery = _npm_package("jquery", JQUERY_VERSION, cache)
+    if reveal is None or requirejs is None or jquery is None:
         notes.append(
             "npm could not fetch reveal.js and require.js: the slides load them from the CDN "
             "(they need the internet when opened; pass --reveal-prefix for a local copy)"
         )
-        return REVEAL_CDN, "https://cdnjs.cloudflare.com/ajax/libs/require.js/2.3.7/require.min.js"
+        return REVEAL_CDN, _REQUIRE_CDN, _JQUERY_CDN
     local = slides_dir / "reveal.js"
     for part in ("dist", "plugin"):
         shutil.copytree(reveal / part, local / part, dirs_exist_ok=True)
     shutil.copyfile(requirejs / "require.js", slides_dir / "require.js")
-    return "reveal.js", "require.js"
+    shutil.copyfile(jquery / "dist" / "jquery.min.js", slides_dir / "jquery.min.js")
+    return "reveal.js", "require.js", "jquery.min.js"
 
 
 def slide_notebook(nb):
@@ -347,13 +354,12 @@ def write_slides(root: Path, path: Path, out: Path, reveal_prefix: str | None, n
     slides_dir = out / "slides"
     slides_dir.mkdir(parents=True, exist_ok=True)
     if reveal_prefix:
-        prefix, require = (
-            reveal_prefix,
-            "https://cdnjs.cloudflare.com/ajax/libs/require.js/2.3.7/require.min.js",
-        )
+        prefix, require, jquery = reveal_prefix, _REQUIRE_CDN, _JQUERY_CDN
     else:
-        prefix, require = _reveal_assets(slides_dir, notes)
-    exporter = SlidesExporter(reveal_url_prefix=prefix, reveal_scroll=True, require_js_url=require)
+        prefix, require, jquery = _reveal_assets(slides_dir, notes)
+    exporter = SlidesExporter(
+        reveal_url_prefix=prefix, reveal_scroll=True, require_js_url=require, jquery_url=jquery
+    )
     nb = slide_notebook(nbformat.read(path, as_version=4))
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": path.stem}})
     # NOTE: slides/ sits beside notebooks/, so the chapter's ../figures/ pictures resolve unchanged
