@@ -28,6 +28,7 @@ COMMANDS = {
     "figures": ("minipaged.viz.figures", "regenerate every PNG in figures/"),
     "exercises": ("minipaged.checks.exercises", "write student copies of the exercise notebooks"),
     "grade": ("minipaged.grading.grade", "grade exercise submissions"),
+    "book": ("minipaged.book", "the course as a static site (and a chapter as reveal.js slides)"),
 }
 
 

@@ -76,6 +76,7 @@ class Spec:
     # a bar rather than an equality (ex5.6): (cases, expected records, the student's records)
     # -> None when every case clears it, else the failure message; trusted side only
     verdict: Optional[Callable[[list, list, list], Optional[str]]] = None
+    answered_by: tuple = ()  # "module:qualname" of package callables that compute this exercise's graded result; stripped from the student build
 
     def __post_init__(self):
         if self.reference is None and self.expected is None:
@@ -86,6 +87,12 @@ class Spec:
     @property
     def line(self) -> str:
         return recorded_line(self.exercise_id) if self.kind == "secret" else pass_line(self.exercise_id)
+
+
+def _withheld(*args, **kwargs):
+    """What the student build has in place of a spec's reference, cases and expected values:
+    they are the grader's (``minipaged.grading.student_build``)."""
+    raise RuntimeError("not in the student build: the grader's trusted process holds this part of the check")
 
 
 def case_rng(exercise_id: str, seed: Any) -> random.Random:

@@ -498,3 +498,14 @@ __all__ = [
     "launch_decode_kernel",
     "split_kv_partials",
 ]
+
+
+# what the package itself computes for each exercise: stripped from the student build
+ANSWERED_BY = {
+    "ex3.1": ("minipaged.kernels.reference:paged_attention_ref",),
+    "ex3.2": ("minipaged.kernels.reference:paged_attention_ref",),
+    "ex3.3": ("minipaged.kernels.reference:paged_attention_ref",),
+    "ex3.4": ("minipaged.kernels.reference:paged_attention_ref",),
+}
+for _ex, _names in ANSWERED_BY.items():
+    SPECS[_ex].answered_by = _names

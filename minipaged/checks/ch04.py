@@ -516,3 +516,13 @@ __all__ = [
     "VARIANTS",
     "compare_snapshots",
 ]
+
+
+# what the package itself computes for each exercise: stripped from the student build
+ANSWERED_BY = {
+    "ex4.2": ("minipaged.core.sched.utils:check_stop",),
+    "ex4.4": ("minipaged.trace:run_scheduler",),
+    "ex4.5": ("minipaged.trace:run_scheduler",),
+}
+for _ex, _names in ANSWERED_BY.items():
+    SPECS[_ex].answered_by = _names

@@ -633,3 +633,11 @@ __all__ = [
     "ref_find_cached_blocks",
     "ref_fork",
 ]
+
+
+# what the package itself computes for each exercise: stripped from the student build
+ANSWERED_BY = {
+    "ex6.1": ("minipaged.core.kv.block_manager_v0:BlockSpaceManager.fork",),
+}
+for _ex, _names in ANSWERED_BY.items():
+    SPECS[_ex].answered_by = _names

@@ -266,3 +266,11 @@ __all__ = [
     "ref_sustainable_rate",
     "reference_run",
 ]
+
+
+# what the package itself computes for each exercise: stripped from the student build
+ANSWERED_BY = {
+    "ex7.2": ("minipaged.sim.simulator:sustainable_rate",),
+}
+for _ex, _names in ANSWERED_BY.items():
+    SPECS[_ex].answered_by = _names

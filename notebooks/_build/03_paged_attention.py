@@ -477,7 +477,7 @@ contiguous one (§7.1), and paid it many times over in batch size.
 
 `benchmarks/kernels.py` times the decode kernel against contiguous attention (torch SDPA, and
 flash-attn where installed) over batch x context, and sweeps the block size 8..256 like the
-paper's Fig. 18a. On a CPU it can only check correctness in the interpreter, so the cell below
+paper's Fig. 18b (end-to-end latency; Fig. 18a is the kernel's latency). On a CPU it can only check correctness in the interpreter, so the cell below
 only runs on a GPU (nbval skips it).
 """)
 

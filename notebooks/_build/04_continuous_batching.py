@@ -174,11 +174,12 @@ for i in (0, 2):
 md(r"""
 Scheduling changes *when* each token is computed, not *which* token: greedy outputs are
 identical (the test suite checks this against Hugging Face transformers too). That holds
-here because the course model runs in fp32 on a CPU, where a row's result does not depend
-on what else is in the batch. On a GPU in bf16 or fp16 it need not: matmul and attention
-kernels pick different tilings and reduction orders for different batch shapes, so the
-same request can get slightly different logits in a batch of 3 and of 30, and where two
-tokens are nearly tied a greedy output can change. vLLM offers batch-invariant kernels
+here because the course model runs in fp32, where the differences are too small to flip an
+argmax. They are not zero: a CPU GEMM also picks its kernel (blocking, vector width, the
+order of a reduction) by the matrix's shape, so a row's logits can differ in the last bits
+between a batch of 3 and of 30. On a GPU in bf16 or fp16 the same holds with larger
+differences: matmul and attention kernels pick different tilings and reduction orders for
+different batch shapes, and where two tokens are nearly tied a greedy output can change. vLLM offers batch-invariant kernels
 (`VLLM_BATCH_INVARIANT=1`, in beta) for when outputs must not depend on the batch.
 
 ### Throughput, measured in tokens per step
@@ -721,7 +722,8 @@ md(r"""
 * **Continuous batching** rebuilds the batch at every step: running requests first, then
   waiting ones in arrival order under `max_num_seqs`, the token budget and free KV blocks.
   It changes *when* tokens are computed, not *which*: outputs are identical here (fp32 on a
-  CPU; on a GPU in bf16, batch-dependent kernels can change a nearly tied greedy token).
+  CPU: shape-dependent kernels differ only in the last bits; on a GPU in bf16, they can
+  change a nearly tied greedy token).
 * Measured in **tokens per step**, continuous batching wins by more the more output lengths
   vary. Paged memory is a *separate* gain: the 2×2 shows each on its own, and the vLLM
   paper's 2–4× over Orca is the memory one (Orca already batches continuously).
