@@ -212,9 +212,10 @@ def test_failure_messages_never_state_a_secret_answer(checker):
     r = grade_notebook(nb, CH02, timeout=20, isolation=ISOLATION, scan=False, checker=checker)
     reason = r.exercises["ex2.7"].reason
     assert reason == "ex2.7: 4 of 4 answers are not right"
+    detail = reason.removeprefix("ex2.7: 4 of 4 ")  # the counts are not answers
     for item in key["ex2.7"].values():
         for variant in item.get("variants", [item]):  # per-student variants: every answer withheld
-            assert repr(variant["answer"]) not in reason
+            assert repr(variant["answer"]) not in detail
 
 
 def test_two_students_get_different_graded_cases(checker):
