@@ -191,6 +191,8 @@ def _student_copies(root: Path, into: Path) -> list[Path]:
         seed=None,
         nbgrader=None,
         assignment="minipaged",
+        roster=None,
+        secret=None,
     )
     with contextlib.redirect_stdout(io.StringIO()):
         rc = exercises.run(args)
