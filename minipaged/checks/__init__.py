@@ -22,7 +22,7 @@ Invariants
     Checks are deterministic: the local cases come from a RNG seeded with the exercise id
     (and the student's seed, for per-student variants), so a failure is reproducible; the
     graded cases come from the grading run's seed and are never these. One chapter module per
-    chapter (``ch00`` .. ``ch07``), imported lazily: ``check("ex2.1", ...)`` never imports
+    chapter (``ch00`` .. ``ch11``), imported lazily: ``check("ex2.1", ...)`` never imports
     torch; ``ex3.*`` do.
 
 Failure mode
@@ -41,7 +41,7 @@ import re
 
 from minipaged.checks._harness import PASS_TEMPLATE, ExerciseFailure, pass_line
 
-CHAPTER_MODULES = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07")
+CHAPTER_MODULES = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch10")
 _EXERCISE_RE = re.compile(r"^ex(\d+)\.(\d+)$")
 
 

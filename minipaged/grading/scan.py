@@ -197,6 +197,13 @@ REFERENCES: dict[str, tuple[str, ...]] = {
         "minipaged.core.BlockSpaceManager",
         "minipaged.core.kv.block_manager_v0",
     ),
+    "ch10": (
+        "minipaged.spec_decode.rejection_sampler.RejectionSampler",
+        "minipaged.spec_decode.analysis.expected_tokens_per_step",
+        "minipaged.spec_decode.analysis.cost_model_speedup",
+        "minipaged.core.sched.spec",
+        "minipaged.core.Scheduler",
+    ),
 }
 # Uses of a reference that are fine anyway: the chapter 03 setup cell's bare import.
 _REFERENCE_OK_IMPORTS = {"minipaged.kernels"}

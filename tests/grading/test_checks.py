@@ -112,7 +112,7 @@ def test_check_rejects_unknown_ids():
 
 
 # measuring exercises print what they measured (deterministic), then the verdict line
-MEASURING = {"ex1.5": 2, "ex2.6": 1, "ex3.6": 1, "ex4.5": 4, "ex5.6": 2, "ex6.6": 1}
+MEASURING = {"ex1.5": 2, "ex2.6": 1, "ex3.6": 1, "ex4.5": 4, "ex5.6": 2, "ex6.6": 1, "ex10.4": 2}
 
 
 @pytest.mark.parametrize("chapter,exercise_id", ALL_EXERCISES)
@@ -205,6 +205,15 @@ MUTANTS = [
     ("ex7.2", "return float(rates[-1])", "return 0.0"),
     ("ex7.3", '"max_num_seqs=32": "same"', '"max_num_seqs=32": "down"'),
     ("ex7.4", '"q3": 14526 // 2048', '"q3": 14526 / 2048'),
+    ("ex10.1", "return out + [target_argmax[-1]]", "return out"),
+    ("ex10.2", "residual = (p[j] - q[j]).clamp(min=0.0)", "residual = p[j]"),
+    (
+        "ex10.3",
+        '{"scheduled": 4, "lookahead": 2, "blocks": 4, "computed": 10}',
+        '{"scheduled": 4, "lookahead": 3, "blocks": 4, "computed": 10}',
+    ),
+    ("ex10.4", "for i in range(k + 1)", "for i in range(k)"),
+    ("ex10.5", '"q3": "draft_model"', '"q3": "ngram"'),
 ]
 
 

@@ -1,0 +1,206 @@
+"""Tests of the checkers of chapters 08-11 beyond the parametrized ones of test_checks.py.
+
+Each checker's reference is compared with an independent computation (the rules written
+out as arithmetic, the package's own functions); the statistical judge of ex10.2 passes the
+package's sampler and stops wrong ones with a message that says what is wrong; graded in a
+kernel by the trusted checker, the authored notebooks get full marks and a submission that
+calls the package's own implementation scores 0 on those exercises.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from minipaged.checks import get_spec
+from minipaged.checks._spec import judge, make_cases, observe_all
+from minipaged.checks.notebook import cell_exercise, cell_role, load_authored, make_student_copy
+from minipaged.core.kv.block import cdiv
+from minipaged.grading.codec import dumps
+from minipaged.grading.grade import grade_many
+from minipaged.grading.sandbox import probe
+
+AUTHORED = load_authored()
+ISOLATION = probe()
+
+
+# -- ch10 --------------------------------------------------------------------------------
+
+
+def _sampler(bug: str = ""):
+    """The rule written out, or with one bug."""
+    import torch
+
+    def sample(drafts, p, q, gen):
+        m = len(drafts)
+        for j, d in enumerate(drafts):
+            q_d = 1.0 if q is None else float(q[j, d])
+            u = float(torch.rand(1, generator=gen))
+            accept = u < float(p[j, d]) if bug == "ignores q" else u * q_d < float(p[j, d])
+            if not accept:
+                if q is None:
+                    residual = p[j].clone()
+                    residual[d] = 0.0
+                else:
+                    residual = p[j] if bug == "residual p" else (p[j] - q[j]).clamp(min=0.0)
+                return list(drafts[:j]) + [int(torch.multinomial(residual, 1, generator=gen))]
+        row = m - 1 if bug == "bonus row" and m else m
+        out = list(drafts) + [int(torch.multinomial(p[row], 1, generator=gen))]
+        return out + [0] if bug == "extra token" else out
+
+    return sample
+
+
+def _judge(ex, objects, seed="run-a"):
+    spec = get_spec(ex)
+    cases = make_cases(spec, seed)
+    return judge(spec, cases, dumps(observe_all(spec, cases, objects)))
+
+
+def test_rejection_judge_passes_the_package_sampler(monkeypatch):
+    from minipaged.checks import ch10
+    from minipaged.spec_decode.rejection_sampler import RejectionSampler
+
+    monkeypatch.setattr(ch10, "REJECTION_TRIALS", 2000)
+    assert _judge("ex10.2", (RejectionSampler._random,)) == (True, "✅ ex10.2 passed")
+
+
+@pytest.mark.parametrize(
+    "bug,message",
+    [
+        ("residual p", "which the rule never returns"),
+        ("ignores q", "total variation distance"),
+        ("bonus row", "bonus token"),
+        ("extra token", "1 to m + 1 tokens"),
+    ],
+)
+def test_rejection_judge_catches_a_wrong_sampler(monkeypatch, bug, message):
+    from minipaged.checks import ch10
+
+    monkeypatch.setattr(ch10, "REJECTION_TRIALS", 1500)
+    ok, msg = _judge("ex10.2", (_sampler(bug),))
+    assert not ok and msg.startswith("ex10.2 failed on case ") and message in msg, msg
+
+
+def test_outcome_probabilities_are_a_distribution_and_the_bound_shrinks():
+    from minipaged.checks.ch10 import _rejection_cases, outcome_probs, tv_bound
+
+    for case in _rejection_cases(random.Random(0)):
+        probs = outcome_probs(case["p"], case["q"], case["drafts"])
+        assert abs(sum(probs.values()) - 1.0) < 1e-9 and min(probs.values()) > 0
+        assert tv_bound(probs, 16000) < tv_bound(probs, 4000) / 1.9
+
+
+def _spec_steps_by_hand(prompt, max_tokens, accepted, k, block_size):
+    """ex10.3's rules as arithmetic: drafts and lookahead bounded by prompt + max_tokens - 1."""
+    max_kv = prompt + max_tokens - 1
+    lookahead = min(k, max_kv - prompt)
+    steps = [
+        {
+            "scheduled": prompt,
+            "lookahead": lookahead,
+            "blocks": cdiv(prompt + lookahead, block_size),
+            "computed": prompt,
+        }
+    ]
+    computed, outputs, verified = prompt, 1, 0
+    while outputs < max_tokens:
+        drafts = min(k, max_kv - (prompt + outputs))
+        n = 1 + drafts
+        lookahead = min(k, max_kv - (computed + n))
+        blocks = cdiv(computed + n + lookahead, block_size)
+        a = min(accepted[verified], drafts) if drafts else 0
+        verified += drafts > 0
+        computed += n - (drafts - a)
+        outputs += a + 1
+        steps.append({"scheduled": n, "lookahead": lookahead, "blocks": blocks, "computed": computed})
+    return steps
+
+
+def test_spec_steps_reference_follows_the_stated_rules():
+    from minipaged.checks.ch10 import SPEC_KNOBS, SPEC_REQUESTS, reference_spec_steps, spec_requests_variant
+
+    k, bs = SPEC_KNOBS["k"], SPEC_KNOBS["block_size"]
+    workloads = [SPEC_REQUESTS] + [spec_requests_variant(random.Random(s)) for s in range(12)]
+    for requests in workloads:
+        ((_, prompt, max_tokens, accepted),) = requests
+        assert reference_spec_steps(requests) == _spec_steps_by_hand(prompt, max_tokens, accepted, k, bs), (
+            requests
+        )
+
+
+def test_best_k_reference_uses_the_packages_tokens_per_step():
+    from minipaged.checks.ch10 import _best_k_cases, ref_best_k, ref_tokens_per_step
+    from minipaged.spec_decode import expected_tokens_per_step
+
+    for a in (0.0, 0.3, 0.77, 1.0):
+        for k in range(1, 9):
+            assert ref_tokens_per_step(a, k) == pytest.approx(expected_tokens_per_step(a, k))
+    for a, cost in _best_k_cases(random.Random(1))[:-4]:
+        rates = [ref_tokens_per_step(a, k) / c for k, c in enumerate(cost)]
+        assert rates[ref_best_k(a, cost)] == max(rates)
+
+
+# -- graded in a kernel: authored solutions, and the package's own code called ---------------
+
+# exercise -> a solution that calls the package's implementation of it
+PACKAGE_CALLS = {
+    "ch10": {
+        "ex10.1": "from minipaged.spec_decode import RejectionSampler\n\n"
+        "def greedy_verify(drafts, target_argmax):\n"
+        "    if len(target_argmax) != len(drafts) + 1:\n"
+        "        raise ValueError('rows')\n"
+        "    return RejectionSampler._greedy(drafts, target_argmax)\n",
+        "ex10.2": "from minipaged.spec_decode import RejectionSampler\n\n"
+        "def rejection_sample(drafts, p, q, gen):\n"
+        "    return RejectionSampler._random(drafts, p, q, gen)\n",
+        "ex10.4": "from minipaged.spec_decode import expected_tokens_per_step\n\n"
+        "def best_k(acceptance_rate, step_cost):\n"
+        "    rates = [1 / step_cost[0]] + [expected_tokens_per_step(acceptance_rate, k) / c\n"
+        "                                  for k, c in enumerate(step_cost) if k]\n"
+        "    return rates.index(max(rates))\n",
+    },
+}
+NEW_CHAPTERS = [ch for ch in ("ch08", "ch09", "ch10", "ch11") if ch in AUTHORED]
+
+
+def _solutions(chapter):
+    return {cell_exercise(c): c.source for c in AUTHORED[chapter].nb.cells if cell_role(c) == "solution"}
+
+
+def _package_calls_notebook(chapter):
+    """The student copy with the package's own implementation called in ``PACKAGE_CALLS``'
+    exercises and the authored solutions in the others."""
+    calls, honest = PACKAGE_CALLS[chapter], _solutions(chapter)
+    nb = make_student_copy(copy.deepcopy(AUTHORED[chapter].nb))
+    for cell in nb.cells:
+        if cell_role(cell) == "solution":
+            ex = cell_exercise(cell)
+            cell.source = calls.get(ex, honest[ex])
+    return nb
+
+
+def test_authored_full_marks_and_package_calls_score_zero(tmp_path):
+    paths = []
+    for ch in NEW_CHAPTERS:
+        for kind, nb in (("authored", AUTHORED[ch].nb), ("calls", _package_calls_notebook(ch))):
+            path = tmp_path / f"{kind}_{AUTHORED[ch].name}"
+            nbformat.write(nb, path)
+            paths.append(str(path))
+    results = grade_many(paths, AUTHORED, timeout=120, jobs=2, isolation=ISOLATION)
+    for r in results:
+        assert r.error is None, (r.submission, r.error)
+        authored = AUTHORED[r.chapter]
+        got = {ex: int(x.passed) for ex, x in r.exercises.items()}
+        if Path(r.submission).name.startswith("authored_"):
+            assert got == dict.fromkeys(authored.exercises, 1), r.exercises
+            continue
+        calls = PACKAGE_CALLS[r.chapter]
+        assert got == {ex: int(ex not in calls) for ex in authored.exercises}, r.exercises
+        for ex in calls:
+            reason = r.exercises[ex].reason
+            assert "uses the reference" in reason or "your notebook's" in reason, (ex, reason)
