@@ -204,6 +204,7 @@ REFERENCES: dict[str, tuple[str, ...]] = {
         "minipaged.core.sched.spec",
         "minipaged.core.Scheduler",
     ),
+    "ch11": ("minipaged.model.parallel",),
 }
 # Uses of a reference that are fine anyway: the chapter 03 setup cell's bare import.
 _REFERENCE_OK_IMPORTS = {"minipaged.kernels"}

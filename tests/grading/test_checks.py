@@ -112,7 +112,7 @@ def test_check_rejects_unknown_ids():
 
 
 # measuring exercises print what they measured (deterministic), then the verdict line
-MEASURING = {"ex1.5": 2, "ex2.6": 1, "ex3.6": 1, "ex4.5": 4, "ex5.6": 2, "ex6.6": 1, "ex10.4": 2}
+MEASURING = {"ex1.5": 2, "ex2.6": 1, "ex3.6": 1, "ex4.5": 4, "ex5.6": 2, "ex6.6": 1, "ex10.4": 2, "ex11.4": 2}
 
 
 @pytest.mark.parametrize("chapter,exercise_id", ALL_EXERCISES)
@@ -214,6 +214,15 @@ MUTANTS = [
     ),
     ("ex10.4", "for i in range(k + 1)", "for i in range(k)"),
     ("ex10.5", '"q3": "draft_model"', '"q3": "ngram"'),
+    ("ex11.1", "return F.linear(act, w_down[:, rows])", "return F.linear(act, w_down[:, rows]) / size"),
+    ("ex11.2", '"k": [q_end + rank * kv_rows,', '"k": [q_end + rank * q_rows,'),
+    (
+        "ex11.3",
+        '{"kv_heads": 2, "kv_bytes_per_block": 524288, "all_reduces": 65, "all_gathers": 1}',
+        '{"kv_heads": 2, "kv_bytes_per_block": 524288, "all_reduces": 64, "all_gathers": 1}',
+    ),
+    ("ex11.4", "(2 * num_layers + 1) * 2 * (size - 1)", "(2 * num_layers + 1) * 2 * size"),
+    ("ex11.5", '"q4": "fewer heads"', '"q4": "fewer blocks"'),
 ]
 
 

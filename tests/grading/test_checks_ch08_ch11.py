@@ -145,6 +145,56 @@ def test_best_k_reference_uses_the_packages_tokens_per_step():
         assert rates[ref_best_k(a, cost)] == max(rates)
 
 
+# -- ch11 --------------------------------------------------------------------------------
+
+
+def test_mlp_partials_add_up_to_the_unsharded_mlp():
+    import torch
+    import torch.nn.functional as F
+
+    from minipaged.checks.ch11 import _mlp_cases, _mlp_tensors, ref_mlp_shard
+
+    for case in _mlp_cases(random.Random(2))[:-1]:
+        x, w_gate, w_up, w_down = _mlp_tensors(case)
+        full = F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+        parts = sum(ref_mlp_shard(x, w_gate, w_up, w_down, r, case["size"]) for r in range(case["size"]))
+        torch.testing.assert_close(parts, full, rtol=1e-5, atol=1e-6)
+
+
+def test_qkv_rows_and_refusals_agree_with_the_package():
+    from types import SimpleNamespace
+
+    from minipaged.checks.ch11 import TP_MODEL, TP_SIZES, _qkv_cases, ref_qkv_shard_rows, reference_tp
+    from minipaged.model.parallel import check_tensor_parallel_size, shard_range
+
+    for heads, kvh, d, rank, size in _qkv_cases(random.Random(3)):
+        if heads % size or kvh % size:
+            with pytest.raises(ValueError):
+                ref_qkv_shard_rows(heads, kvh, d, rank, size)
+            continue
+        rows = ref_qkv_shard_rows(heads, kvh, d, rank, size)
+        q0, qn = shard_range(heads * d, rank, size)
+        k0, kn = shard_range(kvh * d, rank, size)
+        q1, k1 = q0 + qn, k0 + kn
+        assert rows == {
+            "q": [q0, q1],
+            "k": [heads * d + k0, heads * d + k1],
+            "v": [(heads + kvh) * d + k0, (heads + kvh) * d + k1],
+        }
+    config = SimpleNamespace(
+        num_attention_heads=TP_MODEL["num_heads"],
+        num_key_value_heads=TP_MODEL["num_kv_heads"],
+        intermediate_size=TP_MODEL["intermediate_size"],
+    )
+    for n, entry in zip(TP_SIZES, reference_tp()):
+        try:  # NOTE: the package also refuses more ranks than this machine's devices: not asked here
+            check_tensor_parallel_size(n, config, "cuda")
+            refused = False
+        except ValueError as e:
+            refused = "does not divide" in str(e)
+        assert (entry is None) == refused, n
+
+
 # -- graded in a kernel: authored solutions, and the package's own code called ---------------
 
 # exercise -> a solution that calls the package's implementation of it
@@ -164,6 +214,24 @@ PACKAGE_CALLS = {
         "                                  for k, c in enumerate(step_cost) if k]\n"
         "    return rates.index(max(rates))\n",
     },
+}
+PACKAGE_CALLS["ch11"] = {
+    "ex11.1": "from minipaged.model.parallel import shard_range\n\n"
+    "def mlp_shard(x, w_gate, w_up, w_down, rank, size):\n"
+    "    if w_gate.shape[0] % size:\n"
+    "        raise ValueError('size')\n"
+    "    lo, n = shard_range(w_gate.shape[0], rank, size)\n"
+    "    hi = lo + n\n"
+    "    act = F.silu(x @ w_gate[lo:hi].T) * (x @ w_up[lo:hi].T)\n"
+    "    return act @ w_down[:, lo:hi].T\n",
+    "ex11.2": "from minipaged.model import parallel\n\n"
+    "def qkv_shard_rows(num_heads, num_kv_heads, head_dim, rank, size):\n"
+    "    if num_heads % size or num_kv_heads % size:\n"
+    "        raise ValueError('size')\n"
+    "    q0, qn = parallel.shard_range(num_heads * head_dim, rank, size)\n"
+    "    k0, kn = parallel.shard_range(num_kv_heads * head_dim, rank, size)\n"
+    "    q, kv = num_heads * head_dim, num_kv_heads * head_dim\n"
+    "    return {'q': [q0, q0 + qn], 'k': [q + k0, q + k0 + kn], 'v': [q + kv + k0, q + kv + k0 + kn]}\n",
 }
 NEW_CHAPTERS = [ch for ch in ("ch08", "ch09", "ch10", "ch11") if ch in AUTHORED]
 
