@@ -561,7 +561,8 @@ CPU:
 """)
 
 code(r"""
-# NBVAL_IGNORE_OUTPUT  (wall-clock times: they change from run to run)
+# NBVAL_IGNORE_OUTPUT
+# (wall-clock times: they change from run to run)
 from minipaged import LLM, SamplingParams
 
 cpu_engine = LLM(max_num_seqs=8, num_blocks=128).llm_engine

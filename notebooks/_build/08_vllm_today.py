@@ -412,7 +412,8 @@ run):
 """)
 
 code(r"""
-# NBVAL_IGNORE_OUTPUT  (wall-clock shares: they change from run to run)
+# NBVAL_IGNORE_OUTPUT
+# (wall-clock shares: they change from run to run)
 from minipaged import LLM, SamplingParams
 
 eng = LLM(max_num_seqs=32, num_blocks=256).llm_engine
