@@ -197,6 +197,7 @@ REFERENCES: dict[str, tuple[str, ...]] = {
         "minipaged.core.BlockSpaceManager",
         "minipaged.core.kv.block_manager_v0",
     ),
+    "ch08": ("minipaged.core.KVCacheManager", "minipaged.core.sched", "minipaged.core.Scheduler"),
     "ch10": (
         "minipaged.spec_decode.rejection_sampler.RejectionSampler",
         "minipaged.spec_decode.analysis.expected_tokens_per_step",

@@ -112,7 +112,17 @@ def test_check_rejects_unknown_ids():
 
 
 # measuring exercises print what they measured (deterministic), then the verdict line
-MEASURING = {"ex1.5": 2, "ex2.6": 1, "ex3.6": 1, "ex4.5": 4, "ex5.6": 2, "ex6.6": 1, "ex10.4": 2, "ex11.4": 2}
+MEASURING = {
+    "ex1.5": 2,
+    "ex2.6": 1,
+    "ex3.6": 1,
+    "ex4.5": 4,
+    "ex5.6": 2,
+    "ex6.6": 1,
+    "ex8.3": 1,
+    "ex10.4": 2,
+    "ex11.4": 2,
+}
 
 
 @pytest.mark.parametrize("chapter,exercise_id", ALL_EXERCISES)
@@ -153,7 +163,7 @@ MUTANTS = [
     ("ex1.6", '"q3": "neither"', '"q3": "external"'),
     ("ex2.5", "[5, 3, 2], [], [4, 1, 0]]", "[5, 3, 2], [], [0, 1, 4]]"),
     ("ex2.6", "if free < 0:", "if free <= 0:"),
-    ("ex2.7", '"q1": 6', '"q1": 5'),
+    ("ex2.7", '"q1": 5', '"q1": 6'),
     ("ex2.1", "queue.num_free_blocks -= 1", "pass"),
     ("ex2.2", "block = queue._head.next_free_block", "block = queue._tail.prev_free_block"),
     ("ex2.3", "return None", "return []"),
@@ -205,6 +215,10 @@ MUTANTS = [
     ("ex7.2", "return float(rates[-1])", "return 0.0"),
     ("ex7.3", '"max_num_seqs=32": "same"', '"max_num_seqs=32": "down"'),
     ("ex7.4", '"q3": 14526 // 2048', '"q3": 14526 / 2048'),
+    ("ex8.1", "if reserve_full_isl and cdiv", "if not reserve_full_isl and cdiv"),
+    ("ex8.2", '"preemptions": 2, "steps": 8}', '"preemptions": 1, "steps": 8}'),
+    ("ex8.3", "new[new.index(None)] = new.pop()", "new.remove(None)"),
+    ("ex8.4", '"q2": "no"', '"q2": "yes"'),
     ("ex10.1", "return out + [target_argmax[-1]]", "return out"),
     ("ex10.2", "residual = (p[j] - q[j]).clamp(min=0.0)", "residual = p[j]"),
     (

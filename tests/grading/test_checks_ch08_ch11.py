@@ -28,6 +28,29 @@ AUTHORED = load_authored()
 ISOLATION = probe()
 
 
+# -- ch08 --------------------------------------------------------------------------------
+
+
+def test_admission_reference_is_the_stated_arithmetic():
+    from minipaged.checks.ch08 import _admit_cases, ref_can_admit
+
+    for free, bs, n, chunk, full, wm in _admit_cases(random.Random(4))[:-2]:
+        want = (not full or cdiv(n, bs) + wm <= free) and cdiv(chunk, bs) + wm <= free
+        assert ref_can_admit(free, bs, n, chunk, full, wm) is want, (free, bs, n, chunk, full, wm)
+
+
+def test_persistent_batch_reference_keeps_its_invariants():
+    from minipaged.checks.ch08 import _batch_cases, ref_update_batch
+
+    for rows, leaving, joining in _batch_cases(random.Random(5))[:-2]:
+        out, moves = ref_update_batch(rows, leaving, joining)
+        assert None not in out and sorted(out) == sorted([r for r in rows if r not in leaving] + joining)
+        kept = [i for i, r in enumerate(rows) if r not in leaving and i < len(out) and out[i] == r]
+        assert len(kept) >= len(rows) - len(leaving) - moves  # only the moved requests changed rows
+        holes_left = max(0, len(leaving) - len(joining))
+        assert moves <= holes_left
+
+
 # -- ch10 --------------------------------------------------------------------------------
 
 
@@ -214,6 +237,20 @@ PACKAGE_CALLS = {
         "                                  for k, c in enumerate(step_cost) if k]\n"
         "    return rates.index(max(rates))\n",
     },
+}
+PACKAGE_CALLS["ch08"] = {
+    "ex8.1": "from minipaged.core import KVCacheManager, Request\n\n"
+    "def can_admit(num_free_blocks, block_size, num_tokens, first_chunk, reserve_full_isl, watermark_blocks):\n"
+    "    if not 1 <= first_chunk <= num_tokens:\n"
+    "        raise ValueError('first_chunk')\n"
+    "    pool = max(num_free_blocks, cdiv(num_tokens, block_size)) + 1\n"
+    "    kv = KVCacheManager(pool, block_size)\n"
+    "    if pool > num_free_blocks:\n"
+    "        kv.allocate_slots('others', (pool - num_free_blocks) * block_size)\n"
+    "    r = Request('r', list(range(num_tokens)))\n"
+    "    got = kv.allocate_slots(r, first_chunk, full_sequence_must_fit=reserve_full_isl,\n"
+    "                            watermark_blocks=watermark_blocks)\n"
+    "    return got is not None\n",
 }
 PACKAGE_CALLS["ch11"] = {
     "ex11.1": "from minipaged.model.parallel import shard_range\n\n"
