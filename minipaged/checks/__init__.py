@@ -41,7 +41,7 @@ import re
 
 from minipaged.checks._harness import PASS_TEMPLATE, ExerciseFailure, pass_line
 
-CHAPTER_MODULES = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch08", "ch10", "ch11")
+CHAPTER_MODULES = tuple(f"ch{n:02d}" for n in range(12))  # ch00 .. ch11
 _EXERCISE_RE = re.compile(r"^ex(\d+)\.(\d+)$")
 
 

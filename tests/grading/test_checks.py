@@ -105,7 +105,7 @@ def test_check_rejects_unknown_ids():
     with pytest.raises(ValueError, match="unknown exercise_id"):
         check("ex2.99", print)
     with pytest.raises(ValueError, match="no checkers"):
-        check("ex9.1", print)
+        check("ex12.1", print)
 
 
 # -- every exercise: solution passes, stub fails ---------------------------------------------
@@ -120,6 +120,7 @@ MEASURING = {
     "ex5.6": 2,
     "ex6.6": 1,
     "ex8.3": 1,
+    "ex9.3": 3,
     "ex10.4": 2,
     "ex11.4": 2,
 }
@@ -219,6 +220,14 @@ MUTANTS = [
     ("ex8.2", '"preemptions": 2, "steps": 8}', '"preemptions": 1, "steps": 8}'),
     ("ex8.3", "new[new.index(None)] = new.pop()", "new.remove(None)"),
     ("ex8.4", '"q2": "no"', '"q2": "yes"'),
+    ("ex9.1", "if start >= arrival:", "if start > arrival:"),
+    ("ex9.2", '"B": {"ttft_ms": 27, "e2e_ms": 39}', '"B": {"ttft_ms": 32, "e2e_ms": 44}'),
+    (
+        "ex9.3",
+        "clock = arrivals[waiting[0].request_id]",
+        "clock = arrivals[waiting[0].request_id] + step_cost[0]",
+    ),
+    ("ex9.4", '"q1": "k+1"', '"q1": "k"'),
     ("ex10.1", "return out + [target_argmax[-1]]", "return out"),
     ("ex10.2", "residual = (p[j] - q[j]).clamp(min=0.0)", "residual = p[j]"),
     (
@@ -436,7 +445,7 @@ def test_exercises_command_writes_student_copies(tmp_path, capsys):
     assert main(["exercises", "--student", str(out)]) == 2  # no silent overwrite
     assert "--force" in capsys.readouterr().err
     assert main(["exercises", "--student", str(out), "--force", "--chapter", "ch02"]) == 0
-    assert main(["exercises", "--chapter", "ch09"]) == 2
+    assert main(["exercises", "--chapter", "ch12"]) == 2
 
 
 # -- the checkers' references agree with the package -----------------------------------------

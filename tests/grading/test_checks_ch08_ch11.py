@@ -19,6 +19,7 @@ import pytest
 from minipaged.checks import get_spec
 from minipaged.checks._spec import judge, make_cases, observe_all
 from minipaged.checks.notebook import cell_exercise, cell_role, load_authored, make_student_copy
+from minipaged.core import Scheduler
 from minipaged.core.kv.block import cdiv
 from minipaged.grading.codec import dumps
 from minipaged.grading.grade import grade_many
@@ -49,6 +50,44 @@ def test_persistent_batch_reference_keeps_its_invariants():
         assert len(kept) >= len(rows) - len(leaving) - moves  # only the moved requests changed rows
         holes_left = max(0, len(leaving) - len(joining))
         assert moves <= holes_left
+
+
+# -- ch09 --------------------------------------------------------------------------------
+
+
+def test_latency_reference_is_the_hand_worked_run():
+    """ex9.2's shipped workload, worked by hand: A's prefill 0-16 ms; B (at 5) joins step 1
+    with A's decode, 16-32; both decode 32-44 (A ends); C (at 40) waits for 44, 44-57, 57-68."""
+    from minipaged.checks.ch09 import reference_latency
+
+    assert reference_latency() == {
+        "A": {"ttft_ms": 16, "e2e_ms": 44},
+        "B": {"ttft_ms": 27, "e2e_ms": 39},
+        "C": {"ttft_ms": 17, "e2e_ms": 28},
+    }
+
+
+def test_serve_reference_agrees_with_the_engine_trace():
+    """ref_serve's step count and finishes agree with run_scheduler on the same workload
+    when every request arrives at time 0 (the clock then changes nothing)."""
+    from minipaged.checks._scheduler_cases import arrivals_of
+    from minipaged.checks.ch09 import _build, _serve_cases, ref_serve
+    from minipaged.trace import run_scheduler
+
+    for case in _serve_cases(random.Random(6))[:15]:
+        case = dict(case, requests=[(rid, p, m, 0.0) for rid, p, m, _ in case["requests"]])
+        sched, reqs, arrivals = _build(case)
+        got = ref_serve(sched, reqs, arrivals, (1.0, 0.0))  # 1 s a step: times count steps
+        k = dict(case["knobs"])
+        trace = run_scheduler(
+            Scheduler(k.pop("num_blocks"), k.pop("block_size"), **k),
+            arrivals_of([(rid, p, m, 0) for rid, p, m, _ in case["requests"]]),
+            next_token=lambda r: 1,
+        )
+        assert max(v["e2e"] for v in got.values()) == len(trace.steps)
+        for rid, v in got.items():
+            first = next(s.step for s in trace.steps if rid in s.scheduled)
+            assert 0 < v["ttft"] <= v["e2e"] and v["ttft"] >= first + 1
 
 
 # -- ch10 --------------------------------------------------------------------------------
@@ -251,6 +290,11 @@ PACKAGE_CALLS["ch08"] = {
     "    got = kv.allocate_slots(r, first_chunk, full_sequence_must_fit=reserve_full_isl,\n"
     "                            watermark_blocks=watermark_blocks)\n"
     "    return got is not None\n",
+}
+PACKAGE_CALLS["ch09"] = {
+    "ex9.3": "from minipaged.sim.simulator import simulate\n\n"
+    "def serve(scheduler, requests, arrivals, step_cost):\n"
+    "    return simulate(requests, scheduler, step_cost)\n",
 }
 PACKAGE_CALLS["ch11"] = {
     "ex11.1": "from minipaged.model.parallel import shard_range\n\n"
