@@ -353,3 +353,65 @@ def test_authored_full_marks_and_package_calls_score_zero(tmp_path):
         for ex in calls:
             reason = r.exercises[ex].reason
             assert "uses the reference" in reason or "your notebook's" in reason, (ex, reason)
+
+
+# -- under the student build: the authored solutions still pass, the package's code is gone --
+
+_IN_BUILD = """
+import json, sys
+from minipaged.checks._spec import observe_all
+from minipaged.checks import get_spec
+from minipaged.grading.codec import dumps
+job = json.loads(sys.stdin.read())
+ns = {}
+for src in job["cells"]:
+    exec(src, ns)
+out = {}
+for ex, (names, cases) in job["exercises"].items():
+    out[ex] = dumps(observe_all(get_spec(ex), cases, tuple(ns[n] for n in names)))
+print("MPOUT " + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("chapter", NEW_CHAPTERS)
+def test_authored_solutions_pass_under_the_student_build(chapter, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from minipaged.checks._spec import LOCAL_SEED
+    from minipaged.checks.notebook import cell_source
+    from minipaged.grading.grade import check_call
+    from minipaged.grading.student_build import strip_targets, student_build
+
+    build = Path(student_build(chapter, tmp_path / "cache"))
+    authored = AUTHORED[chapter]
+    cells = [cell_source(c) for c in authored.nb.cells if cell_role(c) in ("setup", "solution")]
+    exercises = {}
+    for ex in authored.exercises:
+        spec = get_spec(ex)
+        exercises[ex] = (check_call(cell_source(authored.check_cells[ex]))[1], make_cases(spec, LOCAL_SEED))
+    env = dict(os.environ, PYTHONPATH=str(build.parent))
+    run = subprocess.run(
+        [sys.executable, "-c", _IN_BUILD],
+        input=json.dumps({"cells": cells, "exercises": exercises}),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(next(ln for ln in run.stdout.splitlines() if ln.startswith("MPOUT "))[6:])
+    key = json.loads(
+        (Path(__file__).resolve().parents[2] / "notebooks/exercises/_instructor/key.json").read_text()
+    )
+    for ex, text in got.items():
+        ok, msg = judge(get_spec(ex), exercises[ex][1], text, key)
+        assert ok, msg
+    # what the chapter's exercises ask for is not in the build
+    for target in strip_targets(chapter):
+        mod, qual = target.split(":")
+        path = build.joinpath(*mod.split(".")[1:]).with_suffix(".py")
+        assert "_student_build" in path.read_text(), target
