@@ -16,6 +16,13 @@ histogram, and how many rows the CSV holds at the end. (Kernels' memory is bound
 sandbox's address-space limit; ``getrusage`` cannot tell a kernel's peak from the grader's
 size at the fork that started it, so no kernel figure is printed.)
 
+It also prints the two costs ``minipaged grade`` pays besides the kernels: the student build
+of each chapter (``student_build.student_build``, made once per package version and chapter,
+then cached: timed cold in a fresh cache folder and warm), and copy detection
+(``grade.detect_copies``: every solution cell against the package, the authored solutions
+and the other submissions, with the HTML report, as ``minipaged grade --csv`` runs it after
+grading), and the rate with copy detection counted in.
+
 Not a test: the numbers depend on the machine and on what else runs on it.
 """
 
@@ -42,8 +49,9 @@ from minipaged.checks.notebook import (
     load_authored,
     make_student_copy,
 )
-from minipaged.grading.grade import grade_many, write_csv
+from minipaged.grading.grade import copy_report_path, detect_copies, grade_many, write_csv
 from minipaged.grading.sandbox import probe
+from minipaged.grading.student_build import student_build
 
 CHEATS = {
     "ch01": "import math\nmath.ceil = lambda x: 0\n",
@@ -117,6 +125,30 @@ def make_submissions(out: Path, n: int, chapters: list[str], seed: int = 0) -> l
     return paths
 
 
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def build_costs(chapters: list[str]) -> dict:
+    """``{chapter: {"cold_s", "cold_cpu_s", "warm_s"}}``: the student build made in a fresh cache
+    folder, then found there."""
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="minipaged-bench-builds-") as cache:
+        for ch in chapters:
+            t, c = time.monotonic(), _cpu_s()
+            student_build(ch, cache_dir=cache)
+            cold, cold_cpu = time.monotonic() - t, _cpu_s() - c
+            t = time.monotonic()
+            student_build(ch, cache_dir=cache)
+            out[ch] = {
+                "cold_s": round(cold, 2),
+                "cold_cpu_s": round(cold_cpu, 2),
+                "warm_s": round(time.monotonic() - t, 3),
+            }
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-n", type=int, default=500, help="submissions to grade (default 500)")
@@ -158,6 +190,10 @@ def main(argv=None) -> int:
         )
         wall = time.monotonic() - t0
         rows = sum(1 for _ in csv_path.open()) - 1
+        t, c = time.monotonic(), _cpu_s()
+        matches = detect_copies(results, authored, copy_report_path(csv_path))
+        copy_s, copy_cpu_s = time.monotonic() - t, _cpu_s() - c
+    builds = build_costs(chapters)
     grader_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB (Linux)
     hist: dict = {}
     for r in results:
@@ -178,6 +214,11 @@ def main(argv=None) -> int:
         "errors": errors,
         "scores": dict(sorted(hist.items())),
         "isolation": iso.describe(),
+        "copy_detection_s": round(copy_s, 1),
+        "copy_detection_cpu_s": round(copy_cpu_s, 1),
+        "copy_flagged_pairs": len(matches),
+        "submissions_per_minute_with_copy_detection": round(60 * args.n / (wall + copy_s), 1),
+        "student_build": builds,
     }
     print(
         f"graded {args.n} submissions in {wall:.0f} s with --jobs {args.jobs} on {os.cpu_count()} CPUs: "
@@ -186,6 +227,16 @@ def main(argv=None) -> int:
     print(f"peak memory of the grader: {figures['grader_peak_rss_mib']} MiB RSS")
     print(f"CSV rows: {rows}; flagged by the scan: {flagged}; could not be graded: {errors}")
     print("scores:", ", ".join(f"{k}: {v}" for k, v in figures["scores"].items()))
+    print(
+        f"copy detection of the {args.n} submissions: {copy_s:.1f} s ({copy_cpu_s:.1f} s CPU), "
+        f"{len(matches)} flagged pairs; with it, "
+        f"{figures['submissions_per_minute_with_copy_detection']} submissions/minute"
+    )
+    for ch, b in builds.items():
+        print(
+            f"student build of {ch}: {b['cold_s']:.2f} s once per package version "
+            f"({b['cold_cpu_s']:.2f} s CPU), {b['warm_s'] * 1000:.0f} ms from the cache"
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")

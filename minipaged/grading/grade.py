@@ -790,6 +790,18 @@ def add_arguments(parser) -> None:
         "copies column and NAME.copies.html beside it)",
     )
     parser.add_argument("--quiet", action="store_true", help="print the table without the reasons")
+    parser.add_argument(
+        "--gradescope",
+        metavar="OUT.zip",
+        help="write a Gradescope autograder zip (setup.sh, run_autograder) that grades each upload "
+        "with this grader (--chapter, --timeout, --budget, --memory, --secret apply) and grade nothing here",
+    )
+    parser.add_argument(
+        "--gradescope-id",
+        choices=("id", "email"),
+        default="id",
+        help="with --gradescope and a secret: the Gradescope user field whose HMAC is the student's seed",
+    )
 
 
 def run(args) -> int:
@@ -827,6 +839,10 @@ def run(args) -> int:
     except ValueError as e:
         print(f"minipaged grade: {e}", file=sys.stderr)
         return 2
+    if args.gradescope:
+        from minipaged.grading.gradescope import from_args
+
+        return from_args(args, authored, key_path)
     student_seeds = None
     submissions = list(args.submissions)
     if args.roster or args.nbgrader_layout:

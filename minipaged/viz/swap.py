@@ -70,10 +70,14 @@ def swap_blocks(
     managed: bool = True,
 ):
     """Figure: step ``i``'s device pool (after the step) over the CPU pool, copies as arrows."""
+    from matplotlib import patheffects
     from matplotlib.patches import FancyArrowPatch, Rectangle
 
     from minipaged.viz import _draw
     from minipaged.viz.blocks import FREED_EDGE
+
+    # a dark outline keeps light owner colours (yellow) readable on the white background
+    ARROW_OUTLINE = [patheffects.Stroke(linewidth=3.6, foreground=palette.BLACK), patheffects.Normal()]
 
     i, outs, ins = _check(trace, i, blocks_to_swap_out, blocks_to_swap_in, num_cpu_blocks)
     order = request_order(trace)
@@ -136,7 +140,8 @@ def swap_blocks(
                     arrowstyle="-|>",
                     mutation_scale=12,
                     color=color(own_out[d]),
-                    lw=1.6,
+                    lw=2.0,
+                    path_effects=ARROW_OUTLINE,
                 )
             )
         for c, d in ins:
@@ -147,7 +152,8 @@ def swap_blocks(
                     arrowstyle="-|>",
                     mutation_scale=12,
                     color=color(own_in[d]),
-                    lw=1.6,
+                    lw=2.0,
+                    path_effects=ARROW_OUTLINE,
                 )
             )
         what = []

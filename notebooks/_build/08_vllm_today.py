@@ -395,6 +395,56 @@ for num_tokens in (4_096, 32_000, 128_000):
 """)
 
 md(r"""
+**The CPU side of a step: the persistent batch, CUDA graphs, async scheduling.** A step is
+not only the forward. Before it, the scheduler decides who runs and the runner builds the
+step's inputs (token ids, positions, `slot_mapping`, block tables); after it, the scheduler
+appends the sampled tokens, checks stops and frees blocks. On a GPU that host work runs while
+the GPU waits, unless it is hidden, and a decode forward of a small model can take only a few
+milliseconds, so it matters. vLLM v1 attacks it three ways: the **persistent batch**
+(`vllm/v1/worker/gpu_input_batch.py`: the runner keeps its input tensors between steps and
+applies only what changed, as this course's runner keeps its own block tables), **CUDA graphs**
+(one launch replays the hundreds of kernels of a decode forward, so launching them stops
+costing CPU time; `vllm/v1/worker/gpu_model_runner.py`, `capture_model`) and **async
+scheduling** (`--async-scheduling`: the scheduler plans step N + 1 while the GPU runs step N).
+This engine does none of the three; its own stopwatch shows what they would have to hide, on
+32 running sequences of the course model (wall-clock shares of this machine, different every
+run):
+""")
+
+code(r"""
+# NBVAL_IGNORE_OUTPUT
+# (wall-clock shares: they change from run to run)
+from minipaged import LLM, SamplingParams
+
+eng = LLM(max_num_seqs=32, num_blocks=256).llm_engine
+for i in range(32):
+    eng.add_request(f"s{i}", [(7 * i + j) % 400 + 10 for j in range(16)],
+                    SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+for _ in range(8):  # the prefills, then a few decodes
+    eng.step()
+for phase in eng.step_times:
+    eng.step_times[phase] = 0.0
+n = 24
+for _ in range(n):
+    eng.step()
+laps = dict(eng.step_times)
+total = sum(laps.values())
+print(f"decode step, 32 sequences: {total / n * 1e3:.1f} ms on average over {n} steps")
+for phase, s in laps.items():
+    print(f"  {phase:9s} {s / n * 1e3:6.2f} ms  {s / total:6.1%}")
+host = laps["schedule"] + laps["prepare"] + laps["update"]
+print(f"host bookkeeping (schedule + prepare + update): {host / total:.0%} of the step")
+""")
+
+md(r"""
+On this CPU the forward itself is CPU work too, so the bookkeeping is a modest share. On a
+GPU the forward shrinks by one or two orders of magnitude and the bookkeeping does not: the
+same milliseconds become most of a step, which is why vLLM v1 keeps the batch persistent,
+replays CUDA graphs and overlaps scheduling with the forward. (A finer split of this engine's
+step, by cProfile: `minipaged bench --profile`, and the CPU appendix of chapter 07.)
+""")
+
+md(r"""
 ## Readings
 
 | topic | the paper (Kwon et al., SOSP 2023) | vLLM source (v1 unless marked) |

@@ -264,7 +264,7 @@ nb.exercise(
     def concept_answers() -> dict:
         \"\"\"Answers to q1..q4.\"\"\"
         ### BEGIN SOLUTION
-        return {"q1": 6, "q2": 3, "q3": "front", "q4": 64}
+        return {"q1": 5, "q2": 3, "q3": "front", "q4": 64}
         ### END SOLUTION
     """,
     ["concept_answers"],
@@ -273,10 +273,12 @@ nb.exercise(
 nb.outro("""
 ## Questions to discuss (short answers, not auto-checked)
 
-1. Blocks of 64 fit as many `FIT_LENS` requests as blocks of 1 in ex2.6; what then
-   limits the block size in vLLM (think of prefix sharing and of the kernel)?
-2. Why does a freed request's blocks go to the *back* of the free queue (think of the
-   prefix cache of chapter 06)?
+1. In ex2.6, how does the number of `FIT_LENS` requests that fit change as the block
+   size grows, and why so late? What else limits the block size in vLLM (think of
+   prefix sharing and of the kernel)?
+2. vLLM v1 puts a freed request's blocks that hold a cached prefix at the *back* of the
+   free queue, and blocks with no hash at the front: why each (think of the prefix cache
+   of chapter 06)?
 3. ex2.6 asks for all of a request's slots at once; what does vLLM do instead, and how
    does that change the count?
 

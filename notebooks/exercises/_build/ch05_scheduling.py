@@ -262,9 +262,16 @@ nb.exercise(
     With `scheduler_reserve_full_isl=False` vLLM v1 admits a waiting request as soon as the
     blocks of its first chunk are free; running requests then grow into the pool and, when
     it is full, preemption pays for the optimism by recomputing. (vLLM 0.32's default, `True`,
-    waits until the blocks for the whole prompt are free, against exactly that thrash.) The
+    waits until the blocks for the request's whole sequence are free: its prompt, plus the
+    tokens it had already produced when it was preempted, against exactly that thrash.) The
     scheduler here starts from the first-chunk rule: design your own.
 
+    - **The bar** (read it first): on the checker's workloads taken together, at most half
+      the preemptions of the default rule (and never more on any one workload), with at
+      most 10% more steps (throughput within 10%). Always admitting (`lambda s, r: True`)
+      is the default rule, so it does not pass; a rule that refuses more than it must
+      (reserving every running request's whole `max_tokens` up front, say) stops the
+      preemptions but costs steps, and can miss the 10%.
     - **The hook**: the scheduler calls `can_admit(scheduler, request)` for the head of
       `waiting` after the running requests got their blocks for this step (so their block
       tables already include this step), when a seat and budget are left and before
@@ -281,12 +288,9 @@ nb.exercise(
       scheduler's invariants hold after every step, and the run ends (no livelock: if
       your rule refuses while nothing runs, nothing can ever change).
     - **What it prints** (the local check): steps and preemptions of `DESIGN_WORKLOAD`
-      under the default rule and under yours. There is no single right answer: a rule that never preempts,
-      one that preempts less but keeps the batch full, a watermark... compare designs.
-      - **The bar**: on the checker's workloads taken together, at most half the
-        preemptions of the default rule (and never more on any one workload), with at
-        most 10% more steps (throughput within 10%). Always admitting (`lambda s, r:
-        True`) is the default rule, so it does not pass.
+      under the default rule and under yours. There is no single right answer: a reserve
+      for what the running requests will still grow, a watermark of free blocks, a cap on
+      the batch... measure each against the bar.
     """,
     """
     def can_admit(scheduler, request) -> bool:
