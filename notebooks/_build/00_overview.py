@@ -291,8 +291,12 @@ md(r"""
 | **06 sharing** | addressing | copy-on-write forks for parallel sampling and beam search; prefix caching |
 | **07 serving at scale** | all three | a simulator running the real scheduler on a GPU cost model: the paper's experiments |
 | **08 vLLM today** | scheduling, addressing | the paper (vLLM v0) beside vLLM v1, each pair run on one workload: admission, preemption (swap vs recompute), chunked prefill with one token budget, fork vs child requests over the prefix cache, prefix caching; what came after the paper |
-| **09 live server** | all three | `minipaged serve` behind the OpenAI API: requests arriving at Poisson times, streaming, hang-ups, the live trace and `/metrics`; its exercise, a classroom on one server, is in the chapter |
-| **exercises/** | | one notebook per chapter 00–07: predict, build and measure, graded automatically |
+| **09 live server** | all three | `minipaged serve` behind the OpenAI API: requests arriving at Poisson times, streaming, hang-ups, the live trace and `/metrics` |
+| **10 speculative decoding** | scheduling, addressing | drafts in the block table, the rejection sampler, rolling back rejected tokens |
+| **11 distributed** | all three | tensor parallelism: one block table, N workers each holding its heads of every block |
+| **03a, 07a** (appendices) | | `03a_cpu_backend`: the `"cpu"` backend in C; `07a_cpu_step_cost`: where a CPU step's time goes |
+| **99** (instructor) | | `99_instructor_appendix`: the package's bodies of the exercised functions, after hand-in |
+| **exercises/** | | one notebook per chapter, `ch00_overview` .. `ch11_distributed` (ex0–ex11): predict, build and measure, graded automatically |
 
 `docs/course_path.md` lays the chapters and exercises out week by week, with concept
 questions for the end of each chapter; `docs/glossary.md` defines every term the course
