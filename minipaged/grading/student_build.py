@@ -39,6 +39,11 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+# targets whose name and arity match the exercise's function but whose parameters mean other
+# things: the notebook's function is never plugged in for them (the stub raises)
+NO_PLUG_IN = {
+    "minipaged.core.sched.utils:num_new_tokens": "the package's takes num_left, the exercise's a request",
+}
 WITHHELD_KEYWORDS = ("reference", "expected", "verdict", "report", "cases", "size", "describe", "shape")
 HOOK_MODULE = "_student_build.py"
 HOOK_SOURCE = '''"""The student build's stand-in for a package function that answers an exercise."""
@@ -63,6 +68,24 @@ def plug(exercise_id, name, plug_in, args, kwargs):
         return fn(*args, **kwargs)
     finally:
         busy.discard(name)
+
+
+class StrippedKernel:
+    """A stripped Triton kernel: launching it (``kernel[grid](...)``) raises."""
+
+    __student_build_stub__ = True
+
+    def __init__(self, exercise_id, name):
+        self.message = f"{exercise_id}: your notebook's {name} is used here"
+
+    def __getitem__(self, grid):
+        raise NotImplementedError(self.message)
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError(self.message)
+
+    def run(self, *args, **kwargs):
+        raise NotImplementedError(self.message)
 '''
 
 
@@ -97,40 +120,81 @@ def _content_hash(root: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _stub_body(fn: ast.FunctionDef, ex: str, name: str, arity: int, in_class: bool) -> list:
+def _is_kernel(fn: ast.FunctionDef) -> bool:
+    """Decorated with ``triton.jit`` (or ``jit``, with or without arguments)."""
+    for d in fn.decorator_list:
+        d = d.func if isinstance(d, ast.Call) else d
+        if (isinstance(d, ast.Attribute) and d.attr == "jit") or (isinstance(d, ast.Name) and d.id == "jit"):
+            return True
+    return False
+
+
+def _plugs_in(target: str, fn: ast.FunctionDef, name: str, arity: int) -> bool:
+    """The notebook's ``name`` stands in for ``fn`` when the names and the arities agree, the
+    parameters are plain positional ones and ``target`` is not in ``NO_PLUG_IN``."""
     a = fn.args
-    positional = [p.arg for p in a.posonlyargs + a.args]
-    plug_in = (
-        fn.name == name
+    positional = a.posonlyargs + a.args
+    return (
+        target not in NO_PLUG_IN
+        and fn.name == name
         and not a.vararg
         and not a.kwonlyargs
         and len(positional) == arity
         and not any(
-            isinstance(d, ast.Name) and d.id in ("staticmethod", "property") for d in fn.decorator_list
+            isinstance(d, ast.Name) and d.id in ("staticmethod", "classmethod", "property")
+            for d in fn.decorator_list
         )
     )
+
+
+def _stub_body(fn: ast.FunctionDef, ex: str, name: str, plug_in: bool) -> list:
+    """``fn``'s new body: hand every argument to ``plug`` (keyword-only and ``*args`` too)."""
+    a = fn.args
+    positional = [p.arg for p in a.posonlyargs + a.args]
+    args = "(" + "".join(p + ", " for p in positional) + ")"
+    if a.vararg:
+        args += f" + tuple({a.vararg.arg})"
+    kwargs = "{" + ", ".join(f"{k.arg!r}: {k.arg}" for k in a.kwonlyargs) + "}"
+    if a.kwarg:
+        kwargs = f"dict({kwargs}, **{a.kwarg.arg})"
     call = (
         f"return __import__('minipaged._student_build', fromlist=['plug']).plug("
-        f"{ex!r}, {name!r}, {plug_in!r}, ({''.join(p + ', ' for p in positional)}), {{}})"
+        f"{ex!r}, {name!r}, {plug_in!r}, {args}, {kwargs})"
     )
-    del in_class
     return ast.parse(call).body
 
 
-def _strip_module(source: str, qualnames: dict) -> tuple[str, set]:
+def _strip_module(source: str, qualnames: dict, module: str = "") -> tuple[str, set]:
+    """``source`` with the bodies of ``qualnames`` (``{qualname: (exercise, name, arity)}``)
+    replaced by stubs; functions under ``if`` / ``try`` / ``with`` blocks count as top level
+    (Triton kernels are defined under ``if HAS_TRITON:``); a Triton kernel becomes a
+    ``StrippedKernel``."""
     tree = ast.parse(source)
     done = set()
 
     def visit(body, prefix):
-        for node in body:
+        for k, node in enumerate(body):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 q = prefix + node.name
                 if q in qualnames:
                     ex, name, arity = qualnames[q]
-                    node.body = _stub_body(node, ex, name, arity, bool(prefix))
+                    if _is_kernel(node):
+                        stub = ast.parse(
+                            f"{node.name} = __import__('minipaged._student_build', "
+                            f"fromlist=['StrippedKernel']).StrippedKernel({ex!r}, {name!r})"
+                        ).body[0]
+                        body[k] = ast.copy_location(stub, node)
+                    else:
+                        plug_in = _plugs_in(f"{module}:{q}", node, name, arity)
+                        node.body = _stub_body(node, ex, name, plug_in)
                     done.add(q)
             elif isinstance(node, ast.ClassDef):
                 visit(node.body, prefix + node.name + ".")
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                for block in ("body", "orelse", "finalbody"):
+                    visit(getattr(node, block, []), prefix)
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body, prefix)
 
     visit(tree.body, "")
     return ast.unparse(tree) + "\n", done
@@ -235,7 +299,8 @@ def student_build(chapter: str, cache_dir: Optional[os.PathLike] = None) -> str:
     out = tmp / "minipaged"
     shutil.copytree(src, out, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.egg-info"))
     for path, quals in by_file.items():
-        text, done = _strip_module(path.read_text(encoding="utf-8"), quals)
+        module = "minipaged." + ".".join(path.relative_to(src).with_suffix("").parts)
+        text, done = _strip_module(path.read_text(encoding="utf-8"), quals, module.removesuffix(".__init__"))
         missing = set(quals) - done
         if missing:
             raise ValueError(f"answered_by names no function of {path.name}: {sorted(missing)}")
