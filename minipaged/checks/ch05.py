@@ -662,12 +662,9 @@ __all__ = [
 ANSWERED_BY = {
     "ex5.1": (
         "minipaged.core.sched.utils:num_new_tokens",
-        "minipaged.core.sched.scheduler:Scheduler._num_new_tokens",
-        "minipaged.core.sched.paper:PaperScheduler._num_new_tokens",
     ),
     "ex5.3": (
         "minipaged.core.sched.scheduler:Scheduler._preempt",
-        "minipaged.core.sched.paper:PaperScheduler._preempt",
     ),
 }
 for _ex, _names in ANSWERED_BY.items():

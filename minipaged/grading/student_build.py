@@ -41,8 +41,19 @@ from typing import Optional
 
 # targets whose name and arity match the exercise's function but whose parameters mean other
 # things: the notebook's function is never plugged in for them (the stub raises)
-NO_PLUG_IN = {
-    "minipaged.core.sched.utils:num_new_tokens": "the package's takes num_left, the exercise's a request",
+NO_PLUG_IN: dict = {}
+# how the notebook's function stands in for a stripped callable whose parameters differ from
+# the exercise's: an expression of ``fn`` (the notebook's function) and the callable's parameters
+ADAPTERS = {
+    "minipaged.sim.cost_model:ModelConfig.kv_bytes_per_token": (
+        "fn({'num_hidden_layers': self.num_layers, 'num_attention_heads': self.num_heads, "
+        "'num_key_value_heads': self.num_kv_heads, 'hidden_size': self.hidden_size, "
+        "'head_dim': self.head_dim}, self.dtype_bytes)"
+    ),
+    "minipaged.core.sched.utils:num_new_tokens": (
+        "fn(__import__('types').SimpleNamespace(num_tokens=num_left, num_computed_tokens=0), budget, "
+        "chunked, max_num_batched_tokens)"
+    ),
 }
 WITHHELD_KEYWORDS = ("reference", "expected", "verdict", "report", "cases", "size", "describe", "shape")
 HOOK_MODULE = "_student_build.py"
@@ -54,18 +65,30 @@ import threading
 _active = threading.local()
 
 
-def plug(exercise_id, name, plug_in, args, kwargs):
-    """Run the notebook's own ``name`` (when ``plug_in``), else raise NotImplementedError."""
-    message = f"{exercise_id}: your notebook's {name} is used here"
-    fn = getattr(sys.modules.get("__main__"), name, None) if plug_in else None
+def _notebook_function(exercise_id, name):
+    fn = getattr(sys.modules.get("__main__"), name, None)
     busy = getattr(_active, "names", None)
     if busy is None:
         busy = _active.names = set()
     if fn is None or not callable(fn) or getattr(fn, "__student_build_stub__", False) or name in busy:
-        raise NotImplementedError(message)
+        raise NotImplementedError(f"{exercise_id}: your notebook's {name} is used here")
+    return fn, busy
+
+
+def plug(exercise_id, name, plug_in, args, kwargs):
+    """Run the notebook's own ``name`` (when ``plug_in``), else raise NotImplementedError."""
+    if not plug_in:
+        raise NotImplementedError(f"{exercise_id}: your notebook's {name} is used here")
+    return plug_with(exercise_id, name, lambda fn: fn(*args, **kwargs))
+
+
+def plug_with(exercise_id, name, call):
+    """``call(the notebook's name)``: a stripped callable whose parameters differ from the
+    exercise's function, through its adapter; NotImplementedError when the notebook has none."""
+    fn, busy = _notebook_function(exercise_id, name)
     busy.add(name)
     try:
-        return fn(*args, **kwargs)
+        return call(fn)
     finally:
         busy.discard(name)
 
@@ -184,6 +207,11 @@ def _strip_module(source: str, qualnames: dict, module: str = "") -> tuple[str, 
                             f"fromlist=['StrippedKernel']).StrippedKernel({ex!r}, {name!r})"
                         ).body[0]
                         body[k] = ast.copy_location(stub, node)
+                    elif f"{module}:{q}" in ADAPTERS:
+                        node.body = ast.parse(
+                            f"return __import__('minipaged._student_build', fromlist=['plug_with'])"
+                            f".plug_with({ex!r}, {name!r}, lambda fn: {ADAPTERS[module + ':' + q]})"
+                        ).body
                     else:
                         plug_in = _plugs_in(f"{module}:{q}", node, name, arity)
                         node.body = _stub_body(node, ex, name, plug_in)
