@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -256,14 +257,21 @@ def _strip_checks(source: str) -> str:
     ):
         at += 1
     tree.body.insert(at, ast.parse("from minipaged.checks._spec import _withheld").body[0])
+    # drop top-level functions and classes nothing else uses, to a fixed point
+    uses = {id(n): _names_used([n]) for n in tree.body}
+    count: dict = {}
+    for n in tree.body:
+        for name in uses[id(n)]:
+            count[name] = count.get(name, 0) + 1
     changed = True
-    while changed:  # drop top-level functions and classes nothing else uses, to a fixed point
+    while changed:
         changed = False
         for node in list(tree.body):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                others = [n for n in tree.body if n is not node]
-                if node.name not in _names_used(others):
+                if count.get(node.name, 0) - (node.name in uses[id(node)]) <= 0:
                     tree.body.remove(node)
+                    for name in uses[id(node)]:
+                        count[name] -= 1
                     changed = True
     defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     for node in tree.body:
@@ -294,6 +302,34 @@ def _top_names(tree) -> set:
     return out
 
 
+def _base_build(src: Path, cache: Path, tag: str) -> Path:
+    """What every chapter's build shares, made once per version and content hash: the
+    package's sources (no ``__pycache__``, no ``.so``), ``minipaged.checks`` without
+    references, the hook module, byte-compiled. A chapter's build is a copy of it with that
+    chapter's targets stripped."""
+    base = cache / f"{tag}-base" / "minipaged"
+    if (base / HOOK_MODULE).is_file():
+        return base
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".base-", dir=cache))
+    out = tmp / "minipaged"
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.egg-info"))
+    from minipaged.checks import CHAPTER_MODULES
+
+    for ch in CHAPTER_MODULES:
+        p = out / "checks" / f"{ch}.py"
+        p.write_text(_strip_checks(p.read_text(encoding="utf-8")), encoding="utf-8")
+    (out / HOOK_MODULE).write_text(HOOK_SOURCE, encoding="utf-8")
+    import compileall
+
+    compileall.compile_dir(str(out), quiet=2, workers=1)
+    try:
+        os.rename(tmp, base.parent)
+    except OSError:  # another grader made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return base
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("MINIPAGED_BUILD_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minipaged", "student-builds"
@@ -308,7 +344,8 @@ def student_build(chapter: str, cache_dir: Optional[os.PathLike] = None) -> str:
     src = _package_dir()
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     version = getattr(minipaged, "__version__", "0")
-    target = cache / f"{version}-{_content_hash(src)}-{chapter}" / "minipaged"
+    digest = _content_hash(src)
+    target = cache / f"{version}-{digest}-{chapter}" / "minipaged"
     if (target / HOOK_MODULE).is_file():
         return str(target)
     targets = strip_targets(chapter)
@@ -322,26 +359,23 @@ def student_build(chapter: str, cache_dir: Optional[os.PathLike] = None) -> str:
         if not path.is_file():
             raise ValueError(f"answered_by {t!r}: no module file for {mod}")
         by_file.setdefault(path, {})[qual] = info
-    cache.mkdir(parents=True, exist_ok=True)
+    base = _base_build(src, cache, f"{version}-{digest}")
     tmp = Path(tempfile.mkdtemp(prefix=f".{chapter}-", dir=cache))
     out = tmp / "minipaged"
-    shutil.copytree(src, out, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.egg-info"))
+    shutil.copytree(base, out)
+    import py_compile
+
     for path, quals in by_file.items():
         module = "minipaged." + ".".join(path.relative_to(src).with_suffix("").parts)
         text, done = _strip_module(path.read_text(encoding="utf-8"), quals, module.removesuffix(".__init__"))
         missing = set(quals) - done
         if missing:
             raise ValueError(f"answered_by names no function of {path.name}: {sorted(missing)}")
-        (out / path.relative_to(src)).write_text(text, encoding="utf-8")
-    from minipaged.checks import CHAPTER_MODULES
-
-    for ch in CHAPTER_MODULES:
-        p = out / "checks" / f"{ch}.py"
-        p.write_text(_strip_checks(p.read_text(encoding="utf-8")), encoding="utf-8")
-    (out / HOOK_MODULE).write_text(HOOK_SOURCE, encoding="utf-8")
-    import compileall
-
-    compileall.compile_dir(str(out), quiet=2, workers=1)
+        dest = out / path.relative_to(src)
+        dest.chmod(0o644)
+        dest.write_text(text, encoding="utf-8")
+        # NOTE: overwrites the base's .pyc of the original source (it would hold the body)
+        py_compile.compile(str(dest), cfile=importlib.util.cache_from_source(str(dest)), doraise=True)
     for p in out.rglob("*"):
         p.chmod(0o755 if p.is_dir() else 0o644)
     target.parent.parent.mkdir(parents=True, exist_ok=True)
