@@ -165,7 +165,7 @@ def _plugs_in(target: str, fn: ast.FunctionDef, name: str, arity: int) -> bool:
         and fn.name == name
         and not a.vararg
         and not a.kwonlyargs
-        and len(positional) == arity
+        and len(positional) - len(a.defaults) <= arity <= len(positional)
         and not any(
             isinstance(d, ast.Name) and d.id in ("staticmethod", "classmethod", "property")
             for d in fn.decorator_list
@@ -173,10 +173,12 @@ def _plugs_in(target: str, fn: ast.FunctionDef, name: str, arity: int) -> bool:
     )
 
 
-def _stub_body(fn: ast.FunctionDef, ex: str, name: str, plug_in: bool) -> list:
+def _stub_body(fn: ast.FunctionDef, ex: str, name: str, plug_in: bool, arity: int = 0) -> list:
     """``fn``'s new body: hand every argument to ``plug`` (keyword-only and ``*args`` too)."""
     a = fn.args
     positional = [p.arg for p in a.posonlyargs + a.args]
+    if plug_in:  # NOTE: the parameters past the exercise's arity keep their defaults
+        positional = positional[:arity]
     args = "(" + "".join(p + ", " for p in positional) + ")"
     if a.vararg:
         args += f" + tuple({a.vararg.arg})"
@@ -217,7 +219,7 @@ def _strip_module(source: str, qualnames: dict, module: str = "") -> tuple[str, 
                         ).body
                     else:
                         plug_in = _plugs_in(f"{module}:{q}", node, name, arity)
-                        node.body = _stub_body(node, ex, name, plug_in)
+                        node.body = _stub_body(node, ex, name, plug_in, arity)
                     done.add(q)
             elif isinstance(node, ast.ClassDef):
                 visit(node.body, prefix + node.name + ".")
