@@ -307,9 +307,25 @@ __all__ = [
 
 # what the package itself computes for each exercise: stripped from the student build
 ANSWERED_BY = {
-    "ex0.2": ("minipaged.core.kv.kv_cache_manager:KVCacheManager.allocate_slots",),
-    "ex0.3": ("minipaged.sim.cost_model:CostModel.step_time",),
-    "ex0.4": ("minipaged.sim.cost_model:CostModel.decode_ridge_batch",),
+    "ex0.2": (
+        "minipaged.core.kv.kv_cache_manager:KVCacheManager.allocate_slots",
+        "minipaged.core.kv.block_manager_v0:BlockSpaceManager.allocate_slots",
+    ),
+    "ex0.3": (
+        "minipaged.sim.cost_model:CostModel.step_time",
+        "minipaged.sim.cost_model:CostModel.breakdown",
+        "minipaged.sim.cost_model:CostModel.step_costs",
+    ),
+    "ex0.4": (
+        "minipaged.sim.cost_model:CostModel.decode_ridge_batch",
+        "minipaged.sim.cost_model:CostModel.breakdown",
+        "minipaged.sim.cost_model:StepCost.bound",
+    ),
+    "ex0.5": (
+        "minipaged.sim.cost_model:CostModel.step_time",
+        "minipaged.sim.cost_model:CostModel.breakdown",
+        "minipaged.sim.cost_model:StepCost.bound",
+    ),
 }
 for _ex, _names in ANSWERED_BY.items():
     SPECS[_ex].answered_by = _names

@@ -379,10 +379,30 @@ __all__ = [
 
 # what the package itself computes for each exercise: stripped from the student build
 ANSWERED_BY = {
-    "ex1.2": ("minipaged.core.kv.contiguous:ContiguousAllocator.reservation_size",),
-    "ex1.3": ("minipaged.core.kv.kv_cache_manager:KVCacheUsage.token_fraction",),
-    "ex1.4": ("minipaged.core.kv.contiguous:ContiguousAllocator.allocate",),
-    "ex1.5": ("minipaged.sim.cost_model:CostModel.num_kv_tokens",),
+    "ex1.1": ("minipaged.sim.cost_model:ModelConfig.kv_bytes_per_token",),
+    "ex1.2": (
+        "minipaged.core.kv.contiguous:ContiguousAllocator.reservation_size",
+        "minipaged.core.kv.contiguous:next_power_of_two",
+    ),
+    "ex1.3": (
+        "minipaged.core.kv.kv_cache_manager:KVCacheUsage.token_fraction",
+        "minipaged.core.kv.kv_cache_manager:KVCacheManager.usage",
+    ),
+    "ex1.4": (
+        "minipaged.core.kv.contiguous:ContiguousAllocator.allocate",
+        "minipaged.core.kv.contiguous:ContiguousAllocator._find_hole",
+        "minipaged.sim.memory_waste:replay_contiguous",
+    ),
+    "ex1.5": (
+        "minipaged.sim.cost_model:CostModel.num_kv_tokens",
+        "minipaged.sim.cost_model:CostModel.kv_cache_bytes",
+        "minipaged.sim.cost_model:CostModel.num_gpu_blocks",
+    ),
+    "ex1.6": (
+        "minipaged.core.kv.contiguous:ContiguousAllocator.allocate",
+        "minipaged.core.kv.contiguous:ContiguousAllocator.external_fragmentation",
+        "minipaged.core.kv.contiguous:ContiguousUsage.internal_fragmentation",
+    ),
 }
 for _ex, _names in ANSWERED_BY.items():
     SPECS[_ex].answered_by = _names

@@ -518,13 +518,27 @@ __all__ = [
 ANSWERED_BY = {
     "ex2.1": ("minipaged.core.kv.block:FreeKVCacheBlockQueue.remove",),
     "ex2.2": ("minipaged.core.kv.block:FreeKVCacheBlockQueue.popleft",),
-    "ex2.3": ("minipaged.core.kv.kv_cache_manager:KVCacheManager.allocate_slots",),
+    "ex2.3": (
+        "minipaged.core.kv.kv_cache_manager:KVCacheManager.allocate_slots",
+        "minipaged.core.kv.block_manager_v0:BlockSpaceManager.allocate_slots",
+    ),
     "ex2.4": (
         "minipaged.core.kv.block_table:BlockTable.slot_mapping",
         "minipaged.core.kv.block_table:BlockTable.slot",
+        "minipaged.core.kv.kv_cache_manager:KVCacheManager.get_slot_mapping",
     ),
-    "ex2.5": ("minipaged.core.kv.kv_cache_manager:KVCacheManager.allocate_slots",),
-    "ex2.6": ("minipaged.core.kv.kv_cache_manager:KVCacheManager.allocate_slots",),
+    "ex2.5": (
+        "minipaged.core.kv.kv_cache_manager:KVCacheManager.allocate_slots",
+        "minipaged.core.kv.block_manager_v0:BlockSpaceManager.allocate_slots",
+    ),
+    "ex2.6": (
+        "minipaged.core.kv.kv_cache_manager:KVCacheManager.allocate_slots",
+        "minipaged.core.kv.block_manager_v0:BlockSpaceManager.allocate_slots",
+    ),
+    "ex2.7": (
+        "minipaged.core.kv.block_table:BlockTable.slot",
+        "minipaged.core.kv.kv_cache_manager:KVCacheManager.allocate_slots",
+    ),
 }
 for _ex, _names in ANSWERED_BY.items():
     SPECS[_ex].answered_by = _names

@@ -502,10 +502,36 @@ __all__ = [
 
 # what the package itself computes for each exercise: stripped from the student build
 ANSWERED_BY = {
-    "ex3.1": ("minipaged.kernels.reference:paged_attention_ref",),
-    "ex3.2": ("minipaged.kernels.reference:paged_attention_ref",),
-    "ex3.3": ("minipaged.kernels.reference:paged_attention_ref",),
-    "ex3.4": ("minipaged.kernels.reference:paged_attention_ref",),
+    "ex3.1": (
+        "minipaged.kernels.reference:_gather_kv",
+        "minipaged.kernels.torch_backend:_gather_blocks",
+    ),
+    "ex3.2": (
+        "minipaged.kernels.reference:paged_attention_ref",
+        "minipaged.kernels.reference:paged_attention_prefill_ref",
+        "minipaged.kernels.reference:contiguous_attention",
+        "minipaged.kernels.torch_backend:paged_attention_torch",
+        "minipaged.kernels.torch_backend:attend_prefills",
+        "minipaged.kernels.torch_backend:_paged_attention_padded",
+        "minipaged.kernels.torch_backend:_decode_split_kv",
+        "minipaged.kernels.paged_attention:paged_attention_decode",
+        "minipaged.kernels.paged_attention:paged_attention_prefill",
+        "minipaged.kernels.cpu:paged_attention_decode_cpu",
+        "minipaged.kernels.cpu:paged_attention_cpu",
+    ),
+    "ex3.3": (
+        "minipaged.kernels.paged_attention:_paged_attention_decode_kernel",
+        "minipaged.kernels.paged_attention:_attend_kv_range",
+        "minipaged.kernels.paged_attention:_paged_attention_prefill_kernel",
+        "minipaged.kernels.paged_attention:paged_attention_decode",
+        "minipaged.kernels.reference:paged_attention_ref",
+    ),
+    "ex3.4": (
+        "minipaged.kernels.paged_attention:_paged_attention_reduce_kernel",
+        "minipaged.kernels.torch_backend:_decode_split_kv",
+        "minipaged.kernels.reference:paged_attention_ref",
+    ),
+    "ex3.6": (),
 }
 for _ex, _names in ANSWERED_BY.items():
     SPECS[_ex].answered_by = _names

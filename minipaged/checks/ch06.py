@@ -638,6 +638,16 @@ __all__ = [
 # what the package itself computes for each exercise: stripped from the student build
 ANSWERED_BY = {
     "ex6.1": ("minipaged.core.kv.block_manager_v0:BlockSpaceManager.fork",),
+    "ex6.3": (
+        "minipaged.checks.ch06:ref_block_hashes",
+        "minipaged.core.kv.kv_cache_manager:KVCacheManager._block_hashes",
+    ),
+    "ex6.4": ("minipaged.core.kv.kv_cache_manager:KVCacheManager.get_computed_blocks",),
+    "ex6.5": ("minipaged.core.kv.block_manager_v0:BlockSpaceManager.fork",),
+    "ex6.6": (
+        "minipaged.sim.sharing:measure_parallel_sampling",
+        "minipaged.core.kv.block_manager_v0:BlockSpaceManager.fork",
+    ),
 }
 for _ex, _names in ANSWERED_BY.items():
     SPECS[_ex].answered_by = _names

@@ -33,12 +33,31 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import importlib.util
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Optional
 
+# targets whose name and arity match the exercise's function but whose parameters mean other
+# things: the notebook's function is never plugged in for them (the stub raises)
+NO_PLUG_IN: dict = {}
+# how the notebook's function stands in for a stripped callable whose parameters differ from
+# the exercise's: an expression of ``fn`` (the notebook's function) and the callable's parameters
+ADAPTERS = {
+    "minipaged.sim.cost_model:ModelConfig.kv_bytes_per_token": (
+        "fn({'num_hidden_layers': self.num_layers, 'num_attention_heads': self.num_heads, "
+        "'num_key_value_heads': self.num_kv_heads, 'hidden_size': self.hidden_size, "
+        "'head_dim': self.head_dim}, self.dtype_bytes)"
+    ),
+    # ex6.4's observe builds its pool with these hashes: the notebook's block_hashes (ex6.3)
+    "minipaged.checks.ch06:ref_block_hashes": "fn(token_ids, block_size)",
+    "minipaged.core.sched.utils:num_new_tokens": (
+        "fn(__import__('types').SimpleNamespace(num_tokens=num_left, num_computed_tokens=0), budget, "
+        "chunked, max_num_batched_tokens)"
+    ),
+}
 WITHHELD_KEYWORDS = ("reference", "expected", "verdict", "report", "cases", "size", "describe", "shape")
 HOOK_MODULE = "_student_build.py"
 HOOK_SOURCE = '''"""The student build's stand-in for a package function that answers an exercise."""
@@ -49,20 +68,50 @@ import threading
 _active = threading.local()
 
 
-def plug(exercise_id, name, plug_in, args, kwargs):
-    """Run the notebook's own ``name`` (when ``plug_in``), else raise NotImplementedError."""
-    message = f"{exercise_id}: your notebook's {name} is used here"
-    fn = getattr(sys.modules.get("__main__"), name, None) if plug_in else None
+def _notebook_function(exercise_id, name):
+    fn = getattr(sys.modules.get("__main__"), name, None)
     busy = getattr(_active, "names", None)
     if busy is None:
         busy = _active.names = set()
     if fn is None or not callable(fn) or getattr(fn, "__student_build_stub__", False) or name in busy:
-        raise NotImplementedError(message)
+        raise NotImplementedError(f"{exercise_id}: your notebook's {name} is used here")
+    return fn, busy
+
+
+def plug(exercise_id, name, plug_in, args, kwargs):
+    """Run the notebook's own ``name`` (when ``plug_in``), else raise NotImplementedError."""
+    if not plug_in:
+        raise NotImplementedError(f"{exercise_id}: your notebook's {name} is used here")
+    return plug_with(exercise_id, name, lambda fn: fn(*args, **kwargs))
+
+
+def plug_with(exercise_id, name, call):
+    """``call(the notebook's name)``: a stripped callable whose parameters differ from the
+    exercise's function, through its adapter; NotImplementedError when the notebook has none."""
+    fn, busy = _notebook_function(exercise_id, name)
     busy.add(name)
     try:
-        return fn(*args, **kwargs)
+        return call(fn)
     finally:
         busy.discard(name)
+
+
+class StrippedKernel:
+    """A stripped Triton kernel: launching it (``kernel[grid](...)``) raises."""
+
+    __student_build_stub__ = True
+
+    def __init__(self, exercise_id, name):
+        self.message = f"{exercise_id}: your notebook's {name} is used here"
+
+    def __getitem__(self, grid):
+        raise NotImplementedError(self.message)
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError(self.message)
+
+    def run(self, *args, **kwargs):
+        raise NotImplementedError(self.message)
 '''
 
 
@@ -97,40 +146,88 @@ def _content_hash(root: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _stub_body(fn: ast.FunctionDef, ex: str, name: str, arity: int, in_class: bool) -> list:
+def _is_kernel(fn: ast.FunctionDef) -> bool:
+    """Decorated with ``triton.jit`` (or ``jit``, with or without arguments)."""
+    for d in fn.decorator_list:
+        d = d.func if isinstance(d, ast.Call) else d
+        if (isinstance(d, ast.Attribute) and d.attr == "jit") or (isinstance(d, ast.Name) and d.id == "jit"):
+            return True
+    return False
+
+
+def _plugs_in(target: str, fn: ast.FunctionDef, name: str, arity: int) -> bool:
+    """The notebook's ``name`` stands in for ``fn`` when the names and the arities agree, the
+    parameters are plain positional ones and ``target`` is not in ``NO_PLUG_IN``."""
     a = fn.args
-    positional = [p.arg for p in a.posonlyargs + a.args]
-    plug_in = (
-        fn.name == name
+    positional = a.posonlyargs + a.args
+    return (
+        target not in NO_PLUG_IN
+        and fn.name == name
         and not a.vararg
         and not a.kwonlyargs
-        and len(positional) == arity
+        and len(positional) - len(a.defaults) <= arity <= len(positional)
         and not any(
-            isinstance(d, ast.Name) and d.id in ("staticmethod", "property") for d in fn.decorator_list
+            isinstance(d, ast.Name) and d.id in ("staticmethod", "classmethod", "property")
+            for d in fn.decorator_list
         )
     )
+
+
+def _stub_body(fn: ast.FunctionDef, ex: str, name: str, plug_in: bool, arity: int = 0) -> list:
+    """``fn``'s new body: hand every argument to ``plug`` (keyword-only and ``*args`` too)."""
+    a = fn.args
+    positional = [p.arg for p in a.posonlyargs + a.args]
+    if plug_in:  # NOTE: the parameters past the exercise's arity keep their defaults
+        positional = positional[:arity]
+    args = "(" + "".join(p + ", " for p in positional) + ")"
+    if a.vararg:
+        args += f" + tuple({a.vararg.arg})"
+    kwargs = "{" + ", ".join(f"{k.arg!r}: {k.arg}" for k in a.kwonlyargs) + "}"
+    if a.kwarg:
+        kwargs = f"dict({kwargs}, **{a.kwarg.arg})"
     call = (
         f"return __import__('minipaged._student_build', fromlist=['plug']).plug("
-        f"{ex!r}, {name!r}, {plug_in!r}, ({''.join(p + ', ' for p in positional)}), {{}})"
+        f"{ex!r}, {name!r}, {plug_in!r}, {args}, {kwargs})"
     )
-    del in_class
     return ast.parse(call).body
 
 
-def _strip_module(source: str, qualnames: dict) -> tuple[str, set]:
+def _strip_module(source: str, qualnames: dict, module: str = "") -> tuple[str, set]:
+    """``source`` with the bodies of ``qualnames`` (``{qualname: (exercise, name, arity)}``)
+    replaced by stubs; functions under ``if`` / ``try`` / ``with`` blocks count as top level
+    (Triton kernels are defined under ``if HAS_TRITON:``); a Triton kernel becomes a
+    ``StrippedKernel``."""
     tree = ast.parse(source)
     done = set()
 
     def visit(body, prefix):
-        for node in body:
+        for k, node in enumerate(body):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 q = prefix + node.name
                 if q in qualnames:
                     ex, name, arity = qualnames[q]
-                    node.body = _stub_body(node, ex, name, arity, bool(prefix))
+                    if _is_kernel(node):
+                        stub = ast.parse(
+                            f"{node.name} = __import__('minipaged._student_build', "
+                            f"fromlist=['StrippedKernel']).StrippedKernel({ex!r}, {name!r})"
+                        ).body[0]
+                        body[k] = ast.copy_location(stub, node)
+                    elif f"{module}:{q}" in ADAPTERS:
+                        node.body = ast.parse(
+                            f"return __import__('minipaged._student_build', fromlist=['plug_with'])"
+                            f".plug_with({ex!r}, {name!r}, lambda fn: {ADAPTERS[module + ':' + q]})"
+                        ).body
+                    else:
+                        plug_in = _plugs_in(f"{module}:{q}", node, name, arity)
+                        node.body = _stub_body(node, ex, name, plug_in, arity)
                     done.add(q)
             elif isinstance(node, ast.ClassDef):
                 visit(node.body, prefix + node.name + ".")
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                for block in ("body", "orelse", "finalbody"):
+                    visit(getattr(node, block, []), prefix)
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body, prefix)
 
     visit(tree.body, "")
     return ast.unparse(tree) + "\n", done
@@ -164,14 +261,21 @@ def _strip_checks(source: str) -> str:
     ):
         at += 1
     tree.body.insert(at, ast.parse("from minipaged.checks._spec import _withheld").body[0])
+    # drop top-level functions and classes nothing else uses, to a fixed point
+    uses = {id(n): _names_used([n]) for n in tree.body}
+    count: dict = {}
+    for n in tree.body:
+        for name in uses[id(n)]:
+            count[name] = count.get(name, 0) + 1
     changed = True
-    while changed:  # drop top-level functions and classes nothing else uses, to a fixed point
+    while changed:
         changed = False
         for node in list(tree.body):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                others = [n for n in tree.body if n is not node]
-                if node.name not in _names_used(others):
+                if count.get(node.name, 0) - (node.name in uses[id(node)]) <= 0:
                     tree.body.remove(node)
+                    for name in uses[id(node)]:
+                        count[name] -= 1
                     changed = True
     defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     for node in tree.body:
@@ -202,6 +306,34 @@ def _top_names(tree) -> set:
     return out
 
 
+def _base_build(src: Path, cache: Path, tag: str) -> Path:
+    """What every chapter's build shares, made once per version and content hash: the
+    package's sources (no ``__pycache__``, no ``.so``), ``minipaged.checks`` without
+    references, the hook module, byte-compiled. A chapter's build is a copy of it with that
+    chapter's targets stripped."""
+    base = cache / f"{tag}-base" / "minipaged"
+    if (base / HOOK_MODULE).is_file():
+        return base
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".base-", dir=cache))
+    out = tmp / "minipaged"
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.egg-info"))
+    from minipaged.checks import CHAPTER_MODULES
+
+    for ch in CHAPTER_MODULES:
+        p = out / "checks" / f"{ch}.py"
+        p.write_text(_strip_checks(p.read_text(encoding="utf-8")), encoding="utf-8")
+    (out / HOOK_MODULE).write_text(HOOK_SOURCE, encoding="utf-8")
+    import compileall
+
+    compileall.compile_dir(str(out), quiet=2, workers=1)
+    try:
+        os.rename(tmp, base.parent)
+    except OSError:  # another grader made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return base
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("MINIPAGED_BUILD_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minipaged", "student-builds"
@@ -216,7 +348,8 @@ def student_build(chapter: str, cache_dir: Optional[os.PathLike] = None) -> str:
     src = _package_dir()
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     version = getattr(minipaged, "__version__", "0")
-    target = cache / f"{version}-{_content_hash(src)}-{chapter}" / "minipaged"
+    digest = _content_hash(src)
+    target = cache / f"{version}-{digest}-{chapter}" / "minipaged"
     if (target / HOOK_MODULE).is_file():
         return str(target)
     targets = strip_targets(chapter)
@@ -230,25 +363,24 @@ def student_build(chapter: str, cache_dir: Optional[os.PathLike] = None) -> str:
         if not path.is_file():
             raise ValueError(f"answered_by {t!r}: no module file for {mod}")
         by_file.setdefault(path, {})[qual] = info
-    cache.mkdir(parents=True, exist_ok=True)
+    base = _base_build(src, cache, f"{version}-{digest}")
     tmp = Path(tempfile.mkdtemp(prefix=f".{chapter}-", dir=cache))
     out = tmp / "minipaged"
-    shutil.copytree(src, out, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.egg-info"))
+    shutil.copytree(base, out)
+    import py_compile
+
     for path, quals in by_file.items():
-        text, done = _strip_module(path.read_text(encoding="utf-8"), quals)
+        module = "minipaged." + ".".join(path.relative_to(src).with_suffix("").parts)
+        dest = out / path.relative_to(src)
+        # NOTE: the base's text: a checks module there is already without its references
+        text, done = _strip_module(dest.read_text(encoding="utf-8"), quals, module.removesuffix(".__init__"))
         missing = set(quals) - done
         if missing:
             raise ValueError(f"answered_by names no function of {path.name}: {sorted(missing)}")
-        (out / path.relative_to(src)).write_text(text, encoding="utf-8")
-    from minipaged.checks import CHAPTER_MODULES
-
-    for ch in CHAPTER_MODULES:
-        p = out / "checks" / f"{ch}.py"
-        p.write_text(_strip_checks(p.read_text(encoding="utf-8")), encoding="utf-8")
-    (out / HOOK_MODULE).write_text(HOOK_SOURCE, encoding="utf-8")
-    import compileall
-
-    compileall.compile_dir(str(out), quiet=2, workers=1)
+        dest.chmod(0o644)
+        dest.write_text(text, encoding="utf-8")
+        # NOTE: overwrites the base's .pyc of the original source (it would hold the body)
+        py_compile.compile(str(dest), cfile=importlib.util.cache_from_source(str(dest)), doraise=True)
     for p in out.rglob("*"):
         p.chmod(0o755 if p.is_dir() else 0o644)
     target.parent.parent.mkdir(parents=True, exist_ok=True)
