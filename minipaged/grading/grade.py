@@ -256,14 +256,18 @@ def _run_plan(
                 stop_reason = f"the submission's time budget ({budget:g} s) ran out before this cell"
             if not stop_reason and not runner.running:
                 if state["restarts"] >= max_restarts:
+                    last = f" (last: {state['last']})" if state.get("last") else ""
                     stop_reason = (
-                        f"the kernel died or hung {state['restarts'] + 1} times; grading of this "
+                        f"the kernel died or hung {state['restarts'] + 1} times{last}; grading of this "
                         "submission stopped there"
                     )
                 else:
                     state["restarts"] += 1
-                    _restart_and_replay(runner, plan, pos, bad, start_kernel, left)
-                    if left() <= 0:
+                    try:
+                        _restart_and_replay(runner, plan, pos, bad, start_kernel, left)
+                    except Exception as e:  # a fresh kernel did not start: the rest is skipped
+                        stop_reason = f"a fresh kernel could not be started ({e})"
+                    if not stop_reason and left() <= 0:
                         stop_reason = f"the submission's time budget ({budget:g} s) ran out before this cell"
             if stop_reason:
                 results.append(_Run(cell, stopped(stop_reason)))
@@ -281,6 +285,7 @@ def _run_plan(
             )
             if not run.alive:
                 bad.add(pos)
+                state["last"] = f"cell {cell.index}: {run.error}" if cell.index is not None else run.error
             result = driver.extract(run.stdout, nonce) if cell.kind == "check" else None
             results.append(_Run(cell, run, payload, result))
     finally:
@@ -395,8 +400,8 @@ def grade_notebook(
                 student_seed=student_seed,
                 env=env,
             )
-        except RuntimeError as e:  # the kernel did not start
-            result.error = str(e)
+        except Exception as e:  # the first kernel did not start (RuntimeError) or worse
+            result.error = str(e) if isinstance(e, RuntimeError) else f"the grader failed on this file: {e}"
             result.exercises = {ex: ExerciseResult(False, str(e)) for ex in authored.exercises}
             result.seconds = time.monotonic() - t0
             return result
@@ -424,8 +429,10 @@ def grade_notebook(
                 ok, reason = False, zeroed[cell.exercise]
             elif not ok:
                 reason = reason or _reason(run)
-                if cell.exercise in solution_trouble:
+                if cell.exercise in solution_trouble and reason not in solution_trouble[cell.exercise]:
                     reason = f"{solution_trouble[cell.exercise]}; then the check: {reason}"
+                elif cell.exercise in solution_trouble:
+                    reason = solution_trouble[cell.exercise]
             result.exercises[cell.exercise] = ExerciseResult(ok, reason)
     # authored order, whatever order the cells ran in
     result.exercises = {ex: result.exercises[ex] for ex in authored.exercises}
