@@ -30,7 +30,10 @@ Sandbox
     (jupyter_client would otherwise leave one context and its I/O thread per kernel).
 
 Failure mode
-    a kernel that does not start within ``startup_timeout`` raises ``RuntimeError``.
+    a kernel that does not start within ``startup_timeout`` raises ``RuntimeError``. Any
+    exception of the kernel client while a cell runs (a message that fails its signature or
+    is not JSON, a closed socket) stops that kernel and comes back as ``"died"`` with the
+    exception named: nothing a cell does raises out of ``run``.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ RECEIVE_QUEUE_MESSAGES = (
 )
 MAX_ERROR_BYTES = 4 * 2**10  # an exception's text kept per cell
 MAX_MESSAGE_BYTES = 32 * 2**20  # larger messages from the kernel are dropped unread (ZMQ_MAXMSGSIZE)
+UID_DRAIN_SECONDS = 10.0  # a fresh kernel waits this long at most for the slot's last processes to end
 IOPUB_LOST_AFTER = 10.0  # seconds of IOPub silence after the execute reply: the output channel is gone
 
 
@@ -93,6 +97,32 @@ def _make_manager_class():
             return iso.wrap(cmd, os.path.dirname(self.connection_file))
 
     return SandboxKernelManager
+
+
+def _uid_processes(uid: int) -> int:
+    """How many processes (and threads' leaders) of ``uid`` are alive, from ``/proc``."""
+    n = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+                for line in f:
+                    if line.startswith("Uid:"):
+                        n += int(line.split()[1]) == uid
+                        break
+        except OSError:
+            continue  # it ended while we looked
+    return n
+
+
+def _wait_for_uid_to_drain(uid: int, timeout: float = UID_DRAIN_SECONDS) -> None:
+    """Wait (up to ``timeout``) until the sandbox user ``uid`` has no process left."""
+    if not os.path.isdir("/proc"):
+        return
+    deadline = time.monotonic() + timeout
+    while _uid_processes(uid) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _first_lines(text: str, n: int = 6, width: int = 300) -> str:
@@ -149,6 +179,10 @@ class KernelRunner:
                 import pwd
 
                 pw = pwd.getpwnam(iso.user)
+                # NOTE: the last kernel of this slot may have left a process hoard (forks up
+                # to the per-uid limit) that its PID namespace is still tearing down; a new
+                # kernel started now could not start a thread
+                _wait_for_uid_to_drain(pw.pw_uid)
                 os.chown(self._rundir, pw.pw_uid, pw.pw_gid)
             os.chmod(self._rundir, 0o700)
             kwargs.update(
@@ -174,7 +208,7 @@ class KernelRunner:
         self.kc.start_channels()
         try:
             self.kc.wait_for_ready(timeout=self.startup_timeout)
-        except RuntimeError as e:
+        except Exception as e:  # RuntimeError (no reply in time) or whatever the client raised
             self.shutdown()
             raise RuntimeError(f"the Jupyter kernel did not start: {e}") from None
         if iso is not None and iso.user and self._rundir is not None:
@@ -225,6 +259,28 @@ class KernelRunner:
         max_output_bytes: Optional[int] = None,
     ) -> CellRun:
         assert self.kc is not None and self.km is not None, "start() the kernel first"
+        try:
+            return self._run(code, timeout, store_history, max_output_bytes)
+        except Exception as e:
+            # NOTE: the kernel is the student's: it can re-key its session (every later
+            # message then fails jupyter_client's "Invalid Signature" check), send frames that
+            # are not JSON, close its sockets. Whatever the client raises ends this kernel,
+            # never the grader: the cell reads as a kernel death (the caller restarts, bounded).
+            self.shutdown()
+            what = _clip(f"{type(e).__name__}: {e}", 300)
+            return CellRun(
+                "died",
+                "",
+                f"the grader could not read the kernel's messages ({what}); the kernel was stopped",
+            )
+
+    def _run(
+        self,
+        code: str,
+        timeout: Optional[float],
+        store_history: bool,
+        max_output_bytes: Optional[int],
+    ) -> CellRun:
         limit = self.timeout if timeout is None else float(timeout)
         msg_id = self.kc.execute(code, store_history=store_history, allow_stdin=False, stop_on_error=False)
         stdout, outputs, error = [], [], ""

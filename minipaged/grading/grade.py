@@ -47,6 +47,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -220,12 +221,13 @@ def _run_plan(
     checker=None,
     seed: str = "",
     student_seed=None,
+    env: Optional[dict] = None,
 ) -> list[_Run]:
     from minipaged.grading import driver
     from minipaged.grading.codec import MAX_RESULT_BYTES
     from minipaged.grading.executor import CellRun, KernelRunner
 
-    runner = KernelRunner(cwd=cwd, timeout=timeout, isolation=isolation)
+    runner = KernelRunner(cwd=cwd, timeout=timeout, isolation=isolation, env=env)
     results: list[_Run] = []
     deadline = time.monotonic() + budget
     state = {"restarts": 0}
@@ -254,14 +256,18 @@ def _run_plan(
                 stop_reason = f"the submission's time budget ({budget:g} s) ran out before this cell"
             if not stop_reason and not runner.running:
                 if state["restarts"] >= max_restarts:
+                    last = f" (last: {state['last']})" if state.get("last") else ""
                     stop_reason = (
-                        f"the kernel died or hung {state['restarts'] + 1} times; grading of this "
+                        f"the kernel died or hung {state['restarts'] + 1} times{last}; grading of this "
                         "submission stopped there"
                     )
                 else:
                     state["restarts"] += 1
-                    _restart_and_replay(runner, plan, pos, bad, start_kernel, left)
-                    if left() <= 0:
+                    try:
+                        _restart_and_replay(runner, plan, pos, bad, start_kernel, left)
+                    except Exception as e:  # a fresh kernel did not start: the rest is skipped
+                        stop_reason = f"a fresh kernel could not be started ({e})"
+                    if not stop_reason and left() <= 0:
                         stop_reason = f"the submission's time budget ({budget:g} s) ran out before this cell"
             if stop_reason:
                 results.append(_Run(cell, stopped(stop_reason)))
@@ -279,6 +285,7 @@ def _run_plan(
             )
             if not run.alive:
                 bad.add(pos)
+                state["last"] = f"cell {cell.index}: {run.error}" if cell.index is not None else run.error
             result = driver.extract(run.stdout, nonce) if cell.kind == "check" else None
             results.append(_Run(cell, run, payload, result))
     finally:
@@ -323,9 +330,12 @@ def grade_notebook(
     checker=None,
     seed: Optional[str] = None,
     student_seed: Optional[str] = None,
+    use_student_build: bool = True,
 ) -> SubmissionResult:
     """Grade an in-memory notebook of ``authored.chapter``. ``scan=False`` ignores the static
     scan's findings (used by the tests to show what the other layers hold on their own).
+    The kernel imports the chapter's student build of the package (``student_package``);
+    ``use_student_build=False`` gives it the real package (the tests' comparison only).
     ``checker``: the ``TrustedChecker`` (one is started when ``None``); ``seed``: this grading
     run's seed (a fresh random one when ``None``); ``student_seed``: the student's seed from
     the instructor (``roster.student_seed``), ``None`` for the shipped variants. The seed in
@@ -344,11 +354,37 @@ def grade_notebook(
 
         with TrustedChecker() as own:
             return grade_notebook(
-                nb, authored, timeout, submission, budget, isolation, scan, own, seed, student_seed
+                nb,
+                authored,
+                timeout,
+                submission,
+                budget,
+                isolation,
+                scan,
+                own,
+                seed,
+                student_seed,
+                use_student_build,
             )
     seed = seed if seed is not None else new_seed()
     result.flags = _flags(plan)
     zeroed = banned(plan) if scan else {}
+    env = None
+    if use_student_build:
+        try:
+            build = student_package(authored.chapter, isolation)
+        except Exception as e:  # a bad answered_by: every row says so, the run goes on
+            msg = f"the grader could not make the student build of {authored.chapter}: {e}"
+            result.error = msg
+            result.exercises = {ex: ExerciseResult(False, msg) for ex in authored.exercises}
+            return result
+        if isolation is not None:
+            isolation = isolation.with_package(build)
+        else:  # no sandbox at all: the build first on the kernel's path
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(Path(build).parent)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+            )
     with tempfile.TemporaryDirectory(prefix="minipaged-grade-") as cwd:
         try:
             runs = _run_plan(
@@ -362,9 +398,10 @@ def grade_notebook(
                 checker=checker,
                 seed=seed,
                 student_seed=student_seed,
+                env=env,
             )
-        except RuntimeError as e:  # the kernel did not start
-            result.error = str(e)
+        except Exception as e:  # the first kernel did not start (RuntimeError) or worse
+            result.error = str(e) if isinstance(e, RuntimeError) else f"the grader failed on this file: {e}"
             result.exercises = {ex: ExerciseResult(False, str(e)) for ex in authored.exercises}
             result.seconds = time.monotonic() - t0
             return result
@@ -392,8 +429,10 @@ def grade_notebook(
                 ok, reason = False, zeroed[cell.exercise]
             elif not ok:
                 reason = reason or _reason(run)
-                if cell.exercise in solution_trouble:
+                if cell.exercise in solution_trouble and reason not in solution_trouble[cell.exercise]:
                     reason = f"{solution_trouble[cell.exercise]}; then the check: {reason}"
+                elif cell.exercise in solution_trouble:
+                    reason = solution_trouble[cell.exercise]
             result.exercises[cell.exercise] = ExerciseResult(ok, reason)
     # authored order, whatever order the cells ran in
     result.exercises = {ex: result.exercises[ex] for ex in authored.exercises}
@@ -412,6 +451,7 @@ def grade_submission(
     checker=None,
     seed: Optional[str] = None,
     student_seed: Optional[str] = None,
+    use_student_build: bool = True,
 ) -> SubmissionResult:
     """Grade one notebook file; never raises for a bad submission."""
     from minipaged.checks.notebook import (
@@ -447,6 +487,7 @@ def grade_submission(
         checker=checker,
         seed=seed,
         student_seed=student_seed,
+        use_student_build=use_student_build,
     )
 
 
@@ -463,13 +504,16 @@ def grade_many(
     key_path=None,
     seed: Optional[str] = None,
     student_seeds: Optional[dict] = None,
+    scan: bool = True,
+    use_student_build: bool = True,
 ) -> list[SubmissionResult]:
     """Grade several submissions (``jobs`` at a time, one sandboxed kernel each, each job with
     its own sandbox uid and its own trusted checker process); results in input order.
     ``on_result(results_so_far)`` is called after each submission (in input order of those
     done), e.g. to rewrite the CSV. ``student_seeds``: ``{path: the student's seed}`` from
-    the roster (``roster.py``); when given, a path it lacks gets a row of zeros saying so."""
-    import threading
+    the roster (``roster.py``); when given, a path it lacks gets a row of zeros saying so.
+    ``scan=False``: the static scan's findings zero nothing (they stay flags). Each chapter's
+    student build is made once, before the first submission of it is graded."""
 
     from minipaged.grading.trusted import TrustedChecker
 
@@ -511,9 +555,11 @@ def grade_many(
                 chapter=chapter,
                 budget=budget,
                 isolation=None if isolation is None else isolation.for_slot(slot),
+                scan=scan,
                 checker=checker,
                 seed=seed,
                 student_seed=None if student_seeds is None else student_seeds[str(path)],
+                use_student_build=use_student_build,
             )
         except Exception as e:  # never lose the rest of the class to one submission
             r = _zero_row(str(path), None, authored_by_chapter, f"the grader failed on this file: {e}")
@@ -536,6 +582,34 @@ def grade_many(
 
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             return list(pool.map(one, enumerate(paths)))
+
+
+_BUILDS: dict = {}  # (chapter, cache folder) -> the student build's path, made once per process
+_BUILD_LOCK = threading.Lock()
+
+
+def student_package(chapter: str, isolation=None) -> str:
+    """The folder of ``chapter``'s student build (``student_build.py``) the kernels import,
+    made once per process (and cached on disk per package version). A sandbox user without
+    bubblewrap must read it by its own path: then the build goes in a fresh root-owned
+    folder of this process that every user can read, not in root's cache."""
+    from minipaged.grading.student_build import student_build
+
+    with _BUILD_LOCK:
+        cache = None
+        if isolation is not None and isolation.user and not isolation.bwrap:
+            cache = _BUILDS.get("readable folder")
+            if cache is None:
+                cache = _BUILDS["readable folder"] = tempfile.mkdtemp(prefix="minipaged-builds-")
+                os.chmod(cache, 0o755)
+                import atexit
+                import shutil
+
+                atexit.register(shutil.rmtree, cache, True)
+        key = (chapter, cache)
+        if key not in _BUILDS:
+            _BUILDS[key] = student_build(chapter, cache_dir=cache)
+        return _BUILDS[key]
 
 
 def new_seed() -> str:

@@ -6,9 +6,13 @@ Concept
     ``useradd`` when the grader runs as root), under resource limits set with ``prlimit``:
 
     * filesystem: ``/usr``, ``/lib``, ``/etc``, the Python installation and the virtual
-      environment read-only; the ``minipaged`` package read-only at ``/opt/minipaged``
-      (only the package: the authored notebooks, the instructor's key, the tests and other
-      submissions are not in the sandbox at all); a fresh ``/tmp`` (tmpfs capped at
+      environment read-only; the chapter's *student build* of the package
+      (``student_build.py``: no implementation that answers an exercise, no reference)
+      read-only at ``/opt/minipaged`` and also on top of the real package's folder when
+      that lies inside a bound folder (a non-editable install in the venv's
+      site-packages), so no path of the sandbox leads to the real package (the authored
+      notebooks, the instructor's key, the tests and other submissions are not in the
+      sandbox at all); a fresh ``/tmp`` (tmpfs capped at
       ``Limits.tmpfs_bytes``) as the working folder; the kernel's private socket folder
       (its connection file and Unix sockets, a fresh folder per kernel) is writable only
       while the kernel starts: before any student cell runs it is handed back to root,
@@ -43,6 +47,7 @@ Failure mode
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -88,7 +93,8 @@ class Isolation:
     setpriv: Optional[str] = None
     limits: Limits = field(default_factory=Limits)
     missing: list = field(default_factory=list)  # one line per missing piece
-    package_dir: str = ""
+    package_dir: str = ""  # the package the kernel imports (the student build when grading)
+    real_package_dir: str = ""  # the installed package: hidden under package_dir in the sandbox
 
     @property
     def complete(self) -> bool:
@@ -121,7 +127,10 @@ class Isolation:
         if self.prlimit:
             out += [self.prlimit, *self.limits.prlimit_args(), "--"]
         if self.bwrap:
-            out += [self.bwrap, *_bwrap_args(self.package_dir, workdir, self.limits.tmpfs_bytes)]
+            out += [
+                self.bwrap,
+                *_bwrap_args(self.package_dir, workdir, self.limits.tmpfs_bytes, self.real_package_dir),
+            ]
         if self.user and self.setpriv:
             out += [
                 self.setpriv,
@@ -136,15 +145,7 @@ class Isolation:
     def for_slot(self, slot: int) -> Isolation:
         """This isolation for concurrent slot ``slot``: its own uid (``slot_user``), created
         when the grader runs as root; the same user, said in ``missing``, where it cannot be."""
-        iso = Isolation(
-            self.bwrap,
-            self.user,
-            self.prlimit,
-            self.setpriv,
-            self.limits,
-            list(self.missing),
-            self.package_dir,
-        )
+        iso = dataclasses.replace(self, missing=list(self.missing))
         if slot == 0 or self.user is None:
             return iso
         name = _ensure_user(slot_user(slot), create=True)
@@ -153,6 +154,15 @@ class Isolation:
         else:
             iso.missing.append(f"no user {slot_user(slot)}: slot {slot} shares {self.user}'s process limit")
         return iso
+
+    def with_package(self, package_dir: str) -> Isolation:
+        """This isolation with ``package_dir`` (a student build) in place of the package."""
+        return dataclasses.replace(
+            self,
+            missing=list(self.missing),
+            package_dir=str(package_dir),
+            real_package_dir=self.real_package_dir or self.package_dir,
+        )
 
     def env(self, base: dict) -> dict:
         """The kernel's environment: nothing of the grader's but what Python needs."""
@@ -187,7 +197,7 @@ def _python_dirs() -> list[str]:
     return [d for d in out if not any(d != o and d.startswith(o + "/") for o in out)]
 
 
-def _bwrap_args(package_dir: str, workdir: str, tmpfs_bytes: int) -> list[str]:
+def _bwrap_args(package_dir: str, workdir: str, tmpfs_bytes: int, real_package_dir: str = "") -> list[str]:
     args = [
         "--die-with-parent",
         "--unshare-pid",
@@ -213,6 +223,12 @@ def _bwrap_args(package_dir: str, workdir: str, tmpfs_bytes: int) -> list[str]:
     ]
     binds += [(d, d) for d in _python_dirs()]
     binds.append((package_dir, f"{PACKAGE_MOUNT}/minipaged"))
+    real = os.path.realpath(real_package_dir) if real_package_dir else ""
+    if real and real != os.path.realpath(package_dir) and any(real.startswith(d + "/") for _, d in binds):
+        # NOTE: a non-editable install lives in the venv's site-packages, which is bound:
+        # the student build goes on top of it, so sys.path's site-packages entry (or any
+        # path a cell builds by hand) finds the build, never the real package
+        binds.append((package_dir, real))
     made = {"/", "/tmp"}
     for src, dest in binds + [(workdir, workdir)]:
         # NOTE: bwrap (as root) makes the missing parents of a mount point mode 0700, which
@@ -278,18 +294,11 @@ def probe(
     key = (user, create_user, use_bwrap)
     if key in _PROBED:
         iso = _PROBED[key]
-        return Isolation(
-            iso.bwrap,
-            iso.user,
-            iso.prlimit,
-            iso.setpriv,
-            limits or Limits(),
-            list(iso.missing),
-            iso.package_dir,
-        )
+        return dataclasses.replace(iso, limits=limits or Limits(), missing=list(iso.missing))
     import minipaged
 
-    iso = Isolation(limits=limits or Limits(), package_dir=str(Path(minipaged.__file__).resolve().parent))
+    real = str(Path(minipaged.__file__).resolve().parent)
+    iso = Isolation(limits=limits or Limits(), package_dir=real, real_package_dir=real)
     if sys.platform != "linux":
         iso.missing.append(
             f"sandboxing needs Linux (this is {sys.platform}): kernels run as you, with no limits"
@@ -345,6 +354,4 @@ def probe(
             )
             iso.user = None
     _PROBED[key] = iso
-    return Isolation(
-        iso.bwrap, iso.user, iso.prlimit, iso.setpriv, iso.limits, list(iso.missing), iso.package_dir
-    )
+    return dataclasses.replace(iso, missing=list(iso.missing))
