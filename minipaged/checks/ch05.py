@@ -660,12 +660,8 @@ __all__ = [
 
 # what the package itself computes for each exercise: stripped from the student build
 ANSWERED_BY = {
-    "ex5.1": (
-        "minipaged.core.sched.utils:num_new_tokens",
-    ),
-    "ex5.3": (
-        "minipaged.core.sched.scheduler:Scheduler._preempt",
-    ),
+    "ex5.1": ("minipaged.core.sched.utils:num_new_tokens",),
+    "ex5.3": ("minipaged.core.sched.scheduler:Scheduler._preempt",),
 }
 for _ex, _names in ANSWERED_BY.items():
     SPECS[_ex].answered_by = _names
