@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -53,14 +55,8 @@ class SLO:
 
 
 def percentile(values: Sequence[float], p: float) -> float:
-    """The p-th percentile, linear between order statistics (numpy's default); nan if empty."""
-    xs = sorted(values)
-    if not xs:
-        return math.nan
-    k = (len(xs) - 1) * p / 100
-    lo = math.floor(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    """The p-th percentile (numpy's linear rule); nan if there are no values."""
+    return float(np.percentile(values, p)) if len(values) else math.nan
 
 
 @dataclass
