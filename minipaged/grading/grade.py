@@ -36,7 +36,7 @@ Failure mode
     a file that is not a readable notebook, or whose chapter cannot be told, gets a
     one-line message and a row of zeros, never a traceback. Bad options (``--timeout
     nan``, ``--csv /no/such/dir/x.csv``) -> argparse error, exit code 2, before grading.
-    What the grader does and does not guarantee: docs/instructor_guide.md, section 6.
+    What the grader does and does not guarantee: docs/grading.md ("What is guaranteed").
 """
 
 from __future__ import annotations

@@ -42,8 +42,9 @@ Failure mode
     raises for student input.
 
 Limits: a static scan cannot see everything Python allows: a student who reaches the
-package's implementation in a way the scan misses passes that exercise (see
-docs/instructor_guide.md, "What the grader guarantees").
+package's implementation in a way the scan misses is stopped by the student build instead
+(``student_build.py``: the sandbox's package holds no implementation that answers the
+exercise; docs/grading.md, "What is guaranteed").
 """
 
 from __future__ import annotations
