@@ -20,13 +20,13 @@ def serve_engine(llm, engine_process: bool = False, **kw):
     """A server in this process on a fresh engine over ``llm``'s model (with
     ``engine_process``, the engine core runs in a child process built from ``llm``'s
     config); on exit, the async engine must have recorded no error."""
-    from minipaged.engine.core_client import EngineCoreClient
+    from minipaged.engine.core_client import MPClient
     from minipaged.engine.llm_engine import LLMEngine
     from minipaged.entrypoints.openai.api_server import BackgroundServer
 
     e = llm.llm_engine
     if engine_process:
-        engine = EngineCoreClient(e.config, check_invariants=True)
+        engine = MPClient(e.config, check_invariants=True)
     else:
         engine = LLMEngine(e.config, model=e.model, tokenizer=e.tokenizer)
     with BackgroundServer(engine, check_invariants=True, **{"max_n": 4, **kw}) as srv:
@@ -35,9 +35,9 @@ def serve_engine(llm, engine_process: bool = False, **kw):
 
 
 def in_core_process(server) -> bool:
-    from minipaged.engine.core_client import EngineCoreClient
+    from minipaged.engine.core_client import MPClient
 
-    return isinstance(server.serving.engine, EngineCoreClient)
+    return isinstance(server.serving.engine, MPClient)
 
 
 def free_blocks(server) -> int:
@@ -49,7 +49,11 @@ def free_blocks(server) -> int:
 
 
 def num_unfinished(server) -> int:
-    return server.serving.engine.get_num_unfinished_requests()
+    """The engine core's unfinished sequences (in-process: now; a core process: as of its
+    last message)."""
+    if in_core_process(server):
+        return server.serving.engine.get_num_unfinished_requests()
+    return server.serving.engine.core.get_num_unfinished_requests()
 
 
 def check_engine(server) -> None:

@@ -11,7 +11,8 @@ Sources of the runs
       (``minipaged.trace.run_scheduler``; ``scheduler_demo_trace``,
       ``scheduler_large_trace``: 20 requests x about 200 steps);
     - figures owned by other modules (``minipaged.sim.memory_waste``: the paper's Fig. 2)
-      are drawn by their own functions; a module that is missing is skipped with a note.
+      are drawn by their own functions, loaded by name when drawn (viz imports no sim
+      module; sim imports viz's palette); a module that is missing is skipped with a note.
 
 Inputs: ``--out DIR`` (default ``figures``), ``--only NAME...``, ``--list``, ``--check``.
 Output: the PNGs, one line each with its sha256. Failure mode: an unknown ``--only`` name
@@ -24,6 +25,7 @@ imports every subcommand module to build its parser). vLLM has no counterpart.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import random
 import sys
 import tempfile
@@ -165,8 +167,9 @@ def interesting_step(trace) -> int:
 
 
 def _memory_waste(workload: str):
-    from minipaged.sim import memory_waste
-
+    # NOTE: loaded by name when drawn: viz imports no sim module (the simulator draws its
+    # own figures in viz's palette, so the arrow runs sim -> viz only)
+    memory_waste = importlib.import_module("minipaged.sim.memory_waste")
     return memory_waste.plot_memory_waste(memory_waste.run_memory_experiment(workload=workload))
 
 

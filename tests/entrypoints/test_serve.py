@@ -384,13 +384,13 @@ def test_queue_full_is_503_with_retry_after(llm, mode):
     import threading
 
     from minipaged.config import EngineConfig
-    from minipaged.engine.core_client import EngineCoreClient
+    from minipaged.engine.core_client import MPClient
     from minipaged.engine.llm_engine import LLMEngine
 
     e = llm.llm_engine
     config = dataclasses.replace(e.config, max_num_seqs=1)
     if mode == "engine-process":
-        engine = EngineCoreClient(config, check_invariants=True)
+        engine = MPClient(config, check_invariants=True)
     else:
         engine = LLMEngine(config, model=e.model, tokenizer=e.tokenizer)
     assert isinstance(config, EngineConfig)
@@ -618,7 +618,7 @@ def test_an_engine_fault_is_a_json_500_and_serving_goes_on(llm):
 
     e = llm.llm_engine
     engine = LLMEngine(e.config, model=e.model, tokenizer=e.tokenizer)
-    real_step, calls = engine.step, []
+    real_step, calls = engine.core.step, []  # NOTE: the server steps the engine's core
 
     def faulty_step():
         calls.append(1)
@@ -626,7 +626,7 @@ def test_an_engine_fault_is_a_json_500_and_serving_goes_on(llm):
             raise RuntimeError("injected fault")
         return real_step()
 
-    engine.step = faulty_step
+    engine.core.step = faulty_step
     with BackgroundServer(engine, check_invariants=True) as srv:
         body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0.0}
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)

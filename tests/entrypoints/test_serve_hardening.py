@@ -194,7 +194,7 @@ def _schedule_raises(engine, monkeypatch):
 
 def _record_raises(engine, monkeypatch):
     """After update_from_output: the step's requests advanced, its outputs never returned."""
-    import minipaged.engine.llm_engine as mod
+    import minipaged.engine.core as mod
 
     real, calls = mod.record_step, []
 
@@ -360,8 +360,8 @@ def test_stop_strings_are_found_in_a_window_as_in_the_whole_text():
 
 
 def test_output_queue_merges_unread_partial_outputs():
+    from minipaged.engine.async_llm import OutputQueue
     from minipaged.engine.outputs import RequestOutput
-    from minipaged.entrypoints.openai.async_engine import OutputQueue
 
     async def run():
         q = OutputQueue()
@@ -381,14 +381,14 @@ def test_output_queue_merges_unread_partial_outputs():
 def test_an_unread_stream_is_aborted_and_holds_one_output(llm):
     """A stream nobody reads: its queue holds one merged partial output, and after
     ``max_unread_steps`` steps the request is aborted and its blocks freed."""
-    from minipaged.entrypoints.openai.async_engine import AsyncEngine, StreamOverflow
+    from minipaged.engine.async_llm import AsyncLLM, StreamOverflow
 
     engine = _fresh_engine(llm)
     ids = list(llm.llm_engine.tokenizer("Once upon a time")["input_ids"])
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
 
     async def run():
-        ae = AsyncEngine(engine, check_invariants=True, max_unread_steps=5)
+        ae = AsyncLLM(engine, check_invariants=True, max_unread_steps=5)
         await ae.start()
         try:
             (stream,) = ae.add_requests([("slow", ids, params)], stream=True)
@@ -407,7 +407,7 @@ def test_an_unread_stream_is_aborted_and_holds_one_output(llm):
     ae, items = asyncio.run(run())
     assert len(items) == 2 and isinstance(items[1], StreamOverflow), items
     assert not items[0].finished and len(items[0].outputs[0].token_ids) < 60
-    assert not engine.has_unfinished_requests()
+    assert not engine.core.has_unfinished_requests()
     assert engine.kv_cache_manager.get_num_free_blocks() == engine.num_blocks
     assert ae.errors == []
 

@@ -336,13 +336,13 @@ def test_a_prompt_the_pool_can_never_hold_fails_the_whole_request(llm):
 
 
 def test_add_requests_is_all_or_none(llm):
-    """``AsyncEngine.add_requests``: with one request waiting in a queue of 3, three more do
+    """``AsyncLLM.add_requests``: with one request waiting in a queue of 3, three more do
     not fit (``QueueFull``, none of them queued); two do, on one shared queue, and their
     outputs there equal offline ``LLM.generate``."""
     import asyncio
 
+    from minipaged.engine.async_llm import AsyncLLM, QueueFull
     from minipaged.engine.llm_engine import LLMEngine
-    from minipaged.entrypoints.openai.async_engine import AsyncEngine, QueueFull
 
     e = llm.llm_engine
     engine = LLMEngine(e.config, model=e.model, tokenizer=e.tokenizer)
@@ -351,13 +351,13 @@ def test_add_requests_is_all_or_none(llm):
     ref = offline(llm, PROMPTS[:3], temperature=0.0, max_tokens=6)
 
     async def run():
-        ae = AsyncEngine(engine, max_waiting_requests=3, check_invariants=True)
+        ae = AsyncLLM(engine, max_waiting_requests=3, check_invariants=True)
         await ae.start()  # NOTE: the loop task runs only once this coroutine awaits
         try:
             first = ae.add_requests([("a", ids[0], params)])
             with pytest.raises(QueueFull):
                 ae.add_requests([(f"b{p}", ids[p], params) for p in (1, 2, 3)])
-            assert list(ae.streams) == ["a"] and len(ae._pending) == 1
+            assert list(ae.streams) == ["a"]
             queue = asyncio.Queue()
             more = ae.add_requests([("c1", ids[1], params), ("c2", ids[2], params)], queue=queue)
             assert all(s.queue is queue for s in more) and ae.num_waiting() == 3

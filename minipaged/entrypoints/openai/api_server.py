@@ -2,7 +2,7 @@
 
 Mirrors vLLM ``vllm/entrypoints/openai/api_server.py`` (+ ``serving_completion.py``,
 ``serving_chat.py``) over today's vLLM (v1) ``AsyncLLM``: FastAPI routes in front of one
-engine loop (``async_engine.py``).
+engine's frontend (``minipaged/engine/async_llm.py``).
 
 Routes
     ``GET /v1/models``; ``POST /v1/completions`` and ``/v1/chat/completions``, streaming
@@ -72,7 +72,7 @@ def build_app(engine, **serving_kwargs):
     from fastapi.responses import HTMLResponse, JSONResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from minipaged.entrypoints.openai.async_engine import EngineError
+    from minipaged.engine.async_llm import EngineError
     from minipaged.entrypoints.openai.live import LIVE_PAGE
     from minipaged.entrypoints.openai.protocol import (
         ChatCompletionRequest,
@@ -93,7 +93,7 @@ def build_app(engine, **serving_kwargs):
     )
 
     serving = OpenAIServing(engine, **serving_kwargs)
-    tokenizer = engine.tokenizer
+    tokenizer = serving.async_engine.tokenizer
 
     @asynccontextmanager
     async def lifespan(app):
@@ -681,9 +681,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig(**{k: getattr(args, k) for k in ENGINE_ARGS})
         if args.engine_process:
-            from minipaged.engine.core_client import EngineCoreClient
+            from minipaged.engine.core_client import MPClient
 
-            engine = EngineCoreClient(config, check_invariants=args.check_invariants, threads=args.threads)
+            engine = MPClient(config, check_invariants=args.check_invariants, threads=args.threads)
         else:
             engine = LLMEngine(config)
     except ValueError as e:

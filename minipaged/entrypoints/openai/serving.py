@@ -44,9 +44,8 @@ from typing import Optional
 
 from starlette.responses import Response
 
-from minipaged.entrypoints.openai.async_engine import (
-    AsyncEngine,
-    AsyncMPEngine,
+from minipaged.engine.async_llm import (
+    AsyncLLM,
     EngineDead,
     EngineError,
     OutputQueue,
@@ -175,12 +174,11 @@ class OpenAIServing:
         self.max_n = min(max_n, engine.config.max_num_seqs)
         self.max_body_bytes = max_body_bytes
         self.metrics = ServerMetrics(self.model_name)
-        from minipaged.engine.core_client import EngineCoreClient
-
-        # NOTE: an engine core in its own process (minipaged serve's default), or in-process
-        cls = AsyncMPEngine if isinstance(engine, EngineCoreClient) else AsyncEngine
-        self.async_engine = cls(
+        # NOTE: an engine core in its own process (an MPClient: minipaged serve's default), or
+        # an LLMEngine whose core steps in a thread of this process
+        self.async_engine = AsyncLLM(
             engine,
+            profile=PROFILE,
             max_waiting_requests=max_waiting_requests,
             check_invariants=check_invariants,
             metrics=self.metrics,
@@ -301,7 +299,7 @@ class OpenAIServing:
                 f"{field}={params.logprobs} is over this server's max_logprobs={self.max_logprobs}",
                 field,
             )
-        vocab = int(self.engine.model.vocab_size)
+        vocab = self.async_engine.model_info.vocab_size
         if params.top_k > vocab:
             raise ApiError(
                 400,
@@ -340,7 +338,7 @@ class OpenAIServing:
     def _tokenize_sync(self, prompt, param: str):
         try:
             with PROFILE.timed("tokenize"):
-                return self.engine.tokenize(prompt, name=param)
+                return self.async_engine.tokenize(prompt, name=param)
         except (ValueError, TypeError, RecursionError, UnicodeError) as e:
             # NOTE: a lone surrogate ("\ud800") makes the tokenizer raise TypeError
             msg = str(e) if isinstance(e, ValueError) else f"{param} cannot be tokenized: {type(e).__name__}"
