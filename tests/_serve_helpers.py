@@ -31,7 +31,7 @@ def serve_engine(llm, engine_process: bool = False, **kw):
         engine = LLMEngine(e.config, model=e.model, tokenizer=e.tokenizer)
     with BackgroundServer(engine, check_invariants=True, **{"max_n": 4, **kw}) as srv:
         yield srv
-    assert srv.serving.async_engine.errors == []
+    assert srv.serving.engine_client.errors == []
 
 
 def in_core_process(server) -> bool:
@@ -60,7 +60,7 @@ def check_engine(server) -> None:
     """``LLMEngine.check_invariants()``; an engine core runs it after every step itself
     (``check_invariants=True``): a failure there is a failed step, recorded in ``errors``."""
     if in_core_process(server):
-        assert server.serving.async_engine.errors == []
+        assert server.serving.engine_client.errors == []
     else:
         server.serving.engine.check_invariants()
 
@@ -82,7 +82,7 @@ def wait_idle(server, timeout=30.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if (
-            not server.serving.async_engine.streams
+            not server.serving.engine_client.streams
             and num_unfinished(server) == 0
             and free_blocks(server) == engine.num_blocks
         ):

@@ -263,7 +263,7 @@ def test_100mb_body_is_413_and_others_are_unaffected(llm, server, client):
     )
     assert r.choices[0].text == want
     wait_idle(server)
-    assert server.serving.async_engine.errors == []
+    assert server.serving.engine_client.errors == []
 
 
 # -- disconnects, metrics, the trace ---------------------------------------------------------
@@ -403,7 +403,7 @@ def test_queue_full_is_503_with_retry_after(llm, mode):
 
         first = threading.Thread(target=send, args=("a",))
         first.start()
-        ae = srv.serving.async_engine
+        ae = srv.serving.engine_client
         deadline = time.monotonic() + 30
         while not ae._running_rids:  # a is running
             assert time.monotonic() < deadline
@@ -633,7 +633,7 @@ def test_an_engine_fault_is_a_json_500_and_serving_goes_on(llm):
         assert r.status_code == 500
         assert r.json()["error"]["message"] == "internal server error"
         assert "Traceback" not in r.text and "injected" not in r.text
-        assert srv.serving.async_engine.errors == ["RuntimeError: injected fault"]
+        assert srv.serving.engine_client.errors == ["RuntimeError: injected fault"]
         want = offline(llm, ["Once upon a time"], temperature=0.0, max_tokens=8)[0].outputs[0].text
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want

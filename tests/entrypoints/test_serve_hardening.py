@@ -234,9 +234,9 @@ def test_a_failed_step_fails_its_requests_and_serving_goes_on(llm, baseline, tri
         err = r.json()["error"]
         assert err["type"] == "InternalServerError" and err["message"] == "internal server error"
         assert "Traceback" not in r.text and "injected" not in r.text and "Overflow" not in r.text
-        assert len(srv.serving.async_engine.errors) == 1
+        assert len(srv.serving.engine_client.errors) == 1
         wait_idle(srv)  # every block of the failed request is free again
-        assert srv.serving.async_engine.dead is None
+        assert srv.serving.engine_client.dead is None
         _serves_normally(srv, baseline)
         wait_idle(srv)
         engine.check_invariants()
@@ -285,12 +285,12 @@ def test_an_engine_that_keeps_failing_is_unusable_and_health_says_503(llm, monke
         assert r.status_code == 503 and "unusable" in r.json()["error"]["message"]
         r = _post(srv, NORMAL)
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
-        assert srv.serving.async_engine.dead is not None
+        assert srv.serving.engine_client.dead is not None
 
 
 # -- bounded per-step cost ---------------------------------------------------------------------
 def test_streamed_logprobs_are_built_once_per_token_and_equal_offline(llm, server, client):
-    ae = server.serving.async_engine
+    ae = server.serving.engine_client
     before = ae.num_logprob_dicts
     n, k, m = 2, 3, 24
     stream = client.completions.create(

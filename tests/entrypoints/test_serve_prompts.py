@@ -246,12 +246,12 @@ def bad_prompt_cases():
 @pytest.mark.parametrize("case", list(bad_prompt_cases()))
 def test_a_bad_prompt_anywhere_is_a_400_naming_it(server, case):
     prompt, param, word = bad_prompt_cases()[case]
-    before = server.serving.async_engine.num_steps
+    before = server.serving.engine_client.num_steps
     r = post(server, {"prompt": prompt, "max_tokens": 4})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and param in err["message"] and word in err["message"], err
-    assert server.serving.async_engine.num_steps == before  # no prompt reached the engine
+    assert server.serving.engine_client.num_steps == before  # no prompt reached the engine
     wait_idle(server)
 
 
@@ -263,7 +263,7 @@ def test_context_overflow_at_one_prompt_is_a_400(server):
 
 
 def test_more_prompts_than_the_waiting_queue_is_a_400(server):
-    limit = server.serving.async_engine.max_waiting_requests
+    limit = server.serving.engine_client.max_waiting_requests
     r = post(server, {"prompt": ["a"] * (limit + 1), "max_tokens": 1})
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "prompt" and str(limit) in err["message"], err
@@ -332,7 +332,7 @@ def test_a_prompt_the_pool_can_never_hold_fails_the_whole_request(llm):
         assert events[-1]["error"]["param"] == "prompt[1]", events[-1]
         wait_idle(srv)
         engine.check_invariants()
-        assert srv.serving.async_engine.errors == []
+        assert srv.serving.engine_client.errors == []
 
 
 def test_add_requests_is_all_or_none(llm):
