@@ -21,8 +21,8 @@ Routes
     server's work, ``profile.py``: what ``benchmarks/serve_load.py --profile`` prints).
 Invariants
     a client that disconnects (mid-stream or while waiting) has its requests (every
-    prompt's) aborted and their KV blocks freed before the next engine step; one engine,
-    touched only by the loop.
+    prompt's) aborted and their KV blocks freed before the next engine step; one engine
+    core, reached only through ``AsyncLLM`` (its messages applied between steps).
 Transport
     uvicorn (``uvicorn_config``) with its httptools parser when installed (C, as vLLM's
     server runs), else its h11 one (pure Python), and uvloop when installed (uvicorn's
@@ -126,7 +126,7 @@ def build_app(engine, **serving_kwargs):
         return error(400, f"{param}: {err.get('msg', 'invalid value')}", param)
 
     @app.exception_handler(EngineError)
-    async def _engine_error(request, exc):  # logged once by the engine loop already
+    async def _engine_error(request, exc):  # logged once by the engine core already
         return error(500, "internal server error")
 
     @app.exception_handler(Exception)

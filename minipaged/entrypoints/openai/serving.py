@@ -589,7 +589,7 @@ def _logprob_value(x) -> float:
 
 
 def _piece(tokenizer, token_id: int, lp=None) -> str:
-    """A token's text: the one decoded with its logprob (engine thread) when there is one."""
+    """A token's text: the one decoded with its logprob (the output processor) when there is one."""
     text = getattr(lp, "decoded_token", None)
     return text if text is not None else tokenizer.decode([token_id])
 
