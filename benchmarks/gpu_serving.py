@@ -176,8 +176,10 @@ def serve_minipaged(bench, engine, prompts, output_lens, deadline):
     from minipaged import SamplingParams
 
     for i, (p, o) in enumerate(zip(prompts, output_lens)):
-        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True))
-    outs, first, last = {}, {}, {}
+        engine.add_request(
+            str(i), p, SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True), stream=True
+        )
+    outs, first, last, seen = {}, {}, {}, {}
     pending = {str(i) for i in range(len(prompts))}
     t0, c0 = time.perf_counter(), time.process_time()
     partial = False
@@ -188,15 +190,15 @@ def serve_minipaged(bench, engine, prompts, output_lens, deadline):
         done = engine.step()
         now = time.perf_counter() - t0
         for o in done:
-            outs[o.request_id] = o
-            last[o.request_id] = now
-        for rid in [
-            r for r in pending if r not in engine.groups or engine.groups[r].seqs[0].num_output_tokens
-        ]:
-            first[rid] = now
-            pending.discard(rid)
+            if o.request_id in pending and (o.finished or o.outputs[0].token_ids):
+                first[o.request_id] = now
+                pending.discard(o.request_id)
+            seen[o.request_id] = len(o.outputs[0].token_ids)
+            if o.finished:
+                outs[o.request_id] = o
+                last[o.request_id] = now
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    in_flight = sum(g.seqs[0].num_output_tokens for g in engine.groups.values())
+    in_flight = sum(n for r, n in seen.items() if r not in outs)  # tokens of unfinished requests
     ids = [str(i) for i in range(len(prompts)) if str(i) in outs]
     tokens = {int(r): list(outs[r].outputs[0].token_ids) for r in ids}
     res = bench.ServeResult(

@@ -25,7 +25,7 @@ COMMANDS = {
         "minipaged.entrypoints.openai.api_server",
         "an OpenAI-compatible streaming server with a live view of the block tables",
     ),
-    "figures": ("minipaged.viz.figures", "regenerate every PNG in figures/"),
+    "figures": ("minipaged.figures", "regenerate every PNG in figures/"),
     "exercises": ("minipaged.checks.exercises", "write student copies of the exercise notebooks"),
     "grade": ("minipaged.grading.grade", "grade exercise submissions"),
     "book": ("minipaged.book", "the course as a static site (and a chapter as reveal.js slides)"),

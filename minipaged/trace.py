@@ -144,6 +144,23 @@ class EngineTrace:
 
 
 # -- filling a trace from a scheduler ----------------------------------------------------
+def _paper_scheduler():
+    from minipaged.core.sched.paper import PaperScheduler
+
+    return PaperScheduler
+
+
+def swapped_queue(scheduler) -> list:
+    """The requests in the CPU pool, in arrival order: the paper's scheduler keeps them in
+    its ``swapped`` queue; vLLM v1's scheduler (and the baselines built on it) never swaps."""
+    return list(scheduler.swapped) if isinstance(scheduler, _paper_scheduler()) else []
+
+
+def preemption_mode(scheduler) -> str:
+    """``"swap"`` or ``"recompute"``: the paper's scheduler does either; vLLM v1 recomputes."""
+    return scheduler.preemption_mode if isinstance(scheduler, _paper_scheduler()) else "recompute"
+
+
 def record_step(scheduler, output, step: int) -> StepRecord:
     """A ``StepRecord`` of ``output``, taken after ``update_from_output``.
 
@@ -163,7 +180,7 @@ def record_step(scheduler, output, step: int) -> StepRecord:
         preempted_ids=[r.request_id for r in output.preempted],
         swapped_out_ids=[r.request_id for r in output.swapped_out],
         swapped_in_ids=[r.request_id for r in output.swapped_in],
-        swapped_ids=[r.request_id for r in getattr(scheduler, "swapped", ())],  # swap layer
+        swapped_ids=[r.request_id for r in swapped_queue(scheduler)],
         finished_ids=[r.request_id for r in output.finished],
         arrived_ids=[r.request_id for r in output.arrived],
         block_tables=tables,
@@ -198,7 +215,7 @@ def run_scheduler(
         max_num_batched_tokens=scheduler.max_num_batched_tokens,
         meta={
             "scheduler": type(scheduler).__name__,
-            "preemption_mode": getattr(scheduler, "preemption_mode", "recompute"),
+            "preemption_mode": preemption_mode(scheduler),
             "enable_chunked_prefill": scheduler.enable_chunked_prefill,
         },
     )

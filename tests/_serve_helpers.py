@@ -20,24 +20,24 @@ def serve_engine(llm, engine_process: bool = False, **kw):
     """A server in this process on a fresh engine over ``llm``'s model (with
     ``engine_process``, the engine core runs in a child process built from ``llm``'s
     config); on exit, the async engine must have recorded no error."""
-    from minipaged.engine.core_client import EngineCoreClient
+    from minipaged.engine.core_client import MPClient
     from minipaged.engine.llm_engine import LLMEngine
     from minipaged.entrypoints.openai.api_server import BackgroundServer
 
     e = llm.llm_engine
     if engine_process:
-        engine = EngineCoreClient(e.config, check_invariants=True)
+        engine = MPClient(e.config, check_invariants=True)
     else:
         engine = LLMEngine(e.config, model=e.model, tokenizer=e.tokenizer)
     with BackgroundServer(engine, check_invariants=True, **{"max_n": 4, **kw}) as srv:
         yield srv
-    assert srv.serving.async_engine.errors == []
+    assert srv.serving.engine_client.errors == []
 
 
 def in_core_process(server) -> bool:
-    from minipaged.engine.core_client import EngineCoreClient
+    from minipaged.engine.core_client import MPClient
 
-    return isinstance(server.serving.engine, EngineCoreClient)
+    return isinstance(server.serving.engine, MPClient)
 
 
 def free_blocks(server) -> int:
@@ -49,14 +49,18 @@ def free_blocks(server) -> int:
 
 
 def num_unfinished(server) -> int:
-    return server.serving.engine.get_num_unfinished_requests()
+    """The engine core's unfinished sequences (in-process: now; a core process: as of its
+    last message)."""
+    if in_core_process(server):
+        return server.serving.engine.get_num_unfinished_requests()
+    return server.serving.engine.core.get_num_unfinished_requests()
 
 
 def check_engine(server) -> None:
     """``LLMEngine.check_invariants()``; an engine core runs it after every step itself
     (``check_invariants=True``): a failure there is a failed step, recorded in ``errors``."""
     if in_core_process(server):
-        assert server.serving.async_engine.errors == []
+        assert server.serving.engine_client.errors == []
     else:
         server.serving.engine.check_invariants()
 
@@ -78,7 +82,7 @@ def wait_idle(server, timeout=30.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if (
-            not server.serving.async_engine.streams
+            not server.serving.engine_client.streams
             and num_unfinished(server) == 0
             and free_blocks(server) == engine.num_blocks
         ):

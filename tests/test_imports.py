@@ -4,7 +4,8 @@ The graph is built from the source (``ast``): an edge ``a -> b`` for every
 ``import minipaged.b`` / ``from minipaged.b import x`` in ``a``, at module level or inside
 a function (a lazy import still makes a circle for a reader). Importing a package's
 ``__init__`` from one of its own modules is allowed (Python runs it first anyway), as are
-``if TYPE_CHECKING`` imports.
+``if TYPE_CHECKING`` imports. Some arrows are forbidden outright (``LAYERS``): there a
+module named in a string (``importlib.import_module("minipaged.x")``) counts as an import.
 """
 
 from __future__ import annotations
@@ -86,3 +87,51 @@ def test_no_import_cycle():
     for m in sorted(graph):
         if m not in state:
             visit(m)
+
+
+# (importer, imported): packages that must not import each other in this direction.
+# The simulator draws its figures in viz's palette (sim -> viz); the pictures know nothing
+# of the simulator, and the `minipaged figures` command (minipaged/figures.py) sits above both.
+LAYERS = [("minipaged.viz", "minipaged.sim")]
+
+
+def _in(mod: str, pkg: str) -> bool:
+    return mod == pkg or mod.startswith(pkg + ".")
+
+
+def _named_imports(path: Path, modules) -> set[str]:
+    """Modules imported by a constant name: ``importlib.import_module("minipaged.x")``,
+    ``import_module(...)``, ``__import__(...)``."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Call) and node.args):
+            continue
+        f = node.func
+        name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+        arg = node.args[0]
+        if name in ("import_module", "__import__") and isinstance(arg, ast.Constant):
+            if isinstance(arg.value, str) and arg.value.startswith("minipaged"):
+                target = _resolve(arg.value, modules)
+                if target:
+                    out.add(target)
+    return out
+
+
+def test_forbidden_arrows():
+    modules = _modules()
+    found = []
+    for mod, path in modules.items():
+        targets = _edges(mod, path, modules) | _named_imports(path, modules)
+        for importer, imported in LAYERS:
+            if _in(mod, importer):
+                found += [f"{mod} -> {t}" for t in sorted(targets) if _in(t, imported)]
+    assert found == [], found
+
+
+def test_forbidden_arrows_are_found_when_named_in_a_string(tmp_path):
+    """The check sees an import hidden in ``importlib.import_module("...")``."""
+    src = tmp_path / "m.py"
+    src.write_text(
+        'import importlib\n\ndef f():\n    return importlib.import_module("minipaged.sim.memory_waste")\n'
+    )
+    assert _named_imports(src, _modules()) == {"minipaged.sim.memory_waste"}

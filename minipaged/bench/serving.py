@@ -196,7 +196,7 @@ def _serve(engine, prompts, params_list) -> tuple[ServeResult, dict]:
     """Serve all requests on ``engine``; (``ServeResult``, request_id -> RequestOutput)."""
     outs = {}
     for i, (p, params) in enumerate(zip(prompts, params_list)):
-        engine.add_request(str(i), p, params)
+        engine.add_request(str(i), p, params, stream=True)
     pending = {str(i) for i in range(len(prompts))}  # no token yet
     first, last = {}, {}
     clock = time.perf_counter
@@ -205,14 +205,13 @@ def _serve(engine, prompts, params_list) -> tuple[ServeResult, dict]:
         done = engine.step()
         now = clock() - t0
         for o in done:
-            outs[o.request_id] = o
-            last[o.request_id] = now
-        # NOTE: a token exists once the step that sampled it is over: TTFT at step granularity.
-        for rid in [
-            r for r in pending if r not in engine.groups or engine.groups[r].seqs[0].num_output_tokens
-        ]:
-            first[rid] = now
-            pending.discard(rid)
+            # NOTE: a token exists once the step that sampled it is over: TTFT at step granularity.
+            if o.request_id in pending and (o.finished or o.outputs[0].token_ids):
+                first[o.request_id] = now
+                pending.discard(o.request_id)
+            if o.finished:
+                outs[o.request_id] = o
+                last[o.request_id] = now
     wall, cpu = clock() - t0, time.process_time() - c0
     ids = [str(i) for i in range(len(prompts))]
     return ServeResult(
@@ -375,7 +374,8 @@ def _measure(
     from minipaged.bench import hf_baselines
     from minipaged.config import EngineConfig
     from minipaged.core.kv.block import cdiv
-    from minipaged.engine.llm_engine import LLMEngine, load_model_checked
+    from minipaged.engine.core import load_model_checked
+    from minipaged.engine.llm_engine import LLMEngine
     from minipaged.model.loader import resolve_model_path
 
     base = EngineConfig(
@@ -678,7 +678,7 @@ def profile_step(
         engine.step()
     prof.disable()
     st = pstats.Stats(prof).stats  # func -> (cc, nc, tt, ct, callers)
-    step_key = next(f for f in st if f[0].endswith("engine/llm_engine.py") and f[2] == "step")
+    step_key = next(f for f in st if f[0].endswith("engine/core.py") and f[2] == "step")  # EngineCore.step
     total = st[step_key][3]
     children = {}
     for f, (_, _, _, _, callers) in st.items():

@@ -8,9 +8,10 @@ Exercises (notebooks/exercises/ch09_live_server.ipynb)
           served by the loop with a step cost of ``STEP_COST`` (a prediction, worked on
           paper; one workload per student).
     ex9.3 ``serve(scheduler, requests, arrivals, step_cost)``: the engine loop itself (vLLM
-          v1's ``AsyncLLM`` loop in miniature, on a clock): adds between steps, idle until
-          the next arrival, the first token at the end of the step that completes a prefill;
-          measure: the check prints TTFT percentiles at three arrival rates.
+          v1's ``EngineCoreProc.run_busy_loop`` in miniature, on a clock): adds between
+          steps, idle until the next arrival, the first token at the end of the step that
+          completes a prefill; measure: the check prints TTFT percentiles at three arrival
+          rates.
     ex9.4 ``concept_answers()``: questions with a number or a choice (the instructor's key).
 
 Each exercise is a spec (``minipaged.checks._spec``): plain-data cases; ``observe`` builds

@@ -1,8 +1,10 @@
 """minipaged.engine: the loop that serves requests on a real model.
 
-``LLM`` (front door) -> ``LLMEngine`` (one step = schedule, execute, update) -> the
-executor's worker, ``minipaged.worker.ModelRunner`` (its own block tables from
-SchedulerOutput, cache moves, forward, ``Sampler``).
+``LLM`` (front door) -> ``LLMEngine`` (offline) or ``AsyncLLM`` (the server), each with a
+``Processor`` (prompts in) and an ``OutputProcessor`` (outputs out) -> an engine-core
+client (``core_client.py``) -> ``EngineCore(scheduler, executor)`` (``core.py``: one step
+= schedule, execute, update) -> the executor's worker, ``minipaged.worker.ModelRunner``
+(its own block tables from SchedulerOutput, cache moves, forward, ``Sampler``).
 Mirrors vLLM ``vllm/v1/engine`` + ``vllm/v1/worker``.
 
 NOTE: names are imported lazily, so that importing this package (the ``minipaged`` CLI

@@ -62,7 +62,8 @@ import torch
 
 from minipaged.core.kv.kv_cache_manager import max_num_blocks
 from minipaged.core.sched.request import Request, RequestStatus
-from minipaged.engine.llm_engine import normalize_prompts
+from minipaged.engine.core import make_scheduler
+from minipaged.engine.processor import normalize_prompts
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
 from minipaged.trace import record_step
 
@@ -237,18 +238,22 @@ def beam_search(
     engine.reset_trace({"beam_search": True, "beam_width": k, "early_stopping": early_stopping})
     # NOTE: beams fork block tables, which vLLM v1 cannot: the paper's scheduler runs them,
     # over the same KV caches (the engine is idle, so every block is free)
-    v1, engine.scheduler = engine.scheduler, engine._make_scheduler(paper=True)
+    core = engine.core
+    paper = make_scheduler(
+        cfg, core.model_info.num_blocks, core.num_cpu_blocks, engine.max_model_len, paper=True
+    )
+    v1, core.scheduler = core.scheduler, paper
     try:
         _run(engine, states)
     finally:  # leave the scheduler and the pool empty whatever happened
-        sched = engine.scheduler
+        sched = core.scheduler
         for st in states:
             for r in (st.prompt_req, *st.beams()):
                 sched.abort_request(r.request_id)
         drain = sched.schedule()  # NOTE: tells the worker to drop every beam it still holds
-        engine.executor.execute_model(drain)
+        core.executor.execute_model(drain)
         sched.update_from_output(drain, {})
-        engine.scheduler = v1
+        core.scheduler = v1
     return [st.output(engine.decode) for st in states]
 
 
@@ -260,7 +265,7 @@ def _run(engine, states: list[_PromptBeams]) -> None:
     old ones. NOTE: the reservations keep the pool from ever running out, so no beam is
     preempted, and beams take their prompt's place in arrival order, so the decodes come
     before any later prompt's prefill and all fit the token budget."""
-    sched, executor, cfg = engine.scheduler, engine.executor, engine.config
+    sched, executor, cfg = engine.core.scheduler, engine.core.executor, engine.config
     kv = sched.kv_cache_manager
     waiting = deque(states)
     active: list[_PromptBeams] = []

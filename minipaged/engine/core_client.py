@@ -1,74 +1,51 @@
-"""EngineCoreClient: the API-server process's handle on an engine core in its own process.
+"""EngineCoreClient: how a frontend reaches its ``EngineCore``.
 
-Mirrors vLLM v1 ``vllm/v1/engine/core_client.py`` (``MPClient``: it spawns the core and
-talks to it) and the front-end half of ``vllm/v1/engine/output_processor.py``
-(``FrontendOutputs``: text, stop strings and logprob dicts, built from the token ids the
-core sends). The core is ``minipaged/engine/core.py`` (its docstring lists what crosses,
-and why the transport is ``multiprocessing`` pipes rather than pyzmq).
+Mirrors vLLM v1 ``vllm/v1/engine/core_client.py``: ``InprocClient`` (the core in the
+caller's thread: ``LLMEngine``'s) and ``MPClient`` (the core in a process of its own, as
+``minipaged serve`` runs it); ``ThreadedClient`` is the core's busy loop in a thread of
+this process (``minipaged serve --no-engine-process``), behind the same interface as
+``MPClient``. The core, and what crosses, is ``engine/core.py``.
 
 Inputs
-    ``EngineCoreClient(config)`` spawns ``run_engine_core`` (the ``spawn`` start method: a
-    fresh interpreter, no inherited threads) and waits for its ``ready`` message: the
-    engine's ``max_model_len``, vocabulary size, EOS ids and pool size. The frontend loads
-    the tokenizer only, never the weights. ``send(msg)`` (thread-safe) puts one message on
-    the pipe; ``start_output_thread(callback)`` calls ``callback(msg)`` in a reader thread
-    for each message the core sends, and ``callback(("dead", exitcode))`` once if the pipe
-    closes while the client is not shutting down (the core process died).
-Outputs
-    ``FrontendOutputs.process(seqs)`` -> the ``RequestOutput`` of every request that moved
-    (partial ones for streamed requests) and the ``(seq_id, stop_reason)`` of every
-    sequence whose text just completed a stop string: the caller sends those to the core
-    (``("stop", ...)``), which finishes them at its next step boundary (vLLM v1: the
-    output processor aborts the request; the core frees its blocks before its next step).
-    Tokens the core made after that token are dropped, so the text and token ids equal
-    offline ``LLM.generate``'s, which finishes the request in the step itself.
-Invariants
-    the frontend's mirror of each sequence (a ``Request`` holding the tokens received)
-    is what ``OutputProcessor`` reads, as offline; the same ``OutputProcessor`` code finds
-    stop strings and builds every finished ``CompletionOutput``.
+    ``InprocClient(core)``: ``add_request_group``, ``abort_requests``, ``stop_requests``
+    call the core at once; ``get_output()`` is one ``EngineCore.step()``.
+    ``MPClient(config)`` spawns ``run_engine_core`` (``spawn``: a fresh interpreter, no
+    inherited threads) and waits for its ``ready`` message (``ModelInfo``: the frontend
+    loads the tokenizer only, never the weights). ``ThreadedClient(core)`` starts the busy
+    loop in a thread. On both: ``add_requests``, ``abort_requests``, ``stop_requests`` and
+    ``ping`` put one message on a queue and return at once: a *sender thread* writes it
+    (to the pipe), so a core that stopped reading never blocks the caller (the server's
+    event loop); ``start(callback)`` calls ``callback(msg)`` in a reader thread for every
+    message the core sends, and ``callback(("dead", exitcode))`` once if the core process
+    dies while the client is not shutting down.
 Failure mode
-    the core refusing to start (a bad model, a bad config): ``ValueError`` with its
-    message; the core dying later: the ``dead`` callback, and ``send`` raises
-    ``EngineCoreDead``. ``shutdown()`` always leaves no process behind (terminate, then kill).
+    the core refusing to start (a bad model, a bad config): ``ValueError`` with its message;
+    ``shutdown()`` always leaves no process behind (ask, terminate, then kill).
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import multiprocessing
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Optional
 
-from minipaged.core.sched.request import Request, RequestStatus
-from minipaged.engine.core import decode, encode, run_engine_core
-from minipaged.engine.detokenizer import IncrementalDetokenizer
-from minipaged.engine.output_processor import OutputProcessor, logprob_dict
-from minipaged.engine.outputs import CompletionOutput, RequestOutput
-
-STATUS_OF_REASON = {
-    "stop": RequestStatus.FINISHED_STOPPED,
-    "length": RequestStatus.FINISHED_LENGTH,
-    "abort": RequestStatus.FINISHED_ABORTED,
-    "refused": RequestStatus.FINISHED_IGNORED,
-}
+from minipaged.engine.core import (
+    EngineCore,
+    EngineCoreProc,
+    EngineCoreRequest,
+    decode,
+    encode,
+    run_engine_core,
+)
 
 
 class EngineCoreDead(Exception):
     """The engine-core process is gone."""
-
-
-@dataclass
-class ModelInfo:
-    """What the frontend knows of the model (the core's ``ready`` message): no weights."""
-
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: list[int]
 
 
 def load_tokenizer(model):
@@ -85,6 +62,158 @@ def load_tokenizer(model):
 
 
 class EngineCoreClient:
+    """What every client offers (vLLM's ``EngineCoreClient``)."""
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    def stop_requests(self, stops: list[tuple[str, str]]) -> None:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+
+class InprocClient(EngineCoreClient):
+    """The core in the caller's thread (vLLM's ``InprocClient``)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.engine_core = core
+
+    def add_request_group(self, requests: list[EngineCoreRequest]) -> None:
+        self.engine_core.add_request_group(requests)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.engine_core.abort_requests(request_ids)
+
+    def stop_requests(self, stops: list[tuple[str, str]]) -> None:
+        self.engine_core.stop_requests(stops)
+
+    def get_output(self):
+        return self.engine_core.step()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+
+class _BackgroundClient(EngineCoreClient):
+    """The message side shared by ``ThreadedClient`` and ``MPClient``: sends are queued
+    for a sender thread, messages from the core go to a callback in a reader thread."""
+
+    def _init_threads(self) -> None:
+        self._outbox: queue.Queue = queue.Queue()  # messages for the core, in order
+        self._closing = False
+        self._reader: Optional[threading.Thread] = None
+        self._sender = threading.Thread(target=self._send_loop, name="minipaged-core-send", daemon=True)
+        self._sender.start()
+        # the core's numbers after its last message: free blocks, unfinished requests, ...
+        self.stats = {"num_free_blocks": self.num_blocks, "num_unfinished": 0, "step_seconds": 0.0}
+
+    def _init_info(self, info) -> None:
+        self.model_info = info
+        self.config = info.config
+        self.num_blocks = info.num_blocks
+        self.max_model_len = info.max_model_len
+        self.eos_token_ids = info.eos_token_ids
+
+    # -- sending (never blocks the caller) -------------------------------------------------
+    def _put(self, msg) -> None:
+        if self._closing:
+            raise EngineCoreDead("the engine core is shutting down")
+        self._outbox.put(msg)
+
+    def add_requests(self, groups: list[tuple[str, list[EngineCoreRequest]]]) -> None:
+        self._put(("add", groups))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._put(("abort", list(request_ids)))
+
+    def stop_requests(self, stops: list[tuple[str, str]]) -> None:
+        if stops:
+            self._put(("stop", list(stops)))
+
+    def ping(self, token: int) -> None:
+        """The core answers ``("pong", token)`` (from its input thread, even mid-step)."""
+        self._put(("ping", token))
+
+    def _send_loop(self) -> None:
+        while True:
+            msg = self._outbox.get()
+            if msg is None:
+                return
+            try:
+                self._write(msg)
+            except (OSError, ValueError, EOFError):  # the core is gone: the reader reports it
+                return
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.stats["num_unfinished"]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.stats["num_unfinished"] > 0
+
+    def get_num_free_blocks(self) -> int:
+        return self.stats["num_free_blocks"]
+
+
+class ThreadedClient(_BackgroundClient):
+    """The busy loop (``EngineCoreProc``) in a thread of this process, over ``core``."""
+
+    def __init__(
+        self, core: EngineCore, *, check_invariants: bool = False, max_step_failures: int = 3
+    ) -> None:
+        self.engine_core = core
+        self.proc = EngineCoreProc(
+            core, check_invariants=check_invariants, max_step_failures=max_step_failures
+        )
+        self._inq: queue.Queue = queue.Queue()
+        self._outq: queue.Queue = queue.Queue()
+        self._init_info(core.model_info)
+        self._init_threads()
+        self._core_thread = threading.Thread(
+            target=self.proc.run_busy_loop,
+            args=(self._inq, self._outq),
+            name="minipaged-engine-core",
+            daemon=True,
+        )
+        self._core_thread.start()
+        self._outq.get()  # ("ready", ...)
+
+    def _write(self, msg) -> None:
+        if msg[0] == "ping":  # NOTE: as the core process's input thread: answered at once
+            self._outq.put(("pong", msg[1]))
+        else:
+            self._inq.put(msg)
+
+    def start(self, callback: Callable) -> None:
+        def run() -> None:
+            while True:
+                msg = self._outq.get()
+                if msg is None:
+                    return
+                callback(msg)
+
+        self._reader = threading.Thread(target=run, name="minipaged-core-outputs", daemon=True)
+        self._reader.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._outbox.put(None)
+        self._sender.join(timeout)
+        self._inq.put(("shutdown",))
+        self._core_thread.join(timeout)
+        self._outq.put(None)
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(5)
+
+
+class MPClient(_BackgroundClient):
+    """The core in a process of its own (vLLM's ``MPClient``), over two pipes."""
+
     def __init__(
         self,
         config,
@@ -97,8 +226,11 @@ class EngineCoreClient:
         ctx = multiprocessing.get_context("spawn")
         in_r, self._in_w = ctx.Pipe(duplex=False)  # frontend -> core
         self._out_r, out_w = ctx.Pipe(duplex=False)  # core -> frontend
-        options = {"check_invariants": check_invariants, "max_step_failures": max_step_failures}
-        options["threads"] = threads
+        options = {
+            "check_invariants": check_invariants,
+            "max_step_failures": max_step_failures,
+            "threads": threads,
+        }
         self.proc = ctx.Process(
             target=run_engine_core,
             args=(config, in_r, out_w, options),
@@ -111,24 +243,16 @@ class EngineCoreClient:
         # NOTE: the parent closes the child's ends, so that EOF means "the other side died"
         in_r.close()
         out_w.close()
-        self._send_lock = threading.Lock()
         self._closing = False
-        self._thread: Optional[threading.Thread] = None
         atexit.register(self.shutdown)
         try:
             msg = self._wait_ready(startup_timeout)
         except BaseException:
+            self._sender = None
             self.shutdown()
             raise
-        info = msg[1]
-        self.config = info["config"]
-        self.num_blocks = info["num_blocks"]
-        self.max_model_len = info["max_model_len"]
-        self.eos_token_ids = info["eos_token_ids"]
-        self.model = ModelInfo(info["vocab_size"], self.max_model_len, self.eos_token_ids)
-        self.tokenizer = load_tokenizer(self.config.model)
-        # the core's numbers after its last message: free blocks, unfinished requests, ...
-        self.stats = {"num_free_blocks": self.num_blocks, "num_unfinished": 0, "step_seconds": 0.0}
+        self._init_info(msg[1])
+        self._init_threads()
 
     @property
     def pid(self) -> int:
@@ -153,32 +277,10 @@ class EngineCoreClient:
             raise ValueError(msg[1])
         return msg
 
-    # -- what serving reads of an engine ---------------------------------------------------
-    def tokenize(self, prompt, name: str = "prompt"):
-        """(text, token ids), checked as ``LLMEngine.tokenize`` checks them (same code)."""
-        from minipaged.engine.llm_engine import LLMEngine
+    def _write(self, msg) -> None:
+        self._in_w.send_bytes(encode(msg))
 
-        return LLMEngine.tokenize(self, prompt, name)
-
-    def get_num_unfinished_requests(self) -> int:
-        return self.stats["num_unfinished"]
-
-    def has_unfinished_requests(self) -> bool:
-        return self.stats["num_unfinished"] > 0
-
-    def get_num_free_blocks(self) -> int:
-        return self.stats["num_free_blocks"]
-
-    # -- the pipe ---------------------------------------------------------------------
-    def send(self, msg) -> None:
-        data = encode(msg)
-        with self._send_lock:
-            try:
-                self._in_w.send_bytes(data)
-            except (OSError, ValueError) as e:
-                raise EngineCoreDead(f"the engine core process is gone ({e})") from e
-
-    def start_output_thread(self, callback: Callable) -> None:
+    def start(self, callback: Callable) -> None:
         def run() -> None:
             while True:
                 try:
@@ -190,158 +292,31 @@ class EngineCoreClient:
                 self.proc.join(5)
                 callback(("dead", self.proc.exitcode))
 
-        self._thread = threading.Thread(target=run, name="minipaged-core-outputs", daemon=True)
-        self._thread.start()
+        self._reader = threading.Thread(target=run, name="minipaged-core-outputs", daemon=True)
+        self._reader.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the core (ask, then terminate, then kill); no process is left behind."""
         if self._closing and not self.proc.is_alive():
             return
         self._closing = True
-        try:
-            self.send(("shutdown",))
-        except EngineCoreDead:
-            pass
-        self._in_w.close()
-        self.proc.join(timeout)
+        sender = getattr(self, "_sender", None)
+        if sender is not None:
+            self._outbox.put(("shutdown",))
+            self._outbox.put(None)
+            sender.join(2)  # NOTE: a core that reads nothing (stopped) cannot take it: go on
+        self.proc.join(timeout if sender is not None and not sender.is_alive() else 0.5)
         if self.proc.is_alive():
             self.proc.terminate()
             self.proc.join(5)
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(5)
+        try:
+            self._in_w.close()
+        except OSError:
+            pass
+        reader = getattr(self, "_reader", None)
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(5)
         self._out_r.close()
-
-
-# -- the frontend's half of the output processor ------------------------------------------
-@dataclass
-class _Group:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: object
-    seqs: list[Request]
-    stream: bool
-    detoks: list = field(default_factory=list)  # streamed: text so far, per sequence
-    logprobs: list = field(default_factory=list)  # streamed: logprob dicts so far
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
-
-
-def seq_params(params, eos_token_ids: list[int]):
-    """The parameters each sequence runs with, as ``LLMEngine.add_request`` makes them."""
-    p = dataclasses.replace(params, n=1) if params.n > 1 else params
-    extra = [e for e in eos_token_ids[1:] if e not in p.stop_token_ids]
-    if extra and not p.ignore_eos:
-        p = dataclasses.replace(p, stop_token_ids=p.stop_token_ids + extra)
-    return p
-
-
-class FrontendOutputs:
-    """Per request: a mirror ``Request`` per sequence (the tokens received), the shared
-    ``OutputProcessor`` (stop strings, finished completions) and, for a streamed request,
-    each sequence's incremental text and logprob dicts (built once per token)."""
-
-    def __init__(self, tokenizer, eos_token_ids: list[int], piece: Callable) -> None:
-        self.tokenizer = tokenizer
-        self.eos_token_ids = list(eos_token_ids)
-        self.piece = piece  # a token's text (memoized)
-        self.op = OutputProcessor(tokenizer)
-        self.groups: dict[str, _Group] = {}
-        self.seq_group: dict[str, _Group] = {}
-
-    def add(self, request_id: str, ids: list[int], params, stream: bool) -> None:
-        sp = seq_params(params, self.eos_token_ids)
-        eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        n = params.n
-        seqs = [
-            Request(request_id if n == 1 else f"{request_id}.{j}", ids, sp, eos, status=RequestStatus.RUNNING)
-            for j in range(n)
-        ]
-        g = _Group(request_id, list(ids), params, seqs, stream)
-        self.op.add_request(seqs, ids, params)
-        if stream:
-            plain = dataclasses.replace(params, n=1, stop=None)
-            for req in seqs:
-                st = self.op.seqs[req.request_id]
-                own = st.detokenizer is None and self.tokenizer is not None
-                g.detoks.append(IncrementalDetokenizer(self.tokenizer, [], plain) if own else None)
-                g.logprobs.append([] if params.logprobs is not None else None)
-        self.groups[request_id] = g
-        for req in seqs:
-            self.seq_group[req.request_id] = g
-
-    def forget(self, request_id: str) -> None:
-        g = self.groups.pop(request_id, None)
-        if g is not None:
-            self.op.remove(g.seqs)
-            for req in g.seqs:
-                self.seq_group.pop(req.request_id, None)
-
-    def process(self, seqs: list) -> tuple[dict, list]:
-        """Apply one core message's sequences -> ({request_id: RequestOutput}, stops)."""
-        moved: dict[str, _Group] = {}
-        stops = []
-        for sid, new_ids, new_lps, reason, stop_reason in seqs:
-            g = self.seq_group.get(sid)
-            if g is None:
-                continue  # aborted by its client, or finished here already
-            j = next(k for k, r in enumerate(g.seqs) if r.request_id == sid)
-            req = g.seqs[j]
-            if req.is_finished:
-                continue  # a stop string ended it: what the core made since is dropped
-            moved[g.request_id] = g
-            for k, t in enumerate(new_ids):
-                if new_lps is not None and k < len(new_lps):
-                    self.op.add_logprobs([req], {sid: new_lps[k]})
-                    lps = g.logprobs[j] if g.stream else None
-                    if lps is not None:
-                        lps.append(logprob_dict(new_lps[k], self.piece))
-                req.output_token_ids.append(int(t))
-                last = k == len(new_ids) - 1
-                if last and reason is not None:
-                    req.status, req.stop_reason = STATUS_OF_REASON[reason], stop_reason
-                if g.stream and g.detoks and g.detoks[j] is not None:
-                    g.detoks[j].update(int(t))
-                s = self.op.check_stop_strings(req)
-                if s is not None:  # NOTE: as offline, a stop string wins over length / EOS
-                    if not req.is_finished:
-                        stops.append((sid, f"stop string {s!r}"))
-                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, f"stop string {s!r}"
-                    break
-            if not new_ids and reason is not None:
-                req.status, req.stop_reason = STATUS_OF_REASON[reason], stop_reason
-        outs = {}
-        for rid, g in moved.items():
-            if g.finished:
-                outs[rid] = self.final_output(g)
-                self.forget(rid)
-            elif g.stream:
-                outs[rid] = self.partial_output(g)
-        return outs, stops
-
-    def final_output(self, g: _Group) -> RequestOutput:
-        from minipaged.engine.llm_engine import FINISH_REASONS
-
-        comps = [self.op.make_completion(j, r, FINISH_REASONS.get(r.status)) for j, r in enumerate(g.seqs)]
-        return RequestOutput(g.request_id, None, list(g.prompt_token_ids), comps, True)
-
-    def partial_output(self, g: _Group) -> RequestOutput:
-        comps = []
-        for j, req in enumerate(g.seqs):
-            detok = g.detoks[j]
-            if detok is None:
-                st = self.op.seqs.get(req.request_id)
-                detok = None if st is None else st.detokenizer
-            comps.append(
-                CompletionOutput(
-                    index=j,
-                    text="" if detok is None else detok.output_text,
-                    token_ids=list(req.output_token_ids),
-                    logprobs=g.logprobs[j],
-                )
-            )
-        return RequestOutput(g.request_id, None, list(g.prompt_token_ids), comps, False)

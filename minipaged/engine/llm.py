@@ -39,8 +39,9 @@ from typing import Optional, Union
 
 from minipaged.config import EngineConfig
 from minipaged.engine.beam_search import beam_search
-from minipaged.engine.llm_engine import LLMEngine, normalize_prompts
+from minipaged.engine.llm_engine import LLMEngine
 from minipaged.engine.outputs import RequestOutput
+from minipaged.engine.processor import normalize_prompts
 from minipaged.sampling_params import (
     BeamSearchParams,
     SamplingParams,
@@ -119,7 +120,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Serve every prompt to completion; one ``RequestOutput`` per prompt, in order."""
         engine = self.llm_engine
-        if getattr(engine.executor, "closed", False):
+        if engine.executor.closed:
             raise RuntimeError(
                 "the tensor-parallel workers have been shut down (a worker failed, or shutdown())"
             )
@@ -191,7 +192,7 @@ class LLM:
         except BaseException as e:
             if isinstance(e, KeyboardInterrupt):  # NOTE: workers in a half-done step cannot go on
                 engine.shutdown()
-            for rid in list(engine.groups):  # leave the engine empty for the next call
+            for rid in engine.get_unfinished_request_ids():  # leave the engine empty for the next call
                 engine.abort_request(rid)
             raise
         finally:

@@ -1,55 +1,46 @@
-"""OutputProcessor: per-sequence text, stop strings and logprobs, beside the scheduler.
+"""OutputProcessor: the engine core's token ids -> ``RequestOutput``s, the only place outputs are built.
 
-Mirrors vLLM v1 ``vllm/v1/engine/output_processor.py`` (+ ``logprobs.py``). In vLLM the
-output processor runs in the front-end process and aborts a request whose text hit a stop
-string (the engine core frees its blocks before its next step); here the engine calls it
-right after ``update_from_output`` and has the scheduler finish the request
-(``finish_requests``) in that same step, so the token that completes a stop string is the
-last one kept and the request's KV blocks are free before the next ``schedule()``.
+Mirrors vLLM v1 ``vllm/v1/engine/output_processor.py`` (+ ``detokenizer.py``, ``logprobs.py``,
+and the ``n > 1`` fan-in of ``parallel_sampling.py``). Both frontends hold one: ``LLMEngine``
+(offline) and ``AsyncLLM`` (the server), in the front-end process.
 
 Inputs
-    ``add_request(seqs, prompt_token_ids, params)`` when the engine queues them;
-    ``check_stop_strings(req)`` after every token the scheduler appends -> the stop string
-    it completed, or None;
-    ``add_logprobs(reqs, entries)`` after every sampling; ``make_completion(...)`` at the
-    end; ``remove(seqs)`` when the engine forgets a request.
+    ``add_request(request_id, prompt, prompt_token_ids, params, core_requests, stream)``
+    when a request is queued (its ``EngineCoreRequest`` per sample); then
+    ``process_outputs(engine_core_outputs)`` after every core step; ``abort_request(id)``.
 Outputs
-    ``CompletionOutput`` with vLLM's text rules (``minipaged/engine/detokenizer.py``):
-    a stop string, or the EOS / stop token that ended a request, is cut from the text
-    unless ``include_stop_str_in_output``; ``token_ids`` keep every generated token.
-
+    ``process_outputs`` -> ``OutputProcessorOutput``: ``request_outputs``, one
+    ``RequestOutput`` per request that finished (all its samples) and, for a ``stream``
+    request, a partial one (cumulative: text and token ids so far) each time it moved; and
+    ``reqs_to_stop``: ``(sequence id, reason)`` of every sequence whose text just completed
+    a stop string, which the caller hands to the core (``EngineCore.stop_requests``: vLLM
+    aborts it) so that its blocks are free before the next step. Tokens the core made past
+    that token are dropped. Text follows vLLM's rules (``detokenizer.py``): a stop string,
+    or the EOS / stop token that ended a sample, is cut unless ``include_stop_str_in_output``;
+    ``token_ids`` keep every generated token up to the end.
 Invariants
-    a tracked sequence has one ``Logprobs`` entry per generated token when it asked for
-    logprobs; its detokenizer (only when it has stop strings) has seen every token.
-
+    a tracked sample has one ``Logprobs`` entry per token when it asked for logprobs, and
+    its detokenizers have seen every token; every logprob dict is built once.
 Failure mode
-    none of its own: unknown sequences (beam search's, tests' own schedulers) are ignored.
+    none of its own: outputs of unknown requests (aborted here already) are ignored.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
-from minipaged.core.sched.request import Request, RequestStatus
 from minipaged.engine.detokenizer import IncrementalDetokenizer
-from minipaged.engine.outputs import CompletionOutput, Logprob
-from minipaged.engine.sampler import Logprobs
+from minipaged.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from minipaged.sampling_params import SamplingParams
 
 
-@dataclass
-class _SeqState:
-    detokenizer: Optional[IncrementalDetokenizer]  # only for sequences with stop strings
-    logprobs: Optional[list[Logprobs]] = None
-    stop_string: Optional[str] = None
-
-
-def logprob_dict(entry, piece) -> dict:
+def logprob_dict(entry, piece: Callable) -> dict:
     """One generated token's ``Logprobs`` as vLLM's dict: the sampled token, then the top k
-    (token id -> ``Logprob`` with its rank and text, ``piece(token_id)``); the one builder
-    ``OutputProcessor`` and the server's frontends share."""
+    (token id -> ``Logprob`` with its rank and text, ``piece(token_id)``)."""
     d = {
         entry.sampled_token_id: Logprob(
             entry.sampled_logprob, entry.sampled_rank, piece(entry.sampled_token_id)
@@ -62,92 +53,203 @@ def logprob_dict(entry, piece) -> dict:
 
 
 @dataclass
+class _SampleState:
+    """One of a request's n samples, as the frontend has received it."""
+
+    seq_id: str
+    params: SamplingParams  # as the core runs it (n=1, the model's further EOS ids as stop ids)
+    eos_token_id: Optional[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: Optional[list] = None  # Logprobs entries, one per token
+    logprob_dicts: Optional[list] = None  # the same as vLLM's dicts, built once each
+    detokenizer: Optional[IncrementalDetokenizer] = None  # with stop strings
+    stream_text: Optional[IncrementalDetokenizer] = None  # a stream's text, without stop strings
+    finish_reason: Optional[str] = None
+    stop_reason: object = None  # the core's words, then what the output says
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    samples: list[_SampleState]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+
+@dataclass
+class OutputProcessorOutput:
+    request_outputs: list[RequestOutput]
+    reqs_to_stop: list[tuple[str, str]]
+
+
 class OutputProcessor:
-    tokenizer: object = None
-    seqs: dict[str, _SeqState] = field(default_factory=dict)
+    def __init__(self, tokenizer, piece: Optional[Callable] = None) -> None:
+        self.tokenizer = tokenizer
+        if piece is None:  # a token's text, memoized (at most the vocabulary)
+            decode = (
+                (lambda t: tokenizer.decode([t], skip_special_tokens=False))
+                if tokenizer
+                else (lambda t: None)
+            )
+            piece = functools.lru_cache(maxsize=1 << 18)(decode)
+        self.piece = piece
+        self.request_states: dict[str, RequestState] = {}
+        self._samples: dict[str, tuple[RequestState, int]] = {}  # sequence id -> (request, index)
+        self.num_logprob_dicts = 0  # logprob dicts built (one per token that asked for them)
 
-    def add_request(
-        self, seqs: Sequence[Request], prompt_token_ids: list[int], params: SamplingParams
-    ) -> None:
-        for req in seqs:
-            detok = None
-            if params.stop and self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
-            self.seqs[req.request_id] = _SeqState(detok, [] if params.logprobs is not None else None)
+    # -- requests ------------------------------------------------------------------------
+    def add_request(self, request_id, prompt, prompt_token_ids, params, core_requests, stream=False) -> None:
+        if request_id in self.request_states:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        tok = self.tokenizer
+        samples = []
+        for r in core_requests:
+            s = _SampleState(r.request_id, r.sampling_params, r.eos_token_id)
+            if params.logprobs is not None:
+                s.logprobs, s.logprob_dicts = [], []
+            if params.stop and tok is not None:
+                s.detokenizer = IncrementalDetokenizer(tok, prompt_token_ids, params)
+            elif stream and tok is not None:
+                s.stream_text = IncrementalDetokenizer(tok, [], dataclasses.replace(params, n=1, stop=None))
+            samples.append(s)
+        state = RequestState(request_id, prompt, list(prompt_token_ids), params, stream, samples)
+        self.request_states[request_id] = state
+        for j, s in enumerate(samples):
+            self._samples[s.seq_id] = (state, j)
 
-    def remove(self, seqs: Sequence[Request]) -> None:
-        for req in seqs:
-            self.seqs.pop(req.request_id, None)
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget ``request_id``; the ids of its unfinished samples (for the core to abort)."""
+        state = self.request_states.pop(request_id, None)
+        if state is None:
+            return []
+        for s in state.samples:
+            self._samples.pop(s.seq_id, None)
+        return [s.seq_id for s in state.samples if not s.finished]
 
-    # -- called by the engine, after the scheduler appended a token and checked EOS / lengths
-    def check_stop_strings(self, req: Request) -> Optional[str]:
-        """Feed ``req``'s newest token to its detokenizer; the stop string it completed, or
-        None. The engine then finishes ``req`` (FINISHED_STOPPED) through the scheduler."""
-        st = self.seqs.get(req.request_id)
-        if st is None or st.detokenizer is None:
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.request_states)
+
+    # -- the step's outputs ----------------------------------------------------------------
+    def process_outputs(self, outputs) -> OutputProcessorOutput:
+        """Apply one core step's ``EngineCoreOutput``s (see the module docstring)."""
+        moved: dict[str, RequestState] = {}
+        stops = []
+        for o in outputs:
+            found = self._samples.get(o.request_id)
+            if found is None:
+                continue  # aborted here already
+            state, j = found
+            s = state.samples[j]
+            if s.finished:
+                continue  # a stop string ended it: what the core made since is dropped
+            moved[state.request_id] = state
+            new = o.new_token_ids
+            for k, t in enumerate(new):
+                if s.logprobs is not None and o.new_logprobs is not None and k < len(o.new_logprobs):
+                    s.logprobs.append(o.new_logprobs[k])
+                s.token_ids.append(int(t))
+                last = k == len(new) - 1
+                if last and o.finish_reason is not None:
+                    s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
+                if s.stream_text is not None:
+                    s.stream_text.update(int(t))
+                if s.detokenizer is not None:
+                    hit = s.detokenizer.update(int(t), s.finish_reason == "stop")
+                    if hit is not None:  # NOTE: as the core would, a stop string wins over length / EOS
+                        reason = f"stop string {hit!r}"
+                        stops.append((s.seq_id, reason))
+                        s.finish_reason, s.stop_reason = "stop", hit
+                        break
+            if not new and o.finish_reason is not None:
+                s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
+        request_outputs = []
+        for rid, state in moved.items():
+            if state.finished:
+                request_outputs.append(self._request_output(state))
+                self.abort_request(rid)
+            elif state.stream:
+                request_outputs.append(self._request_output(state))
+        return OutputProcessorOutput(request_outputs, stops)
+
+    # -- building outputs (the only place) ---------------------------------------------------
+    def _logprob_dicts(self, s: _SampleState) -> Optional[list]:
+        if s.logprobs is None:
             return None
-        by_token = req.status == RequestStatus.FINISHED_STOPPED  # EOS / stop id ended it
-        s = st.detokenizer.update(req.output_token_ids[-1], by_token)
-        if s is not None:
-            st.stop_string = s
-        return s
+        dicts = s.logprob_dicts
+        n = len(s.token_ids)
+        if len(dicts) < n:
+            before = len(dicts)
+            dicts.extend(logprob_dict(e, self.piece) for e in s.logprobs[before:n])
+            self.num_logprob_dicts += len(dicts) - before
+        return dicts
 
-    # -- called by the engine after sampling -------------------------------------------
-    def add_logprobs(self, reqs: Sequence[Request], entries: dict) -> None:
-        """Called before the sampled tokens are appended: ``entries[request_id]`` belongs to
-        output position ``req.num_output_tokens`` (a re-sampled position replaces its entry)."""
-        for req in reqs:
-            e = entries.get(req.request_id)
-            st = self.seqs.get(req.request_id)
-            if e is not None and st is not None and st.logprobs is not None:
-                del st.logprobs[req.num_output_tokens :]
-                st.logprobs.append(e)
-
-    # -- the output -------------------------------------------------------------------
-    def _decoded(self, token_id: int) -> Optional[str]:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _logprob_dicts(self, entries: list[Logprobs]) -> list[dict[int, Logprob]]:
-        return [logprob_dict(e, self._decoded) for e in entries]
-
-    def _text(self, req: Request, st: Optional[_SeqState], reason: Optional[str]) -> str:
-        if st is not None and st.detokenizer is not None:
-            return st.detokenizer.output_text
-        if self.tokenizer is None or not req.output_token_ids:
+    def _final_text(self, s: _SampleState) -> str:
+        if s.detokenizer is not None:
+            return s.detokenizer.output_text
+        if self.tokenizer is None or not s.token_ids:
             return ""
-        params = req.sampling_params
-        ids = req.output_token_ids
-        if reason == "stop" and not params.include_stop_str_in_output:
+        ids = s.token_ids
+        if s.finish_reason == "stop" and not s.params.include_stop_str_in_output:
             ids = ids[:-1]  # NOTE: as vLLM, the EOS / stop token's text is not output
         if not ids:
             return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=s.params.skip_special_tokens)
 
-    def make_completion(self, index: int, req: Request, reason: Optional[str]) -> CompletionOutput:
-        """The ``CompletionOutput`` of sequence ``req`` (``reason``: its finish reason)."""
-        st = self.seqs.get(req.request_id)
-        stop_reason = None
-        if reason == "refused":
-            stop_reason = req.stop_reason or "refused: the request can never fit"
-        elif reason == "stop" and st is not None and st.stop_string is not None:
-            stop_reason = st.stop_string
-        elif reason == "stop" and req.output_token_ids:
-            last = req.output_token_ids[-1]
-            if last in req.sampling_params.stop_token_ids and last != req.eos_token_id:
-                stop_reason = last
-        logprobs = cumulative = None
-        if st is not None and st.logprobs is not None:
-            entries = st.logprobs[: req.num_output_tokens]
-            logprobs = self._logprob_dicts(entries)
-            cumulative = float(sum(e.sampled_logprob for e in entries))
+    def _stop_reason(self, s: _SampleState):
+        """vLLM's ``stop_reason``: the stop string or stop token id that ended a "stop"
+        sample (None for EOS); for "refused", the scheduler's explanation."""
+        if s.finish_reason == "refused":
+            return s.stop_reason or "refused: the request can never fit"
+        if s.finish_reason != "stop":
+            return None
+        if s.detokenizer is not None and s.detokenizer.stop_string is not None:
+            return s.detokenizer.stop_string
+        if s.token_ids:
+            last = s.token_ids[-1]
+            if last in s.params.stop_token_ids and last != s.eos_token_id:
+                return last
+        return None
+
+    def _completion(self, j: int, s: _SampleState) -> CompletionOutput:
+        lps = self._logprob_dicts(s)
+        if s.finished:
+            cumulative = None if s.logprobs is None else float(sum(e.sampled_logprob for e in s.logprobs))
+            return CompletionOutput(
+                index=j,
+                text=self._final_text(s),
+                token_ids=list(s.token_ids),
+                finish_reason=s.finish_reason,
+                stop_reason=self._stop_reason(s),
+                cumulative_logprob=cumulative,
+                logprobs=None if lps is None else list(lps),
+            )
+        detok = s.detokenizer if s.detokenizer is not None else s.stream_text
         return CompletionOutput(
-            index=index,
-            text=self._text(req, st, reason),
-            token_ids=list(req.output_token_ids),
-            finish_reason=reason,
-            stop_reason=stop_reason,
-            cumulative_logprob=cumulative,
-            logprobs=logprobs,
+            index=j,
+            text="" if detok is None else detok.output_text,
+            token_ids=list(s.token_ids),
+            logprobs=lps,  # NOTE: the growing list itself (cumulative, as the text)
+        )
+
+    def _request_output(self, state: RequestState) -> RequestOutput:
+        comps = [self._completion(j, s) for j, s in enumerate(state.samples)]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=list(state.prompt_token_ids),
+            outputs=comps,
+            finished=all(c.finish_reason is not None for c in comps),
         )

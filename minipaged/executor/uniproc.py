@@ -36,3 +36,8 @@ class UniProcExecutor:
 
     def shutdown(self) -> None:
         """Nothing to stop in-process (a multi-process executor joins its workers here)."""
+
+    @property
+    def closed(self) -> bool:
+        """Never: one worker in this process has nothing to lose (``MultiprocExecutor``'s can)."""
+        return False

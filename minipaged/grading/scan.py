@@ -199,7 +199,7 @@ REFERENCES: dict[str, tuple[str, ...]] = {
         "minipaged.core.kv.block_manager_v0",
     ),
     "ch08": ("minipaged.core.KVCacheManager", "minipaged.core.sched", "minipaged.core.Scheduler"),
-    "ch09": ("minipaged.sim", "minipaged.entrypoints.openai.async_engine"),
+    "ch09": ("minipaged.sim", "minipaged.engine.core.EngineCoreProc", "minipaged.engine.async_llm"),
     "ch10": (
         "minipaged.spec_decode.rejection_sampler.RejectionSampler",
         "minipaged.spec_decode.analysis.expected_tokens_per_step",

@@ -1,6 +1,6 @@
 """ModelInput: the tensors one engine step hands to the model.
 
-Built by ``minipaged.engine.model_runner.ModelRunner.prepare`` from a SchedulerOutput;
+Built by ``minipaged.worker.model_runner.ModelRunner.prepare`` from a SchedulerOutput;
 consumed by the model's forward and, through it, by the attention backend.
 Mirrors the attention metadata of vLLM ``vllm/v1/attention/backends/*``.
 

@@ -326,8 +326,10 @@ md(r"""
   scheduler, the KV cache manager, the workers): this chapter's engine in one figure.
 * **Orca** (Yu et al., OSDI 2022): iteration-level scheduling, the idea behind "scheduling".
 * The engine step, schedule → execute → update: vLLM v1 `vllm/v1/engine/core.py`
-  (`EngineCore.step`) ↔ `minipaged/engine/llm_engine.py`; the paper's v0.2:
-  `vllm/engine/llm_engine.py` (`LLMEngine.step`).
+  (`EngineCore.step`) ↔ `minipaged/engine/core.py`, and the frontend around it (prompts to
+  token ids, token ids to text: `Processor`, `OutputProcessor`) `vllm/v1/engine/llm_engine.py`
+  ↔ `minipaged/engine/llm_engine.py`; the paper's v0.2: `vllm/engine/llm_engine.py`
+  (`LLMEngine.step`).
 * The three ideas' homes in vLLM v1: `vllm/v1/core/kv_cache_manager.py` ↔
   `minipaged/core/kv/kv_cache_manager.py`, `vllm/v1/core/sched/scheduler.py` ↔
   `minipaged/core/sched/scheduler.py`, `vllm/v1/worker/gpu_model_runner.py` ↔

@@ -41,7 +41,7 @@ from minipaged import LLM, SamplingParams, viz
 from minipaged.core import Request
 from minipaged.core import Scheduler, StaticBatchScheduler
 from minipaged.trace import run_scheduler
-from minipaged.engine.llm_engine import LLMEngine
+from minipaged.engine.core import EngineCore
 from minipaged.viz.loops import outline_text
 from minipaged.worker import ModelRunner
 
@@ -485,13 +485,16 @@ separate loop of the same shape; chapter 08 diffs the two.
 
 ### The engine step around the scheduler
 
-`LLMEngine.step` is one iteration of the serving loop: schedule, move blocks if the
-scheduler asked for it, build the flat batch, one forward pass, sample, hand the tokens
-back to the scheduler, record the step for the pictures.
+`EngineCore.step` (`minipaged/engine/core.py`, as vLLM v1's `EngineCore.step`) is one
+iteration of the serving loop: schedule, hand the batch to the executor (the worker builds
+the flat batch, runs one forward pass and samples), hand the tokens back to the scheduler,
+record the step for the pictures. The core sees token ids only: `LLMEngine.step` around it
+(`minipaged/engine/llm_engine.py`) turns them into text and `RequestOutput`s
+(`OutputProcessor`).
 """)
 
 code(r"""
-print(inspect.getsource(LLMEngine.step))
+print(inspect.getsource(EngineCore.step))
 """)
 
 md(r"""
@@ -750,7 +753,8 @@ md(r"""
   `minipaged/core/sched/scheduler.py`; `vllm/v1/core/sched/output.py` (`SchedulerOutput`) ↔
   `minipaged/core/sched/output.py`; `vllm/v1/request.py` ↔ `minipaged/core/sched/request.py`.
 * The loop around it: `vllm/v1/engine/core.py` (`EngineCore.step`) ↔
-  `minipaged/engine/llm_engine.py`; the worker: `vllm/v1/worker/gpu_model_runner.py`
+  `minipaged/engine/core.py`, under `vllm/v1/engine/llm_engine.py` (`LLMEngine.step`:
+  outputs to text) ↔ `minipaged/engine/llm_engine.py`; the worker: `vllm/v1/worker/gpu_model_runner.py`
   (`_update_states`, `_prepare_inputs`) ↔ `minipaged/worker/model_runner.py`.
 * The packed batch as vLLM teaches it: the "Paged Attention" page of vLLM's design docs,
   and Hugging Face's blog post on continuous batching (ragged batches, no padding).

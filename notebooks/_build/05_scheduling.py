@@ -497,10 +497,11 @@ The other side of memory pressure: memory comes back as soon as a request ends, 
 the middle of a block. On the course model, `SamplingParams(stop=["."])` ends a request at
 its first full stop. The scheduler does not see text: its own stop check (`check_stop`,
 inside `update_from_output`) knows only token ids (EOS, `stop_token_ids`, `max_tokens`,
-`max_model_len`). Stop *strings* are found by the engine's `OutputProcessor`, right after
-`update_from_output` appended the step's tokens: it feeds each new token to the request's
-detokenizer, and when the text now ends in a stop string the engine calls
-`scheduler.finish_requests([request_id], FINISHED_STOPPED)` in that same step. That frees
+`max_model_len`). Stop *strings* are found by the engine's `OutputProcessor`, in the token
+ids the engine core's step returned: it feeds each new token to the request's
+detokenizer, and when the text now ends in a stop string `LLMEngine.step` tells the core
+(`EngineCore.stop_requests`), which calls
+`scheduler.finish_requests([request_id], FINISHED_STOPPED)` before the step returns. That frees
 the request's blocks, the last one only partly filled, so they are back in the free queue
 **before the next `schedule()`**, which can hand them to someone else.
 
@@ -756,7 +757,8 @@ md(r"""
   `max_num_batched_tokens`, `_preempt_request`) ↔ `minipaged/core/sched/scheduler.py`.
 * Stop strings: `vllm/v1/engine/output_processor.py` (finds them, asks for the abort) and
   `vllm/v1/engine/detokenizer.py` ↔ `minipaged/engine/output_processor.py`,
-  `minipaged/engine/llm_engine.py` (`_check_stop_strings`, then `Scheduler.finish_requests`).
+  `minipaged/engine/llm_engine.py` (`step`: `process_outputs`, then `EngineCore.stop_requests`,
+  which calls `Scheduler.finish_requests`).
 * The waiting queue (FCFS or priority): `vllm/v1/core/sched/request_queue.py`.
 """)
 

@@ -61,31 +61,44 @@ so that the notebook can start and stop it. From a terminal it would be
 minipaged serve --port 8000            # http://127.0.0.1:8000, live view at /
 ```
 
-`check_invariants=True` makes the loop call `LLMEngine.check_invariants()` after every
-step: the block accounting of chapter 02 and the scheduler rules of chapter 04 are
+`check_invariants=True` makes the engine core call `EngineCore.check_invariants()` after
+every step: the block accounting of chapter 02 and the scheduler rules of chapter 04 are
 checked while real clients come and go.
 
 ## The engine loop
 
-The server is three pieces (`minipaged/entrypoints/openai/`): the HTTP routes
-(`api_server.py`), the request bodies (`protocol.py`), and the loop that owns the engine
-(`async_engine.py`). A handler never touches the engine: it queues an *add* (or, when its
-client hangs up, an *abort*), and the loop applies those **between** steps, then runs one
-`engine.step()` in a worker thread and hands each request its new tokens.
+The server is laid out as vLLM v1's. The HTTP side (`minipaged/entrypoints/openai/`):
+the routes (`api_server.py`), the request bodies (`protocol.py`), the request path
+(`serving.py`). Under it the engine, in two halves (`minipaged/engine/`):
+
+- the **frontend**, `AsyncLLM` (`async_llm.py`): a `Processor` that validates and tokenizes
+  a request and fans `n` out into one `EngineCoreRequest` per sample (`processor.py`), and
+  an `OutputProcessor` that turns token ids back into text, finds stop strings and builds
+  every `RequestOutput` (`output_processor.py`, the same one `LLM.generate` uses);
+- the **engine core**, `EngineCore(scheduler, executor)` (`core.py`): no tokenizer, no
+  text, token ids in and out, one `step()` at a time, driven by a busy loop
+  (`EngineCoreProc.run_busy_loop`). The frontend reaches it through a client
+  (`core_client.py`).
+
+A handler never touches the scheduler: `AsyncLLM.add_requests` queues an *add* message
+(or, when its client hangs up, `AsyncLLM.abort` an *abort*), and the core's busy loop
+applies those **between** steps, then runs one `core.step()` and sends back each
+request's new tokens:
 """)
 
 code(r"""
 import inspect
-from minipaged.entrypoints.openai.async_engine import AsyncEngine
+from minipaged.engine.core import EngineCoreProc
 
-print(inspect.getsource(AsyncEngine._loop))
+print(inspect.getsource(EngineCoreProc.run_busy_loop))
 """)
 
 md(r"""
-This is vLLM v1's `AsyncLLM` in miniature. Continuous batching needs nothing more: a
-request added between step *k* and *k+1* is in the batch of step *k+1*. This notebook's
-server steps its engine in a thread of this kernel (it shares the weights of `llm`);
-`minipaged serve` from a terminal does what vLLM v1 does instead, next.
+This is vLLM v1's `EngineCoreProc.run_busy_loop` in miniature. Continuous batching needs
+nothing more: a request added between step *k* and *k+1* is in the batch of step *k+1*.
+This notebook's server runs that loop in a thread of this kernel (`ThreadedClient`: it
+shares the weights of `llm`); `minipaged serve` from a terminal does what vLLM v1 does
+instead, next.
 
 ## Two processes: the engine core and the API server
 
@@ -97,45 +110,54 @@ does everything around it. `minipaged serve` does the same by default
 (`minipaged/engine/core.py`, `core_client.py`; `--no-engine-process` keeps the old way).
 Each step, only plain data crosses, one way each:
 
-- in, when a client sends or leaves: `("add", [(request_id, prompt_token_ids, params)])`,
-  `("abort", [request_id])`, and `("stop", [(seq_id, reason)])` when the *frontend*
+- in, when a client sends or leaves: `("add", [(request_id, [EngineCoreRequest, ...])])`
+  (a request's samples: token ids, `SamplingParams` with `n=1`, a seed),
+  `("abort", [seq_id])`, and `("stop", [(seq_id, reason)])` when the *frontend*
   finds a stop string in the text: the core finishes that sequence at its next step
   boundary, its blocks freed there (vLLM v1 aborts it the same way);
-- out, after every step: for each sequence that moved, its **new token ids** (plus
-  logprob entries if asked, and a finish reason once it ends), and the step's
-  `StepRecord` that `/trace`, `/metrics` and the live view draw.
+- out, after every step: `EngineCoreOutputs`, for each sequence that moved an
+  `EngineCoreOutput` with its **new token ids** (plus logprob entries if asked, and a
+  finish reason once it ends), and the step's `StepRecord` that `/trace`, `/metrics` and
+  the live view draw.
 
-`EngineCore` is the object the child process drives; here it runs in this kernel on a
-fresh engine, so we can weigh each message in bytes (pickled, as they cross the pipe):
+`EngineCore` is the object the child process drives; here it runs in this kernel, over
+the weights of `llm`, with a `Processor` and an `OutputProcessor` beside it as the
+frontend holds them, so we can weigh each message in bytes (pickled, as they cross the
+pipe):
 """)
 
 code(r"""
 from minipaged.engine.core import EngineCore, encode
-from minipaged.engine.core_client import FrontendOutputs
+from minipaged.engine.output_processor import OutputProcessor
+from minipaged.engine.processor import Processor
 
-core = EngineCore(LLMEngine(llm.config, model=llm.llm_engine.model,
-                            tokenizer=llm.get_tokenizer()))
 tok = llm.get_tokenizer()
+core = EngineCore.from_config(llm.config, llm.llm_engine.model)   # scheduler + executor
+processor, output_processor = Processor(core.model_info, tok), OutputProcessor(tok)
 params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-adds = [(f"r{i}", list(tok(p)["input_ids"]), params)
-        for i, p in enumerate(["Once upon a time", "The little dog", "Lily wanted to",
-                               "One day, a big"])]
+adds = []
+for i, prompt in enumerate(["Once upon a time", "The little dog", "Lily wanted to",
+                            "One day, a big"]):
+    text, ids = processor.tokenize(prompt)
+    reqs = processor.process_inputs(f"r{i}", ids, params)     # one EngineCoreRequest (n=1)
+    output_processor.add_request(f"r{i}", text, ids, params, reqs, stream=True)
+    adds.append((f"r{i}", reqs))
 add_msg = ("add", adds)
-front = FrontendOutputs(tok, core.engine.eos_token_ids, lambda t: tok.decode([t]))
-for rid, ids, p in adds:
-    front.add(rid, ids, p, stream=True)
-core.handle(add_msg)
+for rid, reqs in adds:
+    core.add_request_group(reqs)
 steps = []
-while (out := core.step()) is not None:
-    steps.append(out)
-    front.process(out[1])                       # the frontend turns token ids into text
-kind, seqs, event, stats = steps[3]             # a decode step with all four running
+while core.has_unfinished_requests():
+    outs = core.step()                          # EngineCoreOutputs: token ids, no text
+    steps.append(outs)
+    output_processor.process_outputs(outs.outputs)   # the frontend turns them into text
+outs = steps[3]                                 # a decode step with all four running
 print(f"add, 4 requests:              {len(encode(add_msg)):5d} bytes")
-print(f"one step's tokens ({len(seqs)} seqs):     {len(encode(seqs)):5d} bytes   {seqs[0][:2]}")
-print(f"one step's StepRecord:        {len(encode(event)):5d} bytes")
+print(f"one step's tokens ({len(outs.outputs)} seqs):     {len(encode(outs.outputs)):5d} bytes")
+print("   ", outs.outputs[0])
+print(f"one step's StepRecord:        {len(encode(outs.step)):5d} bytes")
 print(f"abort of one request:         {len(encode(('abort', ['r0']))):5d} bytes")
 print("steps run:", len(steps), "| every block free at the end:",
-      core.engine.kv_cache_manager.get_num_free_blocks() == core.engine.num_blocks)
+      core.scheduler.kv_cache_manager.get_num_free_blocks() == core.model_info.num_blocks)
 """)
 
 md(r"""
@@ -147,7 +169,7 @@ the biggest part; it is what makes the live view possible. The two processes:
 code(r"""
 from matplotlib.patches import FancyBboxPatch
 
-step_bytes, trace_bytes = len(encode(seqs)), len(encode(event))
+step_bytes, trace_bytes = len(encode(outs.outputs)), len(encode(outs.step))
 fig, ax = plt.subplots(figsize=(9, 3.4))
 ax.set_xlim(0, 10); ax.set_ylim(0, 4); ax.axis("off")
 for x, title, lines, color in [
@@ -174,8 +196,8 @@ md(r"""
 Why it pays: the core starts step *k+1* as soon as step *k*'s token ids are on the pipe;
 the frontend turns them into text and SSE chunks **while** step *k+1* runs. In one
 process the two take turns. The timeline below is drawn from the durations just measured
-on this machine (each `core.step()`; each `front.process(...)` plus the SSE chunks it
-yields), laid out both ways; the durations vary from run to run, the shape does not.
+on this machine (each `core.step()`; each `output_processor.process_outputs(...)` plus the
+SSE chunks it yields), laid out both ways; the durations vary from run to run, the shape does not.
 With 8 streams on a small model the frontend's part is thin; in a saturated server (64
 streams, HTTP writes on top) it is a large share of the event loop: see the profile in
 the README.
@@ -185,27 +207,23 @@ code(r"""
 import time as _time
 from minipaged.entrypoints.openai.serving import sse
 
-core2 = EngineCore(LLMEngine(llm.config, model=llm.llm_engine.model, tokenizer=tok))
-front2 = FrontendOutputs(tok, core2.engine.eos_token_ids, lambda t: tok.decode([t]))
-for rid, ids, p in adds:
-    front2.add(rid, ids, p, stream=True)
-more = [(f"s{i}", list(tok(p)["input_ids"]), SamplingParams(temperature=0.0, max_tokens=24,
-                                                               ignore_eos=True))
-        for i, p in enumerate(["Once upon a time", "The little dog", "Lily wanted to",
-                               "One day, a big", "Tom and Sue", "The sun was", "A small bird",
-                               "Max found a"])]
-for rid, ids, p in more:
-    front2.add(rid, ids, p, stream=True)
-core2.handle(("add", more))                     # 8 streams: max_num_seqs of this engine
-core2.step()                                    # warm-up step, not drawn
+core2 = EngineCore.from_config(llm.config, llm.llm_engine.model)
+output_processor2 = OutputProcessor(tok)
+params2 = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+for i, prompt in enumerate(["Once upon a time", "The little dog", "Lily wanted to",
+                            "One day, a big", "Tom and Sue", "The sun was", "A small bird",
+                            "Max found a"]):                # 8 streams: max_num_seqs of this engine
+    text, ids = processor.tokenize(prompt)
+    reqs = processor.process_inputs(f"s{i}", ids, params2)
+    output_processor2.add_request(f"s{i}", text, ids, params2, reqs, stream=True)
+    core2.add_request_group(reqs)
+output_processor2.process_outputs(core2.step().outputs)     # warm-up step, not drawn
 t_step, t_front = [], []
-while True:
-    t0 = _time.perf_counter(); out = core2.step(); t1 = _time.perf_counter()
-    if out is None:
-        break
-    outs, _ = front2.process(out[1])                          # detokenize, stop strings
-    chunks = [sse({"choices": [{"index": 0, "text": c.text}]}) for o in outs.values()
-              for c in o.outputs]                               # the SSE chunks they become
+while core2.has_unfinished_requests():
+    t0 = _time.perf_counter(); outs2 = core2.step(); t1 = _time.perf_counter()
+    processed = output_processor2.process_outputs(outs2.outputs)   # detokenize, stop strings
+    chunks = [sse({"choices": [{"index": 0, "text": c.text}]})
+              for o in processed.request_outputs for c in o.outputs]   # the SSE chunks they become
     t2 = _time.perf_counter()
     t_step.append(t1 - t0); t_front.append(t2 - t1)
 
@@ -435,7 +453,7 @@ for chunk in client.completions.create(model="minipaged-course-model", prompt="M
 
 code(r"""
 server.stop()
-print("server stopped; engine steps checked:", server.serving.async_engine.errors == [])
+print("server stopped; engine steps checked:", server.serving.engine_client.errors == [])
 """)
 
 md(r"""

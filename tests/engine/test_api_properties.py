@@ -35,7 +35,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture
 def preloaded(tiny, monkeypatch):
     """``LLM(...)`` gets the tiny model from the loader instead of reading it again."""
-    import minipaged.engine.llm_engine as le
+    import minipaged.engine.core as le
 
     monkeypatch.setattr(le, "load_model_checked", lambda config: tiny)
     return tiny

@@ -263,7 +263,7 @@ def test_100mb_body_is_413_and_others_are_unaffected(llm, server, client):
     )
     assert r.choices[0].text == want
     wait_idle(server)
-    assert server.serving.async_engine.errors == []
+    assert server.serving.engine_client.errors == []
 
 
 # -- disconnects, metrics, the trace ---------------------------------------------------------
@@ -384,13 +384,13 @@ def test_queue_full_is_503_with_retry_after(llm, mode):
     import threading
 
     from minipaged.config import EngineConfig
-    from minipaged.engine.core_client import EngineCoreClient
+    from minipaged.engine.core_client import MPClient
     from minipaged.engine.llm_engine import LLMEngine
 
     e = llm.llm_engine
     config = dataclasses.replace(e.config, max_num_seqs=1)
     if mode == "engine-process":
-        engine = EngineCoreClient(config, check_invariants=True)
+        engine = MPClient(config, check_invariants=True)
     else:
         engine = LLMEngine(config, model=e.model, tokenizer=e.tokenizer)
     assert isinstance(config, EngineConfig)
@@ -403,7 +403,7 @@ def test_queue_full_is_503_with_retry_after(llm, mode):
 
         first = threading.Thread(target=send, args=("a",))
         first.start()
-        ae = srv.serving.async_engine
+        ae = srv.serving.engine_client
         deadline = time.monotonic() + 30
         while not ae._running_rids:  # a is running
             assert time.monotonic() < deadline
@@ -618,7 +618,7 @@ def test_an_engine_fault_is_a_json_500_and_serving_goes_on(llm):
 
     e = llm.llm_engine
     engine = LLMEngine(e.config, model=e.model, tokenizer=e.tokenizer)
-    real_step, calls = engine.step, []
+    real_step, calls = engine.core.step, []  # NOTE: the server steps the engine's core
 
     def faulty_step():
         calls.append(1)
@@ -626,14 +626,14 @@ def test_an_engine_fault_is_a_json_500_and_serving_goes_on(llm):
             raise RuntimeError("injected fault")
         return real_step()
 
-    engine.step = faulty_step
+    engine.core.step = faulty_step
     with BackgroundServer(engine, check_invariants=True) as srv:
         body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0.0}
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 500
         assert r.json()["error"]["message"] == "internal server error"
         assert "Traceback" not in r.text and "injected" not in r.text
-        assert srv.serving.async_engine.errors == ["RuntimeError: injected fault"]
+        assert srv.serving.engine_client.errors == ["RuntimeError: injected fault"]
         want = offline(llm, ["Once upon a time"], temperature=0.0, max_tokens=8)[0].outputs[0].text
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want

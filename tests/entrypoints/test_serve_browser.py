@@ -111,4 +111,4 @@ def test_live_page_follows_the_server(tmp_path):
             assert free
         finally:
             browser.close()
-    assert srv.serving.async_engine.errors == []
+    assert srv.serving.engine_client.errors == []

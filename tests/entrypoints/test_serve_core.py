@@ -8,45 +8,49 @@ from __future__ import annotations
 import pytest
 
 from minipaged import SamplingParams
-from minipaged.engine.core import EngineCore, core_params, decode, encode
-from minipaged.engine.core_client import FrontendOutputs
-from minipaged.engine.llm_engine import LLMEngine
+from minipaged.engine.core import EngineCore, EngineCoreProc, decode, encode
+from minipaged.engine.output_processor import OutputProcessor
+from minipaged.engine.processor import Processor
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a big"]
+
+
+def make_core(llm, **kw) -> EngineCoreProc:
+    e = llm.llm_engine
+    return EngineCoreProc(EngineCore.from_config(e.config, e.model), **kw)
 
 
 def run_split(llm, prompts, params, check=None):
     """Both halves in turn: the core steps, the frontend turns token ids into outputs and
     sends back the stops it finds. Returns the finished outputs by request id, and the
-    core (to look at its engine)."""
-    e = llm.llm_engine
-    core = EngineCore(LLMEngine(e.config, model=e.model, tokenizer=e.tokenizer), check_invariants=True)
+    core's loop (to look at its core)."""
+    proc = make_core(llm, check_invariants=True)
+    core = proc.core
     tok = llm.get_tokenizer()
-    front = FrontendOutputs(tok, core.engine.eos_token_ids, lambda t: tok.decode([t]))
+    processor, front = Processor(core.model_info, tok), OutputProcessor(tok)
     adds = []
     for i, p in enumerate(prompts):
-        ids = list(tok(p)["input_ids"])
-        front.add(f"r{i}", ids, params, stream=True)
-        adds.append((f"r{i}", ids, params))
-    assert core.handle(decode(encode(("add", adds)))) == []
+        _, ids = processor.tokenize(p)
+        children = processor.process_inputs(f"r{i}", ids, params)
+        front.add_request(f"r{i}", None, ids, params, children, stream=True)
+        adds.append((f"r{i}", children))
+    assert proc.handle(decode(encode(("add", adds)))) == []
     done = {}
-    while True:
-        out = core.step()
-        if out is None:
-            break
-        kind, seqs, event, stats = decode(encode(out))
-        assert kind == "step" and event["step"] == core.engine.step_index - 1 + core.step_offset
-        outs, stops = front.process(seqs)
-        for rid, o in outs.items():
+    while core.has_unfinished_requests():
+        outs = decode(encode(proc.step()))
+        assert outs.error is None and outs.step.step == core.step_index - 1 + proc.step_offset
+        processed = front.process_outputs(outs.outputs)
+        for o in processed.request_outputs:
             if o.finished:
-                done[rid] = o
-        if stops:
-            before = core.engine.kv_cache_manager.get_num_free_blocks()
-            core.handle(decode(encode(("stop", stops))))
+                done[o.request_id] = o
+        if processed.reqs_to_stop:
+            before = core.scheduler.kv_cache_manager.get_num_free_blocks()
+            proc.handle(decode(encode(("stop", processed.reqs_to_stop))))
             if check is not None:
-                check(core, before, stops)
-        core.engine.check_invariants()
-    return done, core
+                check(core, before, processed.reqs_to_stop)
+        core.check_invariants()
+    assert not front.has_unfinished_requests()
+    return done, proc
 
 
 def assert_same(done, ref):
@@ -70,10 +74,11 @@ def assert_same(done, ref):
 )
 def test_split_equals_offline(llm, kw):
     params = SamplingParams(**kw)
-    done, core = run_split(llm, PROMPTS, params)
+    done, proc = run_split(llm, PROMPTS, params)
     assert_same(done, llm.generate(PROMPTS, params, use_tqdm=False))
-    assert core.engine.kv_cache_manager.get_num_free_blocks() == core.engine.num_blocks
-    assert not core.engine.has_unfinished_requests() and core.seqs == {}
+    core = proc.core
+    assert core.scheduler.kv_cache_manager.get_num_free_blocks() == core.model_info.num_blocks
+    assert not core.has_unfinished_requests() and core.requests == {}
 
 
 def test_logprobs_cross_as_entries_and_equal_offline(llm):
@@ -97,10 +102,10 @@ def test_a_stop_frees_the_sequence_before_the_next_step(llm):
 
     def check(core, before, stops):
         for sid, reason in stops:
-            assert sid not in core.engine.seq_to_group
-            info = core.engine.trace.requests[sid]
+            assert sid not in core.requests
+            info = core.trace.requests[sid]
             assert info["finish_reason"] == "stop" and reason.startswith("stop string")
-        assert core.engine.kv_cache_manager.get_num_free_blocks() > before
+        assert core.scheduler.kv_cache_manager.get_num_free_blocks() > before
         seen.extend(stops)
 
     params = SamplingParams(temperature=0.0, max_tokens=60, stop=["."])
@@ -109,12 +114,16 @@ def test_a_stop_frees_the_sequence_before_the_next_step(llm):
     assert_same(done, llm.generate(PROMPTS, params, use_tqdm=False))
 
 
-def test_the_core_runs_without_stop_strings_and_refuses_bad_adds(llm):
-    p = SamplingParams(stop=["x"], max_tokens=4)
-    assert core_params(p).stop in (None, []) and core_params(p).max_tokens == 4
-    e = llm.llm_engine
-    core = EngineCore(LLMEngine(e.config, model=e.model, tokenizer=e.tokenizer))
-    replies = core.handle(("add", [("bad", [10**9], SamplingParams(max_tokens=2))]))
-    assert replies[0][:2] == ("rejected", "bad") and "vocabulary" in replies[0][2]
-    assert core.step() is None  # nothing queued: the core would block on its input
-    core.handle(("abort", ["unknown"]))  # an abort of a finished request is a no-op
+def test_the_core_refuses_bad_adds_and_ignores_unknown_aborts(llm):
+    proc = make_core(llm)
+    tok = llm.get_tokenizer()
+    processor = Processor(proc.core.model_info, tok)
+    _, ids = processor.tokenize("Once upon a time")
+    reqs = processor.process_inputs("a", ids, SamplingParams(max_tokens=2))
+    assert proc.handle(("add", [("a", reqs)])) == []
+    replies = proc.handle(decode(encode(("add", [("a", reqs)]))))  # the same id again
+    assert replies[0][:2] == ("rejected", "a") and "already in the engine" in replies[0][2]
+    proc.handle(("abort", ["unknown"]))  # an abort of a finished request is a no-op
+    proc.handle(("abort", ["a"]))
+    assert not proc.core.has_unfinished_requests() and proc.core.requests == {}
+    assert proc.core.step().outputs == []  # nothing queued: the loop would block on its input

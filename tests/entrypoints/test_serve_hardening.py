@@ -194,7 +194,7 @@ def _schedule_raises(engine, monkeypatch):
 
 def _record_raises(engine, monkeypatch):
     """After update_from_output: the step's requests advanced, its outputs never returned."""
-    import minipaged.engine.llm_engine as mod
+    import minipaged.engine.core as mod
 
     real, calls = mod.record_step, []
 
@@ -234,9 +234,9 @@ def test_a_failed_step_fails_its_requests_and_serving_goes_on(llm, baseline, tri
         err = r.json()["error"]
         assert err["type"] == "InternalServerError" and err["message"] == "internal server error"
         assert "Traceback" not in r.text and "injected" not in r.text and "Overflow" not in r.text
-        assert len(srv.serving.async_engine.errors) == 1
+        assert len(srv.serving.engine_client.errors) == 1
         wait_idle(srv)  # every block of the failed request is free again
-        assert srv.serving.async_engine.dead is None
+        assert srv.serving.engine_client.dead is None
         _serves_normally(srv, baseline)
         wait_idle(srv)
         engine.check_invariants()
@@ -285,12 +285,12 @@ def test_an_engine_that_keeps_failing_is_unusable_and_health_says_503(llm, monke
         assert r.status_code == 503 and "unusable" in r.json()["error"]["message"]
         r = _post(srv, NORMAL)
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
-        assert srv.serving.async_engine.dead is not None
+        assert srv.serving.engine_client.dead is not None
 
 
 # -- bounded per-step cost ---------------------------------------------------------------------
 def test_streamed_logprobs_are_built_once_per_token_and_equal_offline(llm, server, client):
-    ae = server.serving.async_engine
+    ae = server.serving.engine_client
     before = ae.num_logprob_dicts
     n, k, m = 2, 3, 24
     stream = client.completions.create(
@@ -360,8 +360,8 @@ def test_stop_strings_are_found_in_a_window_as_in_the_whole_text():
 
 
 def test_output_queue_merges_unread_partial_outputs():
+    from minipaged.engine.async_llm import OutputQueue
     from minipaged.engine.outputs import RequestOutput
-    from minipaged.entrypoints.openai.async_engine import OutputQueue
 
     async def run():
         q = OutputQueue()
@@ -381,14 +381,14 @@ def test_output_queue_merges_unread_partial_outputs():
 def test_an_unread_stream_is_aborted_and_holds_one_output(llm):
     """A stream nobody reads: its queue holds one merged partial output, and after
     ``max_unread_steps`` steps the request is aborted and its blocks freed."""
-    from minipaged.entrypoints.openai.async_engine import AsyncEngine, StreamOverflow
+    from minipaged.engine.async_llm import AsyncLLM, StreamOverflow
 
     engine = _fresh_engine(llm)
     ids = list(llm.llm_engine.tokenizer("Once upon a time")["input_ids"])
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
 
     async def run():
-        ae = AsyncEngine(engine, check_invariants=True, max_unread_steps=5)
+        ae = AsyncLLM(engine, check_invariants=True, max_unread_steps=5)
         await ae.start()
         try:
             (stream,) = ae.add_requests([("slow", ids, params)], stream=True)
@@ -407,7 +407,7 @@ def test_an_unread_stream_is_aborted_and_holds_one_output(llm):
     ae, items = asyncio.run(run())
     assert len(items) == 2 and isinstance(items[1], StreamOverflow), items
     assert not items[0].finished and len(items[0].outputs[0].token_ids) < 60
-    assert not engine.has_unfinished_requests()
+    assert not engine.core.has_unfinished_requests()
     assert engine.kv_cache_manager.get_num_free_blocks() == engine.num_blocks
     assert ae.errors == []
 

@@ -119,13 +119,13 @@ def test_load_with_disconnects():
         assert model_polls and all(code == 200 for code in model_polls)
         # no block leaked once the load ended, no request left, no step raised
         deadline = time.monotonic() + 30
-        while engine.has_unfinished_requests() or srv.serving.async_engine.streams:
+        while engine.has_unfinished_requests() or srv.serving.engine_client.streams:
             assert time.monotonic() < deadline, "requests left in the engine after the load"
             time.sleep(0.05)
         assert engine.kv_cache_manager.get_num_free_blocks() == engine.num_blocks
-        assert srv.serving.async_engine.errors == []
+        assert srv.serving.engine_client.errors == []
         engine.check_invariants()
-        steps = srv.serving.async_engine.num_steps
+        steps = srv.serving.engine_client.num_steps
         from prometheus_client.parser import text_string_to_metric_families
 
         fams = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)}

@@ -246,12 +246,12 @@ def bad_prompt_cases():
 @pytest.mark.parametrize("case", list(bad_prompt_cases()))
 def test_a_bad_prompt_anywhere_is_a_400_naming_it(server, case):
     prompt, param, word = bad_prompt_cases()[case]
-    before = server.serving.async_engine.num_steps
+    before = server.serving.engine_client.num_steps
     r = post(server, {"prompt": prompt, "max_tokens": 4})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and param in err["message"] and word in err["message"], err
-    assert server.serving.async_engine.num_steps == before  # no prompt reached the engine
+    assert server.serving.engine_client.num_steps == before  # no prompt reached the engine
     wait_idle(server)
 
 
@@ -263,7 +263,7 @@ def test_context_overflow_at_one_prompt_is_a_400(server):
 
 
 def test_more_prompts_than_the_waiting_queue_is_a_400(server):
-    limit = server.serving.async_engine.max_waiting_requests
+    limit = server.serving.engine_client.max_waiting_requests
     r = post(server, {"prompt": ["a"] * (limit + 1), "max_tokens": 1})
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "prompt" and str(limit) in err["message"], err
@@ -332,17 +332,17 @@ def test_a_prompt_the_pool_can_never_hold_fails_the_whole_request(llm):
         assert events[-1]["error"]["param"] == "prompt[1]", events[-1]
         wait_idle(srv)
         engine.check_invariants()
-        assert srv.serving.async_engine.errors == []
+        assert srv.serving.engine_client.errors == []
 
 
 def test_add_requests_is_all_or_none(llm):
-    """``AsyncEngine.add_requests``: with one request waiting in a queue of 3, three more do
+    """``AsyncLLM.add_requests``: with one request waiting in a queue of 3, three more do
     not fit (``QueueFull``, none of them queued); two do, on one shared queue, and their
     outputs there equal offline ``LLM.generate``."""
     import asyncio
 
+    from minipaged.engine.async_llm import AsyncLLM, QueueFull
     from minipaged.engine.llm_engine import LLMEngine
-    from minipaged.entrypoints.openai.async_engine import AsyncEngine, QueueFull
 
     e = llm.llm_engine
     engine = LLMEngine(e.config, model=e.model, tokenizer=e.tokenizer)
@@ -351,13 +351,13 @@ def test_add_requests_is_all_or_none(llm):
     ref = offline(llm, PROMPTS[:3], temperature=0.0, max_tokens=6)
 
     async def run():
-        ae = AsyncEngine(engine, max_waiting_requests=3, check_invariants=True)
+        ae = AsyncLLM(engine, max_waiting_requests=3, check_invariants=True)
         await ae.start()  # NOTE: the loop task runs only once this coroutine awaits
         try:
             first = ae.add_requests([("a", ids[0], params)])
             with pytest.raises(QueueFull):
                 ae.add_requests([(f"b{p}", ids[p], params) for p in (1, 2, 3)])
-            assert list(ae.streams) == ["a"] and len(ae._pending) == 1
+            assert list(ae.streams) == ["a"]
             queue = asyncio.Queue()
             more = ae.add_requests([("c1", ids[1], params), ("c2", ids[2], params)], queue=queue)
             assert all(s.queue is queue for s in more) and ae.num_waiting() == 3

@@ -440,6 +440,21 @@ def test_scan_finds_banned_constructs(src, rule):
     assert rule in {f.rule for f in found}, found
 
 
+def test_every_chapter_reference_names_a_package_object():
+    """A reference that names nothing (a module renamed or deleted) guards nothing."""
+    from minipaged.grading.scan import REFERENCES, _resolve_object
+
+    missing = [name for refs in REFERENCES.values() for name in refs if _resolve_object(name) is None]
+    assert missing == []
+
+
+def test_scan_flags_the_engine_loop_in_ch09():
+    from minipaged.grading.scan import scan_source
+
+    src = "from minipaged.engine.core import EngineCoreProc\nEngineCoreProc.run_busy_loop"
+    assert "reference" in {f.rule for f in scan_source(src, "ch09")}
+
+
 def test_scan_allows_what_solutions_need():
     from minipaged.grading.scan import scan_cells
 

@@ -1,6 +1,6 @@
 """The committed figures are what the code draws now.
 
-Every PNG that ``minipaged figures`` draws (``minipaged.viz.figures.FIGURES``) is redrawn
+Every PNG that ``minipaged figures`` draws (``minipaged.figures.FIGURES``) is redrawn
 here and must equal the committed ``figures/NAME`` byte for byte (the PNG writer drops
 every date and version, so a seeded run gives the same bytes). The figures it cannot redraw
 cheaply (``minipaged simulate``'s ``sim_*.png``, a sweep of many minutes) must carry a
@@ -13,7 +13,8 @@ import hashlib
 import json
 import os
 
-from minipaged.viz import figures, palette
+from minipaged import figures
+from minipaged.viz import palette
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIG = os.path.join(REPO, "figures")

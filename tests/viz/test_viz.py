@@ -22,6 +22,7 @@ matplotlib.use("Agg")
 
 import pytest  # noqa: E402
 
+from minipaged import figures as figures_cmd  # noqa: E402
 from minipaged import viz  # noqa: E402
 from minipaged.core import BlockSpaceManager  # noqa: E402
 from minipaged.trace import EngineTrace, StepRecord  # noqa: E402
@@ -651,8 +652,8 @@ def test_figures_are_byte_identical_twice(tmp_path):
     """Two runs (each its own seeded scheduler run) give the same bytes. The engine's
     figures are checked the same way by `minipaged figures --check`."""
     names = ["step_20x200.png", "memory_20x200.png"]
-    a = F.write_figures(tmp_path / "a", names, log=lambda _: None)
-    b = F.write_figures(tmp_path / "b", names, log=lambda _: None)
+    a = figures_cmd.write_figures(tmp_path / "a", names, log=lambda _: None)
+    b = figures_cmd.write_figures(tmp_path / "b", names, log=lambda _: None)
     assert set(a) == set(names) and a == b
     for n in names:
         data = (tmp_path / "a" / n).read_bytes()
@@ -672,6 +673,6 @@ def test_figures_cli_list_and_unknown(capsys):
 
 def test_figures_skip_missing_modules(tmp_path, monkeypatch):
     lines = []
-    monkeypatch.setitem(F.FIGURES, "ghost.png", ("minipaged.sim.not_there", None, "missing"))
-    assert F.write_figures(tmp_path, ["ghost.png"], log=lines.append) == {}
+    monkeypatch.setitem(figures_cmd.FIGURES, "ghost.png", ("minipaged.sim.not_there", None, "missing"))
+    assert figures_cmd.write_figures(tmp_path, ["ghost.png"], log=lines.append) == {}
     assert lines == ["skip ghost.png: minipaged.sim.not_there is not available in this version"]

@@ -153,7 +153,7 @@ def test_the_engine_forgets_finished_requests():
         engine.step()
     s = engine.scheduler
     assert not s.requests and not s.running and not s.waiting and not s.finished_req_ids
-    assert not engine.groups and not engine.seq_to_group and not engine.output_processor.seqs
+    assert not engine.output_processor.request_states and not engine.core.requests
     assert not engine.model_runner.requests
     assert not hasattr(s, "finished") and not hasattr(s, "arrival_seq")
     assert isinstance(Request("x", [1]).arrival_order, int)  # the FCFS rank is the request's

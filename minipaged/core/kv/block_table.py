@@ -1,10 +1,12 @@
 """BlockTable: one request's blocks and token count, and the slot-mapping formula.
 
-Mirrors vLLM ``vllm/v1/worker/block_table.py`` (the per-request rows the model runner
-reads). The ``KVCacheManager`` owns the tables (``block_tables`` in the device pool,
-``cpu_block_tables`` while swapped out: swapping moves a table between the two) and is the
-only one that changes them; the model runner reads them (``get_block_table(request)``) to
-build ``slot_mapping`` and the padded ``block_tables`` tensor.
+The scheduler side of a block table: vLLM v1 keeps these rows in its KV-cache manager
+(``vllm/v1/core/single_type_kv_cache_manager.py``, ``req_to_blocks``). Our
+``KVCacheManager`` (and the paper's ``BlockSpaceManager``, which also holds
+``cpu_block_tables`` for swapped-out requests) owns the tables and is the only one that
+changes them. The model runner never reads them: it keeps its own rows from each step's
+``SchedulerOutput`` (as vLLM's ``vllm/v1/worker/block_table.py``) and builds
+``slot_mapping`` with the same formula.
 
 The formula (chapter 02): token ``i`` of the request lives in slot::
 

@@ -2,8 +2,7 @@
 
 =====================  ============================================================
 ``protocol.py``        request bodies (pydantic, unknown fields refused) and errors
-``async_engine.py``    the engine loop: requests added / aborted while it steps
-``serving.py``         the request path: parse, validate, submit, stream text deltas
+``serving.py``         the request path (over ``minipaged/engine/async_llm.py``): parse, validate, submit, stream text deltas
 ``metrics.py``         ``/metrics``: Prometheus text with vLLM v1's metric names
 ``api_server.py``      the FastAPI app and ``minipaged serve``
 ``live.py``            the live page at ``/`` and the notebook helpers

@@ -2,7 +2,7 @@
 
 Mirrors vLLM ``vllm/entrypoints/openai/api_server.py`` (+ ``serving_completion.py``,
 ``serving_chat.py``) over today's vLLM (v1) ``AsyncLLM``: FastAPI routes in front of one
-engine loop (``async_engine.py``).
+engine's frontend (``minipaged/engine/async_llm.py``).
 
 Routes
     ``GET /v1/models``; ``POST /v1/completions`` and ``/v1/chat/completions``, streaming
@@ -21,8 +21,8 @@ Routes
     server's work, ``profile.py``: what ``benchmarks/serve_load.py --profile`` prints).
 Invariants
     a client that disconnects (mid-stream or while waiting) has its requests (every
-    prompt's) aborted and their KV blocks freed before the next engine step; one engine,
-    touched only by the loop.
+    prompt's) aborted and their KV blocks freed before the next engine step; one engine
+    core, reached only through ``AsyncLLM`` (its messages applied between steps).
 Transport
     uvicorn (``uvicorn_config``) with its httptools parser when installed (C, as vLLM's
     server runs), else its h11 one (pure Python), and uvloop when installed (uvicorn's
@@ -72,7 +72,7 @@ def build_app(engine, **serving_kwargs):
     from fastapi.responses import HTMLResponse, JSONResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from minipaged.entrypoints.openai.async_engine import EngineError
+    from minipaged.engine.async_llm import EngineError
     from minipaged.entrypoints.openai.live import LIVE_PAGE
     from minipaged.entrypoints.openai.protocol import (
         ChatCompletionRequest,
@@ -93,15 +93,15 @@ def build_app(engine, **serving_kwargs):
     )
 
     serving = OpenAIServing(engine, **serving_kwargs)
-    tokenizer = engine.tokenizer
+    tokenizer = serving.engine_client.tokenizer
 
     @asynccontextmanager
     async def lifespan(app):
-        await serving.async_engine.start()
+        await serving.engine_client.start()
         try:
             yield
         finally:
-            await serving.async_engine.shutdown()
+            await serving.engine_client.shutdown()
             serving.close()
 
     app = FastAPI(title="minipaged", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -126,7 +126,7 @@ def build_app(engine, **serving_kwargs):
         return error(400, f"{param}: {err.get('msg', 'invalid value')}", param)
 
     @app.exception_handler(EngineError)
-    async def _engine_error(request, exc):  # logged once by the engine loop already
+    async def _engine_error(request, exc):  # logged once by the engine core already
         return error(500, "internal server error")
 
     @app.exception_handler(Exception)
@@ -135,7 +135,7 @@ def build_app(engine, **serving_kwargs):
 
     @app.get("/health")
     async def health():
-        dead = serving.async_engine.dead
+        dead = serving.engine_client.dead
         if dead is not None:  # NOTE: so that a supervisor restarts the server
             return error(503, f"the engine is unusable: {dead}")
         return Response(status_code=200)
@@ -164,8 +164,7 @@ def build_app(engine, **serving_kwargs):
     async def profile():  # seconds per part of the server's work (profile.py)
         from minipaged.entrypoints.openai.profile import PROFILE
 
-        core = getattr(serving.async_engine, "client", None)
-        return PROFILE.snapshot(None if core is None else core.stats.get("step_seconds", 0.0))
+        return PROFILE.snapshot(serving.engine_client.client.stats.get("step_seconds", 0.0))
 
     @app.get("/metrics")
     async def metrics():
@@ -179,18 +178,18 @@ def build_app(engine, **serving_kwargs):
     @app.get("/trace")
     async def trace(request: Request, format: str = "sse", history: int = 64):
         check_trace_enabled()
-        ae = serving.async_engine
+        async_llm = serving.engine_client
         if format not in ("sse", "json"):
             raise ApiError(400, f"format must be 'sse' or 'json', got {format!r}", "format")
         if history < 0:
             raise ApiError(400, f"history must be >= 0, got {history}", "history")
-        recent = list(ae.recent_steps)[-history:] if history else []
+        recent = list(async_llm.recent_steps)[-history:] if history else []
         if format == "json":
-            return {"config": ae.trace_header(), "steps": recent}
-        q = ae.subscribe()
+            return {"config": async_llm.trace_header(), "steps": recent}
+        q = async_llm.subscribe()
 
         async def events():
-            yield sse(ae.trace_header())
+            yield sse(async_llm.trace_header())
             last = -1
             for ev in recent:
                 last = ev["step"]
@@ -202,7 +201,7 @@ def build_app(engine, **serving_kwargs):
                 if ev["step"] > last:
                     yield sse(ev)
 
-        return SSEResponse(events(), lambda: ae.unsubscribe(q))
+        return SSEResponse(events(), lambda: async_llm.unsubscribe(q))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -355,7 +354,7 @@ def build_app(engine, **serving_kwargs):
             choice,
             first,
         )
-        return SSEResponse(events, lambda: serving.async_engine.abort(stream.request_id))
+        return SSEResponse(events, lambda: serving.engine_client.abort(stream.request_id))
 
     return app
 
@@ -483,11 +482,9 @@ def exit_when_core_dies(serving, server, delay: float = DEAD_CORE_EXIT_DELAY) ->
     core dies (503 with the reason until then); a no-op for an in-process engine."""
     import asyncio
 
-    ae = serving.async_engine
-    if hasattr(ae, "on_core_death"):
-        ae.on_core_death = lambda: asyncio.get_running_loop().call_later(
-            delay, lambda: setattr(server, "should_exit", True)
-        )
+    serving.engine_client.on_core_death = lambda: asyncio.get_running_loop().call_later(
+        delay, lambda: setattr(server, "should_exit", True)
+    )
 
 
 class BackgroundServer:
@@ -681,9 +678,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig(**{k: getattr(args, k) for k in ENGINE_ARGS})
         if args.engine_process:
-            from minipaged.engine.core_client import EngineCoreClient
+            from minipaged.engine.core_client import MPClient
 
-            engine = EngineCoreClient(config, check_invariants=args.check_invariants, threads=args.threads)
+            engine = MPClient(config, check_invariants=args.check_invariants, threads=args.threads)
         else:
             engine = LLMEngine(config)
     except ValueError as e:
@@ -725,7 +722,7 @@ def run(args: argparse.Namespace) -> int:
         server.run()
     finally:
         engine.shutdown()  # the engine core process, or the tensor-parallel workers, if any
-    return 1 if getattr(serving.async_engine, "core_died", False) else 0
+    return 1 if serving.engine_client.core_died else 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:

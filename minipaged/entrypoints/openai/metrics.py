@@ -21,7 +21,7 @@ minipaged has. Counters get Prometheus' ``_total`` suffix, as in vLLM.
 ``minipaged:engine_errors_total``          steps that raised (should stay 0)
 =========================================  ==============================================
 
-Inputs: the loop's step events (``StepRecord`` dicts) and request events. Output:
+Inputs: ``AsyncLLM``'s step events (``StepRecord`` dicts) and request events. Output:
 ``render()`` -> bytes. Failure mode: none; a metric never blocks serving.
 
 NOTE: the values are plain Python numbers, counted in the event-loop thread (the only one

@@ -15,9 +15,10 @@ The parts (each measured where it happens, with ``time.perf_counter``)
     ``sse``: building and JSON-encoding the streamed chunks (on the loop);
     ``tokenize``: prompts through the tokenizer (the tokenizer thread);
     ``detokenize``: each step's outputs: incremental text, stop strings, logprob dicts
-        (the engine thread in-process; the frontend's reader thread with an engine core);
-    ``engine_step``: ``LLMEngine.step()`` (the engine thread in-process; the core process
-        reports its own, which runs *beside* the frontend rather than inside it);
+        (``AsyncLLM``'s ``OutputProcessor``, in the frontend's reader thread);
+    ``engine_step``: ``EngineCore.step()``, as the core reports it (its busy loop in a
+        thread of this process with ``--no-engine-process``; else the core process, which
+        runs *beside* the frontend rather than inside it);
     ``gil_wait``: a probe thread sleeps 5 ms again and again and sums how late it wakes:
         the time a thread that is ready to run waits for the interpreter lock, *and* for a
         CPU when the machine has fewer free cores than runnable threads (the probe cannot

@@ -44,9 +44,8 @@ from typing import Optional
 
 from starlette.responses import Response
 
-from minipaged.entrypoints.openai.async_engine import (
-    AsyncEngine,
-    AsyncMPEngine,
+from minipaged.engine.async_llm import (
+    AsyncLLM,
     EngineDead,
     EngineError,
     OutputQueue,
@@ -175,12 +174,11 @@ class OpenAIServing:
         self.max_n = min(max_n, engine.config.max_num_seqs)
         self.max_body_bytes = max_body_bytes
         self.metrics = ServerMetrics(self.model_name)
-        from minipaged.engine.core_client import EngineCoreClient
-
-        # NOTE: an engine core in its own process (minipaged serve's default), or in-process
-        cls = AsyncMPEngine if isinstance(engine, EngineCoreClient) else AsyncEngine
-        self.async_engine = cls(
+        # NOTE: an engine core in its own process (an MPClient: minipaged serve's default), or
+        # an LLMEngine whose core steps in a thread of this process
+        self.engine_client = AsyncLLM(
             engine,
+            profile=PROFILE,
             max_waiting_requests=max_waiting_requests,
             check_invariants=check_invariants,
             metrics=self.metrics,
@@ -301,7 +299,7 @@ class OpenAIServing:
                 f"{field}={params.logprobs} is over this server's max_logprobs={self.max_logprobs}",
                 field,
             )
-        vocab = int(self.engine.model.vocab_size)
+        vocab = self.engine_client.model_info.vocab_size
         if params.top_k > vocab:
             raise ApiError(
                 400,
@@ -340,7 +338,7 @@ class OpenAIServing:
     def _tokenize_sync(self, prompt, param: str):
         try:
             with PROFILE.timed("tokenize"):
-                return self.engine.tokenize(prompt, name=param)
+                return self.engine_client.tokenize(prompt, name=param)
         except (ValueError, TypeError, RecursionError, UnicodeError) as e:
             # NOTE: a lone surrogate ("\ud800") makes the tokenizer raise TypeError
             msg = str(e) if isinstance(e, ValueError) else f"{param} cannot be tokenized: {type(e).__name__}"
@@ -397,7 +395,7 @@ class OpenAIServing:
         them all). One prompt is the engine request ``request_id``; several are
         ``{request_id}-{p}`` (as vLLM numbers them)."""
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
-        limit = self.async_engine.max_waiting_requests
+        limit = self.engine_client.max_waiting_requests
         if len(items) > limit:
             raise ApiError(
                 400,
@@ -406,7 +404,7 @@ class OpenAIServing:
             )
         rids = [rid] if len(items) == 1 else [f"{rid}-{p}" for p in range(len(items))]
         try:
-            return self.async_engine.add_requests(
+            return self.engine_client.add_requests(
                 [(r, ids, params) for r, (params, ids) in zip(rids, items)],
                 queue=OutputQueue(),
                 stream=stream,
@@ -418,7 +416,7 @@ class OpenAIServing:
 
     def abort_all(self, streams) -> None:
         for stream in streams:
-            self.async_engine.abort(stream.request_id)  # no-op once finished
+            self.engine_client.abort(stream.request_id)  # no-op once finished
 
     # -- running requests ----------------------------------------------------------------
     async def final_output(self, request, stream):
@@ -591,7 +589,7 @@ def _logprob_value(x) -> float:
 
 
 def _piece(tokenizer, token_id: int, lp=None) -> str:
-    """A token's text: the one decoded with its logprob (engine thread) when there is one."""
+    """A token's text: the one decoded with its logprob (the output processor) when there is one."""
     text = getattr(lp, "decoded_token", None)
     return text if text is not None else tokenizer.decode([token_id])
 

@@ -44,12 +44,12 @@ nb.exercise(
     "ex9.1",
     "which step a request joins",
     """
-    The engine loop (`AsyncEngine._loop`, vLLM v1's `AsyncLLM` in miniature) applies the
-    requests that arrived right before each step starts; a request arriving while a step
-    runs waits for the next one. Write `join_step(arrival, step_starts)`: the index of the
-    first step whose start time is at or after `arrival`, or `None` if no step starts that
-    late. Raise `ValueError` if `step_starts` is not in increasing order (equal times are
-    fine).
+    The engine loop (the engine core's busy loop, `EngineCoreProc.run_busy_loop`, as vLLM
+    v1's) applies the requests that arrived right before each step starts; a request
+    arriving while a step runs waits for the next one. Write `join_step(arrival,
+    step_starts)`: the index of the first step whose start time is at or after `arrival`,
+    or `None` if no step starts that late. Raise `ValueError` if `step_starts` is not in
+    increasing order (equal times are fine).
 
     Hand check: steps starting at `[0.0, 0.02, 0.05]`, a request at `0.02` joins step 1, one
     at `0.021` step 2.
