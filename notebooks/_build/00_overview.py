@@ -294,7 +294,7 @@ md(r"""
 | **09 live server** | all three | `minipaged serve` behind the OpenAI API: requests arriving at Poisson times, streaming, hang-ups, the live trace and `/metrics` |
 | **10 speculative decoding** | scheduling, addressing | drafts in the block table, the rejection sampler, rolling back rejected tokens |
 | **11 distributed** | all three | tensor parallelism: one block table, N workers each holding its heads of every block |
-| **03a, 07a, 11a** (appendices) | | `03a_cpu_backend`: the `"cpu"` backend in C; `07a_cpu_step_cost`: where a CPU step's time goes; `11a_shm_allreduce`: the shared-memory all-reduce |
+| **03a, 07a, 09a, 11a** (appendices) | | `03a_cpu_backend`: the `"cpu"` backend in C; `07a_cpu_step_cost`: where a CPU step's time goes; `09a_two_processes`: what the engine-core process buys; `11a_shm_allreduce`: the shared-memory all-reduce |
 | **99** (instructor) | | `99_instructor_appendix`: the package's bodies of the exercised functions, after hand-in |
 | **exercises/** | | one notebook per chapter, `ch00_overview` .. `ch11_distributed` (ex0–ex11): predict, build and measure, graded automatically |
 

@@ -194,62 +194,13 @@ plt.close(fig)
 
 md(r"""
 Why it pays: the core starts step *k+1* as soon as step *k*'s token ids are on the pipe;
-the frontend turns them into text and SSE chunks **while** step *k+1* runs. In one
-process the two take turns. The timeline below is drawn from the durations just measured
-on this machine (each `core.step()`; each `output_processor.process_outputs(...)` plus the
-SSE chunks it yields), laid out both ways; the durations vary from run to run, the shape does not.
-With 8 streams on a small model the frontend's part is thin; in a saturated server (64
-streams, HTTP writes on top) it is a large share of the event loop: see the profile in
-the README.
-""")
-
-code(r"""
-import time as _time
-from minipaged.entrypoints.openai.serving import sse
-
-core2 = EngineCore.from_config(llm.config, llm.llm_engine.model)
-output_processor2 = OutputProcessor(tok)
-params2 = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-for i, prompt in enumerate(["Once upon a time", "The little dog", "Lily wanted to",
-                            "One day, a big", "Tom and Sue", "The sun was", "A small bird",
-                            "Max found a"]):                # 8 streams: max_num_seqs of this engine
-    text, ids = processor.tokenize(prompt)
-    reqs = processor.process_inputs(f"s{i}", ids, params2)
-    output_processor2.add_request(f"s{i}", text, ids, params2, reqs, stream=True)
-    core2.add_request_group(reqs)
-output_processor2.process_outputs(core2.step().outputs)     # warm-up step, not drawn
-t_step, t_front = [], []
-while core2.has_unfinished_requests():
-    t0 = _time.perf_counter(); outs2 = core2.step(); t1 = _time.perf_counter()
-    processed = output_processor2.process_outputs(outs2.outputs)   # detokenize, stop strings
-    chunks = [sse({"choices": [{"index": 0, "text": c.text}]})
-              for o in processed.request_outputs for c in o.outputs]   # the SSE chunks they become
-    t2 = _time.perf_counter()
-    t_step.append(t1 - t0); t_front.append(t2 - t1)
-
-fig, (a1, a2) = plt.subplots(2, 1, figsize=(9, 3.2), sharex=True)
-x = 0.0
-for s, f in zip(t_step, t_front):          # one process: step, then the frontend's work
-    a1.barh(0, s, left=x, color=viz.palette.STATE_COLORS["decode"], edgecolor="white"); x += s
-    a1.barh(0, f, left=x, color=viz.palette.STATE_COLORS["prefill"]); x += f
-x = 0.0
-for s, f in zip(t_step, t_front):          # two processes: the frontend overlaps the next step
-    a2.barh(1, s, left=x, color=viz.palette.STATE_COLORS["decode"], edgecolor="white")
-    a2.barh(0, f, left=x + s, color=viz.palette.STATE_COLORS["prefill"]); x += s
-a1.set_yticks([0], ["one process"]); a2.set_yticks([1, 0], ["core", "frontend"])
-a2.set_xlabel("seconds (light: engine steps; dark: detokenize + SSE chunks of the step before)")
-fig.suptitle("the same steps, in one process and in two")
-plt.show()
-plt.close(fig)
-print("steps:", len(t_step), "| in two processes the frontend's work hides behind the next step")
-""")
-
-md(r"""
-The overlap is free only if there is a CPU for each process: on a machine whose cores
-are all busy (the course's 2-core CI box, shared), the two processes take turns on the
-CPUs instead of on the lock, and the split can lose. `benchmarks/serve_load.py --profile`
-prints where a loaded server's time goes, and `benchmarks/serve_vs_vllm.py` measures both
-against vLLM's own server; the README has the numbers.
+the frontend turns them into text and SSE chunks **while** step *k+1* runs, where in one
+process the two take turns on one interpreter lock. Appendix **09a**
+(`notebooks/09a_two_processes.ipynb`) times both halves of each step on this engine and
+lays them out both ways; it also says when the split loses (a machine with no spare core).
+`benchmarks/serve_load.py --profile` prints where a loaded server's time goes, and
+`benchmarks/serve_vs_vllm.py` measures the server against vLLM's own; the README has the
+numbers.
 
 ## Talking to it with the `openai` client
 """)
@@ -463,7 +414,7 @@ md(r"""
   requests **between** steps, the step itself runs off the event loop.
 - By default the engine core has its own process (vLLM v1's split): token ids, tens of
   bytes per sequence, cross each step; the frontend's text and SSE work overlaps the
-  core's next step; a stop string found by the frontend is a `stop` message the core
+  core's next step (appendix 09a times both halves); a stop string found by the frontend is a `stop` message the core
   applies at its next step boundary.
 - Arrivals at random times are exactly what continuous batching absorbs: the batch is
   rebuilt every step, and a greedy answer does not depend on who else was in it.
