@@ -39,6 +39,7 @@ import hashlib
 import io
 import math
 import random
+import re as _re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -231,6 +232,24 @@ def expected_records(spec: Spec, cases: list, key: Optional[dict]) -> list:
     return loads_strict(dumps(recs), max_bytes=1 << 30)
 
 
+def _not_implemented_message(ex: str, message: Any) -> str:
+    """Why a record says "not implemented": the exercise itself, or (under the student build,
+    ``minipaged.grading.student_build``) a stripped package function the code reached: the
+    notebook's own function of another exercise it needs, or of this one."""
+    m = _re.match(r"^(ex\d+\.\d+): your notebook's (\w+) ", message) if type(message) is str else None
+    if m is None:
+        return f"{ex}: not implemented yet (replace `raise NotImplementedError` with your code)"
+    if m.group(1) != ex:
+        return (
+            f"{ex}: your code needs your {m.group(1)} ({m.group(2)}): not implemented yet, or not "
+            f"defined; when graded the package runs your own functions ({message[:200]})"
+        )
+    return (
+        f"{ex}: not implemented yet as graded: your code reached the package's own implementation "
+        f"of this exercise, which the graded package does not hold ({message[:200]})"
+    )
+
+
 def judge(spec: Spec, cases: list, got_text: str, key: Optional[dict] = None) -> tuple[bool, str]:
     """``(passed, message)`` for the student's records (JSON text) on ``cases``."""
     ex = spec.exercise_id
@@ -242,7 +261,7 @@ def judge(spec: Spec, cases: list, got_text: str, key: Optional[dict] = None) ->
         return False, f"{ex}: the check did not return one result per case"
     for r in got:
         if r.get("_not_implemented") is True:
-            return False, f"{ex}: not implemented yet (replace `raise NotImplementedError` with your code)"
+            return False, _not_implemented_message(ex, r.get("_message"))
     if spec.kind == "secret":
         return _judge_secret(spec, cases, got, key)
     exp = expected_records(spec, cases, key)
