@@ -39,7 +39,7 @@ import hashlib
 import io
 import math
 import random
-import re as _re
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -88,6 +88,30 @@ class Spec:
     @property
     def line(self) -> str:
         return recorded_line(self.exercise_id) if self.kind == "secret" else pass_line(self.exercise_id)
+
+
+def set_answered_by(specs: dict, answered_by: dict) -> dict:
+    """``spec.answered_by`` of each exercise of ``answered_by`` (``{exercise: ("module:qualname",
+    ...)}``: the package callables that compute its graded result, stripped from the student
+    build and, during its local check, from the student's interpreter); what a chapter module
+    ends with. Returns ``answered_by``."""
+    for exercise_id, names in answered_by.items():
+        specs[exercise_id].answered_by = tuple(names)
+    return answered_by
+
+
+# what a stripped package callable raises (``minipaged.grading.student_build``): the message
+# grading gives, and the local check too, when a student's code calls the package's own
+STRIPPED_MESSAGE = re.compile(r"ex\d+\.\d+: your notebook's [A-Za-z_][A-Za-z0-9_]* is used here")
+
+
+def not_implemented_message(exercise_id: str, record: dict) -> str:
+    """Why a record that raised ``NotImplementedError`` fails: the stripped callable's own
+    message (the student's code called the package's implementation), else the stub's."""
+    message = record.get("_message")
+    if type(message) is str and STRIPPED_MESSAGE.fullmatch(message):
+        return message
+    return f"{exercise_id}: not implemented yet (replace `raise NotImplementedError` with your code)"
 
 
 def _withheld(*args, **kwargs):
@@ -232,24 +256,6 @@ def expected_records(spec: Spec, cases: list, key: Optional[dict]) -> list:
     return loads_strict(dumps(recs), max_bytes=1 << 30)
 
 
-def _not_implemented_message(ex: str, message: Any) -> str:
-    """Why a record says "not implemented": the exercise itself, or (under the student build,
-    ``minipaged.grading.student_build``) a stripped package function the code reached: the
-    notebook's own function of another exercise it needs, or of this one."""
-    m = _re.match(r"^(ex\d+\.\d+): your notebook's (\w+) ", message) if type(message) is str else None
-    if m is None:
-        return f"{ex}: not implemented yet (replace `raise NotImplementedError` with your code)"
-    if m.group(1) != ex:
-        return (
-            f"{ex}: your code needs your {m.group(1)} ({m.group(2)}): not implemented yet, or not "
-            f"defined; when graded the package runs your own functions ({message[:200]})"
-        )
-    return (
-        f"{ex}: not implemented yet as graded: your code reached the package's own implementation "
-        f"of this exercise, which the graded package does not hold ({message[:200]})"
-    )
-
-
 def judge(spec: Spec, cases: list, got_text: str, key: Optional[dict] = None) -> tuple[bool, str]:
     """``(passed, message)`` for the student's records (JSON text) on ``cases``."""
     ex = spec.exercise_id
@@ -261,7 +267,7 @@ def judge(spec: Spec, cases: list, got_text: str, key: Optional[dict] = None) ->
         return False, f"{ex}: the check did not return one result per case"
     for r in got:
         if r.get("_not_implemented") is True:
-            return False, _not_implemented_message(ex, r.get("_message"))
+            return False, not_implemented_message(ex, r)
     if spec.kind == "secret":
         return _judge_secret(spec, cases, got, key)
     exp = expected_records(spec, cases, key)

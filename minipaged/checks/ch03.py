@@ -41,7 +41,7 @@ import os
 
 import torch
 
-from minipaged.checks._spec import Spec, attempt, concept_spec, register
+from minipaged.checks._spec import Spec, attempt, concept_spec, register, set_answered_by
 from minipaged.kernels.reference import paged_attention_ref
 
 SPECS: dict = {}
@@ -558,5 +558,4 @@ ANSWERED_BY = {
     ),
     "ex3.6": (),
 }
-for _ex, _names in ANSWERED_BY.items():
-    SPECS[_ex].answered_by = _names
+set_answered_by(SPECS, ANSWERED_BY)

@@ -48,7 +48,7 @@ from minipaged.checks._scheduler_cases import (
     snapshot,
     snapshot_data,
 )
-from minipaged.checks._spec import Spec, concept_spec, register
+from minipaged.checks._spec import Spec, concept_spec, register, set_answered_by
 from minipaged.core import Request, RequestStatus, Scheduler
 from minipaged.core.sched.utils import check_stop as pkg_check_stop
 
@@ -426,7 +426,11 @@ def _serve_scheduler(knobs: dict, max_num_seqs: int) -> Scheduler:
     # NOTE: first-chunk admission, as ex4.1 teaches: in the student build the notebook's
     # schedule_waiting is this scheduler's admission (it reserves no whole prompt)
     return Scheduler(
-        k.pop("num_blocks"), k.pop("block_size"), max_num_seqs=max_num_seqs, scheduler_reserve_full_isl=False, **k
+        k.pop("num_blocks"),
+        k.pop("block_size"),
+        max_num_seqs=max_num_seqs,
+        scheduler_reserve_full_isl=False,
+        **k,
     )
 
 
@@ -567,5 +571,4 @@ ANSWERED_BY = {
     "ex4.4": ("minipaged.trace:run_scheduler", *_SCHEDULE, *_UPDATE),
     "ex4.5": ("minipaged.trace:run_scheduler", *_SCHEDULE, *_UPDATE),
 }
-for _ex, _names in ANSWERED_BY.items():
-    SPECS[_ex].answered_by = _names
+set_answered_by(SPECS, ANSWERED_BY)

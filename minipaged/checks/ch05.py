@@ -45,7 +45,7 @@ import dataclasses
 
 from minipaged.checks._harness import is_not_implemented
 from minipaged.checks._scheduler_cases import Recipe, ReqSpec, arrivals_of, build, random_recipe, snapshot
-from minipaged.checks._spec import Spec, attempt, concept_spec, register
+from minipaged.checks._spec import Spec, attempt, concept_spec, register, set_answered_by
 from minipaged.core import Request, Scheduler
 from minipaged.core.sched import utils as sched_utils
 from minipaged.core.sched.output import SchedulerOutput
@@ -680,5 +680,4 @@ ANSWERED_BY = {
     # runs it as grading does (its running phase the notebook's schedule_running)
     "ex5.6": ("minipaged.core.sched.paper:PaperScheduler.schedule",),
 }
-for _ex, _names in ANSWERED_BY.items():
-    SPECS[_ex].answered_by = _names
+set_answered_by(SPECS, ANSWERED_BY)

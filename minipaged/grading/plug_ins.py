@@ -73,7 +73,11 @@ def _pairs(ex: str, name: str, got) -> list:
     from minipaged.core.sched.request import Request
 
     if type(got) not in (list, tuple) or not all(
-        type(p) in (list, tuple) and len(p) == 2 and isinstance(p[0], Request) and type(p[1]) is int and p[1] > 0
+        type(p) in (list, tuple)
+        and len(p) == 2
+        and isinstance(p[0], Request)
+        and type(p[1]) is int
+        and p[1] > 0
         for p in got
     ):
         raise TypeError(f"{ex}: {name} must return a list of (request, num_new_tokens > 0) pairs")
@@ -96,7 +100,9 @@ def v1_waiting_phase(sched, out, budget: int, ex: str, name: str) -> int:
         return budget  # the package's loop does not start either
     if sched.enable_prefix_caching or sched.scheduler_reserve_full_isl or sched.watermark_blocks:
         raise _unsupported(
-            ex, name, "with scheduler_reserve_full_isl=False, no prefix caching and no watermark (ex4.1's setting)"
+            ex,
+            name,
+            "with scheduler_reserve_full_isl=False, no prefix caching and no watermark (ex4.1's setting)",
         )
     if sched.spec_decode.num_lookahead_tokens:
         raise _unsupported(ex, name, "without speculative decoding")
@@ -120,8 +126,14 @@ def v1_update(fn, sched, output, sampled_token_ids) -> list:
     first (as the package's), requests aborted since ``schedule()`` are not handed over."""
     if output is not sched._in_flight:
         raise ValueError("update_from_output() needs the output of the last schedule()")
-    if output.scheduled_spec_decode_tokens or output.num_lookahead_slots and any(output.num_lookahead_slots.values()):
-        raise NotImplementedError("ex4.3: your notebook's update_from_output stands in only without speculative decoding")
+    if (
+        output.scheduled_spec_decode_tokens
+        or output.num_lookahead_slots
+        and any(output.num_lookahead_slots.values())
+    ):
+        raise NotImplementedError(
+            "ex4.3: your notebook's update_from_output stands in only without speculative decoding"
+        )
     scheduled = [(r, n) for r, n in output.scheduled if not r.is_finished]
     got = fn(sched, scheduled, dict(sampled_token_ids))
     if type(got) is not list:
@@ -147,7 +159,9 @@ def _running(sched, budget: int, ex: str, name: str):
     scheduled, preempted = _pairs(ex, name, got[0]), got[1]
     if type(preempted) not in (list, tuple) or not all(isinstance(v, Request) for v in preempted):
         raise TypeError(f"{ex}: {name} must return the preempted requests as a list")
-    new_ids = {r.request_id: kv.get_block_ids(r.request_id)[before.get(r.request_id, 0) :] for r, _ in scheduled}
+    new_ids = {
+        r.request_id: kv.get_block_ids(r.request_id)[before.get(r.request_id, 0) :] for r, _ in scheduled
+    }
     return scheduled, list(preempted), new_ids
 
 
@@ -167,7 +181,9 @@ def v1_running_phase(sched, out, budget: int, ex: str, name: str) -> int:
     for request, n in scheduled:
         ids = new_ids[request.request_id]
         sched._schedule(request, n, _blocks(ids), out)
-        out.scheduled_cached_reqs.append(CachedRequestData(request.request_id, list(ids), request.num_computed_tokens))
+        out.scheduled_cached_reqs.append(
+            CachedRequestData(request.request_id, list(ids), request.num_computed_tokens)
+        )
         budget -= n
     return budget
 

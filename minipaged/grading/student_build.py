@@ -408,7 +408,11 @@ def student_build(chapter: str, cache_dir: Optional[os.PathLike] = None) -> str:
 PHASE_PLUGS = {
     ("minipaged.core.sched.scheduler:Scheduler.schedule", "ex4.1"): (1, "v1_waiting_phase", "budget"),
     ("minipaged.core.sched.scheduler:Scheduler.schedule", "ex5.4"): (0, "v1_running_phase", "budget"),
-    ("minipaged.core.sched.paper:PaperScheduler.schedule", "ex5.4"): (0, "paper_running_phase", "budget, preempted"),
+    ("minipaged.core.sched.paper:PaperScheduler.schedule", "ex5.4"): (
+        0,
+        "paper_running_phase",
+        "budget, preempted",
+    ),
 }
 # the notebook's exercise function given the package method's arguments through
 # ``plug_ins`` (an expression of ``fn`` and the method's parameters, as ``ADAPTERS``)
