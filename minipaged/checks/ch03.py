@@ -540,8 +540,9 @@ ANSWERED_BY = {
         "minipaged.kernels.cpu:paged_attention_cpu",
         # grouped-query softmax attention over gathered K/V: with a gather (ex3.1), ex3.2
         "minipaged.kernels.torch_backend:_sdpa_grouped",
-        # the compiled C kernels (ctypes): the library itself, and its build
-        "minipaged.kernels.cpu:_library",
+        # the compiled C kernels (ctypes): the library's accessor and its build (a fresh
+        # sandbox has no compiled library in its cache; ``_library`` itself is lru-cached)
+        "minipaged.kernels.cpu:_lib",
         "minipaged.kernels.cpu:_compile",
     ),
     "ex3.3": (
