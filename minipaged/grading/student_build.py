@@ -92,11 +92,6 @@ def plug_with(exercise_id, name, call):
     busy.add(name)
     try:
         return call(fn)
-    except NotImplementedError as e:
-        if str(e).startswith("ex"):  # a stub further down names its own exercise
-            raise
-        # the notebook's function is still the handed-out stub: say which exercise it is
-        raise NotImplementedError(f"{exercise_id}: your notebook's {name} is used here") from None
     finally:
         busy.discard(name)
 
