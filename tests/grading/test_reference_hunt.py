@@ -4,7 +4,7 @@ By construction, not by list: ``_hunt.py`` (a child interpreter, one for every c
 its ``minipaged`` modules swapped per chapter) tries every function and method the build
 defines as the student's function of each exercise, on the exercise's own decoded inputs
 (see its docstring for how: as is, on instances built from the inputs, on the workload);
-the records of each candidate that matches on the first case come back here and are judged
+the records of each candidate that matches on the first case calling it come back here and are judged
 by the real package's checker on every case, as grading would. A pass is a leak: the
 candidate must be stripped (listed in the chapter's ``ANSWERED_BY``).
 
