@@ -425,7 +425,7 @@ def _local_hook(namespaces: list):
 
 
 def _resolve(target: str):
-    """``(owner, attribute name, the raw attribute, its function or kernel)`` of ``target``."""
+    """The function (a method's, a property's getter) or Triton kernel ``target`` names."""
     import importlib
 
     module, qualname = target.split(":")

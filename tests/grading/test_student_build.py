@@ -81,6 +81,34 @@ def test_a_stripped_function_raises_the_exercise_message_without_a_notebook_func
     assert out.stdout.splitlines() == ["ex2.3: your notebook's allocate_slots is used here", "['mine']"]
 
 
+def test_a_stripped_method_runs_the_notebook_function_through_its_adapter(ch02):
+    """ch07's build: a sweep's ``sustainable_rate`` (factor, threshold) runs the notebook's
+    ``sustainable_rate(rates, latencies, factor)`` on the sweep's own curve; the simulator's
+    (an absolute threshold, not a factor) never takes the notebook's function."""
+    ch07 = Path(student_build("ch07", ch02.parents[1]))
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "import minipaged; assert minipaged.__file__.startswith(sys.argv[1])\n"
+        "from types import SimpleNamespace\n"
+        "from minipaged.sim.simulator import RateSweep, sustainable_rate as threshold_rate\n"
+        "sw = RateSweep('paged', 1.0, [1.0, 2.0, 3.0], [SimpleNamespace(normalized_latency=x) for x in (0.1, 0.15, 0.3)])\n"
+        "def sustainable_rate(rates, latencies, factor):\n"
+        "    return [rates, latencies, round(factor, 12)]\n"
+        "print(sw.sustainable_rate(), sw.sustainable_rate(3.0), sw.sustainable_rate(2.0, 0.45))\n"
+        "try:\n    threshold_rate([1.0], [0.1], 0.2)\n"
+        "except NotImplementedError as e:\n    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(ch07.parent)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    curve = "[[1.0, 2.0, 3.0], [0.1, 0.15, 0.3], "
+    assert out.stdout.splitlines() == [
+        f"{curve}2.0] {curve}3.0] {curve}4.5]",
+        "ex7.2: your notebook's sustainable_rate is used here",
+    ]
+
+
 # -- every chapter under its build: full marks for the solutions, none for the copies ---------
 #
 # Each chapter's authored notebook, its untouched student copy and (for some chapters) a
