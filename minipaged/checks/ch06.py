@@ -685,8 +685,11 @@ ANSWERED_BY = {
         "minipaged.sim.sharing:measure_parallel_sampling",
         "minipaged.core.kv.block_manager_v0:BlockSpaceManager.fork",
         "minipaged.core.kv.block_manager_v0:BlockSpaceManager.allocate_slots",
-        # the blocks of sequences that share a prompt's full blocks (one output length)
+        # the blocks of sequences that share a prompt's full blocks (one output length), of a
+        # request and its forks, of tables sharing a block growing with copy-on-write
         "minipaged.core.kv.kv_cache_manager:max_num_blocks",
+        "minipaged.core.kv.block_manager_v0:BlockSpaceManager.get_num_blocks_to_prefill",
+        "minipaged.core.kv.block_manager_v0:_num_blocks_needed",
     ),
 }
 set_answered_by(SPECS, ANSWERED_BY)
