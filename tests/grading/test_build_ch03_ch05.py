@@ -297,3 +297,58 @@ def test_the_package_update_cheat_scores_zero_and_is_real():
     assert {ex for ex, x in graded.exercises.items() if x.passed} == {"ex4.1", "ex4.2"}
     real = grade_notebook(nb, authored, timeout=120, isolation=ISOLATION, scan=False, use_student_build=False)
     assert real.exercises["ex4.3"].passed, real.exercises["ex4.3"].reason
+
+
+# -- item 5: the local check says what grading says --------------------------------------------
+
+
+def _local(chapter: str, ex: str, replace: dict):
+    """The local check of ``ex`` (in this interpreter, the real package) with the chapter's
+    authored setup and solutions, ``replace`` (exercise -> source) instead of some:
+    ``None`` when it passes, else its message."""
+    import contextlib
+    import io
+
+    from minipaged.checks import ExerciseFailure, check
+    from minipaged.grading.grade import check_call
+
+    ns: dict = {}
+    for c in AUTHORED[chapter].nb.cells:
+        if cell_role(c) in ("setup", "solution"):
+            src = (
+                replace.get(cell_exercise(c), cell_source(c))
+                if cell_role(c) == "solution"
+                else cell_source(c)
+            )
+            exec(compile(src, f"<{cell_exercise(c) or 'setup'}>", "exec"), ns)
+    _, names = check_call(cell_source(AUTHORED[chapter].check_cells[ex]))
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            check(ex, *[ns[n] for n in names])
+    except ExerciseFailure as e:
+        return str(e)
+    return None
+
+
+def test_the_local_check_of_the_engine_loop_runs_on_the_notebooks_scheduler():
+    """ex4.5's local check drives a scheduler whose admission is the notebook's ex4.1, as
+    grading does: a wrong ex4.1 fails ex4.5 locally too (the authored serve, unchanged)."""
+    assert _local("ch04", "ex4.5", {}) is None
+    message = _local("ch04", "ex4.5", {"ex4.1": ONE_PER_STEP})
+    assert message is not None and message.startswith("ex4.5 failed on case"), message
+
+
+def test_the_package_update_cheat_fails_locally_with_gradings_message():
+    nb = nbformat.read(CHEATS / "ch04_package_update.ipynb", as_version=4)
+    cheat = next(
+        cell_source(c) for c in nb.cells if cell_role(c) == "solution" and cell_exercise(c) == "ex4.3"
+    )
+    assert (
+        _local("ch04", "ex4.3", {"ex4.3": cheat}) == "ex4.3: your notebook's update_from_output is used here"
+    )
+
+
+def test_the_local_check_of_the_rule_needs_the_notebooks_running_phase():
+    stub = "def schedule_running(scheduler, token_budget):\n    raise NotImplementedError\n"
+    assert _local("ch05", "ex5.6", {}) is None
+    assert _local("ch05", "ex5.6", {"ex5.4": stub}) == "ex5.4: your notebook's schedule_running is used here"
