@@ -30,6 +30,9 @@ Shapes: q [num_seqs, num_heads, head_dim]; caches [num_blocks, block_size, num_k
 head_dim]; block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32.
 Float32 throughout; an output of another dtype or shape is wrong.
 
+ex3.4's split-KV partials are computed on the trusted side (``split_kv_partials``) and sent
+in the case: with one partition they are decode attention itself, so the kernel has none.
+
 Failure mode: the student's code raising becomes data (``{"raised": ...}``), reported with
 the smallest failing case; a missing Triton (ex3.3) is reported as such.
 """

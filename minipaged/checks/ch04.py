@@ -28,8 +28,11 @@ as data: what it returned, the queues, statuses, token counts, block tables and 
 queue (``snapshot_data``), the output tokens. The trusted side builds the same state,
 runs the package's scheduler (``schedule()`` / ``check_stop`` / ``update_from_output`` /
 ``run_scheduler``) and compares. What the case needs that only the reference knows (ex4.1:
-the running phase of the step, done before admission) is computed on the trusted side and
-sent as part of the case, never the answer.
+the running phase of the step, done before admission; ex4.3: the step ``schedule()`` made,
+replayed in the kernel by ``_replay_step``) is computed on the trusted side and sent as
+part of the case, never the answer. In this chapter's student build ``schedule()`` admits
+with the notebook's ``schedule_waiting`` and ``update_from_output`` is the notebook's (see
+``ANSWERED_BY`` at the end): ex4.5's loop drives that scheduler, when graded and locally.
 
 Failure mode: the student's code raising becomes data, reported with the smallest case.
 """
