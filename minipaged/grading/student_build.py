@@ -391,13 +391,13 @@ def student_build(chapter: str, cache_dir: Optional[os.PathLike] = None) -> str:
 
 # -- the local check, as in the build (issue 35, item 5) -------------------------------------
 #
-# ``minipaged.checks``' local check runs the student's side of an exercise with that
-# exercise's ``answered_by`` stripped the way the build strips them: the *same function
-# objects* get the stub's code for the duration of the check (so a reference captured in a
-# default argument, a decorator or an alias is stripped too), a Triton kernel's launch raises,
-# and a stub runs the notebook's own function where the build would plug it in. A student
-# whose code calls the package's implementation then reads locally what grading will say:
-# ``ex2.3: your notebook's allocate_slots is used here``.
+# ``minipaged.checks``' local check runs the student's side of an exercise with what the
+# chapter's build strips (its exercises' ``answered_by``) stripped the same way: the *same
+# function objects* get the stub's code for the duration of the check (so a reference captured
+# in a default argument, a decorator or an alias is stripped too), a Triton kernel's launch
+# raises, and a stub runs the notebook's own function where the build would plug it in. A
+# student whose code calls the package's implementation then reads locally what grading will
+# say: ``ex2.3: your notebook's allocate_slots is used here``.
 
 
 def _local_hook(namespaces: list):
@@ -503,39 +503,40 @@ def _student_namespaces(objects) -> list:
 
 
 class as_in_the_build:
-    """``with as_in_the_build(spec, objects):`` the exercise's ``answered_by`` are stripped as
-    in the chapter's student build (and restored on exit): each function's ``__code__`` is the
-    stub's, a Triton kernel's ``run`` (and the interpreter's ``rewrite``) raises; the
-    notebook's own function is looked up in the namespaces of ``objects`` (the student's),
-    then ``__main__``. Not reentrant across threads: the local check runs in one."""
+    """``with as_in_the_build(spec, objects):`` what the student build of the exercise's chapter
+    strips (every ``answered_by`` of the chapter, as grading's sandbox has them) is stripped
+    here too, and restored on exit: each function's ``__code__`` is the build's stub's, a
+    Triton kernel's ``run`` (and the interpreter's ``rewrite``) raises; a stub's notebook
+    function is looked up in the namespaces of ``objects`` (the student's), then
+    ``__main__``. Not reentrant across threads: the local check runs in one."""
 
     def __init__(self, spec, objects=()):
         self.spec = spec
         self.objects = tuple(objects)
         self._undo: list = []
+        self._hooked = False
         self._saved_hook = None
 
     def __enter__(self):
         import sys
 
-        if not self.spec.answered_by:
-            return self
         from minipaged.checks import chapter_of
 
-        info = strip_targets(chapter_of(self.spec.exercise_id))
+        targets = strip_targets(chapter_of(self.spec.exercise_id))
+        if not targets:
+            return self
         key = "minipaged._student_build"
         self._saved_hook = sys.modules.get(key)
         sys.modules[key] = _local_hook(_student_namespaces(self.objects))
+        self._hooked = True
         try:
-            for target in self.spec.answered_by:
-                ex, name, arity = info[target]
+            for target, (ex, name, arity) in targets.items():
                 fn = _resolve(target)
                 if hasattr(fn, "run") and hasattr(fn, "fn"):  # a Triton kernel
                     message = f"{ex}: your notebook's {name} is used here"
                     for attr in ("run", "rewrite"):
                         if hasattr(fn, attr):
-                            had = attr in vars(fn)
-                            self._undo.append((fn, attr, vars(fn).get(attr), had))
+                            self._undo.append((fn, attr, vars(fn).get(attr), attr in vars(fn)))
                             setattr(fn, attr, _stripped_launch(message))
                     continue
                 code = _local_stub_code(target, fn, ex, name, arity)
@@ -555,7 +556,8 @@ class as_in_the_build:
                 setattr(obj, attr, value)
             else:
                 delattr(obj, attr)
-        if self.spec.answered_by:
+        if self._hooked:
+            self._hooked = False
             if self._saved_hook is None:
                 sys.modules.pop("minipaged._student_build", None)
             else:
