@@ -442,17 +442,42 @@ def _resolve(target: str):
 _LOCAL_STUBS: dict = {}  # target -> the stub's code object (made once per process)
 
 
+def _find_def(body: list, parts: list):
+    """The definition of the qualname ``parts`` in ``body`` (as ``_strip_module`` walks it:
+    classes, and ``if`` / ``try`` / ``with`` blocks as top level), or ``None``."""
+    for node in body:
+        if isinstance(node, (ast.If, ast.Try, ast.With)):
+            inner = [n for block in ("body", "orelse", "finalbody") for n in getattr(node, block, [])]
+            inner += [n for h in getattr(node, "handlers", []) for n in h.body]
+            hit = _find_def(inner, parts)
+            if hit is not None:
+                return hit
+        elif isinstance(node, ast.ClassDef) and len(parts) > 1 and node.name == parts[0]:
+            return _find_def(node.body, parts[1:])
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and parts == [node.name]:
+            return node
+        elif isinstance(node, ast.Assign) and len(parts) == 1:
+            if any(getattr(t, "id", None) == parts[0] for t in node.targets):
+                return node  # a Triton kernel: ``name = StrippedKernel(...)``
+    return None
+
+
 def _local_stub_code(target: str, fn, ex: str, name: str, arity: int):
-    """The code object the build gives ``target``'s body (``_stub_body``, or its adapter),
-    with ``fn``'s free variables (a method that calls ``super()`` has ``__class__``)."""
+    """The code object the build gives ``target`` (its module's source through
+    ``_strip_module``, that one name stripped), with ``fn``'s free variables (a method that
+    calls ``super()`` has ``__class__``)."""
+    import importlib
     import inspect
-    import textwrap
 
     key = (target, ex, name, arity)
     if key in _LOCAL_STUBS:
         return _LOCAL_STUBS[key]
-    node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
-    plug_in = _plugs_in(target, node, name, arity)  # NOTE: before its decorators and defaults go
+    module, qualname = target.split(":")
+    source = inspect.getsource(importlib.import_module(module))
+    text, done = _strip_module(source, {qualname: (ex, name, arity)}, module)
+    node = _find_def(ast.parse(text).body, qualname.split("."))
+    if qualname not in done or not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        raise ValueError(f"{target}: not a function the student build strips")
     node.decorator_list = []
     node.returns = None
     for a in (
@@ -463,13 +488,6 @@ def _local_stub_code(target: str, fn, ex: str, name: str, arity: int):
     # NOTE: defaults live on the function object, not its code: none are evaluated here
     node.args.defaults = []
     node.args.kw_defaults = [None] * len(node.args.kwonlyargs)
-    if target in ADAPTERS:
-        node.body = ast.parse(
-            f"return __import__('minipaged._student_build', fromlist=['plug_with'])"
-            f".plug_with({ex!r}, {name!r}, lambda fn: {ADAPTERS[target]})"
-        ).body
-    else:
-        node.body = _stub_body(node, ex, name, plug_in, arity)
     free = fn.__code__.co_freevars
     node.body = [ast.Expr(ast.Name(v, ast.Load())) for v in free] + node.body
     outer = ast.parse("def _outer():\n    pass\n").body[0]

@@ -26,7 +26,13 @@ from minipaged.checks._spec import judge, make_cases
 from minipaged.checks.notebook import cell_exercise, cell_role, cell_source, load_authored, make_student_copy
 from minipaged.grading.codec import dumps, loads_strict
 from minipaged.grading.grade import check_call
-from minipaged.grading.student_build import _resolve, as_in_the_build, strip_targets, student_build
+from minipaged.grading.student_build import (
+    _find_def,
+    _resolve,
+    as_in_the_build,
+    strip_targets,
+    student_build,
+)
 
 REAL = Path(minipaged.__file__).resolve().parent
 
@@ -336,28 +342,3 @@ def test_every_listed_callable_is_a_stub_in_its_chapters_build(tmp_path):
             assert found is not None, (ch, target)
             text = ast.unparse(found)
             assert "_student_build" in text and len(getattr(found, "body", [found])) == 1, (ch, target, text)
-
-
-def _find_def(body, parts):
-    for node in body:
-        if isinstance(node, (ast.If, ast.Try, ast.With)):
-            inner = [n for block in ("body", "orelse", "finalbody") for n in getattr(node, block, [])]
-            inner += [n for h in getattr(node, "handlers", []) for n in h.body]
-            hit = _find_def(inner, parts)
-            if hit is not None:
-                return hit
-        elif isinstance(node, ast.ClassDef) and node.name == parts[0] and len(parts) > 1:
-            return _find_def(node.body, parts[1:])
-        elif (
-            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and node.name == parts[0]
-            and len(parts) == 1
-        ):
-            return node
-        elif (
-            isinstance(node, ast.Assign)
-            and len(parts) == 1
-            and any(getattr(t, "id", None) == parts[0] for t in node.targets)
-        ):
-            return node  # a Triton kernel: name = StrippedKernel(...)
-    return None
