@@ -39,6 +39,7 @@ import hashlib
 import io
 import math
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -87,6 +88,30 @@ class Spec:
     @property
     def line(self) -> str:
         return recorded_line(self.exercise_id) if self.kind == "secret" else pass_line(self.exercise_id)
+
+
+def set_answered_by(specs: dict, answered_by: dict) -> dict:
+    """``spec.answered_by`` of each exercise of ``answered_by`` (``{exercise: ("module:qualname",
+    ...)}``: the package callables that compute its graded result, stripped from the student
+    build and, during its local check, from the student's interpreter); what a chapter module
+    ends with. Returns ``answered_by``."""
+    for exercise_id, names in answered_by.items():
+        specs[exercise_id].answered_by = tuple(names)
+    return answered_by
+
+
+# what a stripped package callable raises (``minipaged.grading.student_build``): the message
+# grading gives, and the local check too, when a student's code calls the package's own
+STRIPPED_MESSAGE = re.compile(r"ex\d+\.\d+: your notebook's [A-Za-z_][A-Za-z0-9_]* is used here")
+
+
+def not_implemented_message(exercise_id: str, record: dict) -> str:
+    """Why a record that raised ``NotImplementedError`` fails: the stripped callable's own
+    message (the student's code called the package's implementation), else the stub's."""
+    message = record.get("_message")
+    if type(message) is str and STRIPPED_MESSAGE.fullmatch(message):
+        return message
+    return f"{exercise_id}: not implemented yet (replace `raise NotImplementedError` with your code)"
 
 
 def _withheld(*args, **kwargs):
@@ -242,7 +267,7 @@ def judge(spec: Spec, cases: list, got_text: str, key: Optional[dict] = None) ->
         return False, f"{ex}: the check did not return one result per case"
     for r in got:
         if r.get("_not_implemented") is True:
-            return False, f"{ex}: not implemented yet (replace `raise NotImplementedError` with your code)"
+            return False, not_implemented_message(ex, r)
     if spec.kind == "secret":
         return _judge_secret(spec, cases, got, key)
     exp = expected_records(spec, cases, key)
@@ -364,14 +389,18 @@ def local_check(spec: Spec, objects: tuple) -> None:
     else:
         cases = make_cases(spec, LOCAL_SEED)
     cases = loads_strict(dumps(cases), max_bytes=1 << 30)
-    got_text = dumps(observe_all(spec, cases, objects))
+    from minipaged.grading.student_build import as_in_the_build
+
+    # NOTE: the student's side only, as grading runs it: what the chapter's student build
+    # strips (its exercises' ``answered_by``) raises or runs the notebook's own function; the
+    # expected side below uses the real package
+    with as_in_the_build(spec, objects):
+        got_text = dumps(observe_all(spec, cases, objects))
     if spec.kind == "secret":
         got = loads_strict(got_text)
         for rec in got:
             if rec.get("_not_implemented"):
-                raise ExerciseFailure(
-                    f"{spec.exercise_id}: not implemented yet (replace `raise NotImplementedError` with your code)"
-                )
+                raise ExerciseFailure(not_implemented_message(spec.exercise_id, rec))
             if "raised" in rec:
                 raise ExerciseFailure(
                     f"{spec.exercise_id}: your function raised {rec['raised']}: {rec.get('_message', '')}"

@@ -30,7 +30,7 @@ import math
 import random
 
 from minipaged.checks._harness import ExerciseFailure
-from minipaged.checks._spec import Spec, attempt, concept_spec, register
+from minipaged.checks._spec import Spec, attempt, concept_spec, register, set_answered_by
 from minipaged.core import KVCacheManager
 from minipaged.sim.cost_model import GPUS, MODELS, CostModel
 
@@ -327,5 +327,4 @@ ANSWERED_BY = {
         "minipaged.sim.cost_model:StepCost.bound",
     ),
 }
-for _ex, _names in ANSWERED_BY.items():
-    SPECS[_ex].answered_by = _names
+set_answered_by(SPECS, ANSWERED_BY)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import random
 
 from minipaged.checks._harness import ExerciseFailure
-from minipaged.checks._spec import Spec, attempt, concept_spec, register
+from minipaged.checks._spec import Spec, attempt, concept_spec, register, set_answered_by
 from minipaged.core import KVCacheManager
 from minipaged.core.kv.contiguous import ContiguousAllocator
 from minipaged.sim.cost_model import GPUS, LLAMA_7B, MODELS, OPT_13B, CostModel
@@ -404,5 +404,4 @@ ANSWERED_BY = {
         "minipaged.core.kv.contiguous:ContiguousUsage.internal_fragmentation",
     ),
 }
-for _ex, _names in ANSWERED_BY.items():
-    SPECS[_ex].answered_by = _names
+set_answered_by(SPECS, ANSWERED_BY)

@@ -21,7 +21,7 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
-from minipaged.checks._spec import Spec, attempt, concept_spec, register
+from minipaged.checks._spec import Spec, attempt, concept_spec, register, set_answered_by
 from minipaged.core import BlockPool, BlockTable, FreeKVCacheBlockQueue, KVCacheBlock, KVCacheManager
 
 
@@ -540,5 +540,4 @@ ANSWERED_BY = {
         "minipaged.core.kv.kv_cache_manager:KVCacheManager.allocate_slots",
     ),
 }
-for _ex, _names in ANSWERED_BY.items():
-    SPECS[_ex].answered_by = _names
+set_answered_by(SPECS, ANSWERED_BY)

@@ -22,9 +22,12 @@ sequences on a manager (``("alloc", id, n)``, ``("fork", parent, child)``, ``("a
 id)``, ``("free", id)``, and forks that must raise), prompts with a cache history, token
 lists. ``observe`` builds the manager / pool a case describes in the student's kernel (its
 own ``fork`` and ``allocate_slots`` switched off), runs the operations, calling the
-student's function for the exercise's one, and returns after each operation what the call
-returned (or raised), every block table, every ``ref_cnt``, the free queue and whether
-``check_invariants`` holds. The trusted side runs the same ``observe`` with the package's
+student's function for the exercise's one (the other operations are written out in
+``observe`` over the pool: the student build strips the package's ``fork`` and
+``allocate_slots``, and ex6.1 does not depend on the student's ex6.2, nor ex6.2 on ex6.1;
+ex6.4's pool is cached with the chained hashes written out, whatever the student's ex6.3),
+and returns after each operation what the call returned (or raised), every block table,
+every ``ref_cnt``, the free queue and whether ``check_invariants`` holds. The trusted side runs the same ``observe`` with the package's
 ``BlockSpaceManager`` (``fork``; ``allocate_slots`` of one token, whose copy-on-write
 records the ``(src, dst)`` pair ``take_pending_copies`` hands over; the chained
 ``_block_hashes``) and compares. ``ref_fork`` / ``ref_append_slot`` / ``ref_block_hashes``
@@ -39,7 +42,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from minipaged.checks._spec import Spec, attempt, concept_spec, register
+from minipaged.checks._spec import Spec, attempt, concept_spec, register, set_answered_by
 from minipaged.core import BlockPool, BlockSpaceManager, BlockTable, KVCacheBlock, Request, hash_block_tokens
 
 SPECS: dict = {}
@@ -216,31 +219,57 @@ def _describe_ops(case) -> str:
     )
 
 
-def _run_ops(case, fork_fn, append_fn) -> list:
+def _run_ops(case, student_fn, exercise: str) -> list:
     """Run the ops on a manager whose own fork / allocate_slots are off; the state after each.
 
-    ``fork_fn`` / ``append_fn``: the student's function for the exercise, the package's
-    (``BlockSpaceManager.fork``, ``pkg_append_slot``) for the other operation.
+    ``exercise``: ``"fork"`` (ex6.1: ``student_fn`` does the forks) or ``"append"`` (ex6.2:
+    it does the appends); the reference side passes the package's (``BlockSpaceManager.fork``,
+    ``pkg_append_slot``).
+
+    NOTE: the other operations are written out here, not called: in the student build the
+    package's ``fork`` and ``allocate_slots`` are stripped (they answer ex6.1 and ex6.2), and
+    ex6.1 must not depend on the student's ex6.2, nor ex6.2 on their ex6.1.
     """
     num_blocks, block_size, ops = case
     m = _StudentManager(num_blocks, block_size)
+    pool = m.block_pool
     steps = []
     for op in ops:
         kind, call = op[0], None
-        if kind == "alloc":
-            BlockSpaceManager.allocate_slots(m, op[1], op[2])
+        if kind == "alloc":  # a new request: its blocks straight from the pool
+            m.block_tables[op[1]] = BlockTable(
+                pool.get_new_blocks(-(-op[2] // block_size)), op[2], block_size
+            )
         elif kind == "free":
             BlockSpaceManager.free(m, op[1])
         elif kind in ("fork", "fork?"):
-            call = attempt(lambda: fork_fn(m, op[1], op[2]))
-            child, parent = m.block_tables.get(op[2]), m.block_tables.get(op[1])
-            if kind == "fork" and child is not None and parent is not None:
-                call["the child's block list is a list of its own"] = not (
-                    child is parent or child.blocks is parent.blocks
-                )
-        else:  # append
-            call = attempt(lambda: append_fn(m, op[1]))
+            if exercise == "fork":
+                call = attempt(lambda: student_fn(m, op[1], op[2]))
+                child, parent = m.block_tables.get(op[2]), m.block_tables.get(op[1])
+                if kind == "fork" and child is not None and parent is not None:
+                    call["the child's block list is a list of its own"] = not (
+                        child is parent or child.blocks is parent.blocks
+                    )
+            else:  # the child shares the parent's blocks ("fork?" is only in ex6.1's cases)
+                parent = m.block_tables[op[1]]
+                pool.touch(parent.blocks)
+                m.block_tables[op[2]] = BlockTable(list(parent.blocks), parent.num_tokens, block_size)
+        elif exercise == "append":
+            call = attempt(lambda: student_fn(m, op[1]))
             call = {"copies to do, [(src block, dst block)] (None = no free block)": call}
+        else:  # one more token: a new block when the last is full, a copy when it is shared
+            t = m.block_tables[op[1]]
+            full, shared = t.num_tokens % block_size == 0, t.blocks[-1].ref_cnt > 1
+            if (full or shared) and pool.get_num_free_blocks() == 0:
+                pass  # no room: nothing changes (the package's allocate_slots returns None)
+            elif full:
+                t.blocks.extend(pool.get_new_blocks(1))
+                t.num_tokens += 1
+            else:
+                if shared:
+                    old, t.blocks[-1] = t.blocks[-1], pool.get_new_blocks(1)[0]
+                    pool.free_blocks([old])
+                t.num_tokens += 1
         steps.append({"call": call, **_mstate(m)})
     return steps
 
@@ -265,8 +294,9 @@ register(
         "fork: the child shares every block of the parent",
         "fork(kv_cache_manager, parent_id, child_id)",
         "fork",
-        lambda case, fork: _run_ops(case, fork, pkg_append_slot),
-        lambda: (lambda m, p, c: BlockSpaceManager.fork(m, p, c),),
+        observe=lambda case, fork: _run_ops(case, fork, "fork"),
+        # NOTE: keywords: the student build withholds a ``reference=`` (a positional one stays)
+        reference=lambda: (lambda m, p, c: BlockSpaceManager.fork(m, p, c),),
     ),
 )
 register(
@@ -276,8 +306,8 @@ register(
         "append_slot with copy-on-write",
         "append_slot(kv_cache_manager, request_id)",
         "append",
-        lambda case, append_slot: _run_ops(case, BlockSpaceManager.fork, append_slot),
-        lambda: (pkg_append_slot,),
+        observe=lambda case, append_slot: _run_ops(case, append_slot, "append"),
+        reference=lambda: (pkg_append_slot,),
     ),
 )
 
@@ -359,7 +389,11 @@ def _build_pool(c: dict) -> BlockSpaceManager:
         if need > pool.get_num_free_blocks():
             continue
         blocks = pool.get_new_blocks(need)
-        for block, h in zip(blocks, ref_block_hashes(tokens, bs)):
+        # NOTE: the chained hashes written out (``ref_block_hashes`` answers ex6.3: here the
+        # pool is the same whatever the student's ex6.3 does)
+        h = None
+        for j, block in enumerate(blocks[: len(tokens) // bs]):
+            h = hash_block_tokens(h, tokens[j * bs : (j + 1) * bs])
             pool.cache_block(block, h)
         if not keep:
             pool.free_blocks(reversed(blocks))
@@ -638,16 +672,23 @@ __all__ = [
 # what the package itself computes for each exercise: stripped from the student build
 ANSWERED_BY = {
     "ex6.1": ("minipaged.core.kv.block_manager_v0:BlockSpaceManager.fork",),
-    "ex6.3": (
-        "minipaged.checks.ch06:ref_block_hashes",
-        "minipaged.core.kv.kv_cache_manager:KVCacheManager._block_hashes",
-    ),
+    # allocate_slots of one token does the copy-on-write (take_pending_copies hands it over)
+    "ex6.2": ("minipaged.core.kv.block_manager_v0:BlockSpaceManager.allocate_slots",),
+    "ex6.3": ("minipaged.core.kv.kv_cache_manager:KVCacheManager._block_hashes",),
     "ex6.4": ("minipaged.core.kv.kv_cache_manager:KVCacheManager.get_computed_blocks",),
-    "ex6.5": ("minipaged.core.kv.block_manager_v0:BlockSpaceManager.fork",),
+    "ex6.5": (
+        "minipaged.core.kv.block_manager_v0:BlockSpaceManager.fork",
+        "minipaged.core.kv.block_manager_v0:BlockSpaceManager.allocate_slots",
+    ),
     "ex6.6": (
         "minipaged.sim.sharing:measure_parallel_sampling",
         "minipaged.core.kv.block_manager_v0:BlockSpaceManager.fork",
+        "minipaged.core.kv.block_manager_v0:BlockSpaceManager.allocate_slots",
+        # the blocks of sequences that share a prompt's full blocks (one output length), of a
+        # request and its forks, of tables sharing a block growing with copy-on-write
+        "minipaged.core.kv.kv_cache_manager:max_num_blocks",
+        "minipaged.core.kv.block_manager_v0:BlockSpaceManager.get_num_blocks_to_prefill",
+        "minipaged.core.kv.block_manager_v0:_num_blocks_needed",
     ),
 }
-for _ex, _names in ANSWERED_BY.items():
-    SPECS[_ex].answered_by = _names
+set_answered_by(SPECS, ANSWERED_BY)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 
 from minipaged.checks._harness import ExerciseFailure
-from minipaged.checks._spec import Spec, answers_shape, attempt, concept_spec, register
+from minipaged.checks._spec import Spec, answers_shape, attempt, concept_spec, register, set_answered_by
 from minipaged.sim import (
     A100_40GB,
     OPT_13B,
@@ -275,5 +275,4 @@ ANSWERED_BY = {
         "minipaged.sim.simulator:RateSweep.sustainable_rate",
     ),
 }
-for _ex, _names in ANSWERED_BY.items():
-    SPECS[_ex].answered_by = _names
+set_answered_by(SPECS, ANSWERED_BY)

@@ -24,7 +24,7 @@ messages name the first wrong entry, never the answer. Pure Python, no torch.
 from __future__ import annotations
 
 from minipaged.checks._scheduler_cases import arrivals_of
-from minipaged.checks._spec import Spec, attempt, concept_spec, register
+from minipaged.checks._spec import Spec, attempt, concept_spec, register, set_answered_by
 from minipaged.core import KVCacheManager, Request, Scheduler
 from minipaged.sampling_params import SamplingParams
 
@@ -335,5 +335,4 @@ ANSWERED_BY = {
     ),
     "ex8.2": ("minipaged.core.sched.scheduler:Scheduler.schedule",),
 }
-for _ex, _names in ANSWERED_BY.items():
-    SPECS[_ex].answered_by = _names
+set_answered_by(SPECS, ANSWERED_BY)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 
 from minipaged.checks._scheduler_cases import arrivals_of
-from minipaged.checks._spec import Spec, attempt, concept_spec, register
+from minipaged.checks._spec import Spec, attempt, concept_spec, register, set_answered_by
 from minipaged.core import Scheduler
 
 SPECS: dict = {}
@@ -302,5 +302,4 @@ ANSWERED_BY = {
     "ex9.2": ("minipaged.sim.simulator:simulate",),
     "ex9.3": ("minipaged.sim.simulator:simulate",),
 }
-for _ex, _names in ANSWERED_BY.items():
-    SPECS[_ex].answered_by = _names
+set_answered_by(SPECS, ANSWERED_BY)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import operator
 
-from minipaged.checks._spec import Spec, attempt, concept_spec, register
+from minipaged.checks._spec import Spec, attempt, concept_spec, register, set_answered_by
 from minipaged.core import Request, Scheduler
 from minipaged.core.sched import spec as sched_spec
 from minipaged.sampling_params import SamplingParams
@@ -556,5 +556,4 @@ ANSWERED_BY = {
         "minipaged.spec_decode.analysis:cost_model_speedup",
     ),
 }
-for _ex, _names in ANSWERED_BY.items():
-    SPECS[_ex].answered_by = _names
+set_answered_by(SPECS, ANSWERED_BY)

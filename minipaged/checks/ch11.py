@@ -25,7 +25,7 @@ is not of the stated shape is wrong.
 
 from __future__ import annotations
 
-from minipaged.checks._spec import Spec, attempt, concept_spec, register
+from minipaged.checks._spec import Spec, attempt, concept_spec, register, set_answered_by
 
 SPECS: dict = {}
 
@@ -358,5 +358,4 @@ ANSWERED_BY = {
     ),
     "ex11.2": ("minipaged.model.parallel:QKVParallelLinear.local_rows",),
 }
-for _ex, _names in ANSWERED_BY.items():
-    SPECS[_ex].answered_by = _names
+set_answered_by(SPECS, ANSWERED_BY)

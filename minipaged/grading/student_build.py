@@ -51,8 +51,6 @@ ADAPTERS = {
         "'num_key_value_heads': self.num_kv_heads, 'hidden_size': self.hidden_size, "
         "'head_dim': self.head_dim}, self.dtype_bytes)"
     ),
-    # ex6.4's observe builds its pool with these hashes: the notebook's block_hashes (ex6.3)
-    "minipaged.checks.ch06:ref_block_hashes": "fn(token_ids, block_size)",
     "minipaged.core.sched.utils:num_new_tokens": (
         "fn(__import__('types').SimpleNamespace(num_tokens=num_left, num_computed_tokens=0), budget, "
         "chunked, max_num_batched_tokens)"
@@ -389,3 +387,211 @@ def student_build(chapter: str, cache_dir: Optional[os.PathLike] = None) -> str:
     except OSError:  # another grader made it first
         shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+# -- the local check, as in the build (issue 35, item 5) -------------------------------------
+#
+# ``minipaged.checks``' local check runs the student's side of an exercise with what the
+# chapter's build strips (its exercises' ``answered_by``) stripped the same way: the *same
+# function objects* get the stub's code for the duration of the check (so a reference captured
+# in a default argument, a decorator or an alias is stripped too), a Triton kernel's launch
+# raises, and a stub runs the notebook's own function where the build would plug it in. A
+# student whose code calls the package's implementation then reads locally what grading will
+# say: ``ex2.3: your notebook's allocate_slots is used here``.
+
+
+def _local_hook(namespaces: list):
+    """The build's hook module (``HOOK_SOURCE``), its notebook function looked up in
+    ``namespaces`` (those of the student's objects) before ``__main__``."""
+    import types
+
+    hook = types.ModuleType("minipaged._student_build")
+    exec(compile(HOOK_SOURCE, "<minipaged._student_build>", "exec"), hook.__dict__)
+    from_main = hook._notebook_function
+
+    def _notebook_function(exercise_id, name):
+        fn = next((ns[name] for ns in namespaces if callable(ns.get(name))), None)
+        if fn is None:
+            return from_main(exercise_id, name)
+        busy = getattr(hook._active, "names", None)
+        if busy is None:
+            busy = hook._active.names = set()
+        if getattr(fn, "__student_build_stub__", False) or name in busy:
+            raise NotImplementedError(f"{exercise_id}: your notebook's {name} is used here")
+        return fn, busy
+
+    hook._notebook_function = _notebook_function
+    return hook
+
+
+def _resolve(target: str):
+    """The function (a method's, a property's getter) or Triton kernel ``target`` names."""
+    import importlib
+
+    module, qualname = target.split(":")
+    owner = importlib.import_module(module)
+    parts = qualname.split(".")
+    for part in parts[:-1]:
+        owner = getattr(owner, part)
+    raw = vars(owner)[parts[-1]]
+    fn = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+    fn = fn.fget if isinstance(fn, property) else fn
+    return fn
+
+
+_LOCAL_STUBS: dict = {}  # target -> the stub's code object (made once per process)
+
+
+def _find_def(body: list, parts: list):
+    """The definition of the qualname ``parts`` in ``body`` (as ``_strip_module`` walks it:
+    classes, and ``if`` / ``try`` / ``with`` blocks as top level), or ``None``."""
+    for node in body:
+        if isinstance(node, (ast.If, ast.Try, ast.With)):
+            inner = [n for block in ("body", "orelse", "finalbody") for n in getattr(node, block, [])]
+            inner += [n for h in getattr(node, "handlers", []) for n in h.body]
+            hit = _find_def(inner, parts)
+            if hit is not None:
+                return hit
+        elif isinstance(node, ast.ClassDef) and len(parts) > 1 and node.name == parts[0]:
+            return _find_def(node.body, parts[1:])
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and parts == [node.name]:
+            return node
+        elif isinstance(node, ast.Assign) and len(parts) == 1:
+            if any(getattr(t, "id", None) == parts[0] for t in node.targets):
+                return node  # a Triton kernel: ``name = StrippedKernel(...)``
+    return None
+
+
+def _local_stub_code(target: str, fn, ex: str, name: str, arity: int):
+    """The code object the build gives ``target`` (its module's source through
+    ``_strip_module``, that one name stripped), with ``fn``'s free variables (a method that
+    calls ``super()`` has ``__class__``)."""
+    import importlib
+    import inspect
+
+    key = (target, ex, name, arity)
+    if key in _LOCAL_STUBS:
+        return _LOCAL_STUBS[key]
+    module, qualname = target.split(":")
+    source = inspect.getsource(importlib.import_module(module))
+    text, done = _strip_module(source, {qualname: (ex, name, arity)}, module)
+    node = _find_def(ast.parse(text).body, qualname.split("."))
+    if qualname not in done or not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        raise ValueError(f"{target}: not a function the student build strips")
+    node.decorator_list = []
+    node.returns = None
+    for a in (
+        node.args.posonlyargs + node.args.args + node.args.kwonlyargs + [node.args.vararg, node.args.kwarg]
+    ):
+        if a is not None:
+            a.annotation = None
+    # NOTE: defaults live on the function object, not its code: none are evaluated here
+    node.args.defaults = []
+    node.args.kw_defaults = [None] * len(node.args.kwonlyargs)
+    free = fn.__code__.co_freevars
+    node.body = [ast.Expr(ast.Name(v, ast.Load())) for v in free] + node.body
+    outer = ast.parse("def _outer():\n    pass\n").body[0]
+    outer.body = [ast.parse(f"{v} = None").body[0] for v in free] + [node]
+    code = compile(ast.fix_missing_locations(ast.Module([outer], [])), f"<stripped {target}>", "exec")
+    outer_code = next(c for c in code.co_consts if hasattr(c, "co_consts"))
+    stub = next(c for c in outer_code.co_consts if hasattr(c, "co_name") and c.co_name == node.name)
+    if stub.co_freevars != free:
+        raise ValueError(f"{target}: its stub's free variables {stub.co_freevars} are not {free}")
+    _LOCAL_STUBS[key] = stub
+    return stub
+
+
+def _stripped_launch(message: str):
+    def launch(*args, **kwargs):
+        raise NotImplementedError(message)
+
+    return launch
+
+
+def _student_namespaces(objects) -> list:
+    """The global namespaces the student's objects were defined in (the notebook's, or a
+    test's dict), not the package's own modules."""
+    out = []
+    for obj in objects:
+        fn = getattr(obj, "fn", obj)  # a Triton kernel's Python function
+        ns = getattr(fn, "__globals__", None)
+        if type(ns) is dict and not str(ns.get("__name__", "")).startswith("minipaged") and ns not in out:
+            out.append(ns)
+    return out
+
+
+class as_in_the_build:
+    """``with as_in_the_build(spec, objects):`` what the student build of the exercise's chapter
+    strips (every ``answered_by`` of the chapter, as grading's sandbox has them) is stripped
+    here too, and restored on exit: each function's ``__code__`` is the build's stub's, a
+    Triton kernel's ``run`` (and the interpreter's ``rewrite``) raises; a stub's notebook
+    function is looked up in the namespaces of ``objects`` (the student's), then
+    ``__main__``. Not reentrant across threads: the local check runs in one."""
+
+    def __init__(self, spec, objects=()):
+        self.spec = spec
+        self.objects = tuple(objects)
+        self._undo: list = []
+        self._hooked = False
+        self._saved_hook = None
+
+    def __enter__(self):
+        import sys
+
+        from minipaged.checks import chapter_of
+
+        targets = strip_targets(chapter_of(self.spec.exercise_id))
+        if not targets:
+            return self
+        key = "minipaged._student_build"
+        self._saved_hook = sys.modules.get(key)
+        sys.modules[key] = _local_hook(_student_namespaces(self.objects))
+        self._hooked = True
+        try:
+            for target, (ex, name, arity) in targets.items():
+                fn = _resolve(target)
+                if hasattr(fn, "run") and hasattr(fn, "fn"):  # a Triton kernel
+                    message = f"{ex}: your notebook's {name} is used here"
+                    for attr in ("run", "rewrite"):
+                        if hasattr(fn, attr):
+                            self._undo.append((fn, attr, vars(fn).get(attr), attr in vars(fn)))
+                            setattr(fn, attr, _stripped_launch(message))
+                    continue
+                code = _local_stub_code(target, fn, ex, name, arity)
+                self._undo.append((fn, "__code__", fn.__code__, True))
+                fn.__code__ = code
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        import sys
+
+        while self._undo:
+            obj, attr, value, had = self._undo.pop()
+            if had:
+                setattr(obj, attr, value)
+            else:
+                delattr(obj, attr)
+        if self._hooked:
+            self._hooked = False
+            if self._saved_hook is None:
+                sys.modules.pop("minipaged._student_build", None)
+            else:
+                sys.modules["minipaged._student_build"] = self._saved_hook
+        return False
+
+
+# -- ch07 (issue 35): the chapter's stripped callables and the notebook's sustainable_rate ----
+ADAPTERS.update(
+    {
+        # a sweep's own curve, its level as the notebook's factor (x the light-load latency)
+        "minipaged.sim.simulator:RateSweep.sustainable_rate": (
+            "fn(self.rates, self.normalized_latencies, "
+            "factor if threshold is None else threshold / self.normalized_latencies[0])"
+        ),
+    }
+)
+# an absolute latency level, not the notebook's factor: the stub raises
+NO_PLUG_IN.update({"minipaged.sim.simulator:sustainable_rate": "threshold is not a factor"})

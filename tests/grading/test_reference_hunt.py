@@ -4,7 +4,7 @@ By construction, not by list: ``_hunt.py`` (a child interpreter, one for every c
 its ``minipaged`` modules swapped per chapter) tries every function and method the build
 defines as the student's function of each exercise, on the exercise's own decoded inputs
 (see its docstring for how: as is, on instances built from the inputs, on the workload);
-the records of each candidate that matches on the first case come back here and are judged
+the records of each candidate that matches on the first case calling it come back here and are judged
 by the real package's checker on every case, as grading would. A pass is a leak: the
 candidate must be stripped (listed in the chapter's ``ANSWERED_BY``).
 
@@ -64,16 +64,19 @@ def _job(spec, key: dict) -> dict:
     return job
 
 
-def run_hunt(chapters: dict, limit_s: float = 0.2) -> dict:
+def run_hunt(chapters: dict, limit_s: float = 0.2, only=None) -> dict:
     """``chapters``: ``{chapter: build folder (the parent of its minipaged)}`` -> the child's report,
-    each hit with ``passed`` (the real checker's verdict on its records)."""
+    each hit with ``passed`` (the real checker's verdict on its records); ``only``: these
+    exercises (default: every one of each chapter)."""
     key = _key()
     request = {"limit_s": limit_s, "chapters": {}}
     for ch, build in chapters.items():
         specs = _specs(ch)
         request["chapters"][ch] = {
             "build": str(build),
-            "exercises": {ex: _job(spec, key) for ex, spec in sorted(specs.items())},
+            "exercises": {
+                ex: _job(spec, key) for ex, spec in sorted(specs.items()) if only is None or ex in only
+            },
         }
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
     req = tmp / f"hunt-{os.getpid()}.json"
@@ -166,3 +169,69 @@ def test_the_hunt_finds_a_function_the_build_does_not_strip(builds, tmp_path):
     found = leaks(run_hunt({"ch02": build}))
     assert "ex2.4: minipaged.core.kv.addressing:flat_slots" in found, found
     assert "ex2.1: minipaged.core.kv.addressing:Unlinker.unlink" in found, found
+
+
+# compositions of package callables that answer ch06 and ch07 exercises, which no single
+# callable of the package does: each needs one of the chapter's ``ANSWERED_BY`` entries
+COMPOSED = {
+    "ch06": (
+        "minipaged/core/kv/composed.py",
+        "from minipaged.core.kv.block_manager_v0 import BlockSpaceManager\n"
+        "from minipaged.core.kv.block import cdiv\n\n\n"
+        "def cow_append(kv, request_id):\n"
+        "    BlockSpaceManager.allocate_slots(kv, request_id, 1)\n"
+        "    return BlockSpaceManager.take_pending_copies(kv)\n\n\n"
+        "def shared_blocks(prompt_len, output_lens, block_size):\n"
+        "    kv = BlockSpaceManager(sum(cdiv(prompt_len + o, block_size) for o in output_lens) + 1, block_size)\n"
+        "    kv.allocate_slots('s0', prompt_len)\n"
+        "    for i in range(1, len(output_lens)):\n"
+        "        kv.fork('s0', f's{i}')\n"
+        "    for t in range(max(output_lens)):\n"
+        "        for i, o in enumerate(output_lens):\n"
+        "            if t < o:\n"
+        "                kv.allocate_slots(f's{i}', 1)\n"
+        "    return kv.num_blocks - kv.get_num_free_blocks()\n",
+        {"core/kv/block_manager_v0.py", "core/kv/kv_cache_manager.py", "sim/sharing.py"},
+        {"ex6.2: minipaged.core.kv.composed:cow_append", "ex6.6: minipaged.core.kv.composed:shared_blocks"},
+    ),
+    "ch07": (
+        "minipaged/sim/composed.py",
+        "from minipaged.sim.simulator import sustainable_rate\n\n\n"
+        "def knee(rates, latencies, factor):\n"
+        "    if not factor > 1:\n"
+        "        raise ValueError('factor must be > 1')\n"
+        "    return sustainable_rate(list(rates), list(latencies), factor * latencies[0])\n",
+        {"sim/simulator.py"},
+        {"ex7.2: minipaged.sim.composed:knee"},
+    ),
+}
+
+
+def test_the_new_entries_stop_compositions_the_hunt_finds_without_them(builds, tmp_path):
+    """Compositions of package callables (the v0 manager's allocate_slots and fork for ex6.2
+    and ex6.6, the simulator's sustainable_rate for ex7.2), injected into copies of the ch06
+    and ch07 builds: they answer nothing there, and the hunt flags each one in a copy whose
+    modules holding the ``ANSWERED_BY`` entries are the real package's (the entries undone)."""
+    from minipaged.grading.student_build import _package_dir
+
+    real = _package_dir()
+    found = {}
+    for undone in (False, True):
+        copies = {}
+        for ch, (where, source, modules, _) in COMPOSED.items():
+            build = tmp_path / f"{ch}-{'undone' if undone else 'stripped'}"
+            shutil.copytree(builds[ch], build)
+            for p in build.rglob("*"):
+                p.chmod(0o755 if p.is_dir() else 0o644)
+            (build / where).write_text(source, encoding="utf-8")
+            if undone:
+                for rel in modules:
+                    shutil.copyfile(real / rel, build / "minipaged" / rel)
+                    for pyc in (build / "minipaged" / rel).parent.glob(f"__pycache__/{Path(rel).stem}.*.pyc"):
+                        pyc.unlink()
+            copies[ch] = build
+        only = {line.split(":")[0] for _, _, _, lines in COMPOSED.values() for line in lines}
+        found[undone] = set(leaks(run_hunt(copies, only=only)))
+    assert not found[False], found[False]
+    for _, _, _, lines in COMPOSED.values():
+        assert lines <= found[True], (lines, found[True])
