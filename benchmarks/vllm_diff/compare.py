@@ -10,11 +10,11 @@ which are preempted (recompute) and which finish with how many output tokens.
 Inputs / outputs
     ``--vllm-python`` (default: ``$MINIPAGED_VLLM_PYTHON`` or ``.venv-vllm/bin/python``),
     ``--ids`` (default ``0:100,cases``), ``--admission`` (one or more of
-    ``workloads.ADMISSIONS``; default all three), ``--default-free-order`` (minipaged
-    without ``free_uncached_first``, a negative control). Prints each differing workload (first
-    differing step, both sides' records, the config, and its known cause if any) and per
-    admission rule ``N workloads, M identical`` with how many preempted and hit the
-    prefix cache. Exit status 0 iff every workload is identical or a known difference.
+    ``workloads.ADMISSIONS``; default all three), ``--old-free-order`` (minipaged with
+    ``free_uncached_first=False``, every freed block to the back: a negative control).
+    Prints each differing workload (first differing step, both sides' records, the
+    config, and its known cause if any) and per admission rule ``N workloads, M
+    identical`` with how many preempted and hit the prefix cache. Exit status 0 iff every workload is identical or a known difference.
 Failure mode
     RuntimeError if the vLLM runner fails (its stderr is shown).
 
@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -47,9 +48,8 @@ KEYS = ("scheduled", "admitted", "preempted", "finished")
 #   DUPLICATE  vLLM also caches a block whose prefix is cached in another block, both
 #              hittable until evicted (BlockPool.cache_block does so now);
 #   LIFO       vLLM's BlockPool.free_blocks puts freed blocks without a hash at the FRONT
-#              of the free queue, hashed ones at the back (minipaged: the option
-#              free_uncached_first=True, which run_minipaged.py turns on; its default
-#              puts all at the back, as chapter 02 teaches).
+#              of the free queue, hashed ones at the back (minipaged's default now,
+#              free_uncached_first=True, as chapter 02 teaches; False puts all at the back).
 # workloads.CASES holds a minimal workload for each.
 KNOWN_DIFFERENCES: dict[str, tuple[str, ...]] = {}
 
@@ -91,7 +91,7 @@ def run_vllm(vllm_python: str, ids: str, admissions=ADMISSIONS) -> dict:
         return runs
 
 
-def run_minipaged(ids: str, admissions=ADMISSIONS, free_uncached_first: bool = True) -> dict:
+def run_minipaged(ids: str, admissions=ADMISSIONS, free_uncached_first: Optional[bool] = None) -> dict:
     """``{admission: {id: run}}`` for minipaged (in this process)."""
     return {a: {wid: run_one(wid, a, free_uncached_first) for wid in parse_ids(ids)} for a in admissions}
 
@@ -171,15 +171,15 @@ def main(argv=None) -> int:
     ap.add_argument("--admission", choices=ADMISSIONS, nargs="+", default=list(ADMISSIONS))
     ap.add_argument("--quiet", action="store_true", help="print only the summary lines")
     ap.add_argument(
-        "--default-free-order",
+        "--old-free-order",
         action="store_true",
-        help="run minipaged with its default free order (free_uncached_first=False), not vLLM's",
+        help="negative control: minipaged with free_uncached_first=False (every freed block to the back)",
     )
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     vllm_runs = run_vllm(args.vllm_python, args.ids, args.admission)
     t1 = time.perf_counter()
-    mp_runs = run_minipaged(args.ids, args.admission, not args.default_free_order)
+    mp_runs = run_minipaged(args.ids, args.admission, False if args.old_free_order else None)
     t2 = time.perf_counter()
     status = 0
     for a in args.admission:

@@ -5,8 +5,10 @@ build and drive minipaged's scheduler (re-point it here when the core moves); th
 loop and the record format are ``workloads.run_workload``'s, shared with ``run_vllm.py``.
 
 Settings (what vLLM v1 has): the workload's chunked prefill, recompute preemption, no swap and no
-sequence groups (vLLM v1 has neither), and ``free_uncached_first=True`` (vLLM 0.32 frees
-blocks without a hash to the front of the free queue; minipaged's default is the back). The admission rule follows ``--admission``
+sequence groups (vLLM v1 has neither), and ``Scheduler``'s own defaults otherwise (its free
+order is vLLM 0.32's: freed blocks without a hash to the front of the free queue);
+``free_uncached_first=False`` (every freed block to the back) is the negative control. The
+admission rule follows ``--admission``
 (``workloads.ADMISSIONS``), each an option of ``Scheduler`` alone, by vLLM's name:
 ``first-chunk`` -> ``scheduler_reserve_full_isl=False``; ``full-sequence`` -> vLLM 0.32's
 defaults (``scheduler_reserve_full_isl=True``, ``watermark=0.0``); ``watermark`` -> the
@@ -23,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import (  # noqa: E402
@@ -46,7 +49,7 @@ class MinipagedSide:
     """Adapter: builds minipaged's v1 scheduler for a workload config and steps it."""
 
     def __init__(
-        self, config: dict, admission: str = "first-chunk", free_uncached_first: bool = True
+        self, config: dict, admission: str = "first-chunk", free_uncached_first: Optional[bool] = None
     ) -> None:
         from minipaged.core import Scheduler
 
@@ -56,8 +59,9 @@ class MinipagedSide:
             enable_chunked_prefill=config["enable_chunked_prefill"],
             max_model_len=config["max_model_len"],
             enable_prefix_caching=config["enable_prefix_caching"],
-            free_uncached_first=free_uncached_first,  # vLLM 0.32's free order (BlockPool)
         )
+        if free_uncached_first is not None:  # None: the default, vLLM 0.32's free order
+            kwargs["free_uncached_first"] = free_uncached_first
         self.scheduler = Scheduler(
             config["num_blocks"], config["block_size"], **kwargs, **_OPTIONS[admission]
         )
@@ -100,7 +104,7 @@ class MinipagedSide:
         }
 
 
-def run_one(wid, admission: str = "first-chunk", free_uncached_first: bool = True) -> dict:
+def run_one(wid, admission: str = "first-chunk", free_uncached_first: Optional[bool] = None) -> dict:
     workload = make_workload(wid)
     side = MinipagedSide(workload["config"], admission, free_uncached_first)
     return {"workload": workload, "admission": admission, "steps": run_workload(side, workload)}

@@ -391,8 +391,9 @@ def local_check(spec: Spec, objects: tuple) -> None:
     cases = loads_strict(dumps(cases), max_bytes=1 << 30)
     from minipaged.grading.student_build import as_in_the_build
 
-    # NOTE: the student's side only, as grading runs it: the exercise's ``answered_by`` raise
-    # (or run the notebook's own function); the expected side below uses the real package
+    # NOTE: the student's side only, as grading runs it: what the chapter's student build
+    # strips (its exercises' ``answered_by``) raises or runs the notebook's own function; the
+    # expected side below uses the real package
     with as_in_the_build(spec, objects):
         got_text = dumps(observe_all(spec, cases, objects))
     if spec.kind == "secret":

@@ -26,9 +26,8 @@ student's function for the exercise's one (the other operations are written out 
 ``observe`` over the pool: the student build strips the package's ``fork`` and
 ``allocate_slots``, and ex6.1 does not depend on the student's ex6.2, nor ex6.2 on ex6.1;
 ex6.4's pool is cached with the chained hashes written out, whatever the student's ex6.3),
-and returns after each operation what the call
-returned (or raised), every block table, every ``ref_cnt``, the free queue and whether
-``check_invariants`` holds. The trusted side runs the same ``observe`` with the package's
+and returns after each operation what the call returned (or raised), every block table,
+every ``ref_cnt``, the free queue and whether ``check_invariants`` holds. The trusted side runs the same ``observe`` with the package's
 ``BlockSpaceManager`` (``fork``; ``allocate_slots`` of one token, whose copy-on-write
 records the ``(src, dst)`` pair ``take_pending_copies`` hands over; the chained
 ``_block_hashes``) and compares. ``ref_fork`` / ``ref_append_slot`` / ``ref_block_hashes``

@@ -38,6 +38,16 @@ The collectives' segment (CPU ranks only, ``minipaged/distributed/shm_comm.py``)
     first collective). ``comm="torch"`` (or ``MINIPAGED_TP_COMM=torch``) makes no segment:
     every collective through gloo, as before.
 
+How the workers start (``worker_start_method``, vLLM's rule: ``VLLM_WORKER_MULTIPROC_METHOD``)
+    ``fork`` on Linux when this process holds no CUDA context: nothing is re-imported, so an
+    unguarded script and ``python - <<EOF`` work; ``spawn`` where a CUDA context exists (a
+    forked child cannot use it) and off Linux. ``MINIPAGED_WORKER_MULTIPROC_METHOD`` chooses
+    (``fork`` is refused where a CUDA context exists). Spawn re-imports ``__main__`` in every
+    worker: from stdin it cannot (``RuntimeError`` before any process starts), and a script
+    that builds the ``LLM`` at top level would build it again in the worker (the worker says
+    so and dies: ``WorkerDiedError``); both messages name the ``if __name__ == "__main__":``
+    guard.
+
 Invariants
     every rank gets every message, in the same order; ``call`` returns only when every rank
     has answered; a worker never outlives the driver (it exits when the pipe closes or its
@@ -54,9 +64,11 @@ Failure mode
 from __future__ import annotations
 
 import importlib
+import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -67,6 +79,12 @@ from typing import Any, Optional
 from minipaged.distributed import shm_comm
 
 _SHUTDOWN = "__shutdown__"
+START_METHODS = ("fork", "spawn", "forkserver")
+WORKER_NAME = "minipaged-tp-worker-"
+GUARD = (
+    'put the code that creates the LLM under `if __name__ == "__main__":` in a script file '
+    "(or create no CUDA tensor before it, so that the workers can start with fork)"
+)
 
 
 class WorkerError(RuntimeError):
@@ -79,6 +97,35 @@ class WorkerError(RuntimeError):
 
 class WorkerDiedError(WorkerError):
     """A tensor-parallel worker process ended while the driver waited for it."""
+
+
+def worker_start_method() -> str:
+    """``fork`` on Linux without a CUDA context in this process, else ``spawn`` (vLLM's
+    rule); ``MINIPAGED_WORKER_MULTIPROC_METHOD`` chooses. ValueError for an unknown method,
+    or for ``fork`` where a CUDA context exists."""
+    import torch
+
+    cuda = torch.cuda.is_initialized()
+    method = os.environ.get("MINIPAGED_WORKER_MULTIPROC_METHOD", "")
+    if method and method not in START_METHODS:
+        raise ValueError(f"MINIPAGED_WORKER_MULTIPROC_METHOD must be one of {START_METHODS}, got {method!r}")
+    if method == "fork" and cuda:
+        raise ValueError(
+            "MINIPAGED_WORKER_MULTIPROC_METHOD=fork: this process holds a CUDA context, "
+            "which a forked worker cannot use; use spawn"
+        )
+    return method or ("fork" if sys.platform == "linux" and not cuda else "spawn")
+
+
+def check_main_reimportable() -> None:
+    """Spawn runs ``__main__`` again in each worker: from a file it can, from stdin it cannot."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if getattr(getattr(main, "__spec__", None), "name", None) is None and path and not os.path.isfile(path):
+        raise RuntimeError(
+            f"tensor-parallel workers start with spawn here, which re-imports __main__ in every "
+            f"worker, and __main__ is {path!r}, which cannot be re-imported: {GUARD}"
+        )
 
 
 class CallStats:
@@ -100,7 +147,7 @@ class CallStats:
 
 
 class WorkerGroup:
-    """``world_size`` spawned worker processes in one torch.distributed group."""
+    """``world_size`` worker processes in one torch.distributed group (fork or spawn: see the module doc)."""
 
     def __init__(
         self,
@@ -127,7 +174,17 @@ class WorkerGroup:
         self.comm = (
             "shm" if comm != "torch" and world_size > 1 and on_cpu and shm_comm.supported() else "torch"
         )
-        ctx = tmp.get_context("spawn")
+        if multiprocessing.current_process().name.startswith(WORKER_NAME):
+            # NOTE: spawn re-imports __main__ in a worker before it runs: a top-level LLM(...)
+            # runs again here, in the worker, and would start workers of its own
+            raise RuntimeError(
+                f"{multiprocessing.current_process().name} is re-importing __main__, "
+                f"which creates an LLM again (spawn): {GUARD}"
+            )
+        self.start_method = worker_start_method()
+        if self.start_method == "spawn":
+            check_main_reimportable()
+        ctx = tmp.get_context(self.start_method)
         port = get_open_port()
         self.world_size = world_size
         self.procs: list = []
@@ -154,8 +211,11 @@ class WorkerGroup:
                     os.getpid(),
                     shm_path,
                     wake,
+                    # NOTE: a forked worker inherits the driver's ends of the earlier ranks'
+                    # pipes; it closes them (spawn passes nothing it does not name)
+                    list(self.conns) if self.start_method == "fork" else [],
                 ),
-                name=f"minipaged-tp-worker-{rank}",
+                name=f"{WORKER_NAME}{rank}",
                 daemon=True,  # multiprocessing terminates it at the driver's exit
             )
             proc.start()
@@ -168,6 +228,11 @@ class WorkerGroup:
         self.closed = False
         try:
             self._collect("start", timeout_s=start_timeout_s)
+        except WorkerDiedError as e:
+            self.shutdown()
+            if self.start_method == "spawn":  # most often: __main__ could not be re-imported
+                e.args = (f"{e.args[0]} while starting (spawn re-imports __main__ in every worker: {GUARD})",)
+            raise
         except BaseException:
             self.shutdown()
             raise
@@ -310,9 +375,11 @@ def _resolve(factory: str):
 
 
 def worker_main(
-    rank, world_size, port, device, conn, factory, kwargs, parent_pid, shm_path=None, wake=None
+    rank, world_size, port, device, conn, factory, kwargs, parent_pid, shm_path=None, wake=None, inherited=()
 ) -> None:
     """One rank: join the group, build the worker, then answer messages until told to stop."""
+    for c in inherited:  # fork: the driver's ends of the earlier ranks' pipes
+        c.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the driver, which stops us
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     from minipaged.distributed.process_group import (

@@ -373,7 +373,7 @@ class AsyncLLM:
 
     # -- /trace subscribers ------------------------------------------------------------------
     def trace_header(self) -> dict:
-        from minipaged.viz.palette import FREE_GREY, STATE_COLORS, owner_color
+        from minipaged.viz.palette import FREE_GREY, STATE_COLORS, owner_color, text_color_on
 
         c = self.config
         return {
@@ -388,6 +388,11 @@ class AsyncLLM:
                 "owners": [owner_color(k) for k in range(21)],
                 "states": STATE_COLORS,
                 "free": FREE_GREY,
+                # the label colour on each fill (black or white, WCAG contrast >= 4.5)
+                "text": {
+                    "owners": [text_color_on(owner_color(k)) for k in range(21)],
+                    "states": {s: text_color_on(col) for s, col in STATE_COLORS.items()},
+                },
             },
         }
 

@@ -446,13 +446,13 @@ def _phase_plug(fn: ast.FunctionDef, target: str, ex: str) -> bool:
 
 # -- the local check, as in the build (issue 35, item 5) -------------------------------------
 #
-# ``minipaged.checks``' local check runs the student's side of an exercise with that
-# exercise's ``answered_by`` stripped the way the build strips them: the *same function
-# objects* get the stub's code for the duration of the check (so a reference captured in a
-# default argument, a decorator or an alias is stripped too), a Triton kernel's launch raises,
-# and a stub runs the notebook's own function where the build would plug it in. A student
-# whose code calls the package's implementation then reads locally what grading will say:
-# ``ex2.3: your notebook's allocate_slots is used here``.
+# ``minipaged.checks``' local check runs the student's side of an exercise with what the
+# chapter's build strips (its exercises' ``answered_by``) stripped the same way: the *same
+# function objects* get the stub's code for the duration of the check (so a reference captured
+# in a default argument, a decorator or an alias is stripped too), a Triton kernel's launch
+# raises, and a stub runs the notebook's own function where the build would plug it in. A
+# student whose code calls the package's implementation then reads locally what grading will
+# say: ``ex2.3: your notebook's allocate_slots is used here``.
 
 
 def _local_hook(namespaces: list):
@@ -497,17 +497,42 @@ def _resolve(target: str):
 _LOCAL_STUBS: dict = {}  # target -> the stub's code object (made once per process)
 
 
+def _find_def(body: list, parts: list):
+    """The definition of the qualname ``parts`` in ``body`` (as ``_strip_module`` walks it:
+    classes, and ``if`` / ``try`` / ``with`` blocks as top level), or ``None``."""
+    for node in body:
+        if isinstance(node, (ast.If, ast.Try, ast.With)):
+            inner = [n for block in ("body", "orelse", "finalbody") for n in getattr(node, block, [])]
+            inner += [n for h in getattr(node, "handlers", []) for n in h.body]
+            hit = _find_def(inner, parts)
+            if hit is not None:
+                return hit
+        elif isinstance(node, ast.ClassDef) and len(parts) > 1 and node.name == parts[0]:
+            return _find_def(node.body, parts[1:])
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and parts == [node.name]:
+            return node
+        elif isinstance(node, ast.Assign) and len(parts) == 1:
+            if any(getattr(t, "id", None) == parts[0] for t in node.targets):
+                return node  # a Triton kernel: ``name = StrippedKernel(...)``
+    return None
+
+
 def _local_stub_code(target: str, fn, ex: str, name: str, arity: int):
-    """The code object the build gives ``target``'s body (``_stub_body``, or its adapter),
-    with ``fn``'s free variables (a method that calls ``super()`` has ``__class__``)."""
+    """The code object the build gives ``target`` (its module's source through
+    ``_strip_module``, that one name stripped), with ``fn``'s free variables (a method that
+    calls ``super()`` has ``__class__``)."""
+    import importlib
     import inspect
-    import textwrap
 
     key = (target, ex, name, arity)
     if key in _LOCAL_STUBS:
         return _LOCAL_STUBS[key]
-    node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
-    plug_in = _plugs_in(target, node, name, arity)  # NOTE: before its decorators and defaults go
+    module, qualname = target.split(":")
+    source = inspect.getsource(importlib.import_module(module))
+    text, done = _strip_module(source, {qualname: (ex, name, arity)}, module)
+    node = _find_def(ast.parse(text).body, qualname.split("."))
+    if qualname not in done or not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        raise ValueError(f"{target}: not a function the student build strips")
     node.decorator_list = []
     node.returns = None
     for a in (
@@ -518,15 +543,6 @@ def _local_stub_code(target: str, fn, ex: str, name: str, arity: int):
     # NOTE: defaults live on the function object, not its code: none are evaluated here
     node.args.defaults = []
     node.args.kw_defaults = [None] * len(node.args.kwonlyargs)
-    if _phase_plug(node, target, ex):  # one phase of schedule() (ch04/ch05): the rest stays
-        pass
-    elif target in ADAPTERS:
-        node.body = ast.parse(
-            f"return __import__('minipaged._student_build', fromlist=['plug_with'])"
-            f".plug_with({ex!r}, {name!r}, lambda fn: {ADAPTERS[target]})"
-        ).body
-    else:
-        node.body = _stub_body(node, ex, name, plug_in, arity)
     free = fn.__code__.co_freevars
     node.body = [ast.Expr(ast.Name(v, ast.Load())) for v in free] + node.body
     outer = ast.parse("def _outer():\n    pass\n").body[0]
@@ -560,39 +576,40 @@ def _student_namespaces(objects) -> list:
 
 
 class as_in_the_build:
-    """``with as_in_the_build(spec, objects):`` the exercise's ``answered_by`` are stripped as
-    in the chapter's student build (and restored on exit): each function's ``__code__`` is the
-    stub's, a Triton kernel's ``run`` (and the interpreter's ``rewrite``) raises; the
-    notebook's own function is looked up in the namespaces of ``objects`` (the student's),
-    then ``__main__``. Not reentrant across threads: the local check runs in one."""
+    """``with as_in_the_build(spec, objects):`` what the student build of the exercise's chapter
+    strips (every ``answered_by`` of the chapter, as grading's sandbox has them) is stripped
+    here too, and restored on exit: each function's ``__code__`` is the build's stub's, a
+    Triton kernel's ``run`` (and the interpreter's ``rewrite``) raises; a stub's notebook
+    function is looked up in the namespaces of ``objects`` (the student's), then
+    ``__main__``. Not reentrant across threads: the local check runs in one."""
 
     def __init__(self, spec, objects=()):
         self.spec = spec
         self.objects = tuple(objects)
         self._undo: list = []
+        self._hooked = False
         self._saved_hook = None
 
     def __enter__(self):
         import sys
 
-        if not self.spec.answered_by:
-            return self
         from minipaged.checks import chapter_of
 
-        info = strip_targets(chapter_of(self.spec.exercise_id))
+        targets = strip_targets(chapter_of(self.spec.exercise_id))
+        if not targets:
+            return self
         key = "minipaged._student_build"
         self._saved_hook = sys.modules.get(key)
         sys.modules[key] = _local_hook(_student_namespaces(self.objects))
+        self._hooked = True
         try:
-            for target in self.spec.answered_by:
-                ex, name, arity = info[target]
+            for target, (ex, name, arity) in targets.items():
                 fn = _resolve(target)
                 if hasattr(fn, "run") and hasattr(fn, "fn"):  # a Triton kernel
                     message = f"{ex}: your notebook's {name} is used here"
                     for attr in ("run", "rewrite"):
                         if hasattr(fn, attr):
-                            had = attr in vars(fn)
-                            self._undo.append((fn, attr, vars(fn).get(attr), had))
+                            self._undo.append((fn, attr, vars(fn).get(attr), attr in vars(fn)))
                             setattr(fn, attr, _stripped_launch(message))
                     continue
                 code = _local_stub_code(target, fn, ex, name, arity)
@@ -612,7 +629,8 @@ class as_in_the_build:
                 setattr(obj, attr, value)
             else:
                 delattr(obj, attr)
-        if self.spec.answered_by:
+        if self._hooked:
+            self._hooked = False
             if self._saved_hook is None:
                 sys.modules.pop("minipaged._student_build", None)
             else:

@@ -26,6 +26,8 @@ Inputs / outputs
     then they repeat.
     ``STATE_COLORS`` -> the colour of each request state in the timeline.
     ``short_name(rid, k)`` -> a label that fits in a cell.
+    ``text_color_on(colour)`` -> black or white, the text colour for a label on that fill
+    (WCAG contrast >= 4.5 for every colour; ``contrast_ratio`` measures it).
 
 Invariants
     the same request gets the same colour in every picture of one trace; no request
@@ -122,13 +124,28 @@ def owner_color(k: int) -> str:
     return REQUEST_COLORS[k % len(REQUEST_COLORS)]
 
 
-def text_color_on(hex_color: str) -> str:
-    """Black or white, whichever reads better on ``hex_color`` (WCAG relative luminance)."""
+def relative_luminance(hex_color: str) -> float:
+    """WCAG 2 relative luminance of ``#RRGGBB``: 0 for black, 1 for white."""
     rgb = [int(hex_color[i : i + 2], 16) / 255 for i in (1, 3, 5)]
     lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
-    lum = 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
-    # contrast with black is (lum + 0.05) / 0.05, with white 1.05 / (lum + 0.05)
-    return BLACK if (lum + 0.05) / 0.05 >= 1.05 / (lum + 0.05) else "#FFFFFF"
+    return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+
+def contrast_ratio(a: str, b: str) -> float:
+    """WCAG 2 contrast ratio of two colours, 1 (same) to 21 (black on white); body text
+    needs at least 4.5."""
+    la, lb = sorted((relative_luminance(a), relative_luminance(b)), reverse=True)
+    return (la + 0.05) / (lb + 0.05)
+
+
+def text_color_on(hex_color: str) -> str:
+    """Black or white, whichever has the higher WCAG contrast with ``hex_color``: white on
+    the dark colours, black on the light ones. The better of the two is never below
+    sqrt(21) = 4.58, so text on any fill passes WCAG's 4.5.
+
+    NOTE: white is a literal, not a constant: ``fingerprint`` hashes the constants, and
+    the figures that record it stay fresh."""
+    return BLACK if contrast_ratio(BLACK, hex_color) >= contrast_ratio("#FFFFFF", hex_color) else "#FFFFFF"
 
 
 def short_name(rid: str, k: int, width: int = 4) -> str:

@@ -10,8 +10,7 @@ fake model (same pictures, no text). Re-run this script once the course model la
 
 from _nb import code, md, write
 
-from minipaged.viz.figures import DEMO_ENGINE_KWARGS, DEMO_MAX_TOKENS, DEMO_PROMPTS
-from minipaged.viz.figures import course_model_available
+from minipaged.viz.figures import DEMO_ENGINE_KWARGS, DEMO_MAX_TOKENS, DEMO_PROMPTS, course_model_available
 
 ENGINE = course_model_available()
 
@@ -124,8 +123,9 @@ On the left, each request's logical blocks, filled in proportion to the tokens t
 and labelled with the physical block they map to; on the right, the physical blocks,
 labelled `owner:logical block`. The pale tail of B's last block is reserved but holds no
 token yet: with paging, that tail (fewer than `block_size` slots per request) is all the
-memory a request can waste. The free queue hands out blocks that were never used first;
-A's blocks went to its back when A finished, tail first.
+memory a request can waste. The free queue hands out blocks from its front. A's blocks
+went to the front when A finished, tail first: they hold no hash (no prefix cache here),
+so they are handed out next, before the never-used ones (vLLM's order, chapter 02).
 
 ## 3. Scheduling: continuous batching
 

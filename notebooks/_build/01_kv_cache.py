@@ -22,7 +22,9 @@ how many requests can run at once. That is the whole story of vLLM's first idea.
    Llama-3-8B with grouped-query attention), and how many tokens fit in a GPU;
 3. what caching saves, counted in FLOPs;
 4. why reserving one *contiguous* region per request wastes most of that memory, measured
-   on the allocators of this package: the vLLM paper's Figure 2.
+   on the allocators of this package: the vLLM paper's Figure 2;
+5. how a quantized KV cache (vLLM's `kv_cache_dtype="fp8"`) halves the bytes per token again,
+   what that does to the sequences per step, and what it costs in accuracy.
 """)
 
 md("## Setup")
@@ -363,6 +365,137 @@ print(inspect.getsource(ContiguousAllocator.external_fragmentation))
 """)
 
 md(r"""
+## 6. Fewer bytes per token: a quantized KV cache
+
+Everything above multiplies by *bytes per number*. vLLM's most-used lever on the KV budget after
+paging is to make that number smaller: `LLM(kv_cache_dtype="fp8")` (or `"fp8_e4m3"`, the same
+thing in vLLM's names) stores every key and value in one byte, `"int8"` too; `"auto"` keeps the
+model's dtype. Each layer keeps two scales, `k_scale` and `v_scale`:
+
+$$\text{stored} = \text{round}\!\left(\frac{x}{\text{scale}}\right), \qquad \text{read back} = \text{stored} \times \text{scale}, \qquad \text{scale} = \frac{\max |x|}{\text{top level}}$$
+
+with top level 127 for int8 (uniform steps) and 448 for e4m3 FP8 (3 mantissa bits: steps
+relative to the value). `reshape_and_cache` quantizes as it writes; every attention backend
+(the torch reference, the tuned torch backend, Triton, the C kernel) dequantizes as it reads,
+and the attention arithmetic runs in the model's dtype. **FP8 here is a memory format, not FP8
+matmuls**: in this package no tensor core ever multiplies FP8 numbers; the win is bytes, the
+cost is rounding. (vLLM v1 on Hopper can do more: its FlashAttention-3 backend quantizes the
+query to fp8 and runs the attention matmuls on the fp8 K/V directly.)
+The scales are per tensor (one per layer for K, one for V), as vLLM's are, so the cache stays one
+plain tensor that block copies, swaps and prefix caching move as bytes. They are calibrated once,
+on a fixed text, when the cache is allocated (`PagedCausalLM.calibrate_kv_scales`).
+
+A hand-check on one block of four tokens (one KV head of dimension 2):
+""")
+
+code(r"""
+from minipaged.kernels import reshape_and_cache
+from minipaged.kernels.quant import dequantize, scale_for
+
+block = torch.tensor([[0.50, -1.20], [0.03, 0.90], [-0.44, 0.25], [1.27, -0.61]])  # 4 tokens x dim 2
+x = block.view(4, 1, 2)  # [tokens, kv heads, head_dim]
+for dtype in (torch.int8, torch.float8_e4m3fn):
+    scale = scale_for(x.abs().max(), dtype)  # max |x| = 1.27 -> the top level
+    # by hand: divide, then round half up onto the integers (int8) or to the nearest e4m3 number (fp8)
+    by_hand = torch.floor(x / scale + 0.5) if dtype == torch.int8 else (x / scale).to(dtype).float()
+    cache = torch.zeros(1, 4, 1, 2, dtype=dtype)  # one block of 4 slots
+    reshape_and_cache(x, x, cache, cache.clone(), torch.arange(4), k_scale=scale, v_scale=scale)
+    stored = cache.view(4, 2).float()
+    back = dequantize(cache, scale).view(4, 2)
+    print(f"{str(dtype):<20} scale = 1.27 / {1.27 / scale:.0f} = {scale:.5f}")
+    print("  stored:   ", stored.tolist(), "| by hand equal:", torch.equal(stored, by_hand.view(4, 2)))
+    print("  read back:", [[round(v, 4) for v in row] for row in back.tolist()])
+    print("  max error:", f"{(back - block).abs().max():.4f}", f"(int8: at most scale / 2 = {scale / 2:.4f})" if dtype == torch.int8 else "(fp8: at most 1/16 of the value)")
+""")
+
+md(r"""
+int8 spends its 255 levels evenly: 0.03 becomes level 3, and every value is within half a step
+(0.005) of where it started. e4m3 keeps about two significant digits of *every* value, small or
+large: 0.03 / 0.002835 = 10.6 is stored as 11 (steps of 1 between 8 and 16), 1.20 / 0.002835 =
+423.3 as 416 (steps of 32 between 256 and 448). One outlier in a layer sets the step of every int8 value in it; FP8 minds less.
+
+Bytes per token of the configs of section 2, per KV format (`minipaged.config.kv_cache_bytes_per_block`,
+the one function the engine sizes its pool with):
+""")
+
+code(r"""
+from minipaged.config import kv_cache_bytes_per_block
+
+formats = {"fp32": ("float32", "auto"), "bf16": ("bfloat16", "auto"), "fp8": ("bfloat16", "fp8"), "int8": ("bfloat16", "int8")}
+print(f"{'model':<12}" + "".join(f"{f + ' KV/token':>15}" for f in formats) + f"{'fp8 tokens in 12 GiB':>22}")
+for name, c in configs.items():
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    per_token = {f: kv_cache_bytes_per_block(c["num_hidden_layers"], 1, c["num_key_value_heads"], head_dim, dt, kd)
+                 for f, (dt, kd) in formats.items()}
+    print(f"{name:<12}" + "".join(f"{per_token[f] / KiB:>11.0f} KiB" for f in formats) + f"{budget // per_token['fp8']:>22,}")
+""")
+
+md(r"""
+### The same KV budget in fp32, bf16 and fp8
+
+Now the course model serves the course workload (ShareGPT lengths scaled to a 96-token
+context, 16 requests, fixed output lengths) with **the same KV budget** in each format, 192 KiB.
+In fp32 a token costs 2 KiB (K and V x 4 layers x 2 KV heads x 32 dims x 4 bytes), so the budget
+holds 96 tokens in fp32, 192 in bf16 and 384 in fp8. The columns are counts from the engine's trace, the same on every machine;
+`benchmarks/kv_cache_dtype.py` adds wall-clock tokens / s.
+""")
+
+code(r"""
+from minipaged.bench.kv_quant import same_budget
+
+torch.set_num_threads(1)  # the counts below do not depend on it; a shared machine runs faster so
+settings = [("float32", "auto"), ("bfloat16", "auto"), ("float32", "fp8")]
+rows = same_budget(192 * KiB, settings, num_requests=16, max_model_len=96)
+print(f"{'format':<7}{'B/token':>8}{'blocks':>7}{'tokens':>7}{'peak seqs':>10}{'mean seqs':>10}{'preempted':>10}{'steps':>6}{'tok/step':>9}")
+for r in rows:
+    fmt = "fp8" if r["kv_cache_dtype"] == "fp8" else {"float32": "fp32", "bfloat16": "bf16"}[r["dtype"]]
+    print(f"{fmt:<7}{r['bytes_per_token']:>8}{r['num_blocks']:>7}{r['tokens_in_budget']:>7}{r['peak_running']:>10}"
+          f"{r['mean_running']:>10.1f}{r['preemptions']:>10}{r['steps']:>6}{r['tokens_per_step']:>9.1f}")
+""")
+
+md(r"""
+Four times the blocks of fp32 (twice bf16's) means more sequences in every step's batch, fewer
+recompute preemptions and fewer steps for the same work: the paper's argument (memory decides
+the batch) with the bytes per token halved instead of the waste.
+
+### What it costs: accuracy
+
+The price is rounding. Measured on the course model (fp32 weights): greedy tokens against
+transformers' (a plain argmax loop with no cache at all) over prompts taken from held-out stories of
+the model's own corpus generator (a seed the training never used), and the perplexity of held-out
+stories, each read in one prefill through a paged cache of that format (a prefill reads its own
+keys back from the cache, so the rounding is in every logit but the first).
+""")
+
+code(r"""
+from minipaged import LLM
+from minipaged.bench.kv_quant import greedy_agreement, held_out_stories, hf_greedy, perplexity
+from minipaged.model import COURSE_MODEL_DIR, load_model
+
+model, tok = load_model()
+stories = held_out_stories(18)
+texts = [tok(s)["input_ids"] for s in stories[:10]]
+prompts = [tok(s)["input_ids"][:8] for s in stories[10:]]
+reference = hf_greedy(COURSE_MODEL_DIR, prompts, 16)
+print(f"{len(prompts)} prompts x 16 greedy tokens; perplexity of {len(texts)} held-out stories ({sum(map(len, texts))} tokens)")
+print(f"{'kv_cache_dtype':<15}{'identical tokens':>17}{'first divergence':>18}{'perplexity':>11}")
+for kd in ("auto", "fp8", "int8"):
+    agree = greedy_agreement(LLM(kv_cache_dtype=kd), prompts, reference)
+    first = [f for f in agree["first_divergence"] if f is not None]
+    print(f"{kd:<15}{agree['identical']:>17.1%}{(', '.join(map(str, first)) or 'none'):>18}{perplexity(model, texts, kd):>11.4f}")
+""")
+
+md(r"""
+On this model the 8-bit caches cost almost nothing: the perplexity moves by less than 0.001
+and the greedy tokens follow transformers' as closely as the fp32 cache does. That is a property
+of *this* model (small, low-entropy stories, no outlier channels), not a law: real checkpoints
+have keys with a few large channels, which is why vLLM reads calibrated scales from the checkpoint
+and why int8 with one scale per tensor is the riskier of the two. `tests/kernels/test_kv_cache_dtype.py`
+states the per-layer error on random inputs (max |error| of the attention output <= 0.05 for int8,
+<= 0.1 for fp8) and holds every backend to the dequantized reference at 1e-5.
+""")
+
+md(r"""
 ## Recap
 
 - The KV cache holds, per layer, a K and a V vector per KV head for every token; causal
@@ -374,6 +507,11 @@ md(r"""
   for future tokens, internal fragmentation, external fragmentation. Measured here, Orca
   (Max) keeps about 21% of KV memory holding tokens, paged allocation about 97% (the paper:
   20.4% and 96.3%); paging paid for it in recompute preemptions.
+- A quantized KV cache (`kv_cache_dtype="fp8"` or `"int8"`) stores a token in a quarter of
+  fp32's bytes: four times the blocks for the same budget, more sequences per step; here FP8 is
+  only the storage format (every backend dequantizes on read and attends in the model's dtype);
+  vLLM's FlashAttention-3 path on Hopper goes further and runs attention itself on the fp8 K/V,
+  with the query quantized to fp8 too. On the course model it costs almost no accuracy.
 
 **Next**: chapter 02 opens the paged allocator: blocks, block tables, and slot mapping.
 """)

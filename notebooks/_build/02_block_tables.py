@@ -34,7 +34,7 @@ import inspect
 import matplotlib.pyplot as plt
 
 from minipaged import viz
-from minipaged.core import BlockPool, BlockTable, KVCacheManager, cdiv
+from minipaged.core import BlockPool, BlockTable, KVCacheManager, cdiv, hash_block_tokens
 from minipaged.sim.memory_waste import run_memory_experiment
 from minipaged.sim.workloads import sample_requests
 """)
@@ -59,8 +59,8 @@ no holes too small to use.
 
 `BlockPool` owns the physical blocks. Each `KVCacheBlock` carries a `ref_cnt`: how many
 block tables hold it (more than one once blocks are shared, chapter 06). Free blocks wait
-in `FreeKVCacheBlockQueue`, a doubly linked list: blocks are handed out from the front and
-returned at the back.
+in `FreeKVCacheBlockQueue`, a doubly linked list: blocks are handed out from the front; a
+freed block goes back to the front or to the back, depending on whether it is cached.
 
 **Contract card · block pool and free queue** (`minipaged.core.kv.block_pool.BlockPool`,
 `minipaged.core.kv.block.FreeKVCacheBlockQueue`; vLLM v1 `vllm/v1/core/block_pool.py`,
@@ -69,10 +69,10 @@ returned at the back.
 | | |
 |---|---|
 | **inputs** | `get_new_blocks(n)`; `free_blocks(blocks)`, a request's blocks tail first; `touch(blocks)` to share blocks that other tables hold |
-| **outputs** | `get_new_blocks` returns `n` blocks with `ref_cnt == 1`, taken from the front of the free queue; `free_blocks` drops one reference from each block, and a block reaching 0 goes to the back of the queue |
+| **outputs** | `get_new_blocks` returns `n` blocks with `ref_cnt == 1`, taken from the front of the free queue; `free_blocks` drops one reference from each block; a block reaching 0 goes to the *front* of the queue if it has no hash (in the order given), to the *back* if it is cached (vLLM 0.32's order) |
 | **invariants** | the free queue holds exactly the blocks with `ref_cnt == 0`, each once; `ref_cnt` equals the number of tables holding the block; free + used = `num_blocks` (`check_invariants()`) |
 | **failure modes** | asking for more blocks than are free -> `ValueError`, nothing taken; a negative count -> `ValueError`; the silent ones: a block freed twice, or still in a table after it was freed, is handed to two requests that overwrite each other's K/V |
-| **hand-check** | the next cell: eight blocks, take three, take two, free the first three, and predict the queue before you run it |
+| **hand-check** | the next cell: eight blocks, take three, take two, free the first three, and predict the queue before you run it; then the same with one of them cached |
 """)
 
 code(r"""
@@ -91,14 +91,29 @@ pool.free_blocks(reversed(a))  # a request frees its blocks tail first
 print("freed", [b.block_id for b in reversed(a)], "-> free queue:", free_queue(pool))
 print("next two handed out:", [x.block_id for x in pool.get_new_blocks(2)])
 pool.check_invariants()
+
+# the same three blocks again, the first one full and cached (prefix caching, chapter 06)
+pool = BlockPool(num_blocks=8, enable_caching=True)
+a = pool.get_new_blocks(3)
+pool.cache_block(a[0], hash_block_tokens(None, [1, 2, 3, 4]))
+pool.free_blocks(reversed(a))
+print("cached block 0, freed", [b.block_id for b in reversed(a)], "-> free queue:", free_queue(pool))
+pool.check_invariants()
 """)
 
 md(r"""
-Freed blocks go to the *back*, so the block freed longest ago is reused first. Without
-prefix caching any order would do; with it (chapter 06) a freed block still holds valid
-K/V for a while, and this order evicts the least recently used ones first. The queue is a
-linked list rather than a `deque` because a cached block must be pulled out of the
-*middle* when it is hit again, in O(1).
+Why two ends? A freed block *without a hash* holds K/V that no request can ever find
+again (prefix caching is off, or the block is a partly filled tail), so it is as good as
+empty: it goes to the **front** and is reused first ("LIFO reuse of non-cached blocks for
+better GPU locality", says vLLM's source). A freed *cached* block (chapter 06)
+still holds K/V that a later request with the same prefix may hit, so it goes to the
+**back**: the blocks handed out, and so evicted, first are the ones freed longest ago (LRU),
+and uncached blocks are always spent before any cached one. This is vLLM 0.32's order
+(`BlockPool.free_blocks`) and `BlockPool`'s default; `free_uncached_first=False` puts
+every freed block at the back (the paper's scheduler keeps that order), and chapter 04's
+differential test against vLLM's own scheduler tells the two apart. The queue is a linked
+list rather than a `deque` because a cached block must be pulled out of the *middle* when
+it is hit again, in O(1).
 
 ## 3. On-demand allocation
 
@@ -151,24 +166,24 @@ tables and slots on paper before running anything. The free queue starts as 0, 1
 | 3 | C arrives with 9 tokens: 3 blocks | C [3, 4, 5] | 6 ... 11 |
 | 4 | B grows by 2 to 5 tokens: a 2nd block | B [2, 6] | 7 ... 11 |
 | 5 | A grows by 3 to 9 tokens: a 3rd block | A [0, 1, 7] | 8 ... 11 |
-| 6 | B finishes: blocks freed tail first | (B gone) | 8, 9, 10, 11, 6, 2 |
-| 7 | C grows by 4 to 13 tokens: a 4th block | C [3, 4, 5, 8] | 9, 10, 11, 6, 2 |
+| 6 | B finishes: blocks freed tail first, to the front (no hash) | (B gone) | 6, 2, 8, 9, 10, 11 |
+| 7 | C grows by 4 to 13 tokens: a 4th block | C [3, 4, 5, 6] | 2, 8, 9, 10, 11 |
 
 Slots, with `slot(i) = table[i // 4] * 4 + i % 4`:
 
 - A, tokens 0..8: block 0 holds slots 0-3, block 1 slots 4-7, token 8 is in block 7 at
   offset 0: slot 28.
-- C, tokens 0..12: blocks 3, 4, 5 hold slots 12-23, token 12 is in block 8 at offset 0: slot 32.
+- C, tokens 0..12: blocks 3, 4, 5 hold slots 12-23, token 12 is in block 6 at offset 0: slot 24.
 """)
 
 code(r"""
 # Written down by hand, before running the manager:
-expected_tables = {"A": [0, 1, 7], "C": [3, 4, 5, 8]}
+expected_tables = {"A": [0, 1, 7], "C": [3, 4, 5, 6]}
 expected_slots = {
     "A": [0, 1, 2, 3, 4, 5, 6, 7, 28],
-    "C": [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 32],
+    "C": [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24],
 }
-expected_free_queue = [9, 10, 11, 6, 2]
+expected_free_queue = [2, 8, 9, 10, 11]
 """)
 
 code(r"""
@@ -192,7 +207,7 @@ print("hand computation confirmed")
 
 md(r"""
 In a decode step the model writes only the newest token of each request, so the engine asks
-for the last slot: A's token 8 goes to slot 28 and C's token 12 to slot 32. This list,
+for the last slot: A's token 8 goes to slot 28 and C's token 12 to slot 24. This list,
 one slot per token of the batch, is the `slot_mapping` the model runner hands to the
 cache-write kernel.
 """)
@@ -363,8 +378,9 @@ md(r"""
 
 - A block table maps a request's logical blocks to physical blocks anywhere in the cache;
   `slot(i) = block_table[i // block_size] * block_size + i % block_size`.
-- The pool hands out blocks from the front of a free queue and takes them back at the end;
-  `ref_cnt` counts the tables holding each block.
+- The pool hands out blocks from the front of a free queue; a freed block without a hash
+  goes back to the front (reused first), a cached one to the back (evicted least recently
+  used first), as vLLM's; `ref_cnt` counts the tables holding each block.
 - Blocks are allocated on demand, so each request wastes fewer than `block_size` slots, and
   any free block serves any request: no external fragmentation.
 - When the pool is exhausted, `allocate_slots` returns `None` and changes nothing; bad

@@ -714,7 +714,7 @@ md(r"""
 > it). `Scheduler(watermark=0.05)` also keeps 5% of the pool free, vLLM's `watermark`
 > option (off by default in v1; v0 kept 1%, the course's `PaperScheduler` 5%). `benchmarks/vllm_diff`
 > runs each pair through 103 workloads step by step against vLLM's own `Scheduler` and finds
-> them identical (with vLLM's free-queue order turned on: `free_uncached_first=True`).
+> them identical (with `Scheduler`'s defaults, whose free-queue order is vLLM's: chapter 02).
 """)
 
 md(r"""

@@ -377,12 +377,14 @@ print(viz.block_tables_text(m))
 md(r"""
 When both finish, their blocks return to the free queue **with their hashes**: a later request
 with the same prefix still finds them (`~` below). They are evicted only when the pool hands
-them out to someone else. The free queue is in free order and requests free tail first, so the
+them out to someone else. Cached blocks go to the *back* of the free queue, in free order
+(blocks without a hash to the front, chapter 02), and requests free tail first, so the
 least recently used blocks, and the tail of a prefix before its head, go first: LRU.
 
-Hand check: the free queue after both frees is `4 5 2 3 1 0` (never used, then `A`'s tail 2,
-then `B`'s tail 3, then the shared blocks as their last holder frees them, tail first). A
-request `E` needing 5 blocks takes `4 5 2 3 1`: block 1 is evicted, block 0 survives, so `D`
+Hand check: the free queue after both frees is `3 2 4 5 1 0` (the uncached tails at the
+front, `B`'s 3 freed last so first, then `A`'s 2; then the never used 4, 5; then at the back
+the shared cached blocks as their last holder frees them, tail first). A
+request `E` needing 5 blocks takes `3 2 4 5 1`: block 1 is evicted, block 0 survives, so `D`
 (same 8-token prefix) now finds 4 tokens instead of 8.
 """)
 
@@ -395,7 +397,7 @@ print("D hits:", m.get_computed_blocks(D)[1], "tokens")
 m.allocate_slots("E", 20)  # 5 blocks from the front of the free queue
 print(viz.block_tables_text(m))
 print("D hits now:", m.get_computed_blocks(D)[1], "tokens")
-assert m.get_block_ids("E") == [4, 5, 2, 3, 1] and m.get_computed_blocks(D)[1] == 4
+assert m.get_block_ids("E") == [3, 2, 4, 5, 1] and m.get_computed_blocks(D)[1] == 4
 m.check_invariants()
 """)
 

@@ -48,10 +48,15 @@ def test_get_and_free_order():
     assert all(x.ref_cnt == 1 for x in a + b)
     assert pool.get_usage() == pytest.approx(0.8)
     pool.free_blocks(reversed(a))  # tail first, as KVCacheManager.free does
-    assert free_ids(pool) == [4, 1, 0]
-    assert [x.block_id for x in pool.get_new_blocks(3)] == [4, 1, 0]
+    assert free_ids(pool) == [1, 0, 4]  # no hash: to the front, first given first (vLLM 0.32)
+    assert [x.block_id for x in pool.get_new_blocks(3)] == [1, 0, 4]
     assert pool.get_new_blocks(0) == []
     pool.check_invariants()
+    old = BlockPool(5, free_uncached_first=False)  # every freed block to the back
+    a = old.get_new_blocks(2)
+    old.get_new_blocks(2)
+    old.free_blocks(reversed(a))
+    assert free_ids(old) == [4, 1, 0]
 
 
 def test_touch_shares_and_revives_free_blocks():
@@ -64,7 +69,7 @@ def test_touch_shares_and_revives_free_blocks():
     pool.free_blocks(a)
     assert pool.get_num_free_blocks() == 3
     pool.touch([a[1]])  # a free block is pulled out of the middle of the queue
-    assert a[1].ref_cnt == 1 and free_ids(pool) == [2, 0]
+    assert a[1].ref_cnt == 1 and free_ids(pool) == [0, 2]
     pool.check_invariants()
 
 
@@ -146,8 +151,8 @@ def test_cache_block_keeps_duplicates_and_noop_without_caching():
 
 
 def test_free_uncached_first():
-    # vLLM 0.32: freed blocks without a hash go to the FRONT (in the order given), cached
-    # ones to the back; minipaged's default puts every freed block at the back
+    # vLLM 0.32 (the default): freed blocks without a hash go to the FRONT (in the order
+    # given), cached ones to the back; free_uncached_first=False puts every one at the back
     for uncached_first, want in [(False, [3, 4, 2, 1, 0]), (True, [2, 3, 4, 1, 0])]:
         pool = BlockPool(5, enable_caching=True, free_uncached_first=uncached_first)
         a = pool.get_new_blocks(3)

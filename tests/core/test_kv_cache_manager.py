@@ -41,14 +41,15 @@ def test_hand_checked_slot_mapping():
     assert [b.block_id for b in mgr.allocate_slots("C", 9)] == [3, 4, 5]
     # A decodes 2 tokens: 6 -> 8 tokens, still 2 blocks, nothing new
     assert mgr.allocate_slots("A", 2) == []
-    # B frees block 2; A's 9th token needs a 3rd block: the front of the queue is 6
+    # B frees block 2 (no hash: to the front of the queue); A's 9th token needs a 3rd
+    # block: it gets block 2 back
     mgr.free("B")
-    assert [b.block_id for b in mgr.allocate_slots("A", 1)] == [6]
-    assert mgr.get_block_ids("A") == [0, 1, 6]
+    assert [b.block_id for b in mgr.allocate_slots("A", 1)] == [2]
+    assert mgr.get_block_ids("A") == [0, 1, 2]
     # slot(i) = table[i // 4] * 4 + i % 4
-    assert mgr.get_slot_mapping("A", 0, 9) == [0, 1, 2, 3, 4, 5, 6, 7, 24]
+    assert mgr.get_slot_mapping("A", 0, 9) == [0, 1, 2, 3, 4, 5, 6, 7, 8]
     assert mgr.get_slot_mapping("C", 0, 9) == [12, 13, 14, 15, 16, 17, 18, 19, 20]
-    assert mgr.get_slot_mapping("A", 7, 9) == [7, 24]
+    assert mgr.get_slot_mapping("A", 7, 9) == [7, 8]
     assert mgr.get_slot_mapping("A", 3, 3) == []
     u = mgr.usage()
     assert u == KVCacheUsage(num_slots=48, num_token_slots=18, num_reserved_slots=24, num_free_slots=24)
@@ -122,8 +123,8 @@ def test_bad_num_blocks():
 
 def test_free_uncached_first_order_by_hand():
     # request a: 3 tokens in blocks [0, 1]; block 0 full and cached, block 1 not.
-    # free() gives them tail first (1, then 0): by default both go to the back; with
-    # free_uncached_first (vLLM 0.32) the uncached block 1 goes to the front.
+    # free() gives them tail first (1, then 0): by default (free_uncached_first, vLLM 0.32)
+    # the uncached block 1 goes to the front; with free_uncached_first=False both go to the back.
     for uncached_first, want in [(False, [2, 3, 1, 0]), (True, [1, 2, 3, 0])]:
         m = KVCacheManager(4, 2, enable_caching=True, free_uncached_first=uncached_first)
         a = Request("a", [5, 6, 7])

@@ -76,9 +76,10 @@ def test_hit_shares_blocks_and_revives_freed_ones():
     m.check_invariants()
     m.free("a")
     m.free("b")
-    # freed tail first: the free queue ends ... 3, 1, 0 and 0, 1 still carry their hashes
+    # freed tail first: the partial blocks 2 (a's) and 3 (b's) have no hash and go to the
+    # front, the cached 1, 0 (still carrying their hashes) to the back
     free = [x.block_id for x in m.block_pool.free_block_queue.get_all_free_blocks()]
-    assert free[-3:] == [3, 1, 0] and m.get_num_free_blocks() == 6
+    assert free == [3, 2, 4, 5, 1, 0] and m.get_num_free_blocks() == 6
     c = _req("c", [*range(8), 5])
     blocks, n = m.get_computed_blocks(c)
     assert [x.block_id for x in blocks] == [0, 1]
@@ -148,14 +149,17 @@ def test_duplicate_block_stays_hittable_by_hand():
 def test_free_uncached_first_keeps_cached_blocks_by_hand():
     # (benchmarks/vllm_diff "lifo-free") r0 caches [5,6] in block 0; r1 frees block 2
     # ([10], no hash) and block 1 ([8,9], cached). r2 takes 6 of the 8 blocks. Default:
-    # free queue [3..7, 0, 2, 1], r2 evicts block 0 and r3 misses. vLLM 0.32
-    # (free_uncached_first): block 2 goes to the front, [2..7, 0, 1], block 0 survives.
+    # vLLM 0.32 (the default, free_uncached_first): block 2 goes to the front, [2..7, 0, 1],
+    # block 0 survives. Every freed block to the back (free_uncached_first=False): free
+    # queue [3..7, 0, 2, 1], r2 evicts block 0 and r3 misses.
     prompts = [[5, 6], [8, 9, 10], list(range(20, 32)), [5, 6, 7]]
-    assert _one_at_a_time(prompts, 8)[3] == [("r3", 0, 3)]
-    assert _one_at_a_time(prompts, 8, free_uncached_first=True)[3] == [("r3", 2, 1)]
+    assert _one_at_a_time(prompts, 8)[3] == [("r3", 2, 1)]
+    assert _one_at_a_time(prompts, 8, free_uncached_first=False)[3] == [("r3", 0, 3)]
+    assert Scheduler(8, 2).kv_cache_manager.block_pool.free_uncached_first  # vLLM's by default
     for cls in (Scheduler, EngineScheduler):  # passed through to the pool
-        s = cls(8, 2, enable_prefix_caching=True, free_uncached_first=True)
-        assert s.kv_cache_manager.block_pool.free_uncached_first
+        for order in (False, True):
+            s = cls(8, 2, enable_prefix_caching=True, free_uncached_first=order)
+            assert s.kv_cache_manager.block_pool.free_uncached_first == order
 
 
 def _prefix_workload(rng, block_size):

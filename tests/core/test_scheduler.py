@@ -543,7 +543,8 @@ def test_v1_scheduler_equals_paper_scheduler_with_paper_mechanisms_off():
         reqs = [(rng.randint(0, 6), rng.randint(1, 20), rng.randint(1, 12)) for _ in range(10)]
         traces = []
         for cls, extra in (
-            (Scheduler, {"scheduler_reserve_full_isl": False}),
+            # NOTE: the paper's scheduler frees every block to the back; v1's the same here
+            (Scheduler, {"scheduler_reserve_full_isl": False, "free_uncached_first": False}),
             (PaperScheduler, {"watermark": None}),
         ):
             s = cls(num_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=12, **extra)

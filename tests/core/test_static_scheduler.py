@@ -38,8 +38,8 @@ def test_static_batches_by_hand():
     ]
     assert log[0]["tables"] == {"A": [0, 1], "B": [2, 3, 4]}
     assert log[3]["finished"] == ["A"] and log[4]["finished"] == ["B"]
-    # freed tail first: 5 was never used, then A's 1, 0, then B's 4, 3, 2
-    assert log[5]["tables"] == {"C": [5]}
+    # freed tail first, to the front (no hash): B's 4, 3, 2, then A's 1, 0, then 5, never used
+    assert log[5]["tables"] == {"C": [4]}
     assert [[r.request_id for r in e["out"].admitted] for e in log] == [
         ["A", "B"],
         [],

@@ -70,8 +70,9 @@ def test_minipaged_side_runs_and_exercises_preemption_and_hits(admission):
 
 
 def test_hand_made_cases_minipaged_side():
-    # minipaged does what vLLM does on workloads.CASES (worked out by hand there), and
-    # with its default free order (free_uncached_first=False) not on "lifo-free"
+    # minipaged, with its defaults, does what vLLM does on workloads.CASES (worked out by
+    # hand there), and with every freed block to the back (free_uncached_first=False) not
+    # on "lifo-free"
     steps = {wid: compare.run_one(wid)["steps"] for wid in CASES}
     assert steps["same-step-hit"][0]["scheduled"] == {"r0": [0, 5], "r1": [4, 1]}
     assert steps["duplicate-block"][3]["scheduled"] == {"r3": [2, 1]}
@@ -136,8 +137,8 @@ def test_comparison_tells_admission_rules_apart(runs):
 
 @needs_vllm
 def test_comparison_needs_vllms_free_order(runs):
-    # negative control: minipaged's default free order (free_uncached_first=False) is not
-    # vLLM's, and the comparison sees it
+    # negative control: every freed block to the back (free_uncached_first=False, the
+    # paper's scheduler's order) is not vLLM's order, and the comparison sees it
     vllm, _ = runs
     default = compare.run_minipaged(IDS, ["first-chunk"], free_uncached_first=False)
     s = compare.compare(vllm["first-chunk"], default["first-chunk"])

@@ -148,7 +148,7 @@ def test_student_stub_fails_as_not_implemented(chapter, exercise_id):
 # (exercise, text in the authored solution, its wrong replacement)
 MUTANTS = [
     ("ex0.1", '"s7": "scheduling"', '"s7": "addressing"'),
-    ("ex0.2", '"D": [2, 1]', '"D": [1, 2]'),
+    ("ex0.2", '"D": [0, 6]', '"D": [6, 0]'),
     ("ex0.3", "* batch_size * (context_len + 1)", "* batch_size * context_len"),
     ("ex0.4", "return None  # each sequence", "return 0  # each sequence"),
     ("ex0.5", '"q2": 12', '"q2": 9'),
@@ -162,7 +162,7 @@ MUTANTS = [
         "return int(budget // model.kv_bytes_per_token // seq_len) + 1",
     ),
     ("ex1.6", '"q3": "neither"', '"q3": "external"'),
-    ("ex2.5", "[5, 3, 2], [], [4, 1, 0]]", "[5, 3, 2], [], [0, 1, 4]]"),
+    ("ex2.5", "[3, 2, 5], [], [4, 1, 0]]", "[3, 2, 5], [], [0, 1, 4]]"),
     ("ex2.6", "if free < 0:", "if free <= 0:"),
     ("ex2.7", '"q1": 5', '"q1": 6'),
     ("ex2.1", "queue.num_free_blocks -= 1", "pass"),

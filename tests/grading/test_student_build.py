@@ -28,6 +28,7 @@ from minipaged.grading.codec import dumps, loads_strict
 from minipaged.grading.grade import check_call
 from minipaged.grading.student_build import (
     PHASE_PLUGS,
+    _find_def,
     _resolve,
     as_in_the_build,
     strip_targets,
@@ -288,11 +289,6 @@ def test_the_local_check_says_what_grading_says_to_a_call_of_the_package(in_buil
 
 # -- the local check's stripping (``as_in_the_build``) --------------------------------------
 
-ANSWERED = sorted(
-    (ex for ch in CHAPTER_MODULES for ex, spec in _specs(ch).items() if spec.answered_by),
-    key=lambda ex: tuple(map(int, ex[2:].split("."))),
-)
-
 
 def _required_args(fn) -> tuple[list, dict]:
     sig = inspect.signature(fn)
@@ -307,28 +303,31 @@ def _required_args(fn) -> tuple[list, dict]:
     return args, kwargs
 
 
-@pytest.mark.parametrize("exercise_id", ANSWERED)
-def test_the_local_check_strips_what_the_build_strips_and_puts_it_back(exercise_id):
-    spec = get_spec(exercise_id)
-    info = strip_targets(chapter_of(exercise_id))
-    fns = {t: _resolve(t) for t in spec.answered_by}
+@pytest.mark.parametrize("chapter", CHAPTER_MODULES)
+def test_the_local_check_strips_what_the_build_strips_and_puts_it_back(chapter):
+    """Every callable the chapter's build strips raises its stub's message inside
+    ``as_in_the_build`` of any exercise of the chapter (no notebook function to plug in here),
+    and has its own code back after it."""
+    info = strip_targets(chapter)
+    fns = {t: _resolve(t) for t in info}
     before = {t: getattr(fn, "__code__", None) for t, fn in fns.items()}
-    with as_in_the_build(spec):
-        for t, fn in fns.items():
-            ex, name, _ = info[t]
-            if (t, ex) in PHASE_PLUGS:  # one phase replaced: test_build_ch03_ch05.py runs it
-                assert fn.__code__ is not before[t] and "__import__" in fn.__code__.co_names, t
-                continue
-            with pytest.raises(NotImplementedError) as stripped:
-                if hasattr(fn, "run") and hasattr(fn, "fn"):  # a Triton kernel, launched
-                    fn[(1,)]()
-                else:
-                    args, kwargs = _required_args(fn)
-                    fn(*args, **kwargs)
-            assert str(stripped.value) == f"{ex}: your notebook's {name} is used here", t
-    assert {t: getattr(fn, "__code__", None) for t, fn in fns.items()} == before
-    assert all("run" not in vars(fn) for fn in fns.values() if hasattr(fn, "fn"))
-    assert "minipaged._student_build" not in sys.modules
+    for spec in _specs(chapter).values():
+        with as_in_the_build(spec):
+            for t, fn in fns.items():
+                ex, name, _ = info[t]
+                if (t, ex) in PHASE_PLUGS:  # one phase replaced: test_build_ch03_ch05.py runs it
+                    assert fn.__code__ is not before[t] and "__import__" in fn.__code__.co_names, t
+                    continue
+                with pytest.raises(NotImplementedError) as stripped:
+                    if hasattr(fn, "run") and hasattr(fn, "fn"):  # a Triton kernel, launched
+                        fn[(1,)]()
+                    else:
+                        args, kwargs = _required_args(fn)
+                        fn(*args, **kwargs)
+                assert str(stripped.value) == f"{ex}: your notebook's {name} is used here", t
+        assert {t: getattr(fn, "__code__", None) for t, fn in fns.items()} == before
+        assert all("run" not in vars(fn) for fn in fns.values() if hasattr(fn, "fn"))
+        assert "minipaged._student_build" not in sys.modules
 
 
 def test_every_listed_callable_is_a_stub_in_its_chapters_build(tmp_path):
@@ -349,28 +348,3 @@ def test_every_listed_callable_is_a_stub_in_its_chapters_build(tmp_path):
             assert found is not None, (ch, target)
             text = ast.unparse(found)
             assert "_student_build" in text and len(getattr(found, "body", [found])) == 1, (ch, target, text)
-
-
-def _find_def(body, parts):
-    for node in body:
-        if isinstance(node, (ast.If, ast.Try, ast.With)):
-            inner = [n for block in ("body", "orelse", "finalbody") for n in getattr(node, block, [])]
-            inner += [n for h in getattr(node, "handlers", []) for n in h.body]
-            hit = _find_def(inner, parts)
-            if hit is not None:
-                return hit
-        elif isinstance(node, ast.ClassDef) and node.name == parts[0] and len(parts) > 1:
-            return _find_def(node.body, parts[1:])
-        elif (
-            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and node.name == parts[0]
-            and len(parts) == 1
-        ):
-            return node
-        elif (
-            isinstance(node, ast.Assign)
-            and len(parts) == 1
-            and any(getattr(t, "id", None) == parts[0] for t in node.targets)
-        ):
-            return node  # a Triton kernel: name = StrippedKernel(...)
-    return None

@@ -102,3 +102,56 @@ def test_owner_color_cycles_and_checks():
     for bad in (-1, 1.5, "2"):
         with pytest.raises(ValueError, match="k must be"):
             palette.owner_color(bad)
+
+
+def wcag_contrast(a: str, b: str) -> float:
+    """WCAG 2.x contrast ratio, (L1 + 0.05) / (L2 + 0.05), L the relative luminance (the Y
+    of ``lab`` above), written out here independently of the palette."""
+
+    def lum(c: str) -> float:
+        s = [int(c[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+        r, g, b = (v / 12.92 if v <= 0.04045 else ((v + 0.055) / 1.055) ** 2.4 for v in s)
+        return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+    hi, lo = max(lum(a), lum(b)), min(lum(a), lum(b))
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def test_contrast_ratio_reference_points():
+    """WCAG 2's anchors: black on white 21, a colour on itself 1, #767676 on white 4.54
+    (the lightest grey WCAG's examples pass at 4.5); symmetric."""
+    assert palette.contrast_ratio("#000000", "#FFFFFF") == pytest.approx(21.0)
+    assert palette.contrast_ratio("#762A83", "#762A83") == pytest.approx(1.0)
+    assert palette.contrast_ratio("#767676", "#FFFFFF") == pytest.approx(4.54, abs=0.01)
+    assert palette.contrast_ratio("#FFFFFF", "#767676") == palette.contrast_ratio("#767676", "#FFFFFF")
+    for a, b in itertools.combinations(palette.REQUEST_COLORS[:8] + ["#000000", "#FFFFFF"], 2):
+        assert palette.contrast_ratio(a, b) == pytest.approx(wcag_contrast(a, b))
+
+
+@pytest.mark.parametrize(
+    "fill, text",
+    [
+        ("#FFFFFF", "#000000"),
+        ("#000000", "#FFFFFF"),
+        (palette.YELLOW, "#000000"),  # light: black
+        ("#521433", "#FFFFFF"),  # dark wine, the darkest request colours: white
+        ("#104821", "#FFFFFF"),
+        ("#47194F", "#FFFFFF"),
+        (palette.BLUE, "#FFFFFF"),  # prefill's blue: black would be 4.2, below 4.5
+    ],
+)
+def test_text_color_on_picks_black_or_white(fill, text):
+    assert palette.text_color_on(fill) == text
+
+
+@pytest.mark.parametrize(
+    "fill",
+    palette.REQUEST_COLORS + list(palette.STATE_COLORS.values()) + [palette.FREE_GREY, palette.BATCH_BLUE],
+)
+def test_text_on_every_palette_colour_passes_wcag(fill):
+    """The chosen text colour reads on every fill of the palette (WCAG AA, 4.5), and is the
+    better of black and white."""
+    text = palette.text_color_on(fill)
+    other = "#FFFFFF" if text == "#000000" else "#000000"
+    assert wcag_contrast(text, fill) >= 4.5
+    assert wcag_contrast(text, fill) >= wcag_contrast(other, fill)

@@ -12,9 +12,9 @@ Inputs / outputs
     ``FreeKVCacheBlockQueue(blocks)`` holds the blocks nobody uses, in eviction order
     (least recently freed first). ``popleft()`` takes the next block to hand out;
     ``remove(block)`` takes a block out of the middle (a cached block that is reused);
-    ``append(block)`` puts a freed block at the back (``appendleft`` at the front, for
-    ``BlockPool(free_uncached_first=True)``). All are O(1): the queue is a doubly linked
-    list threaded through the blocks themselves, as in vLLM.
+    ``append(block)`` puts a freed block at the back (``appendleft`` at the front: a freed
+    block without a hash, in ``BlockPool``'s default order, vLLM 0.32's). All are O(1):
+    the queue is a doubly linked list threaded through the blocks themselves, as in vLLM.
 
     ``hash_block_tokens(parent_hash, token_ids)`` -> bytes: a sha256 chained over the
     parent block's hash, so equal hashes mean equal *prefixes*, not just equal blocks.

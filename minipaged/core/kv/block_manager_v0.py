@@ -20,6 +20,9 @@ Counting (admission of the paper's scheduler)
     ``get_num_blocks_needed_group`` (exact, with copy-on-write copies),
     ``get_num_blocks_to_prefill`` / ``get_num_blocks_still_needed`` (the watermark rule),
     ``can_swap_in_group``.
+Free order
+    every freed block goes to the back of its pool's free queue (``free_uncached_first=
+    False``, the default here); vLLM v1 instead reuses blocks without a hash first.
 Invariants (``check_invariants``)
     those of ``KVCacheManager`` in both pools; no request holds device and CPU blocks at
     once; pending copies have distinct destinations, each held by a table.
@@ -48,7 +51,9 @@ class BlockSpaceManager(KVCacheManager):
             raise ValueError(f"num_cpu_blocks must be an int >= 0, got {num_cpu_blocks!r}")
         super().__init__(num_blocks, block_size, enable_caching, free_uncached_first)
         self.num_cpu_blocks = num_cpu_blocks
-        self.cpu_block_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
+        self.cpu_block_pool = (
+            BlockPool(num_cpu_blocks, free_uncached_first=free_uncached_first) if num_cpu_blocks > 0 else None
+        )
         # request_id -> its block table while swapped out (its blocks are CPU blocks)
         self.cpu_block_tables: dict[str, BlockTable] = {}
         # Copy-on-write: (src block id, dst block id) pairs not yet handed to the worker.

@@ -5,7 +5,7 @@ Mirrors vLLM ``vllm/v1/core/block_pool.py``.
 Inputs / outputs
     ``get_new_blocks(n)`` -> ``n`` blocks taken from the front of the free queue, each with
     ``ref_cnt == 1``; ``free_blocks(blocks)`` drops one reference from each and returns
-    the blocks that reached zero to the back of the free queue; ``touch(blocks)`` adds a
+    the blocks that reached zero to the free queue; ``touch(blocks)`` adds a
     reference (sharing: a fork, or a prefix-cache hit), pulling the block out of the free
     queue if it was there. ``get_num_free_blocks()`` and ``get_usage()`` report occupancy.
 
@@ -18,9 +18,11 @@ Inputs / outputs
     ``get_new_blocks`` hands it out to someone else: that is LRU eviction, because the
     free queue is in free order.
 
-    ``free_uncached_first`` (default False: every freed block goes to the back, the order
-    chapter 02 teaches): vLLM 0.32 puts freed blocks without a hash at the *front* of the
-    free queue (reused first), cached ones at the back, so cached blocks live longer.
+    The free order (``free_uncached_first``, default True: vLLM 0.32's, chapter 02): a
+    freed block without a hash holds nothing anyone can hit again, so it goes to the
+    *front* of the free queue (reused first); a cached one goes to the back, so cached
+    blocks are evicted least recently used first. ``False`` puts every freed block at the
+    back (the paper's scheduler keeps that order; a negative control for vLLM's).
 
 Invariants (``check_invariants``)
     every block is either in the free queue with ``ref_cnt == 0`` or out of it with
@@ -44,7 +46,7 @@ from minipaged.core.kv.block import BlockHash, FreeKVCacheBlockQueue, KVCacheBlo
 
 class BlockPool:
     def __init__(
-        self, num_blocks: int, enable_caching: bool = False, free_uncached_first: bool = False
+        self, num_blocks: int, enable_caching: bool = False, free_uncached_first: bool = True
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
@@ -72,12 +74,12 @@ class BlockPool:
         return out
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference from each block; blocks reaching 0 go to the free queue.
+        """Drop one reference from each block; blocks reaching 0 go to the free queue:
+        without a hash to the front, in the order given (the first given is handed out
+        first), cached ones to the back (``free_uncached_first``, vLLM 0.32's order).
 
         NOTE: callers pass a request's blocks *tail first*, so that when caching is on the
         tail blocks (least likely to be shared by another prefix) are evicted first.
-        With ``free_uncached_first`` the blocks without a hash go to the front instead,
-        in the order given (the first given is handed out first), as vLLM 0.32.
         """
         blocks = list(ordered_blocks)
         counts: dict[int, int] = {}

@@ -26,7 +26,8 @@ Automatic prefix caching (``enable_caching=True``; vLLM's APC)
     the longest cached prefix (at most ``num_tokens - 1`` tokens: the last one is always
     computed, its logits give the next token); ``cache_blocks`` registers the blocks a
     step fills. A freed cached block stays hittable in the free queue until the pool hands
-    it out (LRU eviction). ``free_uncached_first``: vLLM 0.32's free order.
+    it out (LRU eviction). ``free_uncached_first`` (default True): vLLM 0.32's free order,
+    freed blocks without a hash reused first (``BlockPool``).
 Invariants (``check_invariants``)
     a block's ``ref_cnt`` equals the number of tables holding it; the free queue holds
     exactly the blocks with ``ref_cnt == 0``; ``len(table) == ceil(num_tokens / block_size)``.
@@ -83,7 +84,7 @@ class KVCacheManager:
         num_blocks: int,
         block_size: int,
         enable_caching: bool = False,
-        free_uncached_first: bool = False,
+        free_uncached_first: bool = True,
     ) -> None:
         check_positive_int("block_size", block_size)
         self.block_size = block_size

@@ -71,7 +71,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         max_model_len: Optional[int] = None,
         enable_prefix_caching: bool = False,
-        free_uncached_first: bool = False,
+        free_uncached_first: bool = True,
         scheduler_reserve_full_isl: bool = True,
         watermark: float = 0.0,
     ) -> None:

@@ -4,7 +4,9 @@
 every engine step, the active sequences (state, tokens, block table) and the pool of
 physical blocks, in ``minipaged.viz``'s encoding: a request's colour is
 ``owner_color(k)`` for the k-th request seen (arrival order), states use
-``STATE_COLORS``, free blocks ``FREE_GREY``, shared blocks have a black edge.
+``STATE_COLORS``, free blocks ``FREE_GREY``, shared blocks have a black edge. Labels on
+a fill are black or white as the config event says (``palette.text_color_on``, computed
+once in Python); block-table cells are as wide as the pool's widest block id.
 
 ``fetch_trace(url)`` -> an ``EngineTrace`` of the server's recent steps (renumbered from
 0), for ``minipaged.viz`` and its text renderings. ``attach_stepper(url)`` -> the
@@ -186,6 +188,8 @@ LIVE_PAGE = r"""<!doctype html>
 "use strict";
 const NS = "http://www.w3.org/2000/svg";
 let cfg = null, latest = null, queued = false, cells = [];
+let idW = 17;               // width of a block-table cell: fits the widest block id (set in setup)
+const ID_FONT = 9, MAX_SHOWN_BLOCKS = 24, TABLE_X = 170;
 const owners = new Map();   // sequence id -> colour index, in the order first seen
 let finished = 0;
 
@@ -197,12 +201,23 @@ function el(tag, attrs, parent) {
 }
 function ownerIndex(rid) { if (!owners.has(rid)) owners.set(rid, owners.size); return owners.get(rid); }
 function ownerColor(rid) { const c = cfg.colors.owners; return c[ownerIndex(rid) % c.length]; }
+// the label colour on a fill: black or white, chosen on the server by
+// minipaged.viz.palette.text_color_on (WCAG contrast >= 4.5)
+function ownerText(rid) { const c = cfg.colors.text.owners; return c[ownerIndex(rid) % c.length]; }
 function shortName(rid, k) {   // as minipaged.viz.palette.short_name
   if (/^\d+$/.test(rid) && rid.length < 4) return "r" + rid;
   return rid.length <= 4 ? rid : "r" + k;
 }
 function setup(c) {
   cfg = c;
+  // block-table cells as wide as the widest id this pool can hand out, measured in the
+  // font they are drawn in (a 4-digit id does not fit the 17 px a 2-digit one needs)
+  const seqs = document.getElementById("seqs");
+  const probe = el("text", {x: 0, y: 0, style: "font-size:" + ID_FONT + "px"}, seqs);
+  probe.textContent = "0".repeat(String(Math.max(0, c.num_blocks - 1)).length);
+  idW = Math.max(17, Math.ceil(probe.getComputedTextLength()) + 4);
+  probe.remove();
+  seqs.setAttribute("width", Math.max(620, TABLE_X + MAX_SHOWN_BLOCKS * (idW + 1) + 4));
   const cols = 64, size = 10, rows = Math.ceil(c.num_blocks / cols);
   const pool = document.getElementById("pool");
   pool.innerHTML = "";
@@ -258,7 +273,10 @@ function draw() {
   seqs.innerHTML = "";
   const rowH = 16;
   seqs.setAttribute("height", Math.max(40, shown.length * rowH + 20));
-  el("text", {x: 0, y: 11}, seqs).textContent = "seq    state     tokens  block table";
+  // SVG collapses spaces: one header text per column
+  [["seq", 0], ["state", 56], ["tokens", 124], ["block table", TABLE_X]].forEach(([t, x]) => {
+    el("text", {x: x, y: 11}, seqs).textContent = t;
+  });
   shown.forEach((rid, i) => {
     const y = 16 + i * rowH, k = ownerIndex(rid);
     const state = ev.prefill_ids.includes(rid) ? "prefill" : ev.decode_ids.includes(rid) ? "decode"
@@ -267,12 +285,14 @@ function draw() {
     el("rect", {x: 0, y: y, width: 12, height: rowH - 3, fill: ownerColor(rid)}, g);
     el("text", {x: 16, y: y + 11}, g).textContent = shortName(rid, k);
     el("rect", {x: 56, y: y, width: 60, height: rowH - 3, fill: cfg.colors.states[state]}, g);
-    el("text", {x: 60, y: y + 11}, g).textContent = state;
+    el("text", {x: 60, y: y + 11, fill: cfg.colors.text.states[state], "data-on": "state"}, g).textContent = state;
     el("text", {x: 124, y: y + 11}, g).textContent = String(ev.num_tokens[rid] || 0);
-    (ev.block_tables[rid] || []).slice(0, 24).forEach((b, j) => {
-      el("rect", {x: 170 + j * 18, y: y, width: 17, height: rowH - 3, fill: ownerColor(rid),
-                  stroke: (count.get(b) > 1) ? "#000" : "none"}, g);
-      el("text", {x: 171 + j * 18, y: y + 10, style: "font-size:8px"}, g).textContent = String(b);
+    (ev.block_tables[rid] || []).slice(0, MAX_SHOWN_BLOCKS).forEach((b, j) => {
+      const x = TABLE_X + j * (idW + 1);
+      el("rect", {x: x, y: y, width: idW, height: rowH - 3, fill: ownerColor(rid),
+                  stroke: (count.get(b) > 1) ? "#000" : "none", "data-block": b}, g);
+      el("text", {x: x + idW / 2, y: y + 10, "text-anchor": "middle", fill: ownerText(rid),
+                  style: "font-size:" + ID_FONT + "px", "data-block": b}, g).textContent = String(b);
     });
   });
   if (active.length > shown.length) {

@@ -77,8 +77,9 @@ nb.exercise(
 {_EVENT_ROWS}
 
     What you need from chapter 00: a request holds `ceil(tokens / block_size)` blocks; the
-    free queue hands out blocks that were never used first, in id order; a finished
-    request's blocks go to the *back* of the free queue, **last block first**.
+    free queue hands out blocks from its front, never-used ones in id order; a finished
+    request's blocks go to the *front* of the free queue, **last block first** (they hold no
+    prefix-cache hash, so vLLM reuses them first: chapter 02).
 
     Write `predict_tables()`: a list of six dicts, one per event, each mapping every request
     that holds blocks *after* that event to its block ids in logical order. Work it out on
@@ -96,8 +97,8 @@ nb.exercise(
             {"A": [0, 1, 2], "B": [3, 4]},
             {"A": [0, 1, 2], "B": [3, 4, 5]},
             {"B": [3, 4, 5]},
-            {"B": [3, 4, 5], "C": [6, 7]},
-            {"B": [3, 4, 5], "C": [6, 7], "D": [2, 1]},
+            {"B": [3, 4, 5], "C": [2, 1]},
+            {"B": [3, 4, 5], "C": [2, 1], "D": [0, 6]},
         ]
         ### END SOLUTION
     """,

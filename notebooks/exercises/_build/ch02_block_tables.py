@@ -71,8 +71,9 @@ nb.exercise(
     "popleft: hand out the least recently freed block",
     """
     Write `popleft(queue)`: take the first block (the one right after `queue._head`) out
-    of the queue and return it. Freed blocks go to the back, so the front block is the
-    one freed longest ago: with prefix caching that makes eviction LRU. If the queue is
+    of the queue and return it. Freed cached blocks go to the back (uncached ones to the
+    front, reused first), so of the cached blocks the first handed out is the one freed
+    longest ago: with prefix caching that makes eviction LRU. If the queue is
     empty, raise `ValueError`. You may call your `remove` from ex2.1.
     """,
     """
@@ -186,7 +187,8 @@ nb.exercise(
     Write `predict_free_queue()`: a list of six lists, one per event, each the free block
     ids *front to back* (the front is handed out next) after that event. Work it out on
     paper, from what your `popleft`, `remove` and `allocate_slots` do and from chapter 02's
-    rule for freeing (a finished request's blocks go to the back, last block first).
+    rule for freeing (a finished request's blocks go to the *front*, last block first: with
+    no prefix cache none of them has a hash).
     Example: had event 0 been "A allocates 3 tokens" in a fresh pool of six blocks of 2, A
     would hold blocks 0 and 1 and the answer after it would be `[2, 3, 4, 5]` (your copy's
     events may differ). The check shows the manager's picture at your first mistake.
@@ -195,7 +197,7 @@ nb.exercise(
     def predict_free_queue() -> list[list[int]]:
         \"\"\"The free queue, front to back, after each event of QUEUE_EVENTS.\"\"\"
         ### BEGIN SOLUTION
-        return [[2, 3, 4, 5], [4, 5], [5], [5, 3, 2], [], [4, 1, 0]]
+        return [[2, 3, 4, 5], [4, 5], [5], [3, 2, 5], [], [4, 1, 0]]
         ### END SOLUTION
     """,
     ["predict_free_queue"],
