@@ -676,8 +676,5 @@ ANSWERED_BY = {
     ),
     "ex5.4": _RUNNING,
     "ex5.5": ("minipaged.trace:run_scheduler", *_RUNNING),
-    # not an answer: the scheduler ex5.6 measures a rule on, listed so that its local check
-    # runs it as grading does (its running phase the notebook's schedule_running)
-    "ex5.6": ("minipaged.core.sched.paper:PaperScheduler.schedule",),
 }
 set_answered_by(SPECS, ANSWERED_BY)
