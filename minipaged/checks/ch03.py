@@ -30,6 +30,9 @@ Shapes: q [num_seqs, num_heads, head_dim]; caches [num_blocks, block_size, num_k
 head_dim]; block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32.
 Float32 throughout; an output of another dtype or shape is wrong.
 
+ex3.4's split-KV partials are computed on the trusted side (``split_kv_partials``) and sent
+in the case: with one partition they are decode attention itself, so the kernel has none.
+
 Failure mode: the student's code raising becomes data (``{"raised": ...}``), reported with
 the smallest failing case; a missing Triton (ex3.3) is reported as such.
 """
@@ -41,7 +44,7 @@ import os
 
 import torch
 
-from minipaged.checks._spec import Spec, attempt, concept_spec, register
+from minipaged.checks._spec import Spec, attempt, concept_spec, register, set_answered_by
 from minipaged.kernels.reference import paged_attention_ref
 
 SPECS: dict = {}
@@ -306,15 +309,35 @@ def split_kv_partials(t: dict, partition_size: int):
     return tmp_out, max_logits, exp_sums
 
 
+PARTIALS = ("tmp_out", "max_logits", "exp_sums")
+
+
 def _partition_cases(rng):
+    """NOTE: the partials are computed here (trusted side) and sent in the case: with one
+    partition per sequence ``split_kv_partials`` *is* decode attention (ex3.2), so it is not
+    in the student build."""
     cases = _attention_cases(rng, 50, max_len=30)
     for c in cases:
         c["partition_size"] = rng.choice([1, 2, 4, 8])
+        c["partials"] = dict(zip(PARTIALS, split_kv_partials(case_tensors(c), c["partition_size"])))
     return cases
 
 
+def _partials(c: dict) -> tuple:
+    """The case's partials as float32 tensors (sent as data, ``minipaged.grading.codec``)."""
+    out = []
+    for name in PARTIALS:
+        t = c["partials"][name]
+        if isinstance(t, torch.Tensor):  # a case not yet through JSON
+            out.append(t.clone())
+            continue
+        vals = [float(v["__float__"]) if type(v) is dict else float(v) for v in t["__tensor__"]["values"]]
+        out.append(torch.tensor(vals, dtype=torch.float32).reshape(t["__tensor__"]["shape"]))
+    return tuple(out)
+
+
 def observe_combine(c, combine_partitions):
-    tmp_out, max_logits, exp_sums = split_kv_partials(case_tensors(c), int(c["partition_size"]))
+    tmp_out, max_logits, exp_sums = _partials(c)
     return combine_partitions(tmp_out, max_logits, exp_sums)
 
 
@@ -518,6 +541,12 @@ ANSWERED_BY = {
         "minipaged.kernels.paged_attention:paged_attention_prefill",
         "minipaged.kernels.cpu:paged_attention_decode_cpu",
         "minipaged.kernels.cpu:paged_attention_cpu",
+        # grouped-query softmax attention over gathered K/V: with a gather (ex3.1), ex3.2
+        "minipaged.kernels.torch_backend:_sdpa_grouped",
+        # the compiled C kernels (ctypes): the library's accessor and its build (a fresh
+        # sandbox has no compiled library in its cache; ``_library`` itself is lru-cached)
+        "minipaged.kernels.cpu:_lib",
+        "minipaged.kernels.cpu:_compile",
     ),
     "ex3.3": (
         "minipaged.kernels.paged_attention:_paged_attention_decode_kernel",
@@ -533,5 +562,4 @@ ANSWERED_BY = {
     ),
     "ex3.6": (),
 }
-for _ex, _names in ANSWERED_BY.items():
-    SPECS[_ex].answered_by = _names
+set_answered_by(SPECS, ANSWERED_BY)

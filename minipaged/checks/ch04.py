@@ -28,8 +28,11 @@ as data: what it returned, the queues, statuses, token counts, block tables and 
 queue (``snapshot_data``), the output tokens. The trusted side builds the same state,
 runs the package's scheduler (``schedule()`` / ``check_stop`` / ``update_from_output`` /
 ``run_scheduler``) and compares. What the case needs that only the reference knows (ex4.1:
-the running phase of the step, done before admission) is computed on the trusted side and
-sent as part of the case, never the answer.
+the running phase of the step, done before admission; ex4.3: the step ``schedule()`` made,
+replayed in the kernel by ``_replay_step``) is computed on the trusted side and sent as
+part of the case, never the answer. In this chapter's student build ``schedule()`` admits
+with the notebook's ``schedule_waiting`` and ``update_from_output`` is the notebook's (see
+``ANSWERED_BY`` at the end): ex4.5's loop drives that scheduler, when graded and locally.
 
 Failure mode: the student's code raising becomes data, reported with the smallest case.
 """
@@ -48,7 +51,7 @@ from minipaged.checks._scheduler_cases import (
     snapshot,
     snapshot_data,
 )
-from minipaged.checks._spec import Spec, concept_spec, register
+from minipaged.checks._spec import Spec, concept_spec, register, set_answered_by
 from minipaged.core import Request, RequestStatus, Scheduler
 from minipaged.core.sched.utils import check_stop as pkg_check_stop
 
@@ -244,10 +247,31 @@ def _update_cases(rng, n: int = 150) -> list:
         recipe = random_recipe(
             rng, running=(1, 4), preempted=(0, 1), waiting=(0, 3), chunked=True, stops=True
         )
-        if not build(recipe).schedule().scheduled:
-            continue
-        cases.append({"recipe": recipe_data(recipe), "seed": rng.randrange(2**31)})
+        out = build(recipe).schedule()
+        if not out.scheduled or out.preempted:
+            continue  # NOTE: a step without preemption: the kernel replays it (_replay_step)
+        step = [[r.request_id, n] for r, n in out.scheduled]
+        cases.append({"recipe": recipe_data(recipe), "seed": rng.randrange(2**31), "scheduled": step})
     return cases
+
+
+def _replay_step(s: Scheduler, scheduled) -> list:
+    """The step ``schedule()`` made (computed on the trusted side, sent in the case), done
+    again on ``s`` in batch order: each request's slots for its tokens, a waiting one moved
+    to running. The kernel never runs a ``schedule()`` for ex4.3 (in this chapter's student
+    build its admission is the notebook's ex4.1). -> the ``(request, n)`` pairs."""
+    pairs = []
+    for rid, n in scheduled:
+        request = s.requests[rid]
+        if request in s.waiting:
+            s.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            s.running.append(request)
+        if s.kv_cache_manager.allocate_slots(request, n) is None:
+            raise RuntimeError(f"checker bug: the replayed step does not fit ({rid}, {n})")
+        pairs.append((request, n))
+    s.finished_req_ids = set()
+    return pairs
 
 
 FINISHED = "finished request ids (in batch order)"
@@ -268,10 +292,10 @@ def _after_update(s: Scheduler, everyone: dict, finished) -> dict:
 
 def observe_update_from_output(case, update_from_output) -> dict:
     s = build(recipe_from_data(case["recipe"]), _NoUpdate)
-    out = Scheduler.schedule(s)
-    sampled = _sampled(out.scheduled, case["seed"])
+    scheduled = _replay_step(s, case["scheduled"])
+    sampled = _sampled(scheduled, case["seed"])
     everyone = dict(s.requests)
-    got = update_from_output(s, list(out.scheduled), dict(sampled))
+    got = update_from_output(s, list(scheduled), dict(sampled))
     return _after_update(s, everyone, got)
 
 
@@ -402,7 +426,15 @@ SERVE_SEATS = (1, 2, 4, 8)
 
 def _serve_scheduler(knobs: dict, max_num_seqs: int) -> Scheduler:
     k = dict(knobs)
-    return Scheduler(k.pop("num_blocks"), k.pop("block_size"), max_num_seqs=max_num_seqs, **k)
+    # NOTE: first-chunk admission, as ex4.1 teaches: in the student build the notebook's
+    # schedule_waiting is this scheduler's admission (it reserves no whole prompt)
+    return Scheduler(
+        k.pop("num_blocks"),
+        k.pop("block_size"),
+        max_num_seqs=max_num_seqs,
+        scheduler_reserve_full_isl=False,
+        **k,
+    )
 
 
 def ref_serve(scheduler, arrivals: dict) -> dict:
@@ -465,7 +497,7 @@ def _describe_serve(case) -> str:
     name = "SERVE_WORKLOAD" if case["workload"] == [list(r) for r in SERVE_WORKLOAD] else "the workload"
     return (
         f"{name} {[tuple(r) for r in case['workload']]} (request id, prompt tokens, max_tokens, arrival step) "
-        f"on Scheduler({case['knobs']}, max_num_seqs={case['max_num_seqs']})"
+        f"on Scheduler({case['knobs']}, max_num_seqs={case['max_num_seqs']}, scheduler_reserve_full_isl=False)"
     )
 
 
@@ -518,11 +550,28 @@ __all__ = [
 ]
 
 
-# what the package itself computes for each exercise: stripped from the student build
+# what the package itself computes for each exercise: stripped from the student build.
+# ``schedule()`` answers ex4.1 with its admission loop: in this chapter's build only that
+# loop is taken out of v1's ``Scheduler.schedule`` and the notebook's ``schedule_waiting``
+# runs in its place (``student_build.PHASE_PLUGS``); its running phase stays, as every
+# check here needs a scheduler that steps. The paper scheduler (the same decisions without
+# groups or a watermark) is stripped whole: nothing in this chapter steps it.
+_SCHEDULE = (
+    "minipaged.core.sched.scheduler:Scheduler.schedule",
+    "minipaged.core.sched.paper:PaperScheduler.schedule",
+    "minipaged.core.sched.paper:PaperScheduler._admit_next",
+)
+_UPDATE = (
+    "minipaged.core.sched.scheduler:Scheduler.update_from_output",
+    "minipaged.core.sched.paper:PaperScheduler.update_from_output",
+)
 ANSWERED_BY = {
+    "ex4.1": _SCHEDULE,
     "ex4.2": ("minipaged.core.sched.utils:check_stop",),
-    "ex4.4": ("minipaged.trace:run_scheduler",),
-    "ex4.5": ("minipaged.trace:run_scheduler",),
+    "ex4.3": _UPDATE,
+    # a run of the v1 scheduler: run_scheduler's loop, or a loop of schedule() and
+    # update_from_output() (the notebook's own ex4.1 and ex4.3 in this build)
+    "ex4.4": ("minipaged.trace:run_scheduler", *_SCHEDULE, *_UPDATE),
+    "ex4.5": ("minipaged.trace:run_scheduler", *_SCHEDULE, *_UPDATE),
 }
-for _ex, _names in ANSWERED_BY.items():
-    SPECS[_ex].answered_by = _names
+set_answered_by(SPECS, ANSWERED_BY)

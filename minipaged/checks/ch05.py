@@ -45,7 +45,7 @@ import dataclasses
 
 from minipaged.checks._harness import is_not_implemented
 from minipaged.checks._scheduler_cases import Recipe, ReqSpec, arrivals_of, build, random_recipe, snapshot
-from minipaged.checks._spec import Spec, attempt, concept_spec, register
+from minipaged.checks._spec import Spec, attempt, concept_spec, register, set_answered_by
 from minipaged.core import Request, Scheduler
 from minipaged.core.sched import utils as sched_utils
 from minipaged.core.sched.output import SchedulerOutput
@@ -658,10 +658,23 @@ __all__ = [
 ]
 
 
-# what the package itself computes for each exercise: stripped from the student build
+# what the package itself computes for each exercise: stripped from the student build.
+# ``schedule()``'s running phase is ex5.4 (and, with its preemptions, the run ex5.5 asks
+# for): in this chapter's build that loop is taken out of v1's and of the paper
+# scheduler's ``schedule`` and the notebook's ``schedule_running`` runs in its place
+# (``student_build.PHASE_PLUGS``), so ex5.6 still measures a rule on a paper scheduler that
+# steps (on the notebook's running phase) and no loop of the package gives ex5.5's run.
+_RUNNING = (
+    "minipaged.core.sched.scheduler:Scheduler.schedule",
+    "minipaged.core.sched.paper:PaperScheduler.schedule",
+)
 ANSWERED_BY = {
     "ex5.1": ("minipaged.core.sched.utils:num_new_tokens",),
-    "ex5.3": ("minipaged.core.sched.scheduler:Scheduler._preempt",),
+    "ex5.3": (
+        "minipaged.core.sched.scheduler:Scheduler._preempt",
+        "minipaged.core.sched.paper:PaperScheduler._preempt",
+    ),
+    "ex5.4": _RUNNING,
+    "ex5.5": ("minipaged.trace:run_scheduler", *_RUNNING),
 }
-for _ex, _names in ANSWERED_BY.items():
-    SPECS[_ex].answered_by = _names
+set_answered_by(SPECS, ANSWERED_BY)

@@ -210,6 +210,8 @@ def _strip_module(source: str, qualnames: dict, module: str = "") -> tuple[str, 
                             f"fromlist=['StrippedKernel']).StrippedKernel({ex!r}, {name!r})"
                         ).body[0]
                         body[k] = ast.copy_location(stub, node)
+                    elif _phase_plug(node, f"{module}:{q}", ex):  # one phase of a step (ch04/ch05)
+                        pass
                     elif f"{module}:{q}" in ADAPTERS:
                         node.body = ast.parse(
                             f"return __import__('minipaged._student_build', fromlist=['plug_with'])"
@@ -387,6 +389,59 @@ def student_build(chapter: str, cache_dir: Optional[os.PathLike] = None) -> str:
     except OSError:  # another grader made it first
         shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+# == chapters 03-05: a scheduler step's phases, and the adapters of ch04/ch05 ==================
+# ``PHASE_PLUGS``: ``(target, exercise) -> (k, helper, targets)``: in that chapter's build only
+# the k-th top-level ``while`` loop of the target's body (a phase of ``schedule()``) is
+# replaced, by ``targets = minipaged.grading.plug_ins.helper(self, out, budget, exercise,
+# name)``; the rest of the method stays the package's (the other phase, the output's
+# bookkeeping). The exercise is the first of the chapter's that lists the target in its
+# ``answered_by`` (``strip_targets``): ex4.1 (admission) in ch04, ex5.4 (running) in ch05.
+PHASE_PLUGS = {
+    ("minipaged.core.sched.scheduler:Scheduler.schedule", "ex4.1"): (1, "v1_waiting_phase", "budget"),
+    ("minipaged.core.sched.scheduler:Scheduler.schedule", "ex5.4"): (0, "v1_running_phase", "budget"),
+    ("minipaged.core.sched.paper:PaperScheduler.schedule", "ex5.4"): (
+        0,
+        "paper_running_phase",
+        "budget, preempted",
+    ),
+}
+# the notebook's exercise function given the package method's arguments through
+# ``plug_ins`` (an expression of ``fn`` and the method's parameters, as ``ADAPTERS``)
+ADAPTERS_CH03_CH05 = {
+    "minipaged.core.sched.scheduler:Scheduler.update_from_output": (
+        "__import__('minipaged.grading.plug_ins', fromlist=['v1_update'])"
+        ".v1_update(fn, self, output, sampled_token_ids)"
+    ),
+}
+# same name and arity as the exercise's function, other parameters: never plugged in
+NO_PLUG_IN_CH03_CH05 = {
+    # (self, output, sampled): the notebook's update_from_output takes the scheduled pairs
+    "minipaged.core.sched.paper:PaperScheduler.update_from_output": "ex4.3",
+}
+ADAPTERS.update(ADAPTERS_CH03_CH05)
+NO_PLUG_IN.update(NO_PLUG_IN_CH03_CH05)
+
+
+def _phase_plug(fn: ast.FunctionDef, target: str, ex: str) -> bool:
+    """Replace one phase of ``fn`` (``PHASE_PLUGS``) in place; False when none is listed."""
+    plug = PHASE_PLUGS.get((target, ex))
+    if plug is None:
+        return False
+    k, helper, targets = plug
+    from minipaged.checks import get_spec
+
+    name = get_spec(ex).signature.split("(")[0].strip()
+    loops = [i for i, node in enumerate(fn.body) if isinstance(node, ast.While)]
+    if len(loops) <= k:
+        raise ValueError(f"PHASE_PLUGS {target!r}: no loop {k} in its body (phases moved?)")
+    call = ast.parse(
+        f"{targets} = __import__('minipaged.grading.plug_ins', fromlist=[{helper!r}])"
+        f".{helper}(self, out, budget, {ex!r}, {name!r})"
+    ).body[0]
+    fn.body[loops[k]] = ast.copy_location(call, fn.body[loops[k]])
+    return True
 
 
 # -- the local check, as in the build (issue 35, item 5) -------------------------------------

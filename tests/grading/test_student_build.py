@@ -27,6 +27,7 @@ from minipaged.checks.notebook import cell_exercise, cell_role, cell_source, loa
 from minipaged.grading.codec import dumps, loads_strict
 from minipaged.grading.grade import check_call
 from minipaged.grading.student_build import (
+    PHASE_PLUGS,
     _find_def,
     _resolve,
     as_in_the_build,
@@ -314,6 +315,9 @@ def test_the_local_check_strips_what_the_build_strips_and_puts_it_back(chapter):
         with as_in_the_build(spec):
             for t, fn in fns.items():
                 ex, name, _ = info[t]
+                if (t, ex) in PHASE_PLUGS:  # one phase replaced: test_build_ch03_ch05.py runs it
+                    assert fn.__code__ is not before[t] and "__import__" in fn.__code__.co_names, t
+                    continue
                 with pytest.raises(NotImplementedError) as stripped:
                     if hasattr(fn, "run") and hasattr(fn, "fn"):  # a Triton kernel, launched
                         fn[(1,)]()
@@ -332,7 +336,9 @@ def test_every_listed_callable_is_a_stub_in_its_chapters_build(tmp_path):
     cache = tmp_path / "builds"
     for ch in CHAPTER_MODULES:
         build = Path(student_build(ch, cache))
-        for target in strip_targets(ch):
+        for target, (ex, _, _) in strip_targets(ch).items():
+            if (target, ex) in PHASE_PLUGS:  # one loop of its body: test_build_ch03_ch05.py
+                continue
             module, qualname = target.split(":")
             rel = Path(*module.split(".")[1:])
             path = build / rel.with_suffix(".py")

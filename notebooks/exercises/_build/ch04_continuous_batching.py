@@ -276,6 +276,11 @@ nb.exercise(
     prints what your loop measured on `SERVE_WORKLOAD`: the steps the workload took and
     the mean finish step. Before you run it: how much
     should 8 seats gain over 1 here, and why not 8 times?
+
+    **Your code powers the rest**: the scheduler your `serve` drives admits with your
+    `schedule_waiting` (ex4.1) and updates with your `update_from_output` (ex4.3), which
+    stops requests with your `check_stop` (ex4.2): its running phase is the package's.
+    (The package's own loop, `trace.run_scheduler`, is not there when graded.)
     """,
     """
     def serve(scheduler, arrivals: dict) -> dict[str, int]:

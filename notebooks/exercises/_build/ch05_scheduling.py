@@ -291,6 +291,10 @@ nb.exercise(
       under the default rule and under yours. There is no single right answer: a reserve
       for what the running requests will still grow, a watermark of free blocks, a cap on
       the batch... measure each against the bar.
+
+    **Your code powers the rest**: the scheduler that asks your rule grows its running
+    requests with your `schedule_running` (ex5.4, and through it your ex5.1-ex5.3); its
+    admission around your hook is the package's.
     """,
     """
     def can_admit(scheduler, request) -> bool:
