@@ -13,9 +13,9 @@ Outputs
         L  a lookahead slot (the draft model's)    .  an empty slot of a held block
 
     and ``draw_block_table_steps(steps)``, the same as a matplotlib figure. After a step the
-    request keeps ``num_computed + 1 + num_accepted`` slots: the R and L slots are given
-    back (a block left with none of them is freed) and the next step writes those
-    positions again.
+    request's ``num_computed_tokens`` is ``num_computed + 1 + num_accepted`` (the slots it
+    keeps); the R and L slots stay in its blocks, as vLLM v1's (no block is given back),
+    and the next step writes those positions again.
 Failure mode
     ``ValueError`` for a record that does not fit its table (more tokens than slots,
     more accepted than drafted).
