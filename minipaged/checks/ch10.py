@@ -33,7 +33,7 @@ import operator
 
 from minipaged.checks._spec import Spec, attempt, concept_spec, register, set_answered_by
 from minipaged.core import Request, Scheduler
-from minipaged.core.sched import spec as sched_spec
+from minipaged.core.sched.request import get_max_num_kv_tokens
 from minipaged.sampling_params import SamplingParams
 from minipaged.spec_decode.rejection_sampler import RejectionSampler
 
@@ -316,9 +316,11 @@ def reference_spec_steps(requests=SPEC_REQUESTS, knobs=SPEC_KNOBS) -> list[dict]
     ((rid, prompt, max_tokens, accepted),) = requests
     k = knobs["k"]
     sched = Scheduler(
-        knobs["num_blocks"], knobs["block_size"], max_num_batched_tokens=knobs["max_num_batched_tokens"]
+        knobs["num_blocks"],
+        knobs["block_size"],
+        max_num_batched_tokens=knobs["max_num_batched_tokens"],
+        num_lookahead_tokens=k,
     )
-    sched.spec_decode.num_lookahead_tokens = k
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     r = Request(rid, list(range(100, 100 + prompt)), sampling_params=params)
     sched.add_request(r)
@@ -328,7 +330,9 @@ def reference_spec_steps(requests=SPEC_REQUESTS, knobs=SPEC_KNOBS) -> list[dict]
             raise RuntimeError("checker bug: the speculative run does not end")
         out = sched.schedule()
         ((_, n),) = out.scheduled
-        lookahead = out.num_lookahead_slots.get(rid, 0)
+        # the slots reserved past the step's tokens (the scheduler's rule: k, capped by the
+        # request's last possible token), read before the step advances the request
+        lookahead = min(k, get_max_num_kv_tokens(r) - r.num_computed_tokens - n)
         blocks = len(sched.kv_cache_manager.block_tables[rid].blocks)
         drafts = out.scheduled_spec_decode_tokens.get(rid, [])
         if drafts:
@@ -341,7 +345,7 @@ def reference_spec_steps(requests=SPEC_REQUESTS, knobs=SPEC_KNOBS) -> list[dict]
         steps.append(
             {"scheduled": n, "lookahead": lookahead, "blocks": blocks, "computed": r.num_computed_tokens}
         )
-        sched_spec.update_draft_token_ids(sched, {rid: [7] * k})
+        sched.update_draft_token_ids({rid: [7] * k})
     return steps
 
 
@@ -545,11 +549,9 @@ ANSWERED_BY = {
         "minipaged.spec_decode.rejection_sampler:RejectionSampler._random",
         "minipaged.spec_decode.rejection_sampler:RejectionSampler.__call__",
     ),
-    "ex10.3": (
-        "minipaged.core.sched.spec:plan",
-        "minipaged.core.sched.spec:advance",
-        "minipaged.core.sched.spec:num_lookahead_slots",
-        "minipaged.core.sched.spec:usable_drafts",
+    "ex10.3": (  # the drafts' token count and lookahead, and the advance (inline, as vLLM's)
+        "minipaged.core.sched.scheduler:Scheduler.schedule",
+        "minipaged.core.sched.scheduler:Scheduler.update_from_output",
     ),
     "ex10.4": (
         "minipaged.spec_decode.analysis:expected_tokens_per_step",

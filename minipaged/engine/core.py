@@ -69,7 +69,7 @@ from minipaged.core.sched import (
     Scheduler,
     SchedulerOutput,
     StaticBatchScheduler,
-    spec,
+    get_max_num_kv_tokens,
 )
 from minipaged.sampling_params import SamplingParams
 from minipaged.trace import EngineTrace, StepRecord, record_step
@@ -213,12 +213,13 @@ def make_scheduler(config, num_blocks: int, num_cpu_blocks: int, max_model_len: 
             num_cpu_blocks=num_cpu_blocks,
             parallel_sampling=c.parallel_sampling,
         )
-    sched = Scheduler(
-        **kwargs, scheduler_reserve_full_isl=c.scheduler_reserve_full_isl, watermark=c.watermark or 0.0
+    spec = c.speculative_config  # KV slots for a draft model's writes past each step
+    return Scheduler(
+        **kwargs,
+        scheduler_reserve_full_isl=c.scheduler_reserve_full_isl,
+        watermark=c.watermark or 0.0,
+        num_lookahead_tokens=0 if spec is None else spec.num_lookahead_tokens,
     )
-    if c.speculative_config is not None:  # KV slots for a draft model's writes past each step
-        sched.spec_decode.num_lookahead_tokens = c.speculative_config.num_lookahead_tokens
-    return sched
 
 
 # -- the core ---------------------------------------------------------------------------------
@@ -514,17 +515,20 @@ class EngineCore:
 
     # -- speculative decoding ----------------------------------------------------------------
     def _spec_log(self, out) -> dict[str, tuple]:
-        """Each scheduled request's table as the step runs it (before rejected slots go)."""
-        kv = self.scheduler.kv_cache_manager
-        return {
-            r.request_id: (
-                kv.get_block_ids(r.request_id),
+        """Each scheduled request's table as the step runs it, and its lookahead: the slots
+        the scheduler reserved past the step's tokens for a draft model's writes (as its
+        ``schedule``: ``num_lookahead_tokens``, capped by the request's last possible token)."""
+        s = self.scheduler
+        log = {}
+        for r, n in out.scheduled:
+            room = get_max_num_kv_tokens(r, s.max_model_len) - r.num_computed_tokens - n
+            log[r.request_id] = (
+                s.kv_cache_manager.get_block_ids(r.request_id),
                 r.num_computed_tokens,
                 len(out.scheduled_spec_decode_tokens.get(r.request_id, ())),
-                out.num_lookahead_slots.get(r.request_id, 0),
+                min(s.num_lookahead_tokens, room),
             )
-            for r, _ in out.scheduled
-        }
+        return log
 
     def _spec_observe(self, result, log: dict[str, tuple]) -> None:
         """Acceptance statistics; the drafts proposed go to the scheduler for the next step."""
@@ -534,7 +538,7 @@ class EngineCore:
             self.spec_decode_stats.observe(num_drafts, accepted)
             step[rid] = (blocks, computed, num_drafts, accepted, ahead)
         self.spec_decode_log.append(step)
-        spec.update_draft_token_ids(self.scheduler, result.draft_token_ids)  # for the next step
+        self.scheduler.update_draft_token_ids(result.draft_token_ids)  # for the next step
 
     # -- recovery -----------------------------------------------------------------------------
     def fail_step(self, exc: BaseException) -> EngineCoreOutputs:

@@ -204,7 +204,7 @@ REFERENCES: dict[str, tuple[str, ...]] = {
         "minipaged.spec_decode.rejection_sampler.RejectionSampler",
         "minipaged.spec_decode.analysis.expected_tokens_per_step",
         "minipaged.spec_decode.analysis.cost_model_speedup",
-        "minipaged.core.sched.spec",
+        "minipaged.core.sched.scheduler",
         "minipaged.core.Scheduler",
     ),
     "ch11": ("minipaged.model.parallel",),

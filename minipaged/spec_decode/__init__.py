@@ -7,9 +7,10 @@
 - ``RejectionSampler`` (``rejection_sampler.py``): one target forward scores every draft;
   greedy acceptance keeps outputs identical to plain greedy decoding, the
   accept-with-min(1, p/q) rule keeps the target's distribution when sampling.
-- the scheduler's side (drafts to schedule, lookahead slots, how far a verified request
-  advances, which slots go back) is ``minipaged/core/sched/spec.py``, pure Python like the
-  rest of ``minipaged.core``; the worker's side is ``minipaged/worker/spec_decode.py``.
+- the scheduler's side is inline in ``minipaged/core/sched/scheduler.py``, as vLLM's:
+  ``Request.spec_token_ids`` scheduled like known tokens, ``num_lookahead_tokens`` passed to
+  ``allocate_slots``, ``num_computed_tokens`` rolled back by the rejected drafts (their
+  blocks kept); the worker's side is ``minipaged/worker/spec_decode.py``.
 - ``analysis.py``: acceptance replayed offline; when speculation pays (the cost model).
 - ``viz.py``: one request's block table across speculative steps.
 

@@ -22,8 +22,9 @@ Invariant (what makes the shared table work)
     has computed (``< num_computed_tokens``); pass 0 starts there. Its proposal passes
     write ``k - 1`` positions past the target's new tokens, slots the target has not
     scheduled yet: those are the scheduler's *lookahead* slots (``num_lookahead_tokens =
-    k`` in ``allocate_slots``). Whatever the target rejects, the next step rewrites both
-    caches at those positions before any attention reads them. After a recompute
+    k`` in ``allocate_slots``). Whatever the target rejects keeps its slots (the blocks stay
+    in the table, ``num_computed_tokens`` goes back): the next step rewrites both caches at
+    those positions before any attention reads them. After a recompute
     preemption ``num_computed_tokens`` is 0 and both caches are refilled together; a
     prefix-cache hit skips both, because both were written at those block ids.
 Inputs / outputs

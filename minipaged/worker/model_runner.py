@@ -208,9 +208,7 @@ class ModelRunner:
                 raise RuntimeError(
                     f"the scheduler sent request {cached.req_id!r} as cached, but this worker never got it"
                 )
-            if self.spec is not None:  # NOTE: the scheduler gave back the slots past the
-                del r.block_ids[-(-cached.num_computed_tokens // self.block_size) :]  # verified ones
-            r.block_ids.extend(cached.new_block_ids)
+            r.block_ids.extend(cached.new_block_ids)  # NOTE: a table only grows (vLLM's)
             r.num_computed_tokens = cached.num_computed_tokens
 
     def prepare_inputs(self, scheduler_output) -> ModelInput:

@@ -69,7 +69,7 @@ def run(engine, params, prompts=PROMPTS, arrivals=ARRIVALS):
         while pending and pending[0][2] <= step:
             i, p, _ = pending.pop(0)
             engine.add_request(str(i), p, params)
-        held = set(engine.scheduler.spec_decode.spec_token_ids)
+        held = {r.request_id for r in engine.scheduler.running if r.spec_token_ids}
         for o in engine.step():
             outs[o.request_id] = o
         engine.check_invariants()

@@ -21,7 +21,7 @@ def test_slots_by_hand():
     text = block_table_text([s])
     assert (
         text.splitlines()[0]
-        == "step  4  [ 7: ####] [ 2: #xAR] [ 9: RLL.]  drafts 3, accepted 1, kept 7 slots"
+        == "step  4  [ 7: ####] [ 2: #xAR] [ 9: RLL.]  drafts 3, accepted 1, num_computed_tokens -> 7"
     )
 
 
@@ -37,5 +37,28 @@ def test_figure_draws():
 
     steps = [BlockTableStep(i, [3, 5], 4, 2 + i, 2, i % 3, 0) for i in range(3)]
     fig = draw_block_table_steps(steps)
-    assert len(fig.axes[0].patches) == 3 * 8
+    ax = fig.axes[0]
+    assert len(ax.patches) == 3 * 8
+    # the course palette, and every "block N" label clear of the row above it
+    assert {p.get_facecolor()[:3] for p in ax.patches} <= {to_rgb(c) for c in palette_colors()}
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    labels = [t for t in ax.texts if t.get_text().startswith("block ")]
+    assert len(labels) == 3 * 2
+    for t in labels:
+        box = t.get_window_extent(renderer)
+        for p in ax.patches:
+            assert not box.overlaps(p.get_window_extent(renderer)), (t.get_text(), t.get_position())
     plt.close(fig)
+
+
+def palette_colors():
+    from minipaged.viz import palette
+
+    return [v for k, v in vars(palette).items() if k.isupper() and isinstance(v, str) and v.startswith("#")]
+
+
+def to_rgb(c):
+    from matplotlib.colors import to_rgb as rgb
+
+    return rgb(c)

@@ -168,7 +168,9 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def check_positive_int(name: str, value) -> None:
-    """ValueError naming ``name`` unless ``value`` is an int > 0 (the one such check)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+def check_positive_int(name: str, value, minimum: int = 1) -> None:
+    """ValueError naming ``name`` unless ``value`` is an int >= ``minimum`` (default 1: > 0;
+    the one such check)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {what}, got {value!r}")

@@ -13,10 +13,13 @@ Concept (PagedAttention's addressing half)
     Blocks are allocated on demand as the sequence grows, so at most ``block_size - 1``
     slots per request are ever reserved without holding a token.
 Inputs / outputs
-    ``allocate_slots(request, num_new_tokens, new_computed_blocks)`` makes room for
-    ``num_new_tokens`` more tokens and returns the new blocks (possibly ``[]``), or
-    ``None`` when the pool cannot supply them (vLLM's admission gates
-    ``full_sequence_must_fit`` and ``watermark_blocks`` included). ``free(request)``
+    ``allocate_slots(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens)``
+    makes room for ``num_new_tokens`` more tokens past the request's computed ones (and
+    ``num_lookahead_tokens`` slots beyond them, speculative decoding's) and returns the new
+    blocks (possibly ``[]``), or ``None`` when the pool cannot supply them (vLLM's admission
+    gates ``full_sequence_must_fit`` and ``watermark_blocks`` included). As vLLM's, a table
+    keeps its blocks until ``free``: after a rejection the request's ``num_computed_tokens``
+    goes back, its slots stay and the next step rewrites them. ``free(request)``
     returns its blocks. ``get_block_ids(request_id)`` is its table; ``usage()`` the
     occupancy of the paper's Fig. 2. Every block count is ``get_num_blocks_to_allocate``
     or ``max_num_blocks``: the one place blocks are counted.
@@ -30,7 +33,9 @@ Automatic prefix caching (``enable_caching=True``; vLLM's APC)
     freed blocks without a hash reused first (``BlockPool``).
 Invariants (``check_invariants``)
     a block's ``ref_cnt`` equals the number of tables holding it; the free queue holds
-    exactly the blocks with ``ref_cnt == 0``; ``len(table) == ceil(num_tokens / block_size)``.
+    exactly the blocks with ``ref_cnt == 0``; ``len(table) == ceil(num_tokens / block_size)``,
+    ``num_tokens`` being the slots a table has claimed (computed tokens, those scheduled,
+    lookahead).
 Failure mode
     pool exhausted -> ``allocate_slots`` returns ``None`` and changes nothing; the
     scheduler decides whom to preempt. More blocks than the whole pool, a non-positive
@@ -117,24 +122,30 @@ class KVCacheManager:
         new_computed_blocks: list[KVCacheBlock] | None = None,
         full_sequence_must_fit: bool = False,
         watermark_blocks: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens; the new blocks, or None if they do not fit (nothing changed).
 
         ``new_computed_blocks`` (hits from ``get_computed_blocks``, only for a request that
         holds no blocks yet) start the table, shared; ``num_new_tokens`` counts the tokens
-        after them. vLLM 0.32's admission gates, for a request leaving ``waiting``:
+        after them, ``num_lookahead_tokens`` the slots past those (a draft model's writes).
+        vLLM 0.32's admission gates, for a request leaving ``waiting``:
         ``full_sequence_must_fit`` (``scheduler_reserve_full_isl``) first asks for the
         blocks of *all* its tokens, and both checks keep ``watermark_blocks`` free.
         """
         if not isinstance(num_new_tokens, int) or num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be a positive int, got {num_new_tokens!r}")
+        if not isinstance(num_lookahead_tokens, int) or num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be an int >= 0, got {num_lookahead_tokens!r}")
         rid = _request_id(request)
         computed = list(new_computed_blocks or ())
         if computed and rid in self.block_tables:
             raise ValueError(f"new_computed_blocks: request {rid!r} already holds blocks")
         t = self.block_tables.get(rid)
-        start = (0 if t is None else t.num_tokens) + len(computed) * self.block_size
-        total = start + num_new_tokens
+        # NOTE: as vLLM, a Request counts from its computed tokens (its table may hold slots
+        # past them: lookahead, rejected drafts); a bare id counts from its table's slots
+        done = 0 if t is None else t.num_tokens if isinstance(request, str) else request.num_computed_tokens
+        total = done + len(computed) * self.block_size + num_new_tokens + num_lookahead_tokens
         if cdiv(total, self.block_size) > self.num_blocks:
             raise ValueError(
                 f"request {rid!r} needs {cdiv(total, self.block_size)} blocks for {total} "
@@ -151,9 +162,9 @@ class KVCacheManager:
             t = self.block_tables[rid] = BlockTable([], 0, self.block_size, len(computed))
         self.block_pool.touch(computed)
         t.blocks.extend(computed)
-        new_blocks = self.block_pool.get_new_blocks(cdiv(total, self.block_size) - len(t.blocks))
+        new_blocks = self.block_pool.get_new_blocks(max(0, cdiv(total, self.block_size) - len(t.blocks)))
         t.blocks.extend(new_blocks)
-        t.num_tokens = total
+        t.num_tokens = max(t.num_tokens, total)  # NOTE: blocks are kept until free()
         return new_blocks
 
     def free(self, request) -> None:
@@ -163,23 +174,6 @@ class KVCacheManager:
         if rid not in self.block_tables:
             raise ValueError(f"unknown request {rid!r}: it holds no blocks")
         self.block_pool.free_blocks(reversed(self.block_tables.pop(rid).blocks))
-
-    def trim_slots(self, request, num_tokens: int) -> list[int]:
-        """Give back the slots past the first ``num_tokens`` (speculative decoding: rejected
-        drafts and unused lookahead slots); whole blocks past them return to the pool, tail
-        first. Returns the freed block ids. vLLM keeps such blocks for the next step; here
-        a table always holds ``ceil(num_tokens / block_size)`` blocks."""
-        t = self.block_tables.get(_request_id(request))
-        if t is None or not 0 < num_tokens <= t.num_tokens:
-            raise ValueError(
-                f"num_tokens must be in [1, {0 if t is None else t.num_tokens}], got {num_tokens!r}"
-            )
-        keep = cdiv(num_tokens, self.block_size)
-        freed = t.blocks[keep:]
-        del t.blocks[keep:]
-        t.num_tokens = num_tokens
-        self.block_pool.free_blocks(reversed(freed))
-        return [b.block_id for b in freed]
 
     # -- prefix caching -----------------------------------------------------------
     def _block_hashes(self, request, num_blocks: int) -> list[BlockHash]:

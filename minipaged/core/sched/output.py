@@ -103,8 +103,6 @@ class SchedulerOutput:
     fork_samples: list[tuple[Request, Request]] = field(default_factory=list)
     # prefix caching: request_id -> prompt tokens found in the cache at admission
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
-    # speculative decoding: request_id -> KV slots reserved past its scheduled tokens
-    num_lookahead_slots: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -65,6 +65,9 @@ class Request:
     stop_reason: Optional[str] = None  # why it finished, in words (for refusals too)
     # chained hashes of the full blocks of all_token_ids, filled lazily (prefix caching)
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    # speculative decoding: the drafts proposed after its last token, for the next step
+    # (vLLM's name; set by Scheduler.update_draft_token_ids, consumed by schedule())
+    spec_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.prompt_token_ids) == 0:
@@ -82,6 +85,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.spec_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -33,19 +33,24 @@ Refusal
 Invariants (``check_invariants``)
     running <= ``max_num_seqs``; scheduled tokens <= ``max_num_batched_tokens``; every
     unfinished request in exactly one queue with a matching status; exactly the running
-    requests hold blocks, for ``num_computed_tokens`` tokens between steps; queues in
-    arrival order, every running request ahead of every waiting one.
+    requests hold blocks, at least for their ``num_computed_tokens`` tokens between steps
+    (more after rejected drafts or with lookahead, never past their last possible token);
+    queues in arrival order, every running request ahead of every waiting one.
 Failure modes
     Over-admission -> preemption thrash; a long prompt at the head blocks those behind it
     (FCFS). No livelock: the first running request is its own victim only if it alone
     exceeds the pool, which refusal excludes; a step that does nothing while requests
     wait raises RuntimeError.
-Speculative decoding (``spec.py``; proposers and verification in ``minipaged/spec_decode/``)
-    A decoding request with drafts (``spec.update_draft_token_ids``) is scheduled its last
-    token and the drafts that fit the budget (``scheduled_spec_decode_tokens``), plus
-    ``num_lookahead_tokens`` KV slots outside the budget for a draft model's writes. After
-    verification it advances by ``1 + accepted`` only and the rest of its slots are given
-    back (``trim_slots``); the next step rewrites them. A preempted request loses its drafts.
+Speculative decoding (as vLLM v1's; proposers and verification in ``minipaged/spec_decode/``)
+    A decoding request with drafts (``request.spec_token_ids``, set by
+    ``update_draft_token_ids``) is scheduled ``num_tokens_with_spec - num_computed_tokens``
+    tokens like any other: its last token and the drafts that fit the budget and its last
+    possible token (``scheduled_spec_decode_tokens``), plus ``num_lookahead_tokens`` KV slots
+    past them for a draft model's writes (``allocate_slots``). After verification
+    ``num_computed_tokens`` goes back by the rejected drafts; the blocks stay, and the next
+    step rewrites their slots. A preempted request loses its drafts. (Lookahead slots are
+    also reserved at admission, so the first drafts after a prefill have slots; vLLM's
+    admission reserves none for a fresh request.)
 The paper's scheduler (vLLM v0: sequence groups, swap, copy-on-write) is ``paper.py``.
 """
 
@@ -54,11 +59,11 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional
 
-from minipaged.core.kv.block import check_positive_int
+from minipaged.core.kv.block import cdiv, check_positive_int
 from minipaged.core.kv.kv_cache_manager import KVCacheManager
-from minipaged.core.sched import spec, utils
+from minipaged.core.sched import utils
 from minipaged.core.sched.output import CachedRequestData, SchedulerOutput
-from minipaged.core.sched.request import Request, RequestStatus
+from minipaged.core.sched.request import Request, RequestStatus, get_max_num_kv_tokens
 
 
 class Scheduler:
@@ -74,7 +79,9 @@ class Scheduler:
         free_uncached_first: bool = True,
         scheduler_reserve_full_isl: bool = True,
         watermark: float = 0.0,
+        num_lookahead_tokens: int = 0,
     ) -> None:
+        check_positive_int("num_lookahead_tokens", num_lookahead_tokens, minimum=0)
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             check_positive_int(name, locals()[name])
         if max_model_len is not None:
@@ -91,12 +98,9 @@ class Scheduler:
         self.scheduler_reserve_full_isl = bool(scheduler_reserve_full_isl)
         self.watermark = float(watermark)
         self.watermark_blocks = int(self.watermark * num_blocks)  # NOTE: as vLLM's manager
-        self.spec_decode = spec.SpecDecodeState()  # speculative decoding: lookahead, drafts
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks,
-            block_size,
-            enable_caching=self.enable_prefix_caching,
-            free_uncached_first=free_uncached_first,
+        self.num_lookahead_tokens = num_lookahead_tokens  # KV slots past a step's (draft model)
+        self.kv_cache_manager = KVCacheManager(  # (enable_caching, free_uncached_first)
+            num_blocks, block_size, self.enable_prefix_caching, free_uncached_first
         )
         self.waiting: deque[Request] = deque()  # arrival order; preempted ones in front
         self.running: list[Request] = []  # arrival order (FCFS)
@@ -122,15 +126,16 @@ class Scheduler:
         out.refused, self._to_refuse = self._to_refuse, []
         budget = self.max_num_batched_tokens
 
-        # 1. RUNNING first, in order: decodes and continuing prefill chunks.
+        # 1. RUNNING first, in order: decodes (with their drafts) and continuing prefill chunks.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n, ahead = spec.plan(self, out, request, budget)  # its tokens (+ drafts), lookahead slots
-            if n == 0:
-                i += 1
-                continue
-            while (new_blocks := kv.allocate_slots(request, n + ahead)) is None:
+            # NOTE: as vLLM, drafts count like known tokens, capped by the request's last
+            # possible token (its max_tokens, the context)
+            room = get_max_num_kv_tokens(request, self.max_model_len) - request.num_computed_tokens
+            n = min(request.num_tokens_with_spec - request.num_computed_tokens, budget, room)
+            ahead = min(self.num_lookahead_tokens, room - n)
+            while (new_blocks := kv.allocate_slots(request, n, num_lookahead_tokens=ahead)) is None:
                 # The pool is full: preempt the last of running (never one scheduled this
                 # step: we go front to back) and retry.
                 victim = self.running.pop()
@@ -139,11 +144,13 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break  # the asking request preempted itself; those after it are gone too
+            if (num_spec := request.num_computed_tokens + n - request.num_tokens) > 0:  # the drafts that fit
+                out.scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+            request.spec_token_ids = []  # new ones come after this step (update_draft_token_ids)
             self._schedule(request, n, new_blocks, out)
+            new_ids = [b.block_id for b in new_blocks]
             out.scheduled_cached_reqs.append(
-                CachedRequestData(
-                    request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens
-                )
+                CachedRequestData(request.request_id, new_ids, request.num_computed_tokens)
             )
             budget -= n
             i += 1
@@ -155,12 +162,14 @@ class Scheduler:
             n = self._num_new_tokens(request, num_computed, budget)
             if n == 0:
                 break
+            room = get_max_num_kv_tokens(request, self.max_model_len) - num_computed - n
             new_blocks = kv.allocate_slots(
                 request,
-                n + spec.reserve_lookahead(self, out, request, num_computed + n),
+                n,
                 computed,
                 full_sequence_must_fit=self.scheduler_reserve_full_isl,
                 watermark_blocks=self.watermark_blocks if self.running else 0,
+                num_lookahead_tokens=min(self.num_lookahead_tokens, room),
             )
             if new_blocks is None:
                 break
@@ -208,6 +217,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.waiting.appendleft(request)
         out.preempted.append(request)
@@ -217,26 +227,26 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict) -> list[Request]:
         """Advance the scheduled requests, append each sampled token and stop the requests
         it ends (``check_stop``); return every request finished this step, refused ones
-        first. A request whose known tokens are all computed now needs a sampled token;
-        one verified with drafts gets a list (accepted drafts + 1) and advances by the
-        accepted count only (``spec.advance``)."""
+        first. A request whose known tokens are all computed now needs a sampled token (or
+        a list); one verified with drafts gets a list (accepted drafts + 1) and its
+        ``num_computed_tokens`` goes back by the rejected drafts, as vLLM's."""
         if output is not self._in_flight:
             raise ValueError("update_from_output() needs the output of the last schedule()")
-        need = [  # NOTE: the dict lookup first: it rules out almost every request at once
-            r.request_id
-            for r, n in output.scheduled
-            if r.request_id not in sampled_token_ids
-            and not r.is_finished
-            and r.num_computed_tokens + n >= r.num_tokens
-        ]
-        if need:
-            raise ValueError(f"sampled_token_ids lacks a token for requests {need}")
+        utils.check_sampled(output, sampled_token_ids)  # a token for each, 1 to m + 1 for m drafts
         finished: list[Request] = list(output.refused)
         for request, n in output.scheduled:
             if request.is_finished:  # aborted between schedule() and here
                 continue
-            for t in spec.advance(self.kv_cache_manager, request, n, output, sampled_token_ids):
-                request.append_output_token_id(t)  # none for a prefill chunk
+            request.num_computed_tokens += n
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk: no token
+            tokens = sampled_token_ids[request.request_id]
+            tokens = tokens if isinstance(tokens, list) else [tokens]
+            if drafts := output.scheduled_spec_decode_tokens.get(request.request_id):
+                # NOTE: as vLLM, the rejected drafts' slots stay: the next step rewrites them
+                request.num_computed_tokens -= len(drafts) + 1 - len(tokens)
+            for t in tokens:
+                request.append_output_token_id(t)
                 if utils.check_stop(request, self.max_model_len):
                     self._free_request(request)
                     finished.append(request)
@@ -244,6 +254,15 @@ class Scheduler:
         output.finished = finished
         self._in_flight = None
         return finished
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """vLLM's: the drafts proposed after a step, for the next one. Only a running
+        request that decodes (all its tokens but the newest computed) takes them; one
+        preempted or finished meanwhile takes none."""
+        for rid, drafts in draft_token_ids.items():
+            r = self.requests.get(rid)
+            if r and r.status == RequestStatus.RUNNING and r.num_computed_tokens == r.num_tokens - 1:
+                r.spec_token_ids = list(drafts)
 
     def _free_request(self, request: Request) -> None:
         """Forget a finished request: blocks back to the pool, its id to the worker."""
@@ -332,13 +351,16 @@ class Scheduler:
             "running": (self.running, (RequestStatus.RUNNING,), True),
         }
         utils.check_scheduler(self, queues)
-        in_flight = spec.slots_in_flight(self._in_flight)  # scheduled + lookahead slots
+        in_flight = {} if self._in_flight is None else self._in_flight.num_scheduled_tokens
         for r in self.running:
-            held, expected = (
-                kv.block_tables[r.request_id].num_tokens,
-                r.num_computed_tokens + in_flight.get(r.request_id, 0),
+            # NOTE: a table holds the slots of the computed and scheduled tokens, and may
+            # hold more (lookahead, rejected drafts' slots), never past the request's last
+            held, bs = len(kv.block_tables[r.request_id].blocks), self.block_size
+            need = r.num_computed_tokens + in_flight.get(r.request_id, 0)
+            most = max(need, get_max_num_kv_tokens(r, self.max_model_len))
+            assert cdiv(need, bs) <= held <= cdiv(most, bs), (
+                f"running {r.request_id}: {held} blocks, {need} tokens"
             )
-            assert held == expected, f"running {r.request_id}: slots for {held} tokens, expected {expected}"
             assert in_flight or r.num_computed_tokens < r.num_tokens, f"running {r.request_id} is idle"
         if self.running and self.waiting:
             assert self.running[-1].arrival_order < min(r.arrival_order for r in self.waiting), (

@@ -109,6 +109,25 @@ def num_new_tokens(num_left: int, budget: int, chunked: bool, max_num_batched_to
     return 0
 
 
+def check_sampled(out: SchedulerOutput, sampled_token_ids: dict) -> None:
+    """ValueError unless every unfinished scheduled request whose known tokens are all
+    computed after ``out`` has an entry in ``sampled_token_ids``, and each one verified with
+    ``m`` drafts sampled 1 to ``m + 1`` tokens (its accepted drafts and one of the target's)."""
+    need = [  # NOTE: the dict lookup first: it rules out almost every request at once
+        r.request_id
+        for r, n in out.scheduled
+        if r.request_id not in sampled_token_ids
+        and not r.is_finished
+        and r.num_computed_tokens + n >= r.num_tokens
+    ]
+    if need:
+        raise ValueError(f"sampled_token_ids lacks a token for requests {need}")
+    for rid, drafts in out.scheduled_spec_decode_tokens.items():
+        got = sampled_token_ids.get(rid, [])
+        if not 1 <= (len(got) if isinstance(got, list) else 1) <= len(drafts) + 1:
+            raise ValueError(f"request {rid!r}: {got} sampled for {len(drafts)} drafts")
+
+
 def new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
     """The worker's view of ``request``: everything it needs to build its rows."""
     return NewRequestData(

@@ -138,7 +138,7 @@ nb.exercise(
     |---|---|---|---|
 {{SPEC_TABLE}}
 
-    What you need from chapter 10 (and `minipaged/core/sched/spec.py`):
+    What you need from chapter 10 (and `Scheduler.schedule` in `minipaged/core/sched/scheduler.py`):
 
     - step 0 is the prefill: the whole prompt, no drafts;
     - a decoding step is scheduled its last token and the drafts, but never more drafts
@@ -147,7 +147,7 @@ nb.exercise(
     - every step reserves `min(k, room)` lookahead slots past the tokens it schedules, where
       `room` is what is left under that same bound;
     - the block table holds `cdiv(num_computed_tokens + scheduled + lookahead, block_size)`
-      blocks during the step;
+      blocks during the step, and keeps them after it: rejected drafts give no block back;
     - the `i`-th step that verifies drafts accepts the `i`-th number of the table (never more
       than the drafts it had); `num_computed_tokens` then advances by the scheduled tokens
       minus the rejected drafts. The request stops when it has `max_tokens` output tokens.
