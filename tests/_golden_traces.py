@@ -194,12 +194,12 @@ SIM_CASES = {  # name -> simulate() kwargs (the paper-scale simulator, small poo
 
 def make_scheduler(kwargs: dict):
     """The scheduler of a case (the only place that knows the scheduler constructors)."""
-    from minipaged.core import EngineScheduler, StaticBatchScheduler
+    from minipaged.core import PaperScheduler, StaticBatchScheduler
 
     kwargs = dict(kwargs)
     if kwargs.pop("kind", None) == "static":
         return StaticBatchScheduler(**kwargs)
-    return EngineScheduler(**kwargs)
+    return PaperScheduler(**kwargs)
 
 
 def scheduler_trace(name: str) -> dict:

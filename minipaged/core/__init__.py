@@ -17,7 +17,6 @@ from minipaged.core.kv import (
     hash_block_tokens,
 )
 from minipaged.core.sched import (
-    EngineScheduler,
     PaperScheduler,
     Request,
     RequestStatus,
@@ -32,7 +31,6 @@ __all__ = [
     "BlockSpaceManager",
     "BlockTable",
     "ContiguousAllocator",
-    "EngineScheduler",
     "FreeKVCacheBlockQueue",
     "KVCacheBlock",
     "KVCacheManager",

@@ -111,7 +111,7 @@ def v1_waiting_phase(sched, out, budget: int, ex: str, name: str) -> int:
             name,
             "with scheduler_reserve_full_isl=False, no prefix caching and no watermark (ex4.1's setting)",
         )
-    if sched.spec_decode.num_lookahead_tokens:
+    if sched.num_lookahead_tokens:
         raise _unsupported(ex, name, "without speculative decoding")
     kv = sched.kv_cache_manager
     admitted = _pairs(ex, name, _call(ex, name, sched, budget))
@@ -133,11 +133,7 @@ def v1_update(fn, sched, output, sampled_token_ids) -> list:
     first (as the package's), requests aborted since ``schedule()`` are not handed over."""
     if output is not sched._in_flight:
         raise ValueError("update_from_output() needs the output of the last schedule()")
-    if (
-        output.scheduled_spec_decode_tokens
-        or output.num_lookahead_slots
-        and any(output.num_lookahead_slots.values())
-    ):
+    if output.scheduled_spec_decode_tokens or sched.num_lookahead_tokens:
         raise NotImplementedError(
             "ex4.3: your notebook's update_from_output stands in only without speculative decoding"
         )
@@ -179,7 +175,7 @@ def v1_running_phase(sched, out, budget: int, ex: str, name: str) -> int:
 
     if not sched.running or budget <= 0:
         return budget
-    if sched.spec_decode.spec_token_ids or sched.spec_decode.num_lookahead_tokens:
+    if sched.num_lookahead_tokens or any(r.spec_token_ids for r in sched.running):
         raise _unsupported(ex, name, "without speculative decoding")
     scheduled, preempted, new_ids = _running(sched, budget, ex, name)
     for v in preempted:

@@ -191,8 +191,8 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     "ch01": ("minipaged.core.kv.contiguous.ContiguousAllocator", "minipaged.core.KVCacheManager"),
     "ch02": ("minipaged.core.FreeKVCacheBlockQueue", "minipaged.core.KVCacheManager"),
     "ch03": ("minipaged.kernels",),
-    "ch04": ("minipaged.core.sched", "minipaged.core.Scheduler", "minipaged.core.EngineScheduler"),
-    "ch05": ("minipaged.core.sched", "minipaged.core.Scheduler", "minipaged.core.EngineScheduler"),
+    "ch04": ("minipaged.core.sched", "minipaged.core.Scheduler", "minipaged.core.PaperScheduler"),
+    "ch05": ("minipaged.core.sched", "minipaged.core.Scheduler", "minipaged.core.PaperScheduler"),
     "ch06": (
         "minipaged.core.KVCacheManager",
         "minipaged.core.BlockSpaceManager",

@@ -121,7 +121,7 @@ def _package_dir() -> Path:
 
 def strip_targets(chapter: str) -> dict:
     """``{"module:qualname": (exercise id, the exercise's function name, its arity)}``."""
-    from minipaged.checks import _specs
+    from minipaged.checks._registry import _specs
 
     out = {}
     for ex, spec in sorted(_specs(chapter).items()):
@@ -318,7 +318,7 @@ def _base_build(src: Path, cache: Path, tag: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".base-", dir=cache))
     out = tmp / "minipaged"
     shutil.copytree(src, out, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.egg-info"))
-    from minipaged.checks import CHAPTER_MODULES
+    from minipaged.checks._registry import CHAPTER_MODULES
 
     for ch in CHAPTER_MODULES:
         p = out / "checks" / f"{ch}.py"
@@ -430,7 +430,7 @@ def _phase_plug(fn: ast.FunctionDef, target: str, ex: str) -> bool:
     if plug is None:
         return False
     k, helper, targets = plug
-    from minipaged.checks import get_spec
+    from minipaged.checks._registry import get_spec
 
     name = get_spec(ex).signature.split("(")[0].strip()
     loops = [i for i, node in enumerate(fn.body) if isinstance(node, ast.While)]
@@ -593,7 +593,7 @@ class as_in_the_build:
     def __enter__(self):
         import sys
 
-        from minipaged.checks import chapter_of
+        from minipaged.checks._registry import chapter_of
 
         targets = strip_targets(chapter_of(self.spec.exercise_id))
         if not targets:

@@ -71,7 +71,7 @@ def scheduler_trace(
     num_cpu_blocks: int = 0,
 ):
     """The real ``Scheduler`` on seeded requests, a fake model appending token 1."""
-    from minipaged.core import EngineScheduler, Request
+    from minipaged.core import PaperScheduler, Request
     from minipaged.sampling_params import SamplingParams
     from minipaged.trace import run_scheduler
 
@@ -86,7 +86,7 @@ def scheduler_trace(
             sampling_params=SamplingParams(max_tokens=rng.randint(*output_range), ignore_eos=True),
         )
         arrivals.setdefault(at, []).append(req)
-    sched = EngineScheduler(
+    sched = PaperScheduler(
         num_blocks,
         block_size,
         max_num_seqs=max_num_seqs,

@@ -36,7 +36,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from minipaged import LLM, BeamSearchParams, SamplingParams, viz
-from minipaged.core import BlockSpaceManager, EngineScheduler, KVCacheManager, Request, hash_block_tokens
+from minipaged.core import BlockSpaceManager, PaperScheduler, KVCacheManager, Request, hash_block_tokens
 from minipaged.core.sched import PaperScheduler
 from minipaged.trace import run_scheduler
 
@@ -155,7 +155,7 @@ now, writes in place. `blocks_to_copy = [(1, 2), (1, 3)]`.
 """)
 
 code(r"""
-s = EngineScheduler(num_blocks=16, block_size=4)
+s = PaperScheduler(num_blocks=16, block_size=4)
 group = [Request(f"g.{j}", list(range(10, 16)), SamplingParams(max_tokens=4)) for j in range(3)]
 trace = run_scheduler(s, [group], fake_model)  # a list inside the arrivals = a sequence group
 print([st.scheduled for st in trace.steps])
@@ -172,7 +172,7 @@ they are in each step's `SchedulerOutput.blocks_to_copy`:
 """)
 
 code(r"""
-s = EngineScheduler(num_blocks=16, block_size=4)
+s = PaperScheduler(num_blocks=16, block_size=4)
 s.add_request_group([Request(f"g.{j}", list(range(10, 16)), SamplingParams(max_tokens=4)) for j in range(3)])
 for step in range(3):
     out = s.schedule()
@@ -411,7 +411,7 @@ there: the prefill skips it. Four requests share a 12-token prefix and arrive on
 code(r"""
 prefix = list(range(200, 212))
 for caching in (False, True):
-    s = EngineScheduler(num_blocks=32, block_size=4, enable_prefix_caching=caching)
+    s = PaperScheduler(num_blocks=32, block_size=4, enable_prefix_caching=caching)
     arrivals = {2 * i: [Request(f"q{i}", prefix + [i, i], SamplingParams(max_tokens=3))] for i in range(4)}
     t = run_scheduler(s, arrivals, fake_model)
     prefill = [(rid, n) for st in t.steps for rid, n in st.scheduled.items() if rid in st.prefill_ids]

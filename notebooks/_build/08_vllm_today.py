@@ -71,8 +71,8 @@ md(r"""
 
 Every pair below runs the same requests through two loops. Their contracts:
 
-**Contract card · the paper's scheduler (vLLM v0)** (`minipaged.core.PaperScheduler`, the
-old name `EngineScheduler` is an alias of it: `core/sched/paper.py` over `core/kv/block_manager_v0.py`; vLLM v0
+**Contract card · the paper's scheduler (vLLM v0)** (`minipaged.core.PaperScheduler`:
+`core/sched/paper.py` over `core/kv/block_manager_v0.py`; vLLM v0
 `vllm/core/scheduler.py`, `vllm/core/block_manager.py`)
 
 | | |

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from minipaged import SamplingParams
 from minipaged.core import (
-    EngineScheduler,
     KVCacheManager,
+    PaperScheduler,
     Request,
     RequestStatus,
     Scheduler,
@@ -109,7 +109,7 @@ def test_lru_eviction_order():
 
 
 def test_scheduler_skips_cached_prefill_by_hand():
-    s = EngineScheduler(num_blocks=32, block_size=4, enable_prefix_caching=True)
+    s = PaperScheduler(num_blocks=32, block_size=4, enable_prefix_caching=True)
     prefix = list(range(10, 22))  # 12 tokens: 3 full blocks
     a, b = _req("a", prefix + [1, 2]), _req("b", prefix + [3])
     model = ContentPagedModel(4)
@@ -156,7 +156,7 @@ def test_free_uncached_first_keeps_cached_blocks_by_hand():
     assert _one_at_a_time(prompts, 8)[3] == [("r3", 2, 1)]
     assert _one_at_a_time(prompts, 8, free_uncached_first=False)[3] == [("r3", 0, 3)]
     assert Scheduler(8, 2).kv_cache_manager.block_pool.free_uncached_first  # vLLM's by default
-    for cls in (Scheduler, EngineScheduler):  # passed through to the pool
+    for cls in (Scheduler, PaperScheduler):  # passed through to the pool
         for order in (False, True):
             s = cls(8, 2, enable_prefix_caching=True, free_uncached_first=order)
             assert s.kv_cache_manager.block_pool.free_uncached_first == order
@@ -187,7 +187,7 @@ def test_caching_on_equals_off_and_plain_loop(seed, num_blocks, block_size, mode
     results = {}
     for caching in (False, True):
         arrivals, reqs = _prefix_workload(random.Random(seed), block_size)
-        s = EngineScheduler(
+        s = PaperScheduler(
             num_blocks,
             block_size,
             max_num_batched_tokens=budget,

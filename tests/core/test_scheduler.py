@@ -1,4 +1,4 @@
-"""Tests for the continuous-batching schedulers (minipaged/core/sched/: vLLM v1's Scheduler and the EngineScheduler with the paper's layers).
+"""Tests for the continuous-batching schedulers (minipaged/core/sched/: vLLM v1's Scheduler and the paper's PaperScheduler).
 
 Independent references: schedules worked out by hand for tiny cases; a fake paged model
 that reads every context back through the block tables and must reproduce the outputs of
@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged.core import (
-    EngineScheduler,
     PaperScheduler,
     Request,
     RequestStatus,
@@ -76,7 +75,7 @@ def drive(sched, arrivals, next_token=const_token(), max_steps=1000):  # noqa: B
 def test_chunked_prefill_by_hand():
     # budget 6: A's 5-token prompt runs whole, B's 4-token prompt is split 1 + 3 and
     # rides along with A's decodes.
-    s = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
+    s = PaperScheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
     a, b = req("A", 5, 3), req("B", 4, 2)
     log = drive(s, {0: [a, b]})
     assert [e["scheduled"] for e in log] == [{"A": 5, "B": 1}, {"A": 1, "B": 3}, {"A": 1, "B": 1}]
@@ -95,7 +94,7 @@ def test_recompute_preemption_by_hand():
     # at step 2 A needs a 3rd block: B (the later arrival) is preempted, its blocks
     # [2, 3] freed tail first (3, then 2), and A takes block 3. B comes back at step 4
     # and re-prefills its prompt plus its 2 output tokens (5 tokens) in one go.
-    s = EngineScheduler(num_blocks=4, block_size=2, max_num_seqs=4, max_num_batched_tokens=16)
+    s = PaperScheduler(num_blocks=4, block_size=2, max_num_seqs=4, max_num_batched_tokens=16)
     a, b = req("A", 3, 4), req("B", 3, 4)
     log = drive(s, {0: [a, b]})
     assert [e["scheduled"] for e in log] == [
@@ -120,7 +119,7 @@ def test_recompute_preemption_by_hand():
 def test_swap_preemption_by_hand():
     # The same workload with swapping: B's two blocks go to CPU blocks 0 and 1 and come
     # back into device blocks 2 and 3; B then only decodes (no 5-token re-prefill).
-    s = EngineScheduler(
+    s = PaperScheduler(
         num_blocks=4,
         block_size=2,
         max_num_seqs=4,
@@ -149,7 +148,7 @@ def test_swap_preemption_by_hand():
 
 
 def test_swap_falls_back_to_recompute_when_cpu_pool_is_full():
-    s = EngineScheduler(
+    s = PaperScheduler(
         num_blocks=4,
         block_size=2,
         max_num_seqs=4,
@@ -165,7 +164,7 @@ def test_swap_falls_back_to_recompute_when_cpu_pool_is_full():
 
 def test_head_of_line_blocking_is_fcfs():
     # C would fit, but B arrived first and does not: C waits behind B.
-    s = EngineScheduler(num_blocks=5, block_size=4, max_num_seqs=4, max_num_batched_tokens=12)
+    s = PaperScheduler(num_blocks=5, block_size=4, max_num_seqs=4, max_num_batched_tokens=12)
     a, b, c = req("A", 12, 2), req("B", 8, 2), req("C", 2, 2)
     log = drive(s, {0: [a, b, c]})
     assert log[0]["scheduled"] == {"A": 12}  # the whole budget
@@ -177,7 +176,7 @@ def test_head_of_line_blocking_is_fcfs():
 def test_victim_is_latest_arrival_not_latest_admitted():
     # Four requests share a tiny pool; every preemption must take the latest arrival
     # among the running ones, even after re-admissions reordered nothing.
-    s = EngineScheduler(num_blocks=6, block_size=2, max_num_seqs=8, max_num_batched_tokens=64)
+    s = PaperScheduler(num_blocks=6, block_size=2, max_num_seqs=8, max_num_batched_tokens=64)
     reqs = [req(f"r{i}", 3, 6) for i in range(4)]
     seq = {r.request_id: i for i, r in enumerate(reqs)}
     step = 0
@@ -200,7 +199,7 @@ def test_victim_is_latest_arrival_not_latest_admitted():
 
 
 def test_max_num_seqs_and_token_budget_bound_the_batch():
-    s = EngineScheduler(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=5)
+    s = PaperScheduler(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=5)
     reqs = [req(f"r{i}", 4, 3) for i in range(4)]
     log = drive(s, {0: reqs})
     for e in log:
@@ -209,7 +208,7 @@ def test_max_num_seqs_and_token_budget_bound_the_batch():
 
 
 def test_chunking_off_prompt_waits_for_budget_whole():
-    s = EngineScheduler(
+    s = PaperScheduler(
         num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, enable_chunked_prefill=False
     )
     a, b = req("A", 6, 3), req("B", 4, 2)
@@ -222,7 +221,7 @@ def test_chunking_off_prompt_waits_for_budget_whole():
 def test_chunking_off_recomputed_request_longer_than_budget_is_chunked():
     # B is preempted at step 5 with prompt 4 + 5 outputs = 9 tokens > budget 8. With
     # chunking off it still resumes, in chunks of 8 + 1, or it could never run again.
-    s = EngineScheduler(
+    s = PaperScheduler(
         num_blocks=8, block_size=2, max_num_seqs=4, max_num_batched_tokens=8, enable_chunked_prefill=False
     )
     a, b = req("A", 4, 10), req("B", 4, 10)
@@ -240,7 +239,7 @@ def test_chunking_off_recomputed_request_longer_than_budget_is_chunked():
 
 # -- stop conditions ------------------------------------------------------------------
 def test_stop_conditions():
-    s = EngineScheduler(num_blocks=32, block_size=4, max_model_len=7)
+    s = PaperScheduler(num_blocks=32, block_size=4, max_model_len=7)
     eos = req("eos", 2, 10, eos_token_id=7)
     ign = req("ign", 2, 3, eos_token_id=7, ignore_eos=True)
     stop = req("stop", 2, 10, stop_token_ids=[7])
@@ -273,11 +272,11 @@ def test_bad_constructor_arguments(kwargs, name):
     args = dict(num_blocks=8, block_size=4)
     args.update(kwargs)
     with pytest.raises(ValueError, match=name):
-        EngineScheduler(**args)
+        PaperScheduler(**args)
 
 
 def test_add_request_validation_leaves_state_unchanged():
-    s = EngineScheduler(num_blocks=8, block_size=4, max_model_len=16)
+    s = PaperScheduler(num_blocks=8, block_size=4, max_model_len=16)
     a = req("A", 4, 4)
     s.add_request(a)
     with pytest.raises(ValueError, match="already in use"):
@@ -299,7 +298,7 @@ def test_add_request_validation_leaves_state_unchanged():
 
 def test_request_too_big_is_refused_and_others_unaffected():
     def run(with_big):
-        s = EngineScheduler(num_blocks=4, block_size=4, max_num_batched_tokens=16)
+        s = PaperScheduler(num_blocks=4, block_size=4, max_num_batched_tokens=16)
         reqs = [req("A", 5, 4), req("B", 3, 6)]
         arr = {0: reqs[:1], 1: reqs[1:]}
         big = req("big", 10, 8)  # 17 KV tokens -> 5 blocks > 4
@@ -320,7 +319,7 @@ def test_request_too_big_is_refused_and_others_unaffected():
 
 
 def test_prompt_over_budget_with_chunking_off_is_refused():
-    s = EngineScheduler(num_blocks=64, block_size=4, max_num_batched_tokens=8, enable_chunked_prefill=False)
+    s = PaperScheduler(num_blocks=64, block_size=4, max_num_batched_tokens=8, enable_chunked_prefill=False)
     r = req("r", 9, 2)
     s.add_request(r)
     out = s.schedule()
@@ -332,7 +331,7 @@ def test_prompt_over_budget_with_chunking_off_is_refused():
 
 
 def test_abort_in_every_state_frees_blocks():
-    s = EngineScheduler(
+    s = PaperScheduler(
         num_blocks=4, block_size=2, max_num_batched_tokens=16, preemption_mode="swap", num_cpu_blocks=4
     )
     a, b, c = req("A", 3, 4), req("B", 3, 4), req("C", 2, 2)
@@ -363,7 +362,7 @@ def test_abort_in_every_state_frees_blocks():
 
 
 def test_update_from_output_misuse():
-    s = EngineScheduler(num_blocks=8, block_size=4)
+    s = PaperScheduler(num_blocks=8, block_size=4)
     s.add_request(req("A", 3, 2))
     out = s.schedule()
     with pytest.raises(RuntimeError, match="twice"):
@@ -377,7 +376,7 @@ def test_update_from_output_misuse():
 
 
 def test_finished_request_id_can_be_reused():
-    s = EngineScheduler(num_blocks=8, block_size=4)
+    s = PaperScheduler(num_blocks=8, block_size=4)
     drive(s, {0: [req("A", 3, 1)]})
     again = req("A", 2, 1)
     drive(s, {0: [again]})
@@ -385,7 +384,7 @@ def test_finished_request_id_can_be_reused():
 
 
 def test_record_step_and_run_scheduler_trace():
-    s = EngineScheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16)
+    s = PaperScheduler(num_blocks=4, block_size=2, max_num_batched_tokens=16)
     a, b = req("A", 3, 4), req("B", 3, 4)
     trace = run_scheduler(s, {0: [a], 1: [b]}, const_token())
     trace.check_invariants()
@@ -513,7 +512,7 @@ def run_property(sched_cls, c, specs, chunking):
 def test_scheduler_random_workloads(c, specs):
     if c["preemption_mode"] == "recompute":
         c = dict(c, num_cpu_blocks=0)
-    run_property(EngineScheduler, c, specs, c["enable_chunked_prefill"])
+    run_property(PaperScheduler, c, specs, c["enable_chunked_prefill"])
 
 
 @settings(max_examples=150, deadline=None)
@@ -580,7 +579,7 @@ def test_scheduler_under_heavy_pressure_preempts_and_finishes(
         num_cpu_blocks=num_cpu_blocks if swap else 0,
         max_model_len=None,
     )
-    run_property(EngineScheduler, c, specs, chunking)
+    run_property(PaperScheduler, c, specs, chunking)
 
 
 # -- KVCacheManager swap bookkeeping (used by the scheduler) ---------------------------
@@ -659,7 +658,7 @@ def test_group_reprefill_over_budget_with_chunking_off_is_split():
     # re-prefills the 8-token prompt, the others fork, and each must re-prefill its 17
     # outputs: 68 tokens > max_num_batched_tokens 64. Chunking is off, yet the group must
     # be split (17 + 17 + 17 + 13, then the last 4), or it would never run again.
-    s = EngineScheduler(
+    s = PaperScheduler(
         num_blocks=24,
         block_size=4,
         max_num_seqs=16,
@@ -682,7 +681,7 @@ def test_group_reprefill_over_budget_with_chunking_off_is_split():
 
 
 def test_livelock_guard_raises_instead_of_an_empty_step(monkeypatch):
-    s = EngineScheduler(num_blocks=8, block_size=4, max_num_batched_tokens=8)
+    s = PaperScheduler(num_blocks=8, block_size=4, max_num_batched_tokens=8)
     s.add_request(req("A", 4, 3))
     monkeypatch.setattr(s, "_admit_next", lambda *a: None)  # a broken admission
     with pytest.raises(RuntimeError, match="livelock"):
@@ -714,7 +713,7 @@ def test_no_livelock_with_groups_small_budgets_and_tight_pools(
         arrivals.setdefault(at, []).append(seqs if n > 1 else seqs[0])
         reqs.extend(seqs)
     need = max(-(-(plen + mt - 1) // block_size) * n for n, plen, mt, _ in groups)
-    s = EngineScheduler(
+    s = PaperScheduler(
         num_blocks=need + extra_blocks,
         block_size=block_size,
         max_num_seqs=6,
@@ -736,15 +735,15 @@ def test_no_livelock_with_groups_small_budgets_and_tight_pools(
 @pytest.mark.parametrize("bad", [-0.1, 1.0, 2, "0.1", True])
 def test_bad_watermark(bad):
     with pytest.raises(ValueError, match="watermark"):
-        EngineScheduler(8, 4, watermark=bad)
+        PaperScheduler(8, 4, watermark=bad)
 
 
 def test_watermark_default_and_blocks():
-    assert EngineScheduler(8, 4).watermark == 0.05 and EngineScheduler(8, 4).watermark_blocks == 0
-    assert EngineScheduler(250, 4).watermark_blocks == 12  # int(0.05 * 250), as vLLM v0
-    assert EngineScheduler(250, 4, watermark=0.01).watermark_blocks == 2
-    assert EngineScheduler(10, 4, watermark=0.25).watermark_blocks == 2
-    assert EngineScheduler(10, 4, watermark=None).watermark_blocks == 0
+    assert PaperScheduler(8, 4).watermark == 0.05 and PaperScheduler(8, 4).watermark_blocks == 0
+    assert PaperScheduler(250, 4).watermark_blocks == 12  # int(0.05 * 250), as vLLM v0
+    assert PaperScheduler(250, 4, watermark=0.01).watermark_blocks == 2
+    assert PaperScheduler(10, 4, watermark=0.25).watermark_blocks == 2
+    assert PaperScheduler(10, 4, watermark=None).watermark_blocks == 0
 
 
 def test_new_request_waits_until_its_whole_prompt_fits():
@@ -753,7 +752,7 @@ def test_new_request_waits_until_its_whole_prompt_fits():
     # (7 tokens, 2 blocks) would fit, but its whole 24-token prompt needs 6 blocks > 5:
     # B waits instead of starting a prefill that must be preempted. A finishes at step 9
     # (its 10th output); B is admitted at step 10 and runs 8 + 8 + 8, then decodes once.
-    s = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    s = PaperScheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
     a, b = req("A", 8, 10, ignore_eos=True), req("B", 24, 2, ignore_eos=True)
     log = drive(s, {0: [a, b]})
     assert [e["scheduled"] for e in log] == (
@@ -770,7 +769,7 @@ def test_watermark_none_is_vllm_v1_first_chunk_admission():
     # 2 more blocks: B, the latest arrival, is preempted and its 14 tokens are lost.
     # The cycle repeats as A grows (preempted again at steps 6 and 9): 42 tokens wasted,
     # and B still starts for good only at step 10.
-    s = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, watermark=None)
+    s = PaperScheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, watermark=None)
     a, b = req("A", 8, 10, ignore_eos=True), req("B", 24, 2, ignore_eos=True)
     log = drive(s, {0: [a, b]})
     cycle = [{"A": 1, "B": 7}, {"A": 1, "B": 7}, {"A": 1}]
@@ -787,7 +786,7 @@ def test_watermark_keeps_blocks_free_but_never_blocks_an_idle_engine():
     # free: admitted with A. C (12 tokens, 3 blocks) would leave 10 - 3 - 3 = 4 < 5: it
     # waits for A and B to finish. D (36 tokens, 9 blocks > 10 - 5) is admitted when
     # nothing runs, or it could never run.
-    s = EngineScheduler(num_blocks=10, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, watermark=0.5)
+    s = PaperScheduler(num_blocks=10, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, watermark=0.5)
     a, b = req("A", 8, 2, ignore_eos=True), req("B", 4, 2, ignore_eos=True)
     c, d = req("C", 12, 1, ignore_eos=True), req("D", 36, 2, ignore_eos=True)
     log = drive(s, {0: [a, b, c, d]})

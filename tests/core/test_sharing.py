@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from minipaged import SamplingParams
-from minipaged.core import BlockSpaceManager, EngineScheduler, Request, RequestStatus, cdiv
+from minipaged.core import BlockSpaceManager, PaperScheduler, Request, RequestStatus, cdiv
 
 # ----------------------------------------------------------------------------- manager, by hand
 
@@ -295,7 +295,7 @@ def _group(name, prompt, n, max_tokens=10, eos=None):
 
 
 def test_group_prefills_once_then_forks_by_hand():
-    s = EngineScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64)
+    s = PaperScheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64)
     seqs = _group("g", [5, 6, 7, 8, 9, 10], 3, max_tokens=4)
     s.add_request_group(seqs)
     out = s.schedule()
@@ -322,17 +322,17 @@ def test_group_prefills_once_then_forks_by_hand():
 
 
 def test_group_refusals_and_abort():
-    s = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=2)
+    s = PaperScheduler(num_blocks=8, block_size=4, max_num_seqs=2)
     big = _group("big", [1, 2, 3], 3)
     s.add_request_group(big)
     assert all(r.status == RequestStatus.FINISHED_IGNORED for r in big)
     assert "max_num_seqs" in big[0].stop_reason
-    s = EngineScheduler(num_blocks=8, block_size=4)
+    s = PaperScheduler(num_blocks=8, block_size=4)
     long = _group("long", list(range(8)), 4, max_tokens=12)  # 2 shared + 4 x 3 private > 8
     s.add_request_group(long)
     assert all(r.status == RequestStatus.FINISHED_IGNORED for r in long)
     # aborting a sequence of a group that has not forked yet aborts the group
-    s = EngineScheduler(num_blocks=8, block_size=4, max_num_batched_tokens=3)  # chunks of 3
+    s = PaperScheduler(num_blocks=8, block_size=4, max_num_batched_tokens=3)  # chunks of 3
     g = _group("g", [1, 2, 3, 4, 5], 2)
     s.add_request_group(g)
     out = s.schedule()
@@ -372,7 +372,7 @@ def _workload(rng, n_groups, block_size):
 def test_groups_equal_plain_loop_under_pressure(seed, mode, num_blocks, block_size, chunked, caching, budget):
     rng = random.Random(seed)
     arrivals, seqs = _workload(rng, rng.randint(1, 6), block_size)
-    s = EngineScheduler(
+    s = PaperScheduler(
         num_blocks,
         block_size,
         max_num_seqs=rng.choice([4, 8]),
@@ -399,7 +399,7 @@ def test_groups_share_prompt_blocks_and_copy():
     """A roomy pool: fewer blocks than n independent sequences, and copies were made."""
     rng = random.Random(3)
     prompt = [rng.randrange(50) for _ in range(10)]  # 2 full blocks + 2 tokens (block_size 4)
-    shared, alone = EngineScheduler(64, 4), EngineScheduler(64, 4)
+    shared, alone = PaperScheduler(64, 4), PaperScheduler(64, 4)
     m1, m2 = ContentPagedModel(4), ContentPagedModel(4)
     outs1 = drive(shared, {0: [_group("g", prompt, 4, max_tokens=6)]}, m1)
     outs2 = drive(alone, {0: [Request(f"g.{j}", prompt, SamplingParams(max_tokens=6)) for j in range(4)]}, m2)
@@ -559,9 +559,9 @@ def test_sharing_cli_json(capsys):
 
 def test_parallel_sampling_option_is_validated():
     from minipaged.config import EngineConfig
-    from minipaged.core import EngineScheduler
+    from minipaged.core import PaperScheduler
 
     with pytest.raises(ValueError, match="parallel_sampling"):
         EngineConfig(parallel_sampling="beam")
     with pytest.raises(ValueError, match="parallel_sampling"):
-        EngineScheduler(num_blocks=8, block_size=4, parallel_sampling="copy")
+        PaperScheduler(num_blocks=8, block_size=4, parallel_sampling="copy")

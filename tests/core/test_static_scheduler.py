@@ -13,7 +13,7 @@ from _fake_paged_model import FakePagedModel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.core import EngineScheduler, RequestStatus, StaticBatchScheduler
+from minipaged.core import PaperScheduler, RequestStatus, StaticBatchScheduler
 from minipaged.core.sched.request import get_max_num_kv_tokens
 from minipaged.trace import run_scheduler
 
@@ -61,7 +61,7 @@ def test_reservation_limits_the_batch():
     assert log[0]["scheduled"] == {"r0": 4, "r1": 4}
     assert len(log[0]["tables"]["r0"]) == 3
     assert s.kv_cache_manager.block_tables == {}  # all released at the end
-    c = EngineScheduler(num_blocks=8, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    c = PaperScheduler(num_blocks=8, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     reqs2 = [req(f"r{i}", 4, 8) for i in range(4)]
     log2 = ts.drive(c, {0: reqs2})
     assert log2[0]["scheduled"] == {"r0": 4, "r1": 4, "r2": 4, "r3": 4}

@@ -505,18 +505,18 @@ def test_trace_can_be_turned_off(llm):
             assert r.status_code == 404 and "--disable-trace" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("layers", ["Scheduler", "EngineScheduler swap"])
+@pytest.mark.parametrize("layers", ["Scheduler", "PaperScheduler swap"])
 def test_scheduler_fail_step_frees_the_step_and_schedules_again(layers):
     """``Scheduler.fail_step(output)``: the step's unfinished requests are FINISHED_ABORTED
     with the reason, their blocks free, the in-flight step cleared; a request that was not
     in the step is untouched and the next ``schedule()`` runs it."""
     from minipaged.core import Request, RequestStatus, Scheduler
-    from minipaged.core.sched import EngineScheduler
+    from minipaged.core.sched import PaperScheduler
 
     if layers == "Scheduler":
         sched = Scheduler(num_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
     else:
-        sched = EngineScheduler(
+        sched = PaperScheduler(
             num_blocks=8,
             block_size=4,
             max_num_seqs=2,

@@ -7,7 +7,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 from matplotlib.patches import FancyArrowPatch  # noqa: E402
 
-from minipaged.core import EngineScheduler, Request  # noqa: E402
+from minipaged.core import PaperScheduler, Request  # noqa: E402
 from minipaged.sampling_params import SamplingParams  # noqa: E402
 from minipaged.trace import run_scheduler  # noqa: E402
 from minipaged.viz.swap import swap_blocks, swap_blocks_text  # noqa: E402
@@ -18,7 +18,7 @@ def _make(rid, prompt_len, max_tokens):
 
 
 def _scheduler():
-    return EngineScheduler(
+    return PaperScheduler(
         num_blocks=4, block_size=2, max_num_batched_tokens=16, preemption_mode="swap", num_cpu_blocks=4
     )
 

@@ -12,14 +12,9 @@ from minipaged.core.sched.scheduler import Scheduler
 from minipaged.core.sched.static import StaticBatchScheduler, StaticPagedScheduler
 from minipaged.core.sched.utils import check_stop
 
-# NOTE: the name the engine used before the two loops were split (one class stacking the
-# paper's layers on v1's); the paper's scheduler is what it ran with its defaults.
-EngineScheduler = PaperScheduler
-
 __all__ = [
     "DEFAULT_WATERMARK",
     "CachedRequestData",
-    "EngineScheduler",
     "NewRequestData",
     "PaperScheduler",
     "Request",
