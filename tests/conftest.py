@@ -71,6 +71,13 @@ def pytest_xdist_make_scheduler(config, log):
     return GraderAsOneFile(config, log)
 
 
+@pytest.fixture(scope="session")
+def student_build_cache(tmp_path_factory):
+    """One cache folder of student builds (``student_build(chapter, cache_dir)``) for the tests
+    that build into a folder of their own: each chapter is built once per session."""
+    return tmp_path_factory.mktemp("student-builds")
+
+
 @pytest.fixture(scope="module")
 def llm():
     from minipaged import LLM
