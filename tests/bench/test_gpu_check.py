@@ -18,10 +18,22 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-import gpu_report  # noqa: E402
-import kernels as kernel_bench  # noqa: E402
+
+def _bench_module(name: str, alias: str):
+    """``benchmarks/NAME.py`` imported as ``alias``, without putting benchmarks/ on sys.path:
+    there ``kernels.py`` would shadow the ``kernels`` package transformers imports."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(alias, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[alias] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_report = _bench_module("gpu_report", "gpu_report")
+kernel_bench = _bench_module("kernels", "benchmarks_kernels")
 
 
 def run_check(out_dir, *extra, total_s=None):

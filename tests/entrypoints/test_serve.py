@@ -727,9 +727,15 @@ def test_load_generator_reads_every_token(server, client):
     from pathlib import Path
 
     pytest.importorskip(client)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from serve_load import PROMPTS as LOAD_PROMPTS
-    from serve_load import run_rate
+    # NOTE: off sys.path again after the import: benchmarks/kernels.py would shadow the kernels
+    # package transformers imports, in whatever this worker runs next
+    bench = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        from serve_load import PROMPTS as LOAD_PROMPTS
+        from serve_load import run_rate
+    finally:
+        sys.path.remove(bench)
 
     args = argparse.Namespace(num_requests=6, min_tokens=2, max_tokens=6, client=client)
     res = asyncio.run(run_rate(server.url, server.serving.model_name, 50.0, args, seed=3))

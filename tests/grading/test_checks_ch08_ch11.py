@@ -374,7 +374,7 @@ print("MPOUT " + json.dumps(out))
 
 
 @pytest.mark.parametrize("chapter", NEW_CHAPTERS)
-def test_authored_solutions_pass_under_the_student_build(chapter, tmp_path):
+def test_authored_solutions_pass_under_the_student_build(chapter, tmp_path, student_build_cache):
     import json
     import os
     import subprocess
@@ -385,7 +385,7 @@ def test_authored_solutions_pass_under_the_student_build(chapter, tmp_path):
     from minipaged.grading.grade import check_call
     from minipaged.grading.student_build import strip_targets, student_build
 
-    build = Path(student_build(chapter, tmp_path / "cache"))
+    build = Path(student_build(chapter, student_build_cache))
     authored = AUTHORED[chapter]
     cells = [cell_source(c) for c in authored.nb.cells if cell_role(c) in ("setup", "solution")]
     exercises = {}

@@ -119,9 +119,8 @@ def leaks(report: dict) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def builds(tmp_path_factory) -> dict:
-    cache = tmp_path_factory.mktemp("student-builds")
-    return {ch: Path(student_build(ch, cache)).parent for ch in CHAPTER_MODULES}
+def builds(student_build_cache) -> dict:
+    return {ch: Path(student_build(ch, student_build_cache)).parent for ch in CHAPTER_MODULES}
 
 
 @pytest.fixture(scope="session")
