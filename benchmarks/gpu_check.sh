@@ -8,7 +8,7 @@
 # timeout / skipped); a failing step never stops the next one:
 #   env                 OUTDIR/env.json: device name, versions, which packages are there
 #   kernel_correctness  benchmarks/gpu_kernels_check.py: kernels + cache ops, compiled, vs the torch reference
-#   kernel_bench        benchmarks/kernels.py --quick --tune: paged vs contiguous, % of peak, block sizes, figure
+#   kernel_bench        benchmarks/attention_kernels.py --quick --tune: paged vs contiguous, % of peak, block sizes, figure
 #   serving             benchmarks/gpu_serving.py: random 1.1B Llama, bf16, 256 requests, (a)-(d)
 #   tensor_parallel     benchmarks/tensor_parallel.py --level model: tp over NCCL, tp = the GPUs (at most 2;
 #                       with one GPU a world of one, which still starts NCCL), tokens equal across sizes
@@ -105,7 +105,7 @@ else
     bash -c '"$0" benchmarks/gpu_kernels_check.py --json "$1/kernel_correctness.json" --budget-s $(( STEP_S - 15 )) $2' \
     "$PY" "$OUT" "$DRYFLAG"
   run_step kernel_bench "$B_KBENCH" \
-    bash -c '"$0" benchmarks/kernels.py --quick --tune --budget-s $(( STEP_S - 15 )) --json "$1/kernels.json" --figure "$1/$2_kernels.png" $3' \
+    bash -c '"$0" benchmarks/attention_kernels.py --quick --tune --budget-s $(( STEP_S - 15 )) --json "$1/kernels.json" --figure "$1/$2_kernels.png" $3' \
     "$PY" "$OUT" "$SLUG" "$DRYFLAG"
   if has transformers; then
     run_step serving "$B_SERVE" \

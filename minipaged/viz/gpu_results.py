@@ -1,7 +1,7 @@
 """Recorded GPU results, as text: what chapter 03 and the README quote from ``benchmarks/results/``.
 
 The numbers come from ``benchmarks/gpu_check.sh`` (one JSON report per device,
-``benchmarks/results/<device>.json``) or from ``benchmarks/kernels.py --json`` run by hand;
+``benchmarks/results/<device>.json``) or from ``benchmarks/attention_kernels.py --json`` run by hand;
 nothing here measures anything. The paper's figure they sit beside is vLLM (v0, SOSP 2023)
 section 7.1: its PagedAttention kernel was 20-26% slower than FasterTransformer's contiguous one.
 
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 PAPER_OVERHEAD = (0.20, 0.26)  # vLLM paper section 7.1, paged vs FasterTransformer kernel
-NO_RESULTS = "no recorded GPU results in benchmarks/results/ yet: run benchmarks/kernels.py on a GPU"
+NO_RESULTS = "no recorded GPU results in benchmarks/results/ yet: run benchmarks/attention_kernels.py on a GPU"
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
@@ -42,7 +42,7 @@ def load_gpu_results(results_dir=None) -> list[tuple[str, dict, dict]]:
             continue
         if not isinstance(data, dict):
             continue
-        bench = data.get("kernel_bench", data)  # a gpu_check report, or kernels.py's own JSON
+        bench = data.get("kernel_bench", data)  # a gpu_check report, or attention_kernels.py's own JSON
         if isinstance(bench, dict) and bench.get("mode") == "gpu" and bench.get("sweep"):
             runs.append((path.name, bench, data))
     return runs

@@ -475,7 +475,7 @@ contiguous one (§7.1), and paid it many times over in batch size.
 
 ## 7. Experiment: the price of paging on a GPU
 
-`benchmarks/kernels.py` times the decode kernel against contiguous attention (torch SDPA, and
+`benchmarks/attention_kernels.py` times the decode kernel against contiguous attention (torch SDPA, and
 flash-attn where installed) over batch x context, and sweeps the block size 8..256 like the
 paper's Fig. 18b (end-to-end latency; Fig. 18a is the kernel's latency). On a CPU it can only check correctness in the interpreter, so the cell below
 only runs on a GPU (nbval skips it).
@@ -485,9 +485,9 @@ code(r"""
 # NBVAL_SKIP
 import subprocess, sys
 if torch.cuda.is_available():
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "kernels.py"), "--quick", "--figure", ""], check=False)
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "attention_kernels.py"), "--quick", "--figure", ""], check=False)
 else:
-    print("no CUDA GPU: see benchmarks/kernels.py for what it measures")
+    print("no CUDA GPU: see benchmarks/attention_kernels.py for what it measures")
 """)
 
 md("Recorded GPU results, where a run was committed to `benchmarks/results/`:")

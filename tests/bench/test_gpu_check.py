@@ -22,7 +22,7 @@ SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
 
 def _bench_module(name: str, alias: str):
     """``benchmarks/NAME.py`` imported as ``alias``, without putting benchmarks/ on sys.path:
-    there ``kernels.py`` would shadow the ``kernels`` package transformers imports."""
+    a module named like a package (``kernels``) would shadow the ``kernels`` package transformers imports."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(alias, REPO / "benchmarks" / f"{name}.py")
@@ -33,7 +33,7 @@ def _bench_module(name: str, alias: str):
 
 
 gpu_report = _bench_module("gpu_report", "gpu_report")
-kernel_bench = _bench_module("kernels", "benchmarks_kernels")
+kernel_bench = _bench_module("attention_kernels", "benchmarks_kernels")
 
 
 def run_check(out_dir, *extra, total_s=None):

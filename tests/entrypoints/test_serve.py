@@ -727,7 +727,7 @@ def test_load_generator_reads_every_token(server, client):
     from pathlib import Path
 
     pytest.importorskip(client)
-    # NOTE: off sys.path again after the import: benchmarks/kernels.py would shadow the kernels
+    # NOTE: off sys.path again after the import: a benchmark script named like a package would shadow the
     # package transformers imports, in whatever this worker runs next
     bench = str(Path(__file__).resolve().parents[2] / "benchmarks")
     sys.path.insert(0, bench)

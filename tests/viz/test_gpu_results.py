@@ -62,7 +62,7 @@ def test_measured_ratios_beside_the_paper(tmp_path):
     (tmp_path / "nvidia-h200.json").write_text(json.dumps(report()))
     (tmp_path / "kernels_a100.json").write_text(
         json.dumps(bench(gpu="NVIDIA A100-SXM4-80GB"))
-    )  # kernels.py --json
+    )  # attention_kernels.py --json
     (tmp_path / "notes.json").write_text("[1, 2]")
     runs = load_gpu_results(tmp_path)
     assert [name for name, _, _ in runs] == ["kernels_a100.json", "nvidia-h200.json"]

@@ -3,9 +3,9 @@
 Reproduces the kernel half of the vLLM paper: §7.1 (the paged kernel was 20-26% slower
 than FasterTransformer's contiguous one) and Fig. 18a (block-size sweep).
 
-    python benchmarks/kernels.py                 # CUDA: full sweep; CPU: interpreter sanity pass
-    python benchmarks/kernels.py --quick --json OUT.json [--tune] [--budget-s 150]
-    python benchmarks/kernels.py --dry-run       # the GPU code path on tiny shapes, anywhere
+    python benchmarks/attention_kernels.py                 # CUDA: full sweep; CPU: interpreter sanity pass
+    python benchmarks/attention_kernels.py --quick --json OUT.json [--tune] [--budget-s 150]
+    python benchmarks/attention_kernels.py --dry-run       # the GPU code path on tiny shapes, anywhere
 
 On a CUDA GPU, for every (batch, context) it times
     paged    minipaged's Triton ``paged_attention_decode`` (V1 or split-KV V2, chosen by it),
