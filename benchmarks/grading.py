@@ -17,7 +17,7 @@ sandbox's address-space limit; ``getrusage`` cannot tell a kernel's peak from th
 size at the fork that started it, so no kernel figure is printed.)
 
 It also prints the two costs ``minipaged grade`` pays besides the kernels: the student build
-of each chapter (``student_build.student_build``, made once per package version and chapter,
+of each of the 12 chapters (``student_build.student_build``, made once per package version and chapter,
 then cached: timed cold in a fresh cache folder and warm), and copy detection
 (``grade.detect_copies``: every solution cell against the package, the authored solutions
 and the other submissions, with the HTML report, as ``minipaged grade --csv`` runs it after
@@ -189,12 +189,16 @@ def main(argv=None) -> int:
             on_result=save,
         )
         wall = time.monotonic() - t0
+        # Linux: KiB -> MiB; before copy detection, which holds every pair of the run
+        grading_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         rows = sum(1 for _ in csv_path.open()) - 1
         t, c = time.monotonic(), _cpu_s()
         matches = detect_copies(results, authored, copy_report_path(csv_path))
         copy_s, copy_cpu_s = time.monotonic() - t, _cpu_s() - c
-    builds = build_costs(chapters)
-    grader_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB (Linux)
+    copy_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # every chapter's build, not only the graded ones: the first one timed also makes the
+    # chapter-independent base build that the others copy
+    builds = build_costs(sorted(load_authored()))
     hist: dict = {}
     for r in results:
         key = f"{r.score}/{r.max_score}"
@@ -208,7 +212,8 @@ def main(argv=None) -> int:
         "cpus": os.cpu_count(),
         "wall_s": round(wall, 1),
         "submissions_per_minute": round(60 * args.n / wall, 1),
-        "grader_peak_rss_mib": round(grader_rss),
+        "grader_peak_rss_mib": round(grading_rss),
+        "grader_peak_rss_with_copy_detection_mib": round(copy_rss),
         "csv_rows": rows,
         "flagged": flagged,
         "errors": errors,
@@ -224,13 +229,16 @@ def main(argv=None) -> int:
         f"graded {args.n} submissions in {wall:.0f} s with --jobs {args.jobs} on {os.cpu_count()} CPUs: "
         f"{figures['submissions_per_minute']} submissions/minute"
     )
-    print(f"peak memory of the grader: {figures['grader_peak_rss_mib']} MiB RSS")
+    print(f"peak memory of the grader: {figures['grader_peak_rss_mib']} MiB RSS while grading")
     print(f"CSV rows: {rows}; flagged by the scan: {flagged}; could not be graded: {errors}")
+    for r in [r for r in results if r.error][:5]:
+        print(f"  not graded: {Path(r.submission).name}: {r.error[:300]}")
     print("scores:", ", ".join(f"{k}: {v}" for k, v in figures["scores"].items()))
     print(
         f"copy detection of the {args.n} submissions: {copy_s:.1f} s ({copy_cpu_s:.1f} s CPU), "
         f"{len(matches)} flagged pairs; with it, "
-        f"{figures['submissions_per_minute_with_copy_detection']} submissions/minute"
+        f"{figures['submissions_per_minute_with_copy_detection']} submissions/minute; "
+        f"grader peak RSS with it {figures['grader_peak_rss_with_copy_detection_mib']} MiB"
     )
     for ch, b in builds.items():
         print(
