@@ -132,11 +132,13 @@ def test_sigterm_drains_every_request_in_flight(serve_process):
         events, r = s.result(), p.result()
         took = time.perf_counter() - t0
     assert events[-1] == "[DONE]", events[-3:]
-    err = json.loads(events[-2])["error"]
-    assert err["code"] == 503 and "shutting down" in err["message"], err
-    assert r.status_code == 503 and r.json()["error"]["code"] == 503, r.text
+    err = json.loads(events[-2]).get("error")
+    assert err is not None and err["code"] == 503 and "shutting down" in err["message"], events[-3:]
+    assert r.status_code == 503 and r.json().get("error", {}).get("code") == 503, r.text
     assert took < GRACE + 2.5, f"answered {took:.2f} s after SIGTERM"
-    assert proc.wait(timeout=30) == 0
+    # NOTE: uvicorn re-raises the signal it caught once it has shut down (so that a
+    # supervisor sees it): the exit is the SIGTERM's, as vLLM's server's
+    assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
     text = log_path.read_text()
     assert "Traceback" not in text and "nanobind" not in text, text
 
