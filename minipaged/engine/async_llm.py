@@ -22,15 +22,21 @@ Inputs
     ``add_requests(items, queue)``: several requests (the prompts of one
     ``/v1/completions`` call), all accepted or none, their outputs on one shared queue;
     ``abort(request_id)``: its sequences leave the core before its next step.
-    ``await check_health(timeout)``: pings the core; ``EngineNotResponding`` if it does
-    not answer within ``timeout`` seconds, ``EngineDead`` if it is unusable.
+    ``await check_health(timeout)``: pings the core (one ping shared by concurrent callers);
+    ``EngineNotResponding`` if it does not answer within ``timeout`` seconds, ``EngineDead``
+    if it is unusable. ``fail_requests(message)``: shutting down, every request in flight
+    gets ``EngineDead(message)``, new ones are refused (``draining``).
 Invariants
     every stream gets exactly one finished output, or an error, or is aborted; the
     output processor's state is touched under one lock (the loop adds, the reader moves).
     A stream's queue (``OutputQueue``) merges partial outputs its reader has not taken yet
-    (they are cumulative, as vLLM's ``RequestOutputCollector`` merges deltas), so an unread
-    stream holds one output; after ``max_unread_steps`` merged steps the client is taken as
-    gone: the request is aborted and the stream gets ``StreamOverflow``.
+    (they are cumulative, as vLLM's ``RequestOutputCollector`` merges deltas) but keeps each
+    step's boundary, so an unread stream holds one output and the reader still gets one
+    output per step (``stream_interval``, vLLM's ``--stream-interval``); after
+    ``max_unread_steps`` merged steps the client is taken as gone: the request is aborted
+    and the stream gets ``StreamOverflow``. A finished output left unread is dropped the
+    same way after ``unread_timeout`` seconds, or, oldest first, while such outputs hold
+    more than ``max_unread_tokens`` entries together (``num_unread_dropped`` counts both).
 Failure mode
     more than ``max_waiting_requests`` requests not yet running -> ``QueueFull`` (503 with
     ``Retry-After``); a failed core step fails that step's requests with ``EngineError``
@@ -326,6 +332,7 @@ class AsyncLLM:
         self.num_unread_dropped = 0
         self.draining = False  # shutting down: new requests are refused
         self._health: Optional[asyncio.Future] = None  # the ping in flight (shared by callers)
+        self._gc_threshold: Optional[tuple] = None  # Python's, while the frontend runs with its own
         self.check_invariants = check_invariants
         self.metrics = metrics
         self.profile = profile if profile is not None else _NoProfile()
@@ -360,7 +367,7 @@ class AsyncLLM:
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
-        t0, t1, t2 = gc.get_threshold()
+        self._gc_threshold = t0, t1, t2 = gc.get_threshold()  # put back by shutdown()
         gc.set_threshold(t0, t1, max(t2, GC_GEN2_THRESHOLD))
         self._loop = asyncio.get_running_loop()
         self.profile.install(self._loop)
@@ -373,6 +380,8 @@ class AsyncLLM:
         self.streams.clear()
         for q in list(self._subscribers):
             q.put_nowait(None)
+        if self._gc_threshold is not None:
+            gc.set_threshold(*self._gc_threshold)
         await asyncio.get_running_loop().run_in_executor(None, self.client.shutdown)
 
     async def check_health(self, timeout: float = DEFAULT_HEALTH_TIMEOUT) -> None:

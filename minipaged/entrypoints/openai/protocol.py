@@ -4,9 +4,11 @@ Mirrors vLLM ``vllm/entrypoints/openai/protocol.py`` (a small subset of its fiel
 
 Inputs
     a JSON body of ``/v1/completions`` (``CompletionRequest``; its ``prompt`` in any of
-    OpenAI's four forms, ``split_prompts``) or ``/v1/chat/completions``
-    (``ChatCompletionRequest``). Types are strict (``"5"`` is not an int) and unknown
-    fields are refused, so a typo is a 400 rather than a silently ignored knob.
+    OpenAI's four forms, ``split_prompts``), ``/v1/chat/completions``
+    (``ChatCompletionRequest``), ``/tokenize`` (``TokenizeCompletionRequest`` or
+    ``TokenizeChatRequest``) or ``/detokenize`` (``DetokenizeRequest``). Types are strict
+    (``"5"`` is not an int) and unknown fields are refused, so a typo is a 400 rather than a
+    silently ignored knob.
 Outputs
     ``to_sampling_kwargs()``: keyword arguments for ``SamplingParams`` under vLLM's names.
     OpenAI fields the engine's ``SamplingParams`` does not have (yet) are refused with a
