@@ -477,6 +477,7 @@ class AsyncLLM:
         self._forget_unread(request_id)  # NOTE: its reader is gone: what waits for it goes too
         stream = self.streams.pop(request_id, None)
         if stream is None or stream.finished:
+            self._release_if_idle()  # a finished stream's reader hung up: its output is free now
             return
         stream.finished = True
         if self.metrics is not None:
@@ -576,7 +577,7 @@ class AsyncLLM:
             self._running_rids = set()
             if self.metrics is not None:
                 self.metrics.on_idle(outs.stats["num_free_blocks"], self.num_blocks)
-            _release_memory()
+            self._release_if_idle()
 
     def _publish(self, outs) -> None:
         event = step_event(outs.step)
@@ -688,6 +689,14 @@ class AsyncLLM:
         if self.metrics is not None:
             self.metrics.on_unread_dropped()
         queue.drop(request_id, StreamOverflow(message))
+        self._release_if_idle()
+
+    def _release_if_idle(self) -> None:
+        """Nothing in flight and nothing waiting for a reader: hand freed memory back
+        (``_release_memory``). NOTE: also after a drop or a hang-up, not only when the core
+        goes idle: an unread output is let go 30 s after the core went idle."""
+        if not self.streams and not self._unread:
+            _release_memory()
 
     def _fail_stream(self, rid: str, exc: Exception) -> None:
         stream = self.streams.pop(rid, None)
