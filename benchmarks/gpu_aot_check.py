@@ -28,7 +28,7 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-import minipaged.kernels.cache_ops as co  # noqa: E402
+import minipaged.kernels.cache_ops_triton as co  # noqa: E402
 import minipaged.kernels.paged_attention as pa  # noqa: E402
 
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}

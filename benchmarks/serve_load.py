@@ -10,8 +10,11 @@ to five times the CPU per streamed token; on a 2-core machine that CPU is taken 
 For each rate, ``--num-requests`` streaming requests are sent at Poisson arrival times
 (exponential gaps, seeded), each with a prompt from a fixed list and ``max_tokens`` drawn
 uniformly from ``--min-tokens .. --max-tokens`` (greedy, ``ignore_eos`` so lengths are as
-drawn). Reported per rate: requests/s and output tokens/s over the run, and the p50 / p90
-/ p99 of TTFT (send -> first text chunk) and ITL (gaps between a request's chunks).
+drawn). Reported per rate: requests/s and output tokens/s over the run, and the mean, p50 /
+p90 / p99 of TTFT (send -> first event) and ITL (gaps between a request's events), and the
+mean TPOT, all as ``vllm bench serve`` measures them (``backend_request_func.py``): every
+event with a choice counts, its text empty or not (minipaged, as vLLM, sends one per token),
+TPOT = (latency - TTFT) / (output tokens - 1) per request.
 Like vLLM's ``benchmarks/benchmark_serving.py``, it is a benchmark that prints numbers,
 not a test. Loopback only.
 
@@ -80,8 +83,9 @@ def default_client() -> str:
     return "aiohttp" if importlib.util.find_spec("aiohttp") else "openai"
 
 
-async def _stream_openai(client, body: dict, on_text) -> int:
-    """One streamed completion through the official ``openai`` client -> its completion tokens."""
+async def _stream_openai(client, body: dict, on_event) -> int:
+    """One streamed completion through the official ``openai`` client -> its completion tokens;
+    ``on_event()`` for every event with a choice."""
     body = dict(body)
     extra = {"ignore_eos": body.pop("ignore_eos")}
     stream = await client.completions.create(**body, extra_body=extra)
@@ -89,12 +93,12 @@ async def _stream_openai(client, body: dict, on_text) -> int:
     async for ch in stream:
         if ch.usage is not None:
             tokens = ch.usage.completion_tokens
-        if ch.choices and ch.choices[0].text:
-            on_text()
+        if ch.choices:
+            on_event()
     return tokens
 
 
-async def _stream_aiohttp(session, url: str, body: dict, on_text) -> int:
+async def _stream_aiohttp(session, url: str, body: dict, on_event) -> int:
     """The same request read as vLLM's own serving benchmark reads it (``aiohttp``, the server-sent
     events split by hand, one ``json.loads`` per event) -> its completion tokens."""
     tokens = 0
@@ -108,8 +112,8 @@ async def _stream_aiohttp(session, url: str, body: dict, on_text) -> int:
             ev = json.loads(line[6:])
             if ev.get("usage"):
                 tokens = ev["usage"]["completion_tokens"]
-            if ev.get("choices") and ev["choices"][0].get("text"):
-                on_text()
+            if ev.get("choices"):  # NOTE: as vLLM's client: an event with a choice, text or not
+                on_event()
     return tokens
 
 
@@ -118,7 +122,7 @@ async def run_rate(url: str, model: str, rate: float, args, seed: int) -> dict:
     ``args.client`` ("aiohttp" or "openai"; default: ``default_client()``)."""
     client = getattr(args, "client", None) or default_client()
     rng = random.Random(seed)
-    ttft, itl, out_tokens = [], [], []
+    ttft, itl, tpot, out_tokens = [], [], [], []
     if client == "aiohttp":
         import aiohttp
 
@@ -144,21 +148,25 @@ async def run_rate(url: str, model: str, rate: float, args, seed: int) -> dict:
             "ignore_eos": True,
         }
         t0 = time.perf_counter()
-        last = None
+        first = last = None
 
-        def on_text() -> None:
-            nonlocal last
+        def on_event() -> None:
+            nonlocal first, last
             now = time.perf_counter()
             if last is None:
+                first = now
                 ttft.append(now - t0)
             else:
                 itl.append(now - last)
             last = now
 
         if client == "aiohttp":
-            out_tokens.append(await _stream_aiohttp(session, url, body, on_text))
+            n = await _stream_aiohttp(session, url, body, on_event)
         else:
-            out_tokens.append(await _stream_openai(session, body, on_text))
+            n = await _stream_openai(session, body, on_event)
+        out_tokens.append(n)
+        if n > 1 and first is not None:
+            tpot.append((time.perf_counter() - first) / (n - 1))
 
     t = 0.0
     delays = []
@@ -182,6 +190,9 @@ async def run_rate(url: str, model: str, rate: float, args, seed: int) -> dict:
         "ttft": [percentile(ttft, q) for q in (50, 90, 99)],
         "itl": [percentile(itl, q) for q in (50, 90, 99)],
         "itl_mean": statistics.fmean(itl) if itl else float("nan"),
+        "ttft_mean": statistics.fmean(ttft) if ttft else float("nan"),
+        "tpot_mean": statistics.fmean(tpot) if tpot else float("nan"),
+        "num_events": len(ttft) + len(itl),
     }
 
 
@@ -510,8 +521,8 @@ def main(argv=None) -> int:
             f"per rate, max_tokens {args.min_tokens}..{args.max_tokens}"
         )
         print(
-            f"{'rate':>6} {'req/s':>7} {'tok/s':>8} | {'TTFT p50':>9} {'p90':>7} {'p99':>7} "
-            f"| {'ITL p50':>8} {'p90':>7} {'p99':>7}  (seconds)"
+            f"{'rate':>6} {'req/s':>7} {'tok/s':>8} | {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'p99':>7} "
+            f"| {'ITL mean':>8} {'p50':>7} {'p90':>7} {'p99':>7} | {'TPOT':>6}  (seconds)"
         )
         for i, rate in enumerate(rates):
             if args.profile:
@@ -521,9 +532,10 @@ def main(argv=None) -> int:
             r = asyncio.run(run_rate(url, model, rate, args, args.seed + i))
             print(
                 f"{r['rate']:>6.1f} {r['req_per_s']:>7.2f} {r['tok_per_s']:>8.1f} | "
-                + " ".join(f"{x:>{w}.3f}" for x, w in zip(r["ttft"], (9, 7, 7)))
+                + " ".join(f"{x:>{w}.3f}" for x, w in zip([r["ttft_mean"], *r["ttft"]], (9, 7, 7, 7)))
                 + " | "
-                + " ".join(f"{x:>{w}.3f}" for x, w in zip(r["itl"], (8, 7, 7))),
+                + " ".join(f"{x:>{w}.3f}" for x, w in zip([r["itl_mean"], *r["itl"]], (8, 7, 7, 7)))
+                + f" | {r['tpot_mean']:>6.3f}",
                 flush=True,
             )
             if args.profile:

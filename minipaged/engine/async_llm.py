@@ -22,15 +22,21 @@ Inputs
     ``add_requests(items, queue)``: several requests (the prompts of one
     ``/v1/completions`` call), all accepted or none, their outputs on one shared queue;
     ``abort(request_id)``: its sequences leave the core before its next step.
-    ``await check_health(timeout)``: pings the core; ``EngineNotResponding`` if it does
-    not answer within ``timeout`` seconds, ``EngineDead`` if it is unusable.
+    ``await check_health(timeout)``: pings the core (one ping shared by concurrent callers);
+    ``EngineNotResponding`` if it does not answer within ``timeout`` seconds, ``EngineDead``
+    if it is unusable. ``fail_requests(message)``: shutting down, every request in flight
+    gets ``EngineDead(message)``, new ones are refused (``draining``).
 Invariants
     every stream gets exactly one finished output, or an error, or is aborted; the
     output processor's state is touched under one lock (the loop adds, the reader moves).
     A stream's queue (``OutputQueue``) merges partial outputs its reader has not taken yet
-    (they are cumulative, as vLLM's ``RequestOutputCollector`` merges deltas), so an unread
-    stream holds one output; after ``max_unread_steps`` merged steps the client is taken as
-    gone: the request is aborted and the stream gets ``StreamOverflow``.
+    (they are cumulative, as vLLM's ``RequestOutputCollector`` merges deltas) but keeps each
+    step's boundary, so an unread stream holds one output and the reader still gets one
+    output per step (``stream_interval``, vLLM's ``--stream-interval``); after
+    ``max_unread_steps`` merged steps the client is taken as gone: the request is aborted
+    and the stream gets ``StreamOverflow``. A finished output left unread is dropped the
+    same way after ``unread_timeout`` seconds, or, oldest first, while such outputs hold
+    more than ``max_unread_tokens`` entries together (``num_unread_dropped`` counts both).
 Failure mode
     more than ``max_waiting_requests`` requests not yet running -> ``QueueFull`` (503 with
     ``Retry-After``); a failed core step fails that step's requests with ``EngineError``
@@ -42,19 +48,33 @@ Failure mode
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import gc
 import itertools
 import sys
 import threading
 import time
-from collections import deque
+import weakref
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Optional
 
 from minipaged.engine.core import step_event
 from minipaged.engine.core_client import EngineCoreDead, MPClient, ThreadedClient, load_tokenizer
 from minipaged.engine.output_processor import OutputProcessor
+from minipaged.engine.outputs import RequestOutput
 from minipaged.engine.processor import Processor
 from minipaged.sampling_params import SamplingParams
+
+DEFAULT_UNREAD_TIMEOUT = 30.0  # seconds a finished stream's output may wait for its reader
+# NOTE: entries (tokens, plus their logprob candidates) that finished streams may hold
+# unread, all together: ~100-200 bytes each in Python objects, so ~100-200 MB
+DEFAULT_MAX_UNREAD_TOKENS = 1_000_000
+DEFAULT_HEALTH_TIMEOUT = 5.0  # seconds the engine core has to answer /health's ping
+# NOTE: oldest-generation collections 10x rarer than Python's default (10) in the frontend:
+# one walks every object alive (a big logprobs answer is ~100,000 Logprob objects and dicts)
+# holding the GIL, 100 ms in which no stream moves; the frontend collects in full when idle
+GC_GEN2_THRESHOLD = 100
 
 
 class QueueFull(Exception):
@@ -88,30 +108,71 @@ class _Partial:
     request_id: str
 
 
+def _cut(out: RequestOutput, bound: tuple) -> RequestOutput:
+    """``out`` as it stood at an earlier step: choice ``j`` cut to its first ``bound[j]`` =
+    (tokens, characters); the logprob list stays shared (readers slice it by token count)."""
+    comps = [
+        dataclasses.replace(c, text=c.text[:nchars], token_ids=c.token_ids[:ntok])
+        for c, (ntok, nchars) in zip(out.outputs, bound)
+    ]
+    return dataclasses.replace(out, outputs=comps)
+
+
+def output_size(out) -> int:
+    """What an output holds, in entries: each token, plus each of its logprob candidates."""
+    size = 0
+    for c in getattr(out, "outputs", ()):
+        lps = c.logprobs
+        size += len(c.token_ids) * (1 + (len(lps[0]) if lps else 0))
+    return size
+
+
 class OutputQueue:
-    """A reader's outputs (of one request, or of the prompts of one request), in order.
+    """A reader's outputs (of one request, or of the prompts of one request), one per
+    engine step, in order.
 
     ``put_nowait(item)``: a finished output, an exception, or a *partial* output (an
-    unfinished ``RequestOutput``). A partial output of a request that already has one
-    waiting replaces it (outputs are cumulative: the newest says all), and
-    ``unread[request_id]`` counts the merges; ``await get()`` returns the next item.
+    unfinished, cumulative ``RequestOutput``). A partial output of a request that already
+    has one waiting replaces it and only that step's boundary is kept (per choice: tokens
+    and characters so far), so an unread stream holds one output and a few integers per
+    step; ``get()`` still hands out each step's output in turn, the earlier ones cut from
+    the newest (``_cut``): every step's tokens are their own event however late the reader
+    comes (vLLM's ``--stream-interval 1``). ``unread[request_id]``: steps waiting beyond
+    the first. With ``stream_interval = N > 1`` a step is its own output only once it adds
+    N tokens (the first token and the finished output always are), as vLLM's.
+    ``drop(request_id, exc)``: the request's waiting outputs are let go and ``exc`` takes
+    their place; ``dropped`` is set (the response closes the connection).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stream_interval: int = 1) -> None:
+        self.stream_interval = stream_interval
         self._items: deque = deque()  # outputs, exceptions, or _Partial markers
         self._partial: dict = {}  # request_id -> its newest partial output not yet read
-        self.unread: dict[str, int] = {}  # request_id -> partial outputs merged while waiting
+        self._bounds: dict[str, deque] = {}  # request_id -> its waiting steps' boundaries
+        self._marks: dict[str, int] = {}  # request_id -> tokens at its last step boundary
+        self.unread: dict[str, int] = {}  # request_id -> steps waiting beyond the first
+        self.on_taken = None  # called with the output when a finished output is read
+        self.dropped = asyncio.Event()
         self._event = asyncio.Event()
 
     def put_nowait(self, item) -> None:
         rid = getattr(item, "request_id", None)
         if rid is not None and not getattr(item, "finished", True):
+            bound = tuple((len(c.token_ids), len(c.text)) for c in item.outputs)
+            mark = max((b[0] for b in bound), default=0)
+            last = self._marks.get(rid)
+            if self.stream_interval > 1 and last is not None and mark - last < self.stream_interval:
+                return  # held back: the next output sent says all of it (outputs are cumulative)
+            self._marks[rid] = mark
             if rid in self._partial:
                 self._partial[rid] = item
+                self._bounds[rid].append(bound)
                 self.unread[rid] += 1
                 return
-            self._partial[rid], self.unread[rid] = item, 0
+            self._partial[rid], self._bounds[rid], self.unread[rid] = item, deque([bound]), 0
             item = _Partial(rid)
+        elif rid is not None:
+            self._marks.pop(rid, None)
         self._items.append(item)
         self._event.set()
 
@@ -124,16 +185,26 @@ class OutputQueue:
     def clear(self) -> None:
         """Drop everything not read yet (the reader is gone)."""
         self._items.clear()
-        self._partial.clear()
-        self.unread.clear()
+        for d in (self._partial, self._bounds, self._marks, self.unread):
+            d.clear()
 
     def get_nowait(self):
         if not self._items:
             raise asyncio.QueueEmpty
         item = self._items.popleft()
         if isinstance(item, _Partial):
-            self.unread.pop(item.request_id, None)
-            return self._partial.pop(item.request_id)
+            rid = item.request_id
+            bounds = self._bounds[rid]
+            bound = bounds.popleft()
+            if bounds:  # later steps wait: this one is cut from the newest output
+                self._items.appendleft(item)
+                self.unread[rid] -= 1
+                return _cut(self._partial[rid], bound)
+            self.unread.pop(rid, None)
+            del self._bounds[rid]
+            return self._partial.pop(rid)
+        if self.on_taken is not None and getattr(item, "finished", False):
+            self.on_taken(item)
         return item
 
     async def get(self):
@@ -141,6 +212,15 @@ class OutputQueue:
             self._event.clear()
             await self._event.wait()
         return self.get_nowait()
+
+    def drop(self, request_id: str, exc: BaseException) -> None:
+        """Let go of everything of ``request_id`` that waits; ``exc`` is read instead."""
+        self._items = deque(x for x in self._items if getattr(x, "request_id", None) != request_id)
+        for d in (self._partial, self._bounds, self._marks, self.unread):
+            d.pop(request_id, None)
+        self._items.append(exc)
+        self.dropped.set()
+        self._event.set()
 
 
 @dataclass
@@ -180,6 +260,7 @@ def _release_memory() -> None:
 
 def _trim() -> None:
     with _trimming:
+        gc.collect()  # NOTE: nothing is in flight: the cycles the burst left, then the pages
         _malloc_trim(0)
 
 
@@ -207,6 +288,9 @@ class AsyncLLM:
         max_unread_steps: int = 256,
         max_step_failures: int = 3,
         profile=None,
+        unread_timeout: float = DEFAULT_UNREAD_TIMEOUT,
+        max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS,
+        stream_interval: int = 1,
     ) -> None:
         """``engine``: an ``MPClient`` (the core in its own process) or an ``LLMEngine``
         (its core's busy loop runs in a thread here: ``ThreadedClient``)."""
@@ -214,9 +298,13 @@ class AsyncLLM:
             ("max_waiting_requests", max_waiting_requests),
             ("max_unread_steps", max_unread_steps),
             ("max_step_failures", max_step_failures),
+            ("max_unread_tokens", max_unread_tokens),
+            ("stream_interval", stream_interval),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(unread_timeout, (int, float)) or not unread_timeout > 0:
+            raise ValueError(f"unread_timeout must be a number of seconds > 0, got {unread_timeout!r}")
         if isinstance(engine, MPClient):
             self.client = engine
             tokenizer = load_tokenizer(engine.config.model)
@@ -235,6 +323,16 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(tokenizer)
         self.max_waiting_requests = max_waiting_requests
         self.max_unread_steps = max_unread_steps
+        self.unread_timeout = float(unread_timeout)
+        self.max_unread_tokens = max_unread_tokens
+        self.stream_interval = stream_interval
+        # finished outputs of streamed requests not read yet: request id -> (queue ref, size)
+        self._unread: OrderedDict = OrderedDict()
+        self._unread_size = 0
+        self.num_unread_dropped = 0
+        self.draining = False  # shutting down: new requests are refused
+        self._health: Optional[asyncio.Future] = None  # the ping in flight (shared by callers)
+        self._gc_threshold: Optional[tuple] = None  # Python's, while the frontend runs with its own
         self.check_invariants = check_invariants
         self.metrics = metrics
         self.profile = profile if profile is not None else _NoProfile()
@@ -269,6 +367,8 @@ class AsyncLLM:
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
+        self._gc_threshold = t0, t1, t2 = gc.get_threshold()  # put back by shutdown()
+        gc.set_threshold(t0, t1, max(t2, GC_GEN2_THRESHOLD))
         self._loop = asyncio.get_running_loop()
         self.profile.install(self._loop)
         self.client.start(self._on_message)
@@ -280,25 +380,45 @@ class AsyncLLM:
         self.streams.clear()
         for q in list(self._subscribers):
             q.put_nowait(None)
+        if self._gc_threshold is not None:
+            gc.set_threshold(*self._gc_threshold)
         await asyncio.get_running_loop().run_in_executor(None, self.client.shutdown)
 
-    async def check_health(self, timeout: float = 5.0) -> None:
+    async def check_health(self, timeout: float = DEFAULT_HEALTH_TIMEOUT) -> None:
         """Ping the engine core: ``EngineNotResponding`` without an answer in ``timeout``
-        seconds, ``EngineDead`` if it is unusable."""
+        seconds, ``EngineDead`` if it is unusable. Concurrent callers share one ping, so a
+        stopped core is never sent more than one."""
         if self.dead is not None:
             raise EngineDead(f"the engine is unusable ({self.dead})")
+        if self._health is None or self._health.done():
+            self._health = asyncio.ensure_future(self._ping())
+        try:
+            await asyncio.wait_for(asyncio.shield(self._health), timeout)
+        except asyncio.TimeoutError:
+            raise EngineNotResponding(f"the engine core did not answer a ping within {timeout:g} s") from None
+        except EngineCoreDead as e:
+            raise EngineDead(str(e)) from None
+
+    async def _ping(self) -> None:
         token = next(self._ping_ids)
         fut = asyncio.get_running_loop().create_future()
         self._pings[token] = fut
         try:
-            self.client.ping(token)
-            await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            raise EngineNotResponding(f"the engine core did not answer within {timeout:g} s") from None
-        except EngineCoreDead as e:
-            raise EngineDead(str(e)) from None
+            self.client.ping(token)  # NOTE: queued for the sender thread: never blocks the loop
+            await fut
         finally:
             self._pings.pop(token, None)
+
+    def fail_requests(self, message: str) -> int:
+        """Shutting down: every request still in the server is aborted and its reader gets
+        ``EngineDead(message)`` (an error event then ``[DONE]``, or a JSON 503); new ones
+        are refused (``draining``). Returns how many were failed."""
+        self.draining = True
+        streams = [s for s in self.streams.values() if not s.finished]
+        for stream in streams:
+            self.abort(stream.request_id)
+            stream.queue.put_nowait(EngineDead(message))
+        return len(streams)
 
     # -- requests (called by handlers, on the event loop) --------------------------------------
     def num_waiting(self) -> int:
@@ -323,6 +443,8 @@ class AsyncLLM:
         reader sees the outputs of all, in order). ``stream=False``: only finished outputs."""
         if self.dead is not None:
             raise EngineDead(f"the engine is unusable ({self.dead}); the server must be restarted")
+        if self.draining:
+            raise EngineDead("the server is shutting down")
         rids = [rid for rid, _, _ in items]
         for rid in rids:
             if rid in self.streams or rids.count(rid) > 1:
@@ -338,9 +460,8 @@ class AsyncLLM:
         with self._lock:
             for (rid, ids, params), (_, children) in zip(items, groups):
                 self.output_processor.add_request(rid, None, ids, params, children, stream=stream)
-                s = RequestStream(rid, params.n, len(ids), time.monotonic(), stream=stream)
-                if queue is not None:
-                    s.queue = queue
+                q = queue if queue is not None else OutputQueue(self.stream_interval)
+                s = RequestStream(rid, params.n, len(ids), time.monotonic(), q, stream)
                 self.streams[rid] = s
                 streams.append(s)
         try:
@@ -353,8 +474,10 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Abort before the core's next step (no-op for a finished or unknown request)."""
+        self._forget_unread(request_id)  # NOTE: its reader is gone: what waits for it goes too
         stream = self.streams.pop(request_id, None)
         if stream is None or stream.finished:
+            self._release_if_idle()  # a finished stream's reader hung up: its output is free now
             return
         stream.finished = True
         if self.metrics is not None:
@@ -459,7 +582,7 @@ class AsyncLLM:
             self._running_rids = set()
             if self.metrics is not None:
                 self.metrics.on_idle(outs.stats["num_free_blocks"], self.num_blocks)
-            _release_memory()
+            self._release_if_idle()
 
     def _publish(self, outs) -> None:
         event = step_event(outs.step)
@@ -508,16 +631,77 @@ class AsyncLLM:
                 if self.metrics is not None:
                     self.metrics.on_request_finished(out, now - stream.arrival)
                 stream.queue.put_nowait(out)
+                if stream.stream and isinstance(stream.queue, OutputQueue):
+                    self._watch_unread(stream.queue, out)
             elif new > 0 and stream.stream:
                 stream.queue.put_nowait(out)
                 unread = getattr(stream.queue, "unread", {}).get(rid, 0)  # an asyncio.Queue: 0
                 if unread >= self.max_unread_steps:  # the client reads nothing: let it go
                     self.abort(rid)
-                    stream.queue.put_nowait(
-                        StreamOverflow(
-                            f"the client left {unread} steps of output unread; the request was aborted"
-                        )
+                    self._drop(
+                        stream.queue,
+                        rid,
+                        f"the client left {unread} steps of output unread; the request was aborted",
                     )
+
+    # -- finished outputs nobody reads: let go after a time, or beyond a size -----------------
+    def _watch_unread(self, queue: OutputQueue, out) -> None:
+        """``out`` (finished) waits in a streamed request's ``queue``: it is dropped if still
+        unread ``unread_timeout`` seconds from now, or, oldest first, while such outputs
+        hold more than ``max_unread_tokens`` entries together (``output_size``). Only a
+        weak reference to the queue is kept: a reader that goes away frees it at once."""
+        rid = out.request_id
+        size = output_size(out)
+        self._unread[rid] = (weakref.ref(queue), size)
+        self._unread_size += size
+        queue.on_taken = lambda o: self._forget_unread(o.request_id)
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.unread_timeout, self._expire_unread, rid, queue.dropped)
+        if self._unread_size > self.max_unread_tokens:
+            # NOTE: a moment later, so that readers woken by this step take theirs first
+            loop.call_later(0.05, self._enforce_unread_size)
+
+    def _forget_unread(self, rid: str) -> None:
+        entry = self._unread.pop(rid, None)
+        if entry is not None:
+            self._unread_size -= entry[1]
+
+    def _expire_unread(self, rid: str, token) -> None:
+        entry = self._unread.get(rid)
+        queue = None if entry is None else entry[0]()
+        if queue is None or queue.dropped is not token:
+            return  # read, gone, or another request of the same id
+        self._forget_unread(rid)
+        self._drop(
+            queue, rid, f"the finished output was left unread for {self.unread_timeout:g} s and was dropped"
+        )
+
+    def _enforce_unread_size(self) -> None:
+        while self._unread_size > self.max_unread_tokens and self._unread:
+            rid, (ref, size) = next(iter(self._unread.items()))
+            self._forget_unread(rid)
+            queue = ref()
+            if queue is not None:
+                self._drop(
+                    queue,
+                    rid,
+                    f"unread outputs held more than {self.max_unread_tokens} tokens; the oldest was dropped",
+                )
+
+    def _drop(self, queue: OutputQueue, request_id: str, message: str) -> None:
+        """A stream's reader is gone or stuck: what waits for it is let go, and counted."""
+        self.num_unread_dropped += 1
+        if self.metrics is not None:
+            self.metrics.on_unread_dropped()
+        queue.drop(request_id, StreamOverflow(message))
+        self._release_if_idle()
+
+    def _release_if_idle(self) -> None:
+        """Nothing in flight and nothing waiting for a reader: hand freed memory back
+        (``_release_memory``). NOTE: also after a drop or a hang-up, not only when the core
+        goes idle: an unread output is let go 30 s after the core went idle."""
+        if not self.streams and not self._unread:
+            _release_memory()
 
     def _fail_stream(self, rid: str, exc: Exception) -> None:
         stream = self.streams.pop(rid, None)

@@ -745,6 +745,9 @@ def run_engine_core(config, conn_in, conn_out, options: dict) -> None:
 
     # NOTE: Ctrl-C reaches the whole process group; the frontend decides when the core stops
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from minipaged.kernels.selector import keep_triton_out
+
+    keep_triton_out(config)  # NOTE: no Triton kernel runs in a CPU core: torch must not import it
     try:
         import os
 

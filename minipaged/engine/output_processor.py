@@ -175,6 +175,11 @@ class OutputProcessor:
                         break
             if not new and o.finish_reason is not None:
                 s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
+            if s.logprobs is not None:
+                # NOTE: each token's dicts as it arrives (vLLM's LogprobsProcessor), never all
+                # of a long answer at once when it finishes: that burst (16 x 480 tokens of 21
+                # entries) held every other request's outputs back for a second
+                self._logprob_dicts(s)
         request_outputs = []
         for rid, state in moved.items():
             if state.finished:

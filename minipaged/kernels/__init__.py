@@ -20,6 +20,12 @@ sets ``TRITON_INTERPRET=1`` (unless the user set it) *before* any kernel is defi
 NOTE: Triton 3.x reads the variable when ``@triton.jit`` decorates a function (see
 ``triton.knobs.runtime.interpret``), so it must be set before ``paged_attention`` and
 ``cache_ops`` are imported; importing ``triton`` itself earlier is harmless.
+
+Triton is imported only when a Triton kernel runs: ``paged_attention_decode`` and
+``paged_attention_prefill`` are loaded from ``paged_attention.py`` on first access (a module
+``__getattr__``), ``reshape_and_cache_triton`` loads ``cache_ops_triton.py`` on its first
+call, and ``HAS_TRITON`` looks Triton up without importing it. So the CPU paths (``"torch"``
+and ``"cpu"`` backends, ``minipaged serve`` on a CPU) never import it.
 """
 
 import os
@@ -35,10 +41,6 @@ from minipaged.kernels.cache_ops import (  # noqa: E402
     reshape_and_cache,
     reshape_and_cache_triton,
     swap_blocks,
-)
-from minipaged.kernels.paged_attention import (  # noqa: E402
-    paged_attention_decode,
-    paged_attention_prefill,
 )
 from minipaged.kernels.reference import (  # noqa: E402
     contiguous_attention,
@@ -62,3 +64,13 @@ __all__ = [
     "paged_attention_torch",
     "get_attn_backend",
 ]
+
+_LAZY = {"paged_attention_decode", "paged_attention_prefill"}  # from paged_attention.py (Triton)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from minipaged.kernels import paged_attention
+
+        return getattr(paged_attention, name)
+    raise AttributeError(f"module 'minipaged.kernels' has no attribute {name!r}")

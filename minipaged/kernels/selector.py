@@ -111,3 +111,24 @@ def get_attn_backend(
         if not cpu_kernels.available():
             raise ValueError(f"attention_backend='cpu' is unavailable here: {cpu_kernels.build_error()}")
     return name
+
+
+def keep_triton_out(config) -> bool:
+    """In a process that will run no Triton kernel (``config``'s backend, resolved once by
+    ``EngineConfig`` with ``get_attn_backend``, is not "triton", and its device is a CPU), make ``import triton`` fail as if Triton were not
+    installed (``sys.modules["triton"] = None``); returns whether it did. For processes
+    that serve one engine only (``minipaged serve``, its engine core), before any model loads.
+
+    NOTE: minipaged imports Triton only where its kernels run (``kernels/__init__.py``), but
+    transformers' model code imports ``torch._dynamo``, which imports Triton whenever it is
+    installed: a second of start-up, and dozens of nanobind "leaked" lines at exit. torch
+    runs without Triton on a CPU. A no-op once Triton is imported, or on a CUDA device
+    (torch may compile there)."""
+    import sys
+
+    if not str(config.device).startswith("cpu") or "triton" in sys.modules:
+        return False
+    if config.attention_backend == "triton":  # NOTE: under TRITON_INTERPRET=1: its kernels run here
+        return False
+    sys.modules["triton"] = None
+    return True

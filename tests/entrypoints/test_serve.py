@@ -720,15 +720,15 @@ def test_profile_reports_every_part(server, client):
 def test_load_generator_reads_every_token(server, client):
     """``benchmarks/serve_load.py``'s two clients (``aiohttp``, as vLLM's serving benchmark
     reads streams, and the official ``openai`` client) count the same completion tokens as the
-    requests asked for (greedy, ``ignore_eos``) and time a first chunk for every request."""
+    requests asked for (greedy, ``ignore_eos``) and time every event, one per token."""
     import argparse
     import asyncio
     import random
     from pathlib import Path
 
     pytest.importorskip(client)
-    # NOTE: off sys.path again after the import: a benchmark script named like a package would shadow the
-    # package transformers imports, in whatever this worker runs next
+    # NOTE: off sys.path again at once: an engine core spawned later inherits sys.path, and
+    # transformers would import a benchmark script named like a package in its place
     bench = str(Path(__file__).resolve().parents[2] / "benchmarks")
     sys.path.insert(0, bench)
     try:
@@ -747,4 +747,5 @@ def test_load_generator_reads_every_token(server, client):
         rng.choice(LOAD_PROMPTS)  # the prompt, then the length
         asked += rng.randint(2, 6)
     assert res["client"] == client and res["output_tokens"] == asked
-    assert res["ttft"][0] > 0 and res["tok_per_s"] > 0
+    assert res["ttft"][0] > 0 and res["tok_per_s"] > 0 and res["tpot_mean"] > 0
+    assert res["num_events"] == asked  # NOTE: one event per token, each timed (vllm bench serve's way)

@@ -359,23 +359,55 @@ def test_stop_strings_are_found_in_a_window_as_in_the_whole_text():
         )
 
 
-def test_output_queue_merges_unread_partial_outputs():
+def test_output_queue_keeps_one_output_and_every_step_boundary():
+    """Unread partial outputs are merged into the newest (one output held), yet the reader
+    still gets one output per step, each cut at that step's tokens and text."""
     from minipaged.engine.async_llm import OutputQueue
-    from minipaged.engine.outputs import RequestOutput
+    from minipaged.engine.outputs import CompletionOutput, RequestOutput
+
+    def partial(rid, k):
+        text = "".join(f"t{i}" for i in range(k))
+        return RequestOutput(rid, None, [1], [CompletionOutput(0, text, list(range(k)))], finished=False)
 
     async def run():
         q = OutputQueue()
-        for i in range(5):
-            q.put_nowait(RequestOutput("a", None, [1], [], finished=False))
-            q.put_nowait(RequestOutput("b", None, [i], [], finished=False))
+        for k in range(1, 6):
+            q.put_nowait(partial("a", k))
+            q.put_nowait(partial("b", k))
         assert q.qsize() == 2 and q.unread == {"a": 4, "b": 4}
-        last = RequestOutput("a", None, [9], [], finished=True)
+        assert len(q._partial) == 2  # one output held per request, whatever the steps
+        last = RequestOutput(
+            "a", None, [9], [CompletionOutput(0, "done", [0, 1, 2, 3, 4, 5], "length")], True
+        )
         q.put_nowait(last)
-        got = [await q.get() for _ in range(3)]
-        assert [g.request_id for g in got] == ["a", "b", "a"]
-        assert got[1].prompt_token_ids == [4] and got[2] is last and q.empty() and q.unread == {}
+        got = [await q.get() for _ in range(11)]
+        assert [g.request_id for g in got] == ["a"] * 5 + ["b"] * 5 + ["a"]
+        for k, g in enumerate(got[:5], start=1):  # each step as it stood, cut from the newest
+            assert g.outputs[0].token_ids == list(range(k))
+            assert g.outputs[0].text == partial("a", k).outputs[0].text
+        assert got[10] is last and q.empty() and q.unread == {}
 
     asyncio.run(run())
+
+
+def test_output_queue_stream_interval_sends_the_first_token_then_every_n():
+    from minipaged.engine.async_llm import OutputQueue
+    from minipaged.engine.outputs import CompletionOutput, RequestOutput
+
+    async def run():
+        q = OutputQueue(stream_interval=3)
+        sizes = []
+        for k in range(1, 9):
+            q.put_nowait(RequestOutput("a", None, [1], [CompletionOutput(0, "x" * k, list(range(k)))], False))
+            while not q.empty():
+                sizes.append(len(q.get_nowait().outputs[0].token_ids))
+        q.put_nowait(
+            RequestOutput("a", None, [1], [CompletionOutput(0, "x" * 9, list(range(9)), "length")], True)
+        )
+        sizes.append(len(q.get_nowait().outputs[0].token_ids))
+        return sizes
+
+    assert asyncio.run(run()) == [1, 4, 7, 9]  # vLLM's rule: the first, every 3 more, the last
 
 
 def test_an_unread_stream_is_aborted_and_holds_one_output(llm):
@@ -395,18 +427,19 @@ def test_an_unread_stream_is_aborted_and_holds_one_output(llm):
             for _ in range(600):
                 if "slow" not in ae.streams:
                     break
-                assert stream.queue.qsize() <= 1  # merged: one partial output, not one per step
+                assert len(stream.queue._partial) <= 1  # merged: one output held, not one per step
                 await asyncio.sleep(0.02)
             items = []
             while not stream.queue.empty():
                 items.append(stream.queue.get_nowait())
-            return ae, items
+            return ae, items, stream
         finally:
             await ae.shutdown()
 
-    ae, items = asyncio.run(run())
-    assert len(items) == 2 and isinstance(items[1], StreamOverflow), items
-    assert not items[0].finished and len(items[0].outputs[0].token_ids) < 60
+    ae, items, stream = asyncio.run(run())
+    # the dropped stream's outputs are let go: the reader gets the overflow alone
+    assert len(items) == 1 and isinstance(items[0], StreamOverflow), items
+    assert stream.queue.dropped.is_set() and ae.num_unread_dropped == 1
     assert not engine.core.has_unfinished_requests()
     assert engine.kv_cache_manager.get_num_free_blocks() == engine.num_blocks
     assert ae.errors == []

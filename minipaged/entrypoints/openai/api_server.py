@@ -13,11 +13,15 @@ Routes
     (as vLLM). ``echo=true``: each choice's text starts with its prompt (a token-id prompt
     detokenized, special tokens kept, as vLLM's ``tokenizer.decode``); with
     ``max_tokens=0`` (allowed with echo only, as vLLM) the prompt alone, finish_reason
-    ``length`` and no completion token counted (vLLM counts the one token its engine ran);
+    ``length`` and no completion token, answered without the engine (vLLM runs one step of
+    ``max_tokens=1`` and returns the same text, counting that token);
     ``echo`` with ``logprobs`` is a 400 (vLLM adds the prompt's logprobs; this engine has
     none). ``GET /metrics`` (Prometheus text, ``metrics.py``); ``GET /trace`` (the live
     ``EngineTrace``: SSE of step events, or ``?format=json`` for the recent steps);
-    ``GET /`` (the live page); ``GET /health``; ``GET /profile`` (seconds per part of the
+    ``GET /`` (the live page); ``GET /health`` (200 once the engine core answers a ping
+    within ``health_timeout`` s, else 503); ``POST /tokenize`` and ``/detokenize`` (vLLM's
+    fields: ``prompt`` or ``messages`` -> ``count``, ``max_model_len``, ``tokens``,
+    ``token_strs``; ``tokens`` -> ``prompt``); ``GET /profile`` (seconds per part of the
     server's work, ``profile.py``: what ``benchmarks/serve_load.py --profile`` prints).
 Invariants
     a client that disconnects (mid-stream or while waiting) has its requests (every
@@ -46,6 +50,11 @@ Failure mode
     ``max_body_bytes``, 503 + ``Retry-After`` when ``max_waiting_requests`` are already
     waiting, 500 "internal error" for an engine bug (that step's requests only: the engine
     recovers), 503 on every route and on ``/health`` once the engine is unusable.
+Shutdown
+    SIGTERM or Ctrl-C (``DrainingServer``): no new connection or request; requests in
+    flight may finish for ``shutdown_grace`` seconds, then every stream still open gets an
+    OpenAI error event and ``[DONE]``, every non-streamed request a JSON 503; only then are
+    the connections closed. A second Ctrl-C ends the wait at once.
 """
 
 # NOTE: no `from __future__ import annotations` here: FastAPI reads the route functions'
@@ -57,7 +66,16 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import Optional
 
-from minipaged.entrypoints.openai.serving import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES
+from minipaged.engine.async_llm import (
+    DEFAULT_HEALTH_TIMEOUT,
+    DEFAULT_MAX_UNREAD_TOKENS,
+    DEFAULT_UNREAD_TIMEOUT,
+)
+from minipaged.entrypoints.openai.serving import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_SHUTDOWN_GRACE,
+)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_HEADER_TIMEOUT = 10.0  # seconds for a request's headers to arrive
@@ -72,12 +90,15 @@ def build_app(engine, **serving_kwargs):
     from fastapi.responses import HTMLResponse, JSONResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from minipaged.engine.async_llm import EngineError
+    from minipaged.engine.async_llm import EngineDead, EngineError, EngineNotResponding
     from minipaged.entrypoints.openai.live import LIVE_PAGE
     from minipaged.entrypoints.openai.protocol import (
         ChatCompletionRequest,
         CompletionRequest,
+        DetokenizeRequest,
         PromptError,
+        TokenizeChatRequest,
+        TokenizeCompletionRequest,
         error_body,
         split_prompts,
     )
@@ -88,6 +109,8 @@ def build_app(engine, **serving_kwargs):
         chat_logprobs,
         completion_logprobs,
         finish_reason_of,
+        sliced_chat_logprobs,
+        sliced_completion_logprobs,
         sse,
         usage_of,
     )
@@ -135,10 +158,27 @@ def build_app(engine, **serving_kwargs):
 
     @app.get("/health")
     async def health():
-        dead = serving.engine_client.dead
-        if dead is not None:  # NOTE: so that a supervisor restarts the server
-            return error(503, f"the engine is unusable: {dead}")
+        # NOTE: 503 (so that a supervisor restarts the server) when the engine is unusable
+        # or its core does not answer a ping in time (stopped, or stuck)
+        try:
+            await serving.engine_client.check_health(serving.health_timeout)
+        except (EngineDead, EngineNotResponding) as e:
+            return error(503, str(e))
         return Response(status_code=200)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await serving.read_json(request)
+        cls = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
+        req = serving.validate(cls, body)
+        serving.check_model(req.model)
+        return await serving.tokenize_request(req)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = serving.validate(DetokenizeRequest, await serving.read_json(request))
+        serving.check_model(req.model)
+        return await serving.detokenize_request(req)
 
     def check_trace_enabled() -> None:
         if not serving.enable_trace:
@@ -216,7 +256,8 @@ def build_app(engine, **serving_kwargs):
             # (prompt_logprobs); this engine does not compute those.
             raise ApiError(400, "echo and logprobs together are not supported (no prompt logprobs)", "echo")
         # NOTE: as vLLM: max_tokens=0 is allowed with echo only (the prompt and nothing
-        # more); the engine still runs one step (max_tokens=1), its token not returned.
+        # more), checked as a request of max_tokens=1 (what vLLM's engine runs); the answer
+        # needs no forward, so here the engine never sees it (no step, no KV block).
         echo_only = req.echo and req.max_tokens == 0
         if echo_only:
             req = req.model_copy(update={"max_tokens": 1})
@@ -233,6 +274,8 @@ def build_app(engine, **serving_kwargs):
             items.append((params, ids))
         prompt_lens = [len(ids) for _, ids in items]
         rid = f"cmpl-{uuid.uuid4().hex}"
+        if echo_only:
+            return echo_only_answer(serving, req, rid, texts, prompt_lens, params.n)
         # one prompt: the engine request is rid itself
         streams = serving.submit_all(items, rid, stream=req.stream)
         n = params.n
@@ -244,17 +287,16 @@ def build_app(engine, **serving_kwargs):
             if outs is None:
                 return Response(status_code=499)
 
-            def build() -> dict:  # in the worker thread: logprobs may be many
+            async def build() -> dict:  # in slices: logprobs may be many
                 choices, ntok = [], 0
                 for p, out in enumerate(outs):
                     for c in out.outputs:
                         reason, stop_reason = finish_reason_of(c), c.stop_reason
                         text = c.text
-                        lps = completion_logprobs(tokenizer, c.token_ids, getattr(c, "logprobs", None))
-                        if echo_only:
-                            text, lps, reason, stop_reason = "", None, "length", None
-                        else:
-                            ntok += len(c.token_ids)
+                        lps = await sliced_completion_logprobs(
+                            tokenizer, c.token_ids, getattr(c, "logprobs", None)
+                        )
+                        ntok += len(c.token_ids)
                         choices.append(
                             {
                                 "index": p * n + c.index,
@@ -278,10 +320,8 @@ def build_app(engine, **serving_kwargs):
             }
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = serving.sse_events(
-            streams, head, params, prompt_lens, include_usage, choice, echo=echo, echo_only=echo_only
-        )
-        return SSEResponse(events, lambda: serving.abort_all(streams))
+        events = serving.sse_events(streams, head, params, prompt_lens, include_usage, choice, echo=echo)
+        return SSEResponse(events, lambda: serving.abort_all(streams), streams[0].queue.dropped)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -301,19 +341,20 @@ def build_app(engine, **serving_kwargs):
             if out is None:
                 return Response(status_code=499)
 
-            def build() -> dict:  # in the worker thread: logprobs may be many
+            async def build() -> dict:  # in slices: logprobs may be many
                 choices = []
                 for c in out.outputs:
                     reason = finish_reason_of(c)
+                    lps = await sliced_chat_logprobs(
+                        tokenizer, c.token_ids, getattr(c, "logprobs", None), top_n
+                    )
                     choices.append(
                         {
                             "index": c.index,
                             "message": {"role": "assistant", "content": c.text},
                             "finish_reason": reason,
                             "stop_reason": c.stop_reason,
-                            "logprobs": chat_logprobs(
-                                tokenizer, c.token_ids, getattr(c, "logprobs", None), top_n
-                            ),
+                            "logprobs": lps,
                         }
                     )
                 ntok = sum(len(c.token_ids) for c in out.outputs)
@@ -354,9 +395,53 @@ def build_app(engine, **serving_kwargs):
             choice,
             first,
         )
-        return SSEResponse(events, lambda: serving.engine_client.abort(stream.request_id))
+        return SSEResponse(
+            events, lambda: serving.engine_client.abort(stream.request_id), stream.queue.dropped
+        )
 
     return app
+
+
+def echo_only_answer(serving, req, rid: str, texts: list, prompt_lens: list, n: int):
+    """``echo`` with ``max_tokens=0``: each prompt's text, ``n`` times, finish_reason
+    ``length``, no completion token; streamed as one event per prompt, then the usage (if
+    asked) and ``[DONE]``. Built without the engine: it needs no forward."""
+    from fastapi.responses import JSONResponse
+
+    from minipaged.entrypoints.openai.serving import ApiError, SSEResponse, sse, usage_of
+
+    ae = serving.engine_client
+    if ae.dead is not None or ae.draining:  # NOTE: as for a request the engine would see
+        raise ApiError(
+            503, f"the engine is unusable ({ae.dead})" if ae.dead else "the server is shutting down"
+        )
+    head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": serving.model_name}
+    usage = usage_of(sum(prompt_lens), 0)
+    per_prompt = [
+        [
+            {
+                "index": p * n + j,
+                "text": text,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "logprobs": None,
+            }
+            for j in range(n)
+        ]
+        for p, text in enumerate(texts)
+    ]
+    if not req.stream:
+        return JSONResponse({**head, "choices": [c for cs in per_prompt for c in cs], "usage": usage})
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    async def events():
+        for choices in per_prompt:
+            yield sse({**head, "choices": choices})
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage})
+        yield sse("[DONE]")
+
+    return SSEResponse(events(), lambda: None)
 
 
 # -- running it ----------------------------------------------------------------------------
@@ -465,12 +550,38 @@ def uvicorn_config(
         port=port,
         log_level=log_level,
         lifespan="on",
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=FLUSH_TIMEOUT,
         http=header_timeout_protocol(header_timeout, _http_parser() if http == "auto" else http),
         loop=loop,
         timeout_keep_alive=5,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
+
+
+# seconds responses have to go out after the drain (uvicorn's timeout_graceful_shutdown)
+FLUSH_TIMEOUT = 2.0
+
+
+def draining_server(config, serving, grace: float = DEFAULT_SHUTDOWN_GRACE):
+    """A ``uvicorn.Server`` that drains on SIGTERM / Ctrl-C (or ``should_exit``): it stops
+    accepting connections, lets the requests in flight finish for ``grace`` seconds, then
+    fails the rest (``OpenAIServing.drain``: every stream ends with an OpenAI error event
+    and ``[DONE]``, every other request gets a JSON 503), and only then closes the
+    connections (uvicorn's own shutdown, which alone would cut the streams mid-event). A
+    second Ctrl-C (``force_exit``) ends the wait at once."""
+    import uvicorn
+
+    if not isinstance(grace, (int, float)) or not grace >= 0:
+        raise ValueError(f"shutdown_grace must be a number of seconds >= 0, got {grace!r}")
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            for server in self.servers:
+                server.close()  # no new connections while the others drain
+            await serving.drain(grace, lambda: self.force_exit)
+            await super().shutdown(sockets)
+
+    return DrainingServer(config)
 
 
 # seconds a server whose engine core process died keeps answering 503 before it exits
@@ -494,22 +605,22 @@ class BackgroundServer:
     an ``LLMEngine`` stepped in this process, or an ``EngineCoreClient`` whose core runs
     in its own process, as ``minipaged serve`` by default); ``.url``
     is its base URL, ``.serving`` the ``OpenAIServing``; ``.stop()`` ends it (also on
-    ``with``). Loopback only unless ``host`` says otherwise.
+    ``with``), draining as SIGTERM does (``shutdown_grace``). Loopback only unless
+    ``host`` says otherwise.
     """
 
     def __init__(
         self, engine, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", **serving_kwargs
     ) -> None:
-        import uvicorn
-
         header_timeout = serving_kwargs.pop("header_timeout", DEFAULT_HEADER_TIMEOUT)
         http = serving_kwargs.pop("http", "auto")
+        grace = serving_kwargs.pop("shutdown_grace", DEFAULT_SHUTDOWN_GRACE)
         self.app = build_app(engine, **serving_kwargs)
         self.serving = self.app.state.serving  # OpenAIServing
         config = uvicorn_config(
             self.app, host=host, port=port, log_level=log_level, header_timeout=header_timeout, http=http
         )
-        self.server = uvicorn.Server(config)
+        self.server = draining_server(config, self.serving, grace)
         exit_when_core_dies(self.serving, self.server)
         self.host = host
         self._thread: Optional[threading.Thread] = None
@@ -592,6 +703,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="engine steps of output a stream may leave unread before it is aborted",
     )
     g.add_argument(
+        "--unread-timeout",
+        type=float,
+        default=DEFAULT_UNREAD_TIMEOUT,
+        help="seconds a finished stream's output may wait for its reader before it is dropped",
+    )
+    g.add_argument(
+        "--max-unread-tokens",
+        type=positive_int,
+        default=DEFAULT_MAX_UNREAD_TOKENS,
+        help="tokens (each logprob candidate counts one) finished streams may hold unread, all "
+        "together; beyond it the oldest is dropped",
+    )
+    g.add_argument(
+        "--stream-interval",
+        type=positive_int,
+        default=1,
+        help="tokens per streamed event (vLLM's; 1: every token as soon as its step ends)",
+    )
+    g.add_argument(
+        "--health-timeout",
+        type=float,
+        default=DEFAULT_HEALTH_TIMEOUT,
+        help="seconds the engine core has to answer /health's ping before /health is 503",
+    )
+    g.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=DEFAULT_SHUTDOWN_GRACE,
+        help="seconds requests in flight may finish after SIGTERM; the rest get an error",
+    )
+    g.add_argument(
         "--disable-trace",
         action="store_true",
         help="turn off /trace and the live page (they show every client's request ids and lengths)",
@@ -666,8 +808,6 @@ ENGINE_ARGS = (
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from minipaged.config import EngineConfig
     from minipaged.engine.llm_engine import LLMEngine
 
@@ -677,6 +817,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         config = EngineConfig(**{k: getattr(args, k) for k in ENGINE_ARGS})
+        from minipaged.kernels.selector import keep_triton_out
+
+        keep_triton_out(config)  # before the tokenizer or the model loads
         if args.engine_process:
             from minipaged.engine.core_client import MPClient
 
@@ -699,8 +842,13 @@ def run(args: argparse.Namespace) -> int:
             body_timeout=args.body_timeout,
             max_unread_steps=args.max_unread_steps,
             enable_trace=not args.disable_trace,
+            unread_timeout=args.unread_timeout,
+            max_unread_tokens=args.max_unread_tokens,
+            stream_interval=args.stream_interval,
+            health_timeout=args.health_timeout,
         )
         uconfig = uvicorn_config(app, args.host, args.port, args.log_level, args.header_timeout, args.http)
+        server = draining_server(uconfig, app.state.serving, args.shutdown_grace)
     except ValueError as e:
         print(f"minipaged serve: {e}")
         if args.engine_process:
@@ -713,7 +861,6 @@ def run(args: argparse.Namespace) -> int:
         f"(live view at /, metrics at /metrics; {where})",
         flush=True,
     )
-    server = uvicorn.Server(uconfig)
     exit_when_core_dies(serving, server)
     from minipaged.engine.core import freeze_gc_heap
 

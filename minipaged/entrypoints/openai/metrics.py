@@ -19,6 +19,8 @@ minipaged has. Counters get Prometheus' ``_total`` suffix, as in vLLM.
 ``vllm:e2e_request_latency_seconds``       histogram, arrival -> finished
 ``minipaged:engine_steps_total``           engine steps (no vLLM counterpart)
 ``minipaged:engine_errors_total``          steps that raised (should stay 0)
+``minipaged:unread_streams_dropped_total`` streams whose output waited unread too long or
+                                           too big: dropped, connection closed
 =========================================  ==============================================
 
 Inputs: ``AsyncLLM``'s step events (``StepRecord`` dicts) and request events. Output:
@@ -176,6 +178,12 @@ _METRICS = [
         "minipaged:engine_errors",
         "Engine steps that raised an exception (should stay 0).",
     ),
+    (
+        "unread_dropped",
+        "counter",
+        "minipaged:unread_streams_dropped",
+        "Streams whose output waited unread too long or too big, dropped with their connection.",
+    ),
 ]
 
 
@@ -187,6 +195,7 @@ class ServerMetrics:
         self.kv_usage = 0.0
         self.preemptions = self.prefix_queries = self.prefix_hits = 0
         self.prompt_tokens = self.generation_tokens = self.steps = self.errors = 0
+        self.unread_dropped = 0
         self.success: dict[str, int] = {}  # finished_reason -> requests, in first-seen order
         self.ttft = _Histogram(TTFT_BUCKETS)
         self.itl = _Histogram(ITL_BUCKETS)
@@ -244,6 +253,9 @@ class ServerMetrics:
 
     def on_engine_error(self) -> None:
         self.errors += 1
+
+    def on_unread_dropped(self) -> None:
+        self.unread_dropped += 1
 
     # -- /metrics ----------------------------------------------------------------------
     def collect(self):

@@ -4,9 +4,11 @@ Mirrors vLLM ``vllm/entrypoints/openai/protocol.py`` (a small subset of its fiel
 
 Inputs
     a JSON body of ``/v1/completions`` (``CompletionRequest``; its ``prompt`` in any of
-    OpenAI's four forms, ``split_prompts``) or ``/v1/chat/completions``
-    (``ChatCompletionRequest``). Types are strict (``"5"`` is not an int) and unknown
-    fields are refused, so a typo is a 400 rather than a silently ignored knob.
+    OpenAI's four forms, ``split_prompts``), ``/v1/chat/completions``
+    (``ChatCompletionRequest``), ``/tokenize`` (``TokenizeCompletionRequest`` or
+    ``TokenizeChatRequest``) or ``/detokenize`` (``DetokenizeRequest``). Types are strict
+    (``"5"`` is not an int) and unknown fields are refused, so a typo is a 400 rather than a
+    silently ignored knob.
 Outputs
     ``to_sampling_kwargs()``: keyword arguments for ``SamplingParams`` under vLLM's names.
     OpenAI fields the engine's ``SamplingParams`` does not have (yet) are refused with a
@@ -211,12 +213,57 @@ class ChatCompletionRequest(_SamplingFields):
 COURSE_CHAT_TEMPLATE = "{turns}Assistant:"
 
 
-def render_chat(messages: list[ChatMessage], tokenizer) -> str:
+def render_chat(
+    messages: list[ChatMessage],
+    tokenizer,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> str:
     """The prompt for ``messages``: the tokenizer's own chat template where it has one,
-    else ``Role: text`` lines followed by ``Assistant:``."""
+    else ``Role: text`` lines followed by ``Assistant:`` (``add_generation_prompt``);
+    ``continue_final_message``: the last message left open, for the model to go on with
+    (vLLM's two options; both at once is a ``ValueError``)."""
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
     template = getattr(tokenizer, "chat_template", None)
     if template:
         msgs = [{"role": m.role, "content": m.text()} for m in messages]
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        kw = {"continue_final_message": True} if continue_final_message else {}
+        return tokenizer.apply_chat_template(
+            msgs, add_generation_prompt=add_generation_prompt, tokenize=False, **kw
+        )
     turns = "".join(f"{m.role.capitalize()}: {m.text()}\n" for m in messages)
-    return COURSE_CHAT_TEMPLATE.format(turns=turns)
+    if continue_final_message:
+        return turns[:-1]
+    return COURSE_CHAT_TEMPLATE.format(turns=turns) if add_generation_prompt else turns
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """``POST /tokenize`` with a ``prompt`` (vLLM's ``TokenizeCompletionRequest``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: Optional[bool] = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """``POST /tokenize`` with ``messages``, rendered as ``/v1/chat/completions`` renders
+    them (vLLM's ``TokenizeChatRequest``; its other template options are refused)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: Optional[str] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: Optional[bool] = False
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's ``DetokenizeRequest``): token ids -> ``{"prompt": text}``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: Optional[str] = None
+    tokens: list[int]

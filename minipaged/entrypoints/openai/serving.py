@@ -14,11 +14,13 @@ Invariants
     text sent so far is always a prefix of the final text (``TextDeltas`` holds back what may
     still change); when the client is gone or one prompt fails, every prompt's request is
     aborted (``final_outputs``, ``SSEResponse.on_close``), so no block stays held.
-Off the event loop
-    tokenizing a prompt (and rendering a chat template), detokenizing an echoed token-id
-    prompt, and building + serializing a non-streamed answer run in one worker thread
-    (``run_off_loop``), so one request's big prompt or many logprobs never freeze the
-    other streams; a short prompt (at most ``INLINE_PROMPT_CHARS`` characters, or token
+Off the event loop, or on it in slices
+    tokenizing a prompt (and rendering a chat template) and detokenizing an echoed token-id
+    prompt run in one worker thread (``run_off_loop``); a non-streamed answer is built and
+    serialized on the loop in slices of a few milliseconds (``json_response``,
+    ``sliced_*_logprobs``, ``json_pieces``; as vLLM's output handler works in chunks,
+    ``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE``), so one request's big prompt or many logprobs
+    never freeze the other streams; a short prompt (at most ``INLINE_PROMPT_CHARS`` characters, or token
     ids) is tokenized on the loop itself: tens of microseconds, less than the two thread
     hops it saves on the way to the first token; per streamed step the loop only slices what is new (``TextDeltas``) and
     writes it, token texts coming decoded with the logprobs.
@@ -39,12 +41,15 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Optional
 
 from starlette.responses import Response
 
 from minipaged.engine.async_llm import (
+    DEFAULT_HEALTH_TIMEOUT,
+    DEFAULT_MAX_UNREAD_TOKENS,
+    DEFAULT_UNREAD_TIMEOUT,
     AsyncLLM,
     EngineDead,
     EngineError,
@@ -63,6 +68,12 @@ PROMPT_CHARS_PER_TOKEN = 32
 # NOTE: prompts (characters, or token ids) up to this size are tokenized on the event loop:
 # a fast tokenizer takes ~0.1 ms for them, less than a round trip through the worker thread
 INLINE_PROMPT_CHARS = 2048
+DEFAULT_SHUTDOWN_GRACE = 5.0  # seconds requests in flight may finish after SIGTERM
+# NOTE: the most list items or object members one json.dumps call encodes (json_pieces):
+# json.dumps holds the GIL for the whole call, so a big answer in one call stalls the loop
+JSON_PIECE_ITEMS = 512
+LOOP_SLICE_SECONDS = 0.005  # the longest stretch a big answer is built on the loop at once
+LOGPROB_SLICE_TOKENS = 32  # tokens of logprobs turned into JSON objects per slice
 
 
 class ApiError(Exception):
@@ -83,13 +94,20 @@ class SSEResponse(Response):
     """Streams ``events`` (strings) as text/event-stream.
 
     It listens for ``http.disconnect`` itself (whatever the ASGI spec version), stops the
-    stream at once when the client goes, and always calls ``on_close()`` last.
+    stream at once when the client goes, and always calls ``on_close()`` last. When
+    ``dropped`` is set (the engine let go of output the client left unread), the response
+    ends unfinished: the server closes the connection.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        self.events, self.on_close = events, on_close
+    def __init__(
+        self,
+        events: AsyncIterator[str],
+        on_close: Callable[[], None],
+        dropped: Optional[asyncio.Event] = None,
+    ) -> None:
+        self.events, self.on_close, self.dropped = events, on_close, dropped
         self.background = None
         self.status_code = 200
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
@@ -106,6 +124,8 @@ class SSEResponse(Response):
                 pass
 
         tasks = {asyncio.create_task(stream()), asyncio.create_task(watch())}
+        if self.dropped is not None:  # NOTE: the client reads nothing: its connection is closed
+            tasks.add(asyncio.create_task(self.dropped.wait()))
         try:
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for t in pending:
@@ -145,6 +165,10 @@ class OpenAIServing:
         max_unread_steps: int = 256,
         max_step_failures: int = 3,
         enable_trace: bool = True,
+        unread_timeout: float = DEFAULT_UNREAD_TIMEOUT,
+        max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS,
+        stream_interval: int = 1,
+        health_timeout: float = DEFAULT_HEALTH_TIMEOUT,
     ):
         from concurrent.futures import ThreadPoolExecutor
 
@@ -163,6 +187,9 @@ class OpenAIServing:
             raise ValueError(f"max_prompt_chars must be an int >= 1, got {max_prompt_chars!r}")
         if not isinstance(body_timeout, (int, float)) or not body_timeout > 0:
             raise ValueError(f"body_timeout must be a number of seconds > 0, got {body_timeout!r}")
+        if not isinstance(health_timeout, (int, float)) or not health_timeout > 0:
+            raise ValueError(f"health_timeout must be a number of seconds > 0, got {health_timeout!r}")
+        self.health_timeout = float(health_timeout)
         self.max_logprobs = max_logprobs
         self.max_prompt_chars = max_prompt_chars
         self.body_timeout = float(body_timeout)
@@ -185,6 +212,9 @@ class OpenAIServing:
             trace_window=trace_window,
             max_unread_steps=max_unread_steps,
             max_step_failures=max_step_failures,
+            unread_timeout=unread_timeout,
+            max_unread_tokens=max_unread_tokens,
+            stream_interval=stream_interval,
         )
         self.created = int(time.time())
 
@@ -193,9 +223,22 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     async def json_response(self, build) -> Response:
-        """The JSON of ``build()``, built and serialized in the worker thread."""
-        body = await self.run_off_loop(lambda: json.dumps(build()).encode())
-        return Response(body, media_type="application/json")
+        """The JSON of ``await build()``, serialized on the event loop in slices of about
+        ``LOOP_SLICE_SECONDS`` (``json_pieces``), the other streams served in between.
+
+        NOTE: not in a worker thread: ``json.dumps`` holds the GIL for the whole call (a
+        second for 16 x 480 tokens of 20 logprobs), and a thread doing Python work takes
+        the GIL for a switch interval each time the loop gives it up (every socket write);
+        on the loop in slices no stream waits more than one slice. ``build`` awaits
+        ``sliced_*_logprobs`` likewise."""
+        obj = await build()
+        parts, t0 = [], time.perf_counter()
+        for piece in json_pieces(obj):
+            parts.append(piece)
+            if time.perf_counter() - t0 > LOOP_SLICE_SECONDS:
+                await yield_to_others()
+                t0 = time.perf_counter()
+        return Response("".join(parts).encode(), media_type="application/json")
 
     def close(self) -> None:
         self._worker.shutdown(wait=False)
@@ -406,7 +449,7 @@ class OpenAIServing:
         try:
             return self.engine_client.add_requests(
                 [(r, ids, params) for r, (params, ids) in zip(rids, items)],
-                queue=OutputQueue(),
+                queue=OutputQueue(self.engine_client.stream_interval),
                 stream=stream,
             )
         except QueueFull as e:
@@ -417,6 +460,75 @@ class OpenAIServing:
     def abort_all(self, streams) -> None:
         for stream in streams:
             self.engine_client.abort(stream.request_id)  # no-op once finished
+
+    async def drain(self, grace: float, forced: Callable[[], bool] = lambda: False) -> int:
+        """Shutting down: new requests get a 503 at once; those in flight may finish for
+        ``grace`` seconds, then each still running is failed (``fail_requests``: an error
+        event and ``[DONE]``, or a JSON 503). Returns how many were failed."""
+        ae = self.engine_client
+        ae.draining = True
+        deadline = time.monotonic() + grace
+        while ae.streams and time.monotonic() < deadline and not forced():
+            await asyncio.sleep(0.02)
+        return ae.fail_requests("the server is shutting down") if ae.streams else 0
+
+    # -- /tokenize and /detokenize (vLLM's serving_tokenization.py) --------------------------
+    async def tokenize_request(self, req) -> dict:
+        """``/tokenize``: the ids of a ``prompt``, or of ``messages`` rendered as a chat
+        prompt, with ``count``, ``max_model_len`` and (if asked) ``token_strs``."""
+        from minipaged.entrypoints.openai.protocol import TokenizeChatRequest, render_chat
+
+        tokenizer = self.engine_client.tokenizer
+        if tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer")
+        chat = isinstance(req, TokenizeChatRequest)
+        size = sum(len(m.text()) for m in req.messages) if chat else len(req.prompt)
+        param = "messages" if chat else "prompt"
+        if size > self.max_prompt_chars:
+            raise ApiError(
+                400,
+                f"{param} holds {size} characters; this server takes at most {self.max_prompt_chars}",
+                param,
+            )
+
+        def work():
+            try:
+                if chat:
+                    text = render_chat(
+                        req.messages, tokenizer, req.add_generation_prompt, req.continue_final_message
+                    )
+                else:
+                    text = req.prompt
+                ids = list(tokenizer(text, add_special_tokens=req.add_special_tokens)["input_ids"])
+                strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+            except (ValueError, TypeError, RecursionError, UnicodeError) as e:
+                return ApiError(400, f"{param} cannot be tokenized: {type(e).__name__}: {e}", param)
+            return ids, strs
+
+        out = work() if size <= INLINE_PROMPT_CHARS else await self.run_off_loop(work)
+        if isinstance(out, ApiError):
+            raise out
+        ids, strs = out
+        # NOTE: as vLLM's TokenizeResponse; no context-length check (vLLM skips it for /tokenize)
+        return {
+            "count": len(ids),
+            "max_model_len": self.engine_client.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+
+    async def detokenize_request(self, req) -> dict:
+        """``/detokenize``: ``{"prompt": text}`` of ``tokens`` (special tokens kept, as vLLM)."""
+        tokenizer = self.engine_client.tokenizer
+        if tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer")
+        vocab = self.engine_client.model_info.vocab_size
+        for i, t in enumerate(req.tokens):
+            if not 0 <= t < vocab:
+                raise ApiError(400, f"tokens[{i}] = {t} is outside the vocabulary [0, {vocab})", "tokens")
+        if len(req.tokens) <= INLINE_PROMPT_CHARS:
+            return {"prompt": tokenizer.decode(req.tokens)}
+        return {"prompt": await self.run_off_loop(tokenizer.decode, req.tokens)}
 
     # -- running requests ----------------------------------------------------------------
     async def final_output(self, request, stream):
@@ -493,15 +605,15 @@ class OpenAIServing:
         choice: Callable,
         first: Optional[list] = None,
         echo: Optional[list[str]] = None,
-        echo_only: bool = False,
     ) -> AsyncIterator[str]:
         """The Server-Sent Events of one streamed answer: ``head`` + ``choices`` per step
         with new text, ``choice(index, text, token_ids, logprobs, offset, finish_reason,
         stop_reason)`` building each; then the usage (if asked, summed over all prompts)
         and ``[DONE]``. Choice ``j`` of prompt ``p`` is ``index = p * n + j``. With
-        ``echo`` (each prompt's text), a choice's first chunk starts with its prompt; with
-        ``echo_only`` (max_tokens=0) it is all the choice sends, no token counted. An error
-        after the headers went out is one event in the OpenAI error shape."""
+        ``echo`` (each prompt's text), a choice's first chunk starts with its prompt. A step
+        that gave a choice tokens is an event even when their text is held back (as vLLM's:
+        every sampled token leaves as its step ends). An error after the headers went out
+        is one event in the OpenAI error shape, then ``[DONE]``."""
         n = params.n
         deltas = [TextDeltas(n, getattr(params, "stop", None)) for _ in streams]
         ntok = [0] * len(streams)
@@ -519,16 +631,12 @@ class OpenAIServing:
                     stop_reason = c.stop_reason if done else None
                     offset = deltas[p].sent[c.index]
                     text, new_ids, new_lps = deltas[p].delta(c, done)
-                    if echo_only:
-                        text, new_ids, new_lps = "", [], []
-                        reason, stop_reason = ("length", None) if done else (None, None)
                     if echo is not None and i not in echoed:
                         echoed.add(i)
                         text = echo[p] + text
-                    if text or done or new_lps:
+                    if text or done or new_ids:
                         choices.append(choice(i, text, new_ids, new_lps, offset, reason, stop_reason))
-                if not echo_only:
-                    ntok[p] = sum(len(c.token_ids) for c in out.outputs)
+                ntok[p] = sum(len(c.token_ids) for c in out.outputs)
                 if choices:
                     chunk = sse({**head, "choices": choices})
                     PROFILE.add("sse", time.perf_counter() - t0)
@@ -643,6 +751,47 @@ def completion_logprobs(tokenizer, token_ids: list[int], lps: list, offset: int 
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top, "text_offset": offsets}
 
 
+async def yield_to_others() -> None:
+    """Between two slices of a big answer: let the event loop serve the others.
+
+    NOTE: a short sleep, not ``sleep(0)``: the loop must go idle (its ``select`` frees the
+    GIL) for the thread that turns the engine core's messages into outputs to run; with
+    ``sleep(0)`` the loop keeps the GIL and that thread waits for a forced switch."""
+    await asyncio.sleep(0.001)
+
+
+async def sliced_completion_logprobs(tokenizer, token_ids: list[int], lps: list) -> Optional[dict]:
+    """``completion_logprobs`` of a whole answer, ``LOGPROB_SLICE_TOKENS`` tokens at a
+    time with the event loop free in between (the same object)."""
+    if not lps:
+        return None
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset, step = 0, LOGPROB_SLICE_TOKENS
+    for a in range(0, len(token_ids), step):
+        part = completion_logprobs(tokenizer, token_ids[a : a + step], lps[a : a + step], offset)
+        if part is None:
+            break
+        for k, v in part.items():
+            out[k].extend(v)
+        offset = part["text_offset"][-1] + len(part["tokens"][-1])
+        await yield_to_others()
+    return out
+
+
+async def sliced_chat_logprobs(tokenizer, token_ids: list[int], lps: list, top_n: int) -> Optional[dict]:
+    """``chat_logprobs`` of a whole answer, in slices (as ``sliced_completion_logprobs``)."""
+    if not lps:
+        return None
+    content, step = [], LOGPROB_SLICE_TOKENS
+    for a in range(0, len(token_ids), step):
+        part = chat_logprobs(tokenizer, token_ids[a : a + step], lps[a : a + step], top_n)
+        if part is None:
+            break
+        content.extend(part["content"])
+        await yield_to_others()
+    return {"content": content}
+
+
 def chat_logprobs(tokenizer, token_ids: list[int], lps: list, top_n: int) -> Optional[dict]:
     if not lps:
         return None
@@ -674,3 +823,41 @@ def usage_of(prompt_len: int, completion_tokens: int) -> dict:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_len + completion_tokens,
     }
+
+
+def json_pieces(obj, limit: int = JSON_PIECE_ITEMS) -> Iterator[str]:
+    """``json.dumps(obj)`` as strings (yielded one at a time) that join to exactly it,
+    each from one ``json.dumps`` of at most about ``limit`` list items and object members,
+    so the caller can pause between two. Objects with keys other than strings are encoded
+    whole."""
+    if not isinstance(obj, (list, dict)) or _fits(obj, limit):
+        yield json.dumps(obj)
+    elif isinstance(obj, dict):
+        if not all(isinstance(k, str) for k in obj):
+            yield json.dumps(obj)
+            return
+        yield "{"
+        for i, (k, v) in enumerate(obj.items()):
+            yield f"{', ' if i else ''}{json.dumps(k)}: "
+            yield from json_pieces(v, limit)
+        yield "}"
+    else:
+        yield "["
+        for i, v in enumerate(obj):
+            if i:
+                yield ", "
+            yield from json_pieces(v, limit)
+        yield "]"
+
+
+def _fits(obj, limit: int) -> bool:
+    """Whether ``obj`` holds at most ``limit`` list items and members, all levels (early exit)."""
+    todo, count = [obj], 0
+    while todo:
+        x = todo.pop()
+        if isinstance(x, (list, dict)):
+            count += len(x)
+            if count > limit:
+                return False
+            todo.extend(x.values() if isinstance(x, dict) else x)
+    return True
