@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Optional
 
 PAPER_OVERHEAD = (0.20, 0.26)  # vLLM paper section 7.1, paged vs FasterTransformer kernel
-NO_RESULTS = "no recorded GPU results in benchmarks/results/ yet: run benchmarks/attention_kernels.py on a GPU"
+NO_RESULTS = (
+    "no recorded GPU results in benchmarks/results/ yet: run benchmarks/attention_kernels.py on a GPU"
+)
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 

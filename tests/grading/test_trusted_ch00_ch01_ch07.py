@@ -60,11 +60,12 @@ def test_a_copy_prints_the_workload_its_grading_uses(exercise_id):
 
 
 def _tables_by_hand(events, num_blocks=8, block_size=4):
-    """A free list: new blocks from the front, a finished request's blocks to the back, last first."""
+    """A free list: new blocks from the front; a finished request's blocks (none hashed here) go
+    back to the front, last first (vLLM 0.32's order)."""
     free, tables, tokens, out = list(range(num_blocks)), {}, {}, []
     for rid, n in events:
         if n is None:
-            free += reversed(tables.pop(rid))
+            free = list(reversed(tables.pop(rid))) + free
             tokens.pop(rid)
         else:
             tokens[rid] = tokens.get(rid, 0) + n
