@@ -49,6 +49,7 @@ SKIP = (
     "minipaged.checks.notebook",
     "minipaged._student_build",
     "minipaged.engine.core_client",  # its clients start the engine-core process
+    "minipaged.engine.async_llm",  # starts engine-core threads (a daemon thread at exit aborts)
     "minipaged.model.loader",  # loads checkpoints (a hub id is a network call)
 )
 # callables that start processes or write files, by name
@@ -358,6 +359,10 @@ def main():
         for ex, ex_job in job["exercises"].items():
             out[ch]["exercises"][ex] = hunt_exercise(get_spec(ex), ex_job, funcs, classes, request["limit_s"])
     os.write(1, (json.dumps(out) + "\n").encode())
+    # NOTE: no interpreter shutdown: the candidates it ran may leave threads or Triton's
+    # bindings in a state whose finalization aborts (SIGABRT after the report is written)
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
