@@ -3,16 +3,17 @@ runs (tokens, block table), updated only from ``SchedulerOutput``, and turns eac
 output into the tensors of one forward pass, then samples.
 
 Mirrors vLLM v1 ``vllm/v1/worker/gpu_model_runner.py`` (``_update_states``,
-``_prepare_inputs``; its ``CachedRequestState`` and ``BlockTable``) and the cache side of
-v0's ``cache_engine.py`` (CPU caches, swaps). It never sees the scheduler's objects: what it
-knows is what the output says (``SchedulerOutput.for_worker()``, plain data), which is
-why the same output can be sent to several workers (tensor parallelism, paper section 4.6).
+``_prepare_inputs``; its ``CachedRequestState`` and ``BlockTable``); the paper's block moves
+(swap, copy-on-write) and forks are ``PaperModelRunner``'s (``paper_runner.py``). It never
+sees the scheduler's objects: what it knows is what the output says
+(``SchedulerOutput.for_worker()``, plain data), which is why the same output can be sent to
+several workers (tensor parallelism, paper section 4.6).
 
 Inputs
     ``execute_model(scheduler_output)``; in order: drop ``finished_req_ids`` and
     ``preempted_req_ids``; (re)build ``scheduled_new_reqs`` whole; append each
-    ``scheduled_cached_reqs``' ``new_block_ids``; do the block copies (swap out, swap in,
-    copy-on-write); build the batch; forward; sample the rows whose tokens are all known.
+    ``scheduled_cached_reqs``' ``new_block_ids``; build the batch; forward; sample the
+    rows whose tokens are all known.
     For token ``i`` of a request with block table ``table``::
 
         position = i
@@ -77,7 +78,6 @@ class ModelRunner:
         model,
         num_blocks: int,
         block_size: int,
-        num_cpu_blocks: int = 0,
         device: str = "cpu",
         kv_cache_dtype: str = "auto",
     ) -> None:
@@ -86,7 +86,6 @@ class ModelRunner:
         self.model = model
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.num_cpu_blocks = num_cpu_blocks
         self.device = torch.device(device)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}  # the requests this worker runs
@@ -99,17 +98,6 @@ class ModelRunner:
             if kv_cache_dtype == "auto"
             else model.allocate_kv_caches(num_blocks, block_size, kv_cache_dtype)
         )
-        self.cpu_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if num_cpu_blocks > 0:
-            pin = self.device.type == "cuda"
-            for k, _ in self.kv_caches:
-                shape = (num_cpu_blocks,) + tuple(k.shape[1:])  # [num_cpu_blocks, bs, KVH, D]
-                self.cpu_kv_caches.append(
-                    (
-                        torch.zeros(shape, dtype=k.dtype, pin_memory=pin),
-                        torch.zeros(shape, dtype=k.dtype, pin_memory=pin),
-                    )
-                )
 
     def enable_speculation(self, speculative_config, draft_model=None) -> None:
         """Propose drafts after each step and verify them in the next (``SpecDecodeRunner``)."""
@@ -121,7 +109,7 @@ class ModelRunner:
 
     # -- the step --------------------------------------------------------------------
     def execute_model(self, scheduler_output) -> ModelRunnerOutput:
-        """One step: update, copy blocks, forward, sample (see the module docstring)."""
+        """One step: update, forward, sample (see the module docstring)."""
         logits, req_ids = self.compute_logits(scheduler_output)
         if self.spec is not None and logits is not None:
             return self.spec.sample_and_propose(self, scheduler_output, logits, req_ids, ModelRunnerOutput())
@@ -134,9 +122,6 @@ class ModelRunner:
             if self.requests[rid].num_computed_tokens == self.requests[rid].num_tokens
         ]
         reqs = [self.requests[req_ids[b]] for b in rows]
-        for parent, child in scheduler_output.fork_sample_ids:  # paper: the child samples
-            rows.append(req_ids.index(parent))  # from its parent's row (one prefill for all)
-            reqs.append(self.requests[child])
         if rows:
             self._sample(logits, rows, reqs, out)
         self._lap("sample", t0)
@@ -168,11 +153,10 @@ class ModelRunner:
         return now
 
     def compute_logits(self, scheduler_output) -> tuple[Optional[torch.Tensor], list[str]]:
-        """Update the states, do the block copies and run the forward: logits ``[B, V]``
-        (each scheduled request's last token) and the request id of each row."""
+        """Update the states and run the forward: logits ``[B, V]`` (each scheduled
+        request's last token) and the request id of each row."""
         t = time.perf_counter()
         self.update_states(scheduler_output)
-        self.apply_cache_ops(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return None, []
         inp = self.prepare_inputs(scheduler_output)
@@ -268,44 +252,15 @@ class ModelRunner:
         )
         return inp if self.device.type == "cpu" else inp.to(self.device)
 
-    # -- cache moves ---------------------------------------------------------------
-    def apply_cache_ops(self, scheduler_output) -> None:
-        """Swap out, swap in, copy-on-write: the block moves decided this step, before the
-        forward. NOTE: swap-out first: the blocks it frees may be handed to someone in this
-        very step, and their old contents must be saved before they are overwritten."""
-        from minipaged.kernels import copy_blocks, swap_blocks
-
-        swap_out, swap_in = scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in
-        if (swap_out or swap_in) and not self.cpu_kv_caches:
-            raise RuntimeError("the scheduler swapped blocks but there is no CPU pool")
-        for pairs, to_cpu in ((swap_out, True), (swap_in, False)):
-            if pairs:
-                for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_kv_caches):
-                    swap_blocks(k, ck, pairs) if to_cpu else swap_blocks(ck, k, pairs)
-                    swap_blocks(v, cv, pairs) if to_cpu else swap_blocks(cv, v, pairs)
-        if scheduler_output.blocks_to_copy:
-            copy_blocks(
-                [k for k, _ in self.kv_caches],
-                [v for _, v in self.kv_caches],
-                scheduler_output.blocks_to_copy,
-            )
-
     def check_invariants(self) -> None:
-        """Every layer has a K and a V cache of the pool's shape; the CPU pool mirrors it;
-        every request's table can hold its computed tokens."""
+        """Every layer has a K and a V cache of the pool's shape; every request's table can
+        hold its computed tokens."""
         assert len(self.kv_caches) == self.model.num_layers, (
             f"{len(self.kv_caches)} cache pairs for {self.model.num_layers} layers"
         )
         for i, (k, v) in enumerate(self.kv_caches):
             assert k.shape == v.shape and k.shape[:2] == (self.num_blocks, self.block_size), (
                 f"layer {i}: caches {tuple(k.shape)} / {tuple(v.shape)}, want [{self.num_blocks}, {self.block_size}, KVH, D]"
-            )
-        assert len(self.cpu_kv_caches) == (len(self.kv_caches) if self.num_cpu_blocks else 0), (
-            "the CPU pool must have one cache pair per layer when num_cpu_blocks > 0"
-        )
-        for (k, _), (ck, cv) in zip(self.kv_caches, self.cpu_kv_caches):
-            assert ck.shape == cv.shape == (self.num_cpu_blocks,) + tuple(k.shape[1:]), (
-                f"CPU cache {tuple(ck.shape)} does not mirror device cache {tuple(k.shape)}"
             )
         for r in self.requests.values():
             assert len(r.block_ids) * self.block_size >= r.num_computed_tokens, f"{r.req_id}: table too short"
