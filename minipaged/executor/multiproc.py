@@ -85,6 +85,7 @@ class TensorParallelWorker:
         )
 
     def use_paper_runner(self) -> None:
+        """From now on the paper's runner, over this rank's caches (beam search)."""
         from minipaged.worker.paper_runner import PaperModelRunner
 
         self.model_runner = PaperModelRunner.from_runner(self.model_runner)

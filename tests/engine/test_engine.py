@@ -91,7 +91,9 @@ def test_counting_model_equals_reference(name):
 def test_a_failed_step_that_swapped_out_aborts_the_swapped_ones_too():
     """``EngineCore.fail_step``: the requests the failed step swapped out (their copy may be
     half made) are aborted with the step's own; the others finish, both pools end empty."""
-    engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 16, **COUNTING_CONFIGS["swap"]), model=CountingModel())
+    engine = LLMEngine(
+        EngineConfig(kv_cache_memory=1 << 16, **COUNTING_CONFIGS["swap"]), model=CountingModel()
+    )
     for i, p in enumerate(_prompts(0, 6, max_len=25)):
         engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=16))
     core, execute = engine.core, engine.executor.execute_model
