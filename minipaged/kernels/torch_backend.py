@@ -212,7 +212,7 @@ def paged_attention_torch(
     Same contract as ``paged_attention_prefill_ref`` (q [total_q, H, D] -> [total_q, H, D]);
     ``max_query_len`` / ``max_seq_len`` (host ints from ``ModelInput``) are accepted for
     the backend interface. ``metadata`` is ``build_attn_metadata(...)`` for this step (the
-    model builds it once and passes it to every layer); ``None`` builds it here.
+    runner builds it once, ``PagedCausalLM.prepare_attention``, for every layer); ``None`` builds it here.
 
     Decode rows, all in one call: ``_decode_split_kv`` scores each query against the blocks
     of its own sequence only, packed (no padding to the longest sequence), and merges the

@@ -68,7 +68,9 @@ class RMSNorm(nn.Module):
         self.impl = _check_impl(impl)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        return (self.forward_cpu if self.impl == "cpu" else self.forward_native)(x, residual)
+        if self.impl == "cpu":
+            return self.forward_cpu(x, residual)
+        return self.forward_native(x, residual)
 
     def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if residual is not None:

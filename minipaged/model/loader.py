@@ -9,7 +9,7 @@ Inputs
     (downloaded by transformers where a network is reachable). ``dtype``: "float32",
     "float16" or "bfloat16". ``device``: anything ``torch.device`` accepts.
     ``attention_backend``: "torch", "triton" or "cpu" (``EngineConfig`` resolves "auto" first,
-    ``minipaged.kernels.selector``), set on every layer by ``PagedCausalLM.use_backend``.
+    ``minipaged.kernels.selector``), held by the model (``PagedCausalLM.use_backend``).
     ``tp``: a ``minipaged.model.parallel.TensorParallelGroup`` (rank r of N), or ``None`` for
     the whole model in one process.
 Output
