@@ -27,8 +27,9 @@ Invariants
     - Backends compute the same function (``tests/kernels``).
 
 Failure mode
-    "triton" without Triton installed, or "cpu" without a C compiler, raises ``RuntimeError``
-    from ``minipaged.kernels`` when called. A slot mapping or block table that points at
+    An input never planned (``inp.attn_backend`` None) is a ``ValueError``. "triton" without
+    Triton installed, or "cpu" without a C compiler, raises ``RuntimeError`` from
+    ``minipaged.kernels`` when called. A slot mapping or block table that points at
     another sequence's blocks silently mixes sequences: the scheduler and ``KVCacheManager``
     own that invariant, not this layer.
 """
@@ -65,6 +66,8 @@ class PagedAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         inp: ModelInput,
     ) -> torch.Tensor:
+        if inp.attn_backend is None:
+            raise ValueError("inp has no attention plan: call model.prepare_attention(inp, block_size) first")
         # 1. write k, v at inp.slot_mapping; 2. read each query's context through its block table
         return inp.attn_backend.forward(self, q, k, v, kv_cache, inp)  # [T, H, D]
 
