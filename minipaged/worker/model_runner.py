@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from minipaged.model.input import ModelInput
+from minipaged.model.input import ModelInput, compute_slot_mapping
 from minipaged.sampling_params import SamplingParams
 
 
@@ -243,8 +243,7 @@ class ModelRunner:
             if len(table) * bs < end:
                 raise RuntimeError(f"request {rid!r}: {len(table)} blocks cannot hold {end} tokens")
             positions.extend(range(start, end))
-            # NOTE: the slot formula of chapter 02 (BlockTable.slot)
-            slot_mapping.extend(table[i // bs] * bs + i % bs for i in range(start, end))
+            slot_mapping.extend(compute_slot_mapping(table, start, end, bs))  # the slot formula of chapter 02
             tables.append(table)
             seq_lens.append(end)
             cu_seqlens_q.append(cu_seqlens_q[-1] + n)
@@ -266,7 +265,8 @@ class ModelRunner:
             max_query_len=max(b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])),
             max_seq_len=max(seq_lens),
         )
-        return inp if self.device.type == "cpu" else inp.to(self.device)
+        inp = inp if self.device.type == "cpu" else inp.to(self.device)
+        return self.model.prepare_attention(inp, bs)  # the step's attention plan, once for every layer
 
     # -- cache moves ---------------------------------------------------------------
     def apply_cache_ops(self, scheduler_output) -> None:
