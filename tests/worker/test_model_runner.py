@@ -65,9 +65,14 @@ def test_inputs_of_a_hand_written_output():
     assert inp.max_query_len == 5 and inp.max_seq_len == 5
 
     runner = ModelRunner(CountingModel(), num_blocks=8, block_size=4)
-    got = runner.execute_model(step0).sampled_token_ids
+    got = runner.execute_model(step0)
     tok_a = counting_reference([1, 2, 3, 4, 5], 1)[0]
-    assert got == {"a": tok_a}  # b is mid-prefill: no token
+    # one list per request, in batch order (vLLM's): b is mid-prefill, no token
+    assert (got.req_ids, got.req_id_to_index, got.sampled_token_ids) == (
+        ["a", "b"],
+        {"a": 0, "b": 1},
+        [[tok_a], []],
+    )
     assert runner.requests["a"].output_token_ids == [tok_a]  # the runner keeps its own copy
     # step 1: a decodes its token (the runner knows it), b its other 2 prompt tokens; b
     # needs no new block, a none either (6 tokens fit in 2 blocks)
@@ -115,7 +120,7 @@ def test_replayed_outputs_drive_a_fresh_runner_alone(name):
 
     def record(out):
         result = execute(out)
-        recorded.append((pickle.dumps(out.for_worker()), dict(result.sampled_token_ids)))
+        recorded.append((pickle.dumps(out.for_worker()), (result.req_ids, result.sampled_token_ids)))
         return result
 
     engine.executor.execute_model = record
@@ -138,7 +143,8 @@ def test_replayed_outputs_drive_a_fresh_runner_alone(name):
     for blob, sampled in recorded:
         out = pickle.loads(blob)
         assert _plain(out) and not out.scheduled and not out.preempted, "a scheduler object crossed"
-        assert fresh.execute_model(out).sampled_token_ids == sampled
+        got = fresh.execute_model(out)
+        assert (got.req_ids, got.sampled_token_ids) == sampled
     assert not fresh.requests  # every finished id reached it (the last ones as the engine idled)
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(fresh.kv_caches, engine.model_runner.kv_caches))
 
