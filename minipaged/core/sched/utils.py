@@ -119,7 +119,11 @@ def sampled_tokens(sampled) -> dict[str, list[int]]:
     NOTE: duck-typed, so that ``core/`` never imports the worker (nor torch)."""
     if isinstance(sampled, dict):
         return {rid: list(t) if isinstance(t, (list, tuple)) else [t] for rid, t in sampled.items()}
-    return {rid: list(t) for rid, t in zip(sampled.req_ids, sampled.sampled_token_ids) if len(t)}
+    if not hasattr(sampled, "req_ids"):
+        raise ValueError(
+            f"sampled_token_ids must be a ModelRunnerOutput or a dict, got {type(sampled).__name__}"
+        )
+    return {rid: t for rid, t in zip(sampled.req_ids, sampled.sampled_token_ids) if len(t)}
 
 
 def check_sampled(out: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> None:
