@@ -45,9 +45,9 @@ from typing import Optional
 
 import torch
 
-from minipaged.engine.sampler import derive_seed
 from minipaged.model.input import build_model_input
-from minipaged.spec_decode.rejection_sampler import compute_probs, exponential_race, row_contexts
+from minipaged.sample.rejection_sampler import compute_probs, exponential_race, row_contexts
+from minipaged.sample.sampler import derive_seed
 
 
 @dataclass
