@@ -90,7 +90,7 @@ def step_time(model, batch: int, context: int, num_new: int, repeats: int, block
             inp.logits_indices = torch.arange(batch * num_new)
 
         def forward():
-            inp.attn_metadata = None  # NOTE: a real step builds its attention plan anew
+            inp.attn_backend = None  # NOTE: a real step builds its attention plan anew
             model.forward(inp, kv)
 
         return median_time(forward, repeats)

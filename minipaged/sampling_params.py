@@ -8,7 +8,7 @@ Inputs (``SamplingParams``)
     presence_penalty, frequency_penalty, repetition_penalty, stop (strings),
     stop_token_ids, include_stop_str_in_output, ignore_eos, logprobs, skip_special_tokens.
     Where each takes effect: penalties, ``min_p``, ``min_tokens`` and ``logprobs`` in
-    ``minipaged/engine/sampler.py``; ``stop``, ``include_stop_str_in_output`` and
+    ``minipaged/sample/sampler.py``; ``stop``, ``include_stop_str_in_output`` and
     ``skip_special_tokens`` in ``minipaged/engine/detokenizer.py``; ``min_tokens``,
     ``stop_token_ids``, ``ignore_eos`` and ``max_tokens`` in the scheduler's stop check.
 

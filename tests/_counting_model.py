@@ -24,6 +24,9 @@ class CountingModel:
     def allocate_kv_caches(self, num_blocks, block_size):
         return [(torch.zeros(num_blocks, block_size, 1, 2), torch.zeros(num_blocks, block_size, 1, 2))]
 
+    def prepare_attention(self, inp, block_size):
+        return inp  # no attention backend: forward reads the cache itself
+
     def forward(self, inp, kv_caches):
         self.calls += 1
         k, v = kv_caches[0]

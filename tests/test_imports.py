@@ -93,6 +93,10 @@ def test_no_import_cycle():
 # The simulator draws its figures in viz's palette (sim -> viz); the pictures know nothing
 # of the simulator, and the `minipaged figures` command (minipaged/figures.py) sits above both.
 LAYERS = [("minipaged.viz", "minipaged.sim")]
+# The worker side (vLLM v1's v1/worker, v1/sample, v1/spec_decode) never imports the engine
+# above it: the engine calls the worker, and data comes back as ModelRunnerOutput.
+WORKER_SIDE = ("minipaged.worker", "minipaged.sample", "minipaged.spec_decode")
+LAYERS += [(pkg, "minipaged.engine") for pkg in WORKER_SIDE]
 
 
 def _in(mod: str, pkg: str) -> bool:
@@ -135,3 +139,21 @@ def test_forbidden_arrows_are_found_when_named_in_a_string(tmp_path):
         'import importlib\n\ndef f():\n    return importlib.import_module("minipaged.sim.memory_waste")\n'
     )
     assert _named_imports(src, _modules()) == {"minipaged.sim.memory_waste"}
+
+
+def test_worker_side_does_not_import_the_engine():
+    """No arrow back up from ``worker/``, ``sample/`` or ``spec_decode/`` into ``engine/``,
+    lazy imports inside functions and names in strings included."""
+    modules = _modules()
+    found = []
+    for mod, path in modules.items():
+        if any(_in(mod, pkg) for pkg in WORKER_SIDE):
+            assert any(_in(mod, pkg) for pkg, _ in LAYERS)
+            targets = _edges(mod, path, modules) | _named_imports(path, modules)
+            found += [f"{mod} -> {t}" for t in sorted(targets) if _in(t, "minipaged.engine")]
+    assert found == [], found
+    assert {m for m in modules if _in(m, "minipaged.sample")} >= {
+        "minipaged.sample.sampler",
+        "minipaged.sample.logprobs",
+        "minipaged.sample.rejection_sampler",
+    }

@@ -908,7 +908,7 @@ def forward_breakdown(model, inp, kv_caches, calls: int = 5, repeats: int = 15) 
         return run
 
     def forward():
-        inp.attn_metadata = None  # NOTE: plan the attention as a real step does
+        inp.attn_backend = None  # NOTE: plan the attention as a real step does
         model.forward(inp, kv_caches)
 
     spent = {"attention": 0.0}

@@ -34,8 +34,8 @@ import operator
 from minipaged.checks._spec import Spec, attempt, concept_spec, register, set_answered_by
 from minipaged.core import Request, Scheduler
 from minipaged.core.sched.request import get_max_num_kv_tokens
+from minipaged.sample.rejection_sampler import RejectionSampler
 from minipaged.sampling_params import SamplingParams
-from minipaged.spec_decode.rejection_sampler import RejectionSampler
 
 SPECS: dict = {}
 
@@ -542,12 +542,12 @@ __all__ = [
 # what the package itself computes for each exercise: stripped from the student build
 ANSWERED_BY = {
     "ex10.1": (
-        "minipaged.spec_decode.rejection_sampler:RejectionSampler._greedy",
-        "minipaged.spec_decode.rejection_sampler:RejectionSampler.__call__",
+        "minipaged.sample.rejection_sampler:RejectionSampler._greedy",
+        "minipaged.sample.rejection_sampler:RejectionSampler.__call__",
     ),
     "ex10.2": (
-        "minipaged.spec_decode.rejection_sampler:RejectionSampler._random",
-        "minipaged.spec_decode.rejection_sampler:RejectionSampler.__call__",
+        "minipaged.sample.rejection_sampler:RejectionSampler._random",
+        "minipaged.sample.rejection_sampler:RejectionSampler.__call__",
     ),
     "ex10.3": (  # the drafts' token count and lookahead, and the advance (inline, as vLLM's)
         "minipaged.core.sched.scheduler:Scheduler.schedule",

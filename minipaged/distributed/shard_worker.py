@@ -29,34 +29,16 @@ from typing import Optional
 
 import torch
 
+from minipaged.model import input as model_input
 from minipaged.model.input import ModelInput
 
 
 def build_model_input(chunks, tables, block_size: int) -> ModelInput:
     """A step's ``ModelInput`` by hand: ``chunks[b] = (new token ids, tokens of b already
-    cached)``, ``tables[b]`` its block ids (the slot of token i is
-    ``table[i // block_size] * block_size + i % block_size``). For hand-checks and benchmarks;
-    the engine's model runner builds the same from the scheduler's output."""
-    ids, pos, slots, seq_lens, cu = [], [], [], [], [0]
-    for (new, done), table in zip(chunks, tables):
-        for j, tok in enumerate(new):
-            p = done + j
-            ids.append(tok)
-            pos.append(p)
-            slots.append(table[p // block_size] * block_size + p % block_size)
-        seq_lens.append(done + len(new))
-        cu.append(cu[-1] + len(new))
-    width = max(len(t) for t in tables)
-    return ModelInput(
-        input_ids=torch.tensor(ids, dtype=torch.long),  # [T]
-        positions=torch.tensor(pos, dtype=torch.long),  # [T]
-        slot_mapping=torch.tensor(slots, dtype=torch.long),  # [T]
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),  # [B]
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),  # [B + 1]
-        logits_indices=torch.tensor(cu[1:], dtype=torch.long) - 1,  # [B]
-        max_query_len=max(len(c[0]) for c in chunks),
-        max_seq_len=max(seq_lens),
+    cached)``, ``tables[b]`` its block ids (``model.input.build_model_input``). For hand-checks
+    and benchmarks; the engine's model runner builds the same from the scheduler's output."""
+    return model_input.build_model_input(
+        [(table, done, new) for (new, done), table in zip(chunks, tables)], block_size
     )
 
 
@@ -85,7 +67,7 @@ class ModelShardWorker:
     def execute_model(self, inp: ModelInput, every_rank: bool = False) -> Optional[torch.Tensor]:
         """The step's forward on this rank's shard; logits from rank 0, ``None`` from the others
         (``every_rank``: from every rank, to check that they are the same)."""
-        inp = inp.to(self.model.device)
+        inp = self.model.prepare_attention(inp.to(self.model.device), self.block_size)
         logits = self.model(inp, self.kv_caches)
         return logits.cpu() if self.rank == 0 or every_rank else None
 

@@ -4,8 +4,8 @@
 ``Processor`` (prompts in) and an ``OutputProcessor`` (outputs out) -> an engine-core
 client (``core_client.py``) -> ``EngineCore(scheduler, executor)`` (``core.py``: one step
 = schedule, execute, update) -> the executor's worker, ``minipaged.worker.ModelRunner``
-(its own block tables from SchedulerOutput, cache moves, forward, ``Sampler``).
-Mirrors vLLM ``vllm/v1/engine`` + ``vllm/v1/worker``.
+(its own block tables from SchedulerOutput, cache moves, forward, and the samplers of
+``minipaged.sample``). Mirrors vLLM ``vllm/v1/engine`` + ``vllm/v1/worker``.
 
 NOTE: names are imported lazily, so that importing this package (the ``minipaged`` CLI
 builds every command's parser) does not pay for importing torch.
@@ -17,7 +17,6 @@ _LAZY = {
     "LLM": "minipaged.engine.llm",
     "LLMEngine": "minipaged.engine.llm_engine",
     "ModelRunner": "minipaged.worker.model_runner",
-    "Sampler": "minipaged.engine.sampler",
     "RequestOutput": "minipaged.engine.outputs",
     "CompletionOutput": "minipaged.engine.outputs",
 }

@@ -10,7 +10,7 @@ One step::
 
     out    = scheduler.schedule()                   who runs, how many tokens each, new blocks
     result = executor.execute_model(out)            the worker(s) see out.for_worker() only
-    done   = scheduler.update_from_output(out, result.sampled_token_ids)   append, stop, free
+    done   = scheduler.update_from_output(out, result)   append, stop, free (a ModelRunnerOutput)
     trace.record(record_step(...))                  what the pictures are drawn from
     -> EngineCoreOutputs: per request its new token ids (and logprob entries), finish reason
 
@@ -93,7 +93,7 @@ class EngineCoreRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: Optional[int]
-    base_seed: int  # the sampler's per-sequence seed (``engine/sampler.py``)
+    base_seed: int  # the sampler's per-sequence seed (``sample/sampler.py``)
 
 
 @dataclass
@@ -299,7 +299,7 @@ class EngineCore:
 
     def _enable_speculation(self, config, model) -> None:
         """The worker proposes and verifies drafts; a draft model gets its own paged cache."""
-        from minipaged.spec_decode.rejection_sampler import SpecDecodeStats
+        from minipaged.spec_decode.metrics import SpecDecodeStats
 
         sc = config.speculative_config
         draft = None
@@ -444,7 +444,7 @@ class EngineCore:
         sampled = self._sampled_requests(out, result)
         self._add_logprobs(sampled, result.logprobs)
         log = self._spec_log(out) if self.spec_decode_stats is not None else None
-        finished = self.scheduler.update_from_output(out, result.sampled_token_ids)  # append, stop, free
+        finished = self.scheduler.update_from_output(out, result)  # append, stop, free
         if log is not None:
             self._spec_observe(result, log)
         out.finished = finished  # NOTE: the refused ones first
@@ -464,10 +464,10 @@ class EngineCore:
 
     def _sampled_requests(self, out, result) -> list[Request]:
         """The requests that got a token this step (fork children after their parents)."""
-        got = result.sampled_token_ids
-        reqs = [r for r, _ in out.scheduled if r.request_id in got]
+        index, got = result.req_id_to_index, result.sampled_token_ids
+        reqs = [r for r, _ in out.scheduled if r.request_id in index and got[index[r.request_id]]]
         if isinstance(out, PaperSchedulerOutput):
-            reqs += [c for _, c in out.fork_samples if c.request_id in got]
+            reqs += [c for _, c in out.fork_samples if c.request_id in index and got[index[c.request_id]]]
         return reqs
 
     def _add_logprobs(self, reqs: list[Request], entries: dict) -> None:
@@ -539,7 +539,7 @@ class EngineCore:
         """Acceptance statistics; the drafts proposed go to the scheduler for the next step."""
         step = {}
         for rid, (blocks, computed, num_drafts, ahead) in log.items():
-            accepted = len(result.sampled_token_ids[rid]) - 1 if num_drafts else 0
+            accepted = len(result.sampled_token_ids[result.req_id_to_index[rid]]) - 1 if num_drafts else 0
             self.spec_decode_stats.observe(num_drafts, accepted)
             step[rid] = (blocks, computed, num_drafts, accepted, ahead)
         self.spec_decode_log.append(step)

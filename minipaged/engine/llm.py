@@ -18,7 +18,7 @@ Determinism
     request ``i`` of a call gets id ``str(i)``; unless its params carry a ``seed``, its
     random draws are seeded from (the engine ``seed``, ``str(i)``, the output position),
     so the same call on a fresh or a used ``LLM`` gives the same texts, and a request's
-    text does not depend on the other prompts (see ``minipaged/engine/sampler.py``).
+    text does not depend on the other prompts (see ``minipaged/sample/sampler.py``).
 
 Failure mode
     every prompt and every ``SamplingParams`` is validated before any is queued: an empty

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Optional, Union
 
 from minipaged.engine.core import EngineCoreRequest, ModelInfo
-from minipaged.engine.sampler import request_base_seed
+from minipaged.sample.sampler import request_base_seed
 from minipaged.sampling_params import SamplingParams, verify_sampling_params
 
 PromptType = Union[str, Sequence[int]]

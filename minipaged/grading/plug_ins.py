@@ -24,7 +24,8 @@ Inputs / outputs
     ``v1_waiting_phase(scheduler, out, budget, ex, name) -> budget``;
     ``v1_running_phase(...) -> budget``; ``paper_running_phase(...) -> (budget, preempted)``;
     ``v1_update(fn, scheduler, output, sampled_token_ids) -> finished`` (an adapter:
-    ``fn`` is the notebook's ``update_from_output``).
+    ``fn`` is the notebook's ``update_from_output``; it gets request id -> token, whether
+    the caller passed a dict or the worker's ``ModelRunnerOutput``).
 
 Invariants
     the notebook's function is found in ``__main__`` through the build's hook
@@ -137,8 +138,13 @@ def v1_update(fn, sched, output, sampled_token_ids) -> list:
         raise NotImplementedError(
             "ex4.3: your notebook's update_from_output stands in only without speculative decoding"
         )
+    from minipaged.core.sched import utils
+
     scheduled = [(r, n) for r, n in output.scheduled if not r.is_finished]
-    got = fn(sched, scheduled, dict(sampled_token_ids))
+    # NOTE: the exercise's shape, whatever the caller's (a ModelRunnerOutput from the engine):
+    # request id -> its one token (no drafts here)
+    sampled = {rid: tokens[0] for rid, tokens in utils.sampled_tokens(sampled_token_ids).items()}
+    got = fn(sched, scheduled, sampled)
     if type(got) is not list:
         raise TypeError("ex4.3: update_from_output must return the list of finished requests")
     finished = list(output.refused) + got

@@ -201,7 +201,7 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     "ch08": ("minipaged.core.KVCacheManager", "minipaged.core.sched", "minipaged.core.Scheduler"),
     "ch09": ("minipaged.sim", "minipaged.engine.core.EngineCoreProc", "minipaged.engine.async_llm"),
     "ch10": (
-        "minipaged.spec_decode.rejection_sampler.RejectionSampler",
+        "minipaged.sample.rejection_sampler.RejectionSampler",
         "minipaged.spec_decode.analysis.expected_tokens_per_step",
         "minipaged.spec_decode.analysis.cost_model_speedup",
         "minipaged.core.sched.scheduler",

@@ -13,7 +13,9 @@ The reference every kernel is tested against, then three backends behind its con
   ``paged_attention_cpu``, ``reshape_and_cache_cpu``), compiled on first use; the
   ``"cpu"`` attention backend.
 - ``selector.py``: ``get_attn_backend``, the one place a backend is chosen ("auto" resolved,
-  each backend checked against the device and dtypes).
+  each backend checked against the device and dtypes), and ``attn_backend(name)``, its object
+  (``TorchAttentionBackend``, ``triton_backend.TritonAttentionBackend``, ``CPUAttentionBackend``):
+  ``build_metadata`` plans a step once, ``forward`` is what every attention layer calls.
 
 On a machine without CUDA the Triton kernels run in Triton's interpreter: this module
 sets ``TRITON_INTERPRET=1`` (unless the user set it) *before* any kernel is defined.

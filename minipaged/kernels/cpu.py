@@ -23,6 +23,7 @@ Inputs / outputs
     backend's padded SDPA buckets.
     ``reshape_and_cache_cpu(...)``: ``cache_ops.reshape_and_cache`` in C.
     ``rms_norm_cpu``, ``rotary_neox_cpu`` (in place), ``silu_and_mul_cpu``: the small layers.
+    ``CPUAttentionBackend``: the backend object an attention layer calls (``kernels.selector``).
 
 Invariants
     float32 CPU tensors, caches contiguous ``[num_blocks, block_size, KVH, D]`` (or int8 /
@@ -57,6 +58,7 @@ from typing import Optional
 
 import torch
 
+from minipaged.kernels.cache_ops import reshape_and_cache
 from minipaged.kernels.quant import check_kv_scales, is_quantized
 from minipaged.kernels.reference import _check_cache, _default_scale
 from minipaged.kernels.torch_backend import attend_prefills, build_attn_metadata
@@ -337,6 +339,34 @@ def paged_attention_cpu(
         )  # [Bd, H, D]
     attend_prefills(q, k_cache, v_cache, block_tables, seq_lens, metadata, scale, out, k_scale, v_scale)
     return out
+
+
+class CPUAttentionBackend:
+    """The "cpu" backend (``torch_backend.TorchAttentionBackend`` has the face every backend has):
+    K/V written in C (the torch writer quantizes an int8 / fp8 cache), attention through
+    ``paged_attention_cpu``; the small layers run in C too (``layer_impl``)."""
+
+    name = "cpu"
+    layer_impl = "cpu"
+
+    def build_metadata(self, inp, block_size: int, row_cost: int):
+        if inp.is_decode_only:  # every row goes to the C decode kernel: nothing to plan
+            return None
+        return plan_attention(
+            inp.block_tables, inp.cu_seqlens_q, inp.seq_lens, inp.max_query_len, block_size, row_cost
+        )
+
+    def forward(self, layer, q, k, v, kv_cache, inp):
+        k_cache, v_cache = kv_cache
+        scales = dict(k_scale=layer.k_scale, v_scale=layer.v_scale)
+        if is_quantized(k_cache.dtype):
+            reshape_and_cache(k, v, k_cache, v_cache, inp.slot_mapping, **scales)
+        else:
+            reshape_and_cache_cpu(k, v, k_cache, v_cache, inp.slot_mapping)
+        return paged_attention_cpu(
+            q, k_cache, v_cache, inp.block_tables, inp.cu_seqlens_q, inp.seq_lens,
+            inp.max_query_len, inp.max_seq_len, layer.scale, inp.attn_metadata, **scales,
+        )  # fmt: skip
 
 
 # -- the small layers (csrc/layers_cpu.c): forward_cpu of RMSNorm, RoPE, SiLU-and-mul -------

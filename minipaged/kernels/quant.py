@@ -25,7 +25,7 @@ Concept
     they are quantized, and every kernel takes two floats. The price: one outlier in a layer
     sets the step size of every value in it; int8 feels that (uniform levels), fp8 much less
     (its levels are relative). vLLM reads the scales from the checkpoint or computes them from
-    the first batch (``calculate_kv_scales``); ``PagedCausalLM.calibrate_kv_scales`` computes
+    the first batch (``calculate_kv_scales``); ``model/kv_scales.py`` computes
     them once, from a fixed calibration forward, so outputs never depend on which request
     came first: ``scale = max|x| / QUANT_MAX[dtype]``. Values beyond the calibrated range
     saturate (are clamped), they never overflow to inf / NaN.

@@ -2,17 +2,24 @@
 
 Mirrors vLLM ``vllm/attention/selector.py`` (``get_attn_backend``) and the platform's
 ``get_attn_backend_cls`` (``vllm/platforms/cuda.py``, ``cpu.py``): the engine asks once, with the
-device, the model dtype and the KV-cache dtype, and gets one backend name back; every layer of
-the model then runs that backend (``PagedCausalLM.use_backend``).
+device, the model dtype and the KV-cache dtype, and gets one backend name back; the model then
+holds that backend's object (``attn_backend(name)``, set by ``PagedCausalLM.use_backend``), the
+runner has it plan each step and every attention layer calls its ``forward``.
 
 Inputs
     ``get_attn_backend(name, device, dtype, kv_cache_dtype, block_size=None)``: ``name`` one of
     ``ATTENTION_BACKENDS`` or ``"auto"``; ``device`` "cpu" / "cuda[:i]"; ``dtype`` the model
     dtype ("float32", "float16", "bfloat16"); ``kv_cache_dtype`` one of ``KV_CACHE_DTYPES``.
+    ``attn_backend(name)``: the backend object of a resolved name.
 Output
     the backend name, "auto" resolved: "triton" on a GPU with Triton installed (and a
     ``block_size`` the kernel addresses); "cpu" (the C kernels) on a CPU in float32 where a C
     compiler builds them; else "torch", which runs everywhere.
+
+    The object (``torch_backend.TorchAttentionBackend``, ``triton_backend.TritonAttentionBackend``,
+    ``cpu.CPUAttentionBackend``, one per process) has ``name``, ``layer_impl`` (what the small
+    layers run: "cpu" = C), ``build_metadata(inp, block_size, row_cost)`` and
+    ``forward(layer, q, k, v, kv_cache, inp)``.
 
 Backends and what each runs
     ======== ================================ =========================================
@@ -111,6 +118,24 @@ def get_attn_backend(
         if not cpu_kernels.available():
             raise ValueError(f"attention_backend='cpu' is unavailable here: {cpu_kernels.build_error()}")
     return name
+
+
+_BACKENDS: dict = {}
+
+
+def attn_backend(name: str):
+    """The backend object for ``name`` (one of ``ATTENTION_BACKENDS``), made once per process."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name not in _BACKENDS:
+        if name == "torch":
+            from minipaged.kernels.torch_backend import TorchAttentionBackend as cls
+        elif name == "triton":
+            from minipaged.kernels.triton_backend import TritonAttentionBackend as cls
+        else:
+            from minipaged.kernels.cpu import CPUAttentionBackend as cls
+        _BACKENDS[name] = cls()
+    return _BACKENDS[name]
 
 
 def keep_triton_out(config) -> bool:

@@ -14,6 +14,8 @@ Inputs / outputs
     ``build_attn_metadata(...)``: the per-step plan (which blocks each decode reads, the prefill
     buckets), built once per step and shared by every layer (vLLM's ``AttentionMetadataBuilder``).
     ``attend_prefills(...)``: the prefill half alone (the "cpu" backend uses it for its prefill rows).
+    ``TorchAttentionBackend``: what an attention layer calls (``kernels.selector.attn_backend``):
+    ``build_metadata`` (the plan, once per step, by the runner) and ``forward`` (write, then read).
 
 Invariants
     Decode rows go through ``_decode_split_kv`` (every sequence's blocks packed, per-block softmax,
@@ -35,8 +37,35 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from minipaged.kernels.cache_ops import reshape_and_cache
 from minipaged.kernels.quant import check_kv_scales, is_quantized
 from minipaged.kernels.reference import _check_cache, _default_scale
+
+
+class TorchAttentionBackend:
+    """The "torch" backend, the course's reference path (vLLM: an ``AttentionBackend`` with its
+    metadata builder and impl in one object). Every backend has this face:
+
+    ``name``; ``layer_impl``: what the small layers run ("torch"; the "cpu" backend's are in C);
+    ``build_metadata(inp, block_size, row_cost)``: the step's plan, once for every layer;
+    ``forward(layer, q, k, v, kv_cache, inp)``: write this step's K/V at ``inp.slot_mapping``,
+    then attend through the block tables with ``layer.scale``, ``layer.k_scale``, ``layer.v_scale``.
+    """
+
+    name = "torch"
+    layer_impl = "torch"
+
+    def build_metadata(self, inp, block_size: int, row_cost: int):
+        return build_attn_metadata(inp.block_tables, inp.cu_seqlens_q, inp.seq_lens, block_size, row_cost)
+
+    def forward(self, layer, q, k, v, kv_cache, inp):
+        k_cache, v_cache = kv_cache  # each [num_blocks, block_size, KVH, D]
+        scales = dict(k_scale=layer.k_scale, v_scale=layer.v_scale)
+        reshape_and_cache(k, v, k_cache, v_cache, inp.slot_mapping, **scales)  # 1. write
+        return paged_attention_torch(  # 2. read, through the block tables
+            q, k_cache, v_cache, inp.block_tables, inp.cu_seqlens_q, inp.seq_lens,
+            inp.max_query_len, inp.max_seq_len, layer.scale, inp.attn_metadata, **scales,
+        )  # fmt: skip
 
 
 def _as_float(kv: torch.Tensor, scale: float) -> torch.Tensor:
@@ -183,7 +212,7 @@ def paged_attention_torch(
     Same contract as ``paged_attention_prefill_ref`` (q [total_q, H, D] -> [total_q, H, D]);
     ``max_query_len`` / ``max_seq_len`` (host ints from ``ModelInput``) are accepted for
     the backend interface. ``metadata`` is ``build_attn_metadata(...)`` for this step (the
-    model builds it once and passes it to every layer); ``None`` builds it here.
+    runner builds it once, ``PagedCausalLM.prepare_attention``, for every layer); ``None`` builds it here.
 
     Decode rows, all in one call: ``_decode_split_kv`` scores each query against the blocks
     of its own sequence only, packed (no padding to the longest sequence), and merges the

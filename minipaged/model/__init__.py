@@ -7,9 +7,10 @@
   layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 - ``model.forward(inp: ModelInput, kv_caches)`` -> fp32 logits ``[num_seqs, vocab]``.
 
-Files: ``input.py`` (ModelInput), ``layers.py`` (RMSNorm, RoPE, base class),
-``attention.py`` (PagedAttention: write with reshape_and_cache, read through block tables),
-``llama.py`` (Llama / Mistral / Qwen2), ``gpt2.py`` (GPT-2), ``loader.py`` (HF weights).
+Files: ``input.py`` (ModelInput, the slot formula), ``layers.py`` (RMSNorm, RoPE, base class),
+``attention.py`` (PagedAttention: its backend writes the cache, then reads through block tables),
+``llama.py`` (Llama / Mistral / Qwen2), ``gpt2.py`` (GPT-2), ``loader.py`` (HF weights),
+``parallel.py`` (tensor-parallel layers, weight loading), ``kv_scales.py`` (int8 / fp8 cache scales).
 Mirrors vLLM ``vllm/model_executor/models/``.
 """
 

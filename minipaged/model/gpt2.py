@@ -112,6 +112,8 @@ class GPT2LMHeadModel(PagedCausalLM):
     def forward(self, inp: ModelInput, kv_caches) -> torch.Tensor:
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model {self.num_layers}")
+        if kv_caches and inp.attn_backend is not self.attn_backend:  # a hand-built input
+            self.prepare_attention(inp, kv_caches[0][0].shape[1])
         t = self.transformer
         h = t.wte(inp.input_ids) + t.wpe(inp.positions)  # [T, hidden]
         for block, kv_cache in zip(t.h, kv_caches):

@@ -9,10 +9,19 @@ tokens (no padding between sequences): sequence ``b`` owns rows
 ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]``. A decoding sequence contributes 1 row, a
 prefilling one its chunk. Its query rows are the *last* ``q_len`` positions of its
 context of ``seq_lens[b]`` tokens; the earlier ones are already in the cache.
+
+``compute_slot_mapping(block_ids, start, end, block_size)`` is the worker side's one slot
+formula (vLLM: ``BlockTable.compute_slot_mapping``), called by the runner, the draft model and
+a tensor-parallel shard; ``build_model_input`` builds a whole input from ``(block_ids, start,
+token_ids)`` per sequence. After the flat batch is built, ``PagedCausalLM.prepare_attention``
+plans the step's attention once: it sets ``attn_backend`` and ``attn_metadata``, which every
+attention layer reads (vLLM v1: the runner builds the attention metadata and the forward
+context carries it to every layer).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -30,8 +39,9 @@ class ModelInput:
     logits_indices: torch.Tensor  # [B] int64: row of each sequence's last token in T
     max_query_len: int  # max over b of the query length
     max_seq_len: int  # max over b of seq_lens
-    # NOTE: filled by the first attention layer of the step and read by all the others (the
-    # "torch" backend's per-step plan, ``kernels.torch_backend.build_attn_metadata``); never set it by hand.
+    # NOTE: set once per step by ``PagedCausalLM.prepare_attention``, read by every attention
+    # layer: the model's backend (``kernels.selector.attn_backend``) and its plan of this step
+    attn_backend: Optional[Any] = None
     attn_metadata: Optional[Any] = None
 
     @property
@@ -48,6 +58,43 @@ class ModelInput:
             **{
                 k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
                 for k, v in self.__dict__.items()
-                if k != "attn_metadata"  # built on the device it is used on
+                if k not in ("attn_backend", "attn_metadata")  # planned on the device it runs on
             }
         )
+
+
+def compute_slot_mapping(block_ids: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """The cache slot of each position ``start .. end - 1`` of a sequence with these blocks: the
+    slot formula of chapter 02 (``core/kv/block_table.py``'s ``BlockTable.slot``)."""
+    if end > len(block_ids) * block_size:
+        raise RuntimeError(f"{len(block_ids)} blocks of {block_size} cannot hold position {end - 1}")
+    return [block_ids[i // block_size] * block_size + i % block_size for i in range(start, end)]
+
+
+def build_model_input(items, block_size: int, device="cpu") -> ModelInput:
+    """A ``ModelInput`` on ``device`` from ``(block_ids, start, token_ids)`` per sequence: its new
+    tokens, at positions ``start ..`` (the ones before are cached), logits of its last one."""
+    ids, positions, slots, tables, seq_lens, cu = [], [], [], [], [], [0]
+    for block_ids, start, tokens in items:
+        end = start + len(tokens)
+        ids.extend(tokens)
+        positions.extend(range(start, end))
+        slots.extend(compute_slot_mapping(block_ids, start, end, block_size))
+        tables.append(list(block_ids))
+        seq_lens.append(end)
+        cu.append(cu[-1] + len(tokens))
+    width = max(len(t) for t in tables)
+    cu_t = torch.tensor(cu, dtype=torch.int32)  # [B + 1]
+    inp = ModelInput(
+        input_ids=torch.tensor(ids, dtype=torch.int64),  # [T]
+        positions=torch.tensor(positions, dtype=torch.int64),  # [T]
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),  # [T]
+        # NOTE: padded with 0; the attention never reads past seq_lens[b]
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),  # [B]
+        cu_seqlens_q=cu_t,  # [B + 1]
+        logits_indices=(cu_t[1:] - 1).long(),  # [B] each sequence's last token
+        max_query_len=max(b - a for a, b in zip(cu, cu[1:])),
+        max_seq_len=max(seq_lens),
+    )
+    return inp if torch.device(device).type == "cpu" else inp.to(device)

@@ -4,8 +4,8 @@ the base class every paged model derives from.
 Mirrors vLLM ``vllm/model_executor/layers/layernorm.py`` (RMSNorm),
 ``rotary_embedding.py`` (RotaryEmbedding, neox style) and ``activation.py`` (SiluAndMul).
 As vLLM's ``CustomOp`` layers do, each has a readable ``forward_native`` (torch: the reference)
-and a ``forward_cpu`` (one C pass, ``minipaged/kernels/csrc/layers_cpu.c``), chosen once when the
-layer is built: ``impl="cpu"`` is what ``attention_backend="cpu"`` builds, ``"torch"`` the rest.
+and a C pass (``minipaged/kernels/csrc/layers_cpu.c``): ``impl="cpu"`` runs the C one. The
+model's backend decides (``use_backend``: its ``layer_impl``, "cpu" for ``attention_backend="cpu"``).
 
 Inputs / outputs
     All layers work on the flat token batch of one engine step: ``[T, hidden]`` rows, no
@@ -23,7 +23,9 @@ Invariants
     - ``PagedCausalLM.allocate_kv_caches`` returns one ``(k_cache, v_cache)`` pair per layer,
       each ``[num_blocks, block_size, num_kv_heads, head_dim]`` on the model's device, in its
       dtype or, for ``kv_cache_dtype`` "fp8" / "int8", in 8 bits with the attention layers'
-      ``k_scale`` / ``v_scale`` calibrated first (``calibrate_kv_scales``).
+      ``k_scale`` / ``v_scale`` calibrated first (``model/kv_scales.py``).
+    - ``attn_backend`` is the model's one attention backend (``kernels.selector.attn_backend``);
+      ``prepare_attention`` plans a step with it, once for every layer.
 
 Failure mode
     Unsupported RoPE variants or activations raise ``ValueError`` naming the config field.
@@ -39,27 +41,11 @@ from torch import nn
 
 from minipaged.config import kv_cache_bytes_per_block
 from minipaged.kernels import cpu as cpu_kernels
-from minipaged.kernels.quant import is_quantized, kv_cache_torch_dtype, scale_for
-from minipaged.kernels.selector import ATTENTION_BACKENDS
+from minipaged.kernels.quant import kv_cache_torch_dtype
+from minipaged.kernels.selector import attn_backend
 from minipaged.model.input import ModelInput
 
 LAYER_IMPLS = ("torch", "cpu")
-CALIBRATION_TOKENS = 256  # at most this many tokens in the calibration forward of a quantized KV cache
-# What the calibration forward reads (the loader tokenizes it for the model, ``calibration_ids``):
-# plain English in the style of the course corpus, written for this purpose (it is not a corpus story).
-CALIBRATION_TEXT = (
-    "Once upon a time, in a small town near the sea, there lived a girl named Lily. Every morning she "
-    "walked to the park with her dog, Max, and her best friend, Ben. One day the wind took Lily's red "
-    'kite and carried it high into an old tree. "Oh no!" Lily said. "My kite is stuck." Ben looked up '
-    'and thought for a moment. "Do not worry, Lily. I will help you," he said. He found a long stick, '
-    "stood on a big rock and pulled the string very slowly. The kite came down with a leaf on its tail. "
-    'Lily was so happy that she laughed and hugged him. "Thank you, Ben!" she said. Then the three '
-    "friends ran down the hill to the water, where the boats were white and the sky was blue. They ate "
-    "apples, played a game with a green ball and watched the birds until the sun was low. When it was "
-    "time to go home, Lily's mom made soup and bread, and Max fell asleep by the warm fire. Lily smiled. "
-    "It had been a good day, and tomorrow they would fly the kite again, far away from the tall trees. "
-    "The end."
-)
 
 
 def _check_impl(impl: str) -> str:
@@ -95,7 +81,7 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))  # [T, hidden]
 
     def forward_cpu(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        return cpu_kernels.rms_norm_cpu(x, self.weight, self.eps, residual)
+        return cpu_kernels.rms_norm_cpu(x, self.weight, self.eps, residual)  # ``residual`` += x in place
 
 
 class SiluAndMul(nn.Module):
@@ -151,8 +137,9 @@ class RotaryEmbedding(nn.Module):
     computed once (vLLM's ``cos_sin_cache``); a step only looks its positions up.
     """
 
-    def __init__(self, config, head_dim: int):
+    def __init__(self, config, head_dim: int, impl: str = "torch"):
         super().__init__()
+        self.impl = _check_impl(impl)
         params = rope_parameters(config)
         rope_type = params["rope_type"]
         if rope_type == "default":
@@ -200,10 +187,13 @@ class RotaryEmbedding(nn.Module):
         """positions [T]; x [T, N, D] -> rotated x (``rotate(x, cos_sin(positions))``)."""
         return self.rotate(x, self.cos_sin(positions, x.dtype))
 
-    def rotate_cpu_(self, x: torch.Tensor, positions: torch.Tensor, num_heads: int, head_dim: int) -> None:
-        """``forward_cpu``: rotate the first ``num_heads`` heads of each row of x [T, >=] in
-        place, in C (the q and k columns of a fused qkv output; neox style only)."""
-        cpu_kernels.rotary_neox_cpu(x, positions, self.cos_cache, self.sin_cache, num_heads, head_dim)
+    def rotate_heads(self, x: torch.Tensor, num_heads: int, D: int, cos_sin, positions) -> torch.Tensor:
+        """The first ``num_heads`` heads of each row of x [T, >= num_heads * D] (the q and k
+        columns of a fused qkv output), rotated: [T, num_heads, D]. ``impl="cpu"``: in place, in C."""
+        if self.impl == "cpu":
+            cpu_kernels.rotary_neox_cpu(x, positions, self.cos_cache, self.sin_cache, num_heads, D)
+            return x[:, : num_heads * D].view(x.shape[0], num_heads, D)
+        return self.rotate(x[:, : num_heads * D].view(x.shape[0], num_heads, D), cos_sin)
 
 
 def get_act_fn(name: str):
@@ -220,27 +210,6 @@ def get_act_fn(name: str):
     if name not in acts:
         raise ValueError(f"config.hidden_act / activation_function {name!r} is not supported")
     return acts[name]
-
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-
-
-def resolve_dtype(dtype) -> torch.dtype:
-    """'float32' | 'float16' | 'bfloat16' (or a torch.dtype) -> torch.dtype."""
-    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype in _DTYPES:
-        return _DTYPES[dtype]
-    raise ValueError(f"dtype must be one of 'float32', 'float16', 'bfloat16', got {dtype!r}")
 
 
 class PagedCausalLM(nn.Module):
@@ -261,6 +230,7 @@ class PagedCausalLM(nn.Module):
     eos_token_ids: list[int]
     kv_cache_dtype: str = "auto"  # what the attention layers' k_scale / v_scale were set for
     calibration_ids: Optional[list[int]] = None  # CALIBRATION_TEXT in this model's tokens (the loader)
+    attn_backend = attn_backend("torch")  # the one attention backend of every layer (use_backend)
 
     @property
     def eos_token_id(self):
@@ -294,63 +264,11 @@ class PagedCausalLM(nn.Module):
         return [(torch.zeros(shape, **kw), torch.zeros(shape, **kw)) for _ in range(self.num_layers)]
 
     def calibrate_kv_scales(self, kv_cache_dtype: str, input_ids: Optional[torch.Tensor] = None) -> None:
-        """Set every attention layer's ``k_scale`` / ``v_scale`` for a ``kv_cache_dtype`` cache.
+        """Set every attention layer's ``k_scale`` / ``v_scale`` for a ``kv_cache_dtype`` cache
+        (one calibration forward: ``model/kv_scales.py``)."""
+        from minipaged.model.kv_scales import calibrate_kv_scales
 
-        One forward over ``input_ids`` [n] (one sequence; None: ``calibration_ids``, the loader's
-        tokens of ``CALIBRATION_TEXT``, else token ids drawn with a fixed seed; at most
-        ``CALIBRATION_TOKENS``) through a scratch cache in the model's dtype, recording each
-        layer's max |k| and max |v|; then ``scale = max / QUANT_MAX`` (``kernels/quant.py``).
-        Deterministic, so outputs never depend on which request came first (vLLM's
-        ``calculate_kv_scales`` uses the first batch instead). "auto": every scale is 1.0."""
-        dtype = kv_cache_torch_dtype(kv_cache_dtype, self.dtype)
-        layers = self.attention_layers()
-        for m in layers:
-            m.k_scale = m.v_scale = 1.0
-        self.kv_cache_dtype = "auto"
-        if not is_quantized(dtype):
-            return
-        n = min(CALIBRATION_TOKENS, self.max_model_len)
-        if input_ids is None and self.calibration_ids:
-            input_ids = torch.tensor(self.calibration_ids[:n])
-        elif input_ids is None:  # NOTE: random tokens underestimate real text's max |k| by up to 40%
-            input_ids = torch.randint(self.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
-        if input_ids.dim() != 1 or input_ids.numel() == 0 or input_ids.numel() > self.max_model_len:
-            raise ValueError(
-                f"input_ids must be [n] with 1 <= n <= {self.max_model_len}, got {tuple(input_ids.shape)}"
-            )
-        n, bs, dev = input_ids.numel(), 16, self.device
-        nb = -(-n // bs)
-        shape = (nb, bs, self.num_kv_heads, self.head_dim)
-        caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=dev),
-                torch.zeros(shape, dtype=self.dtype, device=dev),
-            )
-            for _ in layers
-        ]
-        i32 = dict(dtype=torch.int32, device=dev)
-        inp = ModelInput(
-            input_ids=input_ids.to(dev, torch.long),
-            positions=torch.arange(n, device=dev),
-            slot_mapping=torch.arange(n, device=dev),  # blocks 0 .. nb - 1 in order
-            block_tables=torch.arange(nb, **i32)[None],
-            seq_lens=torch.tensor([n], **i32),
-            cu_seqlens_q=torch.tensor([0, n], **i32),
-            logits_indices=torch.tensor([n - 1], device=dev),
-            max_query_len=n,
-            max_seq_len=n,
-        )
-        for m in layers:
-            m.kv_amax = [0.0, 0.0]
-        try:
-            with torch.no_grad():
-                self.forward(inp, caches)
-            for m in layers:
-                m.k_scale, m.v_scale = scale_for(m.kv_amax[0], dtype), scale_for(m.kv_amax[1], dtype)
-        finally:
-            for m in layers:
-                m.kv_amax = None
-        self.kv_cache_dtype = kv_cache_dtype
+        calibrate_kv_scales(self, kv_cache_dtype, input_ids)
 
     def kv_cache_bytes_per_block(self, block_size: int, kv_cache_dtype: str = "auto") -> int:
         """Bytes one block takes across all layers, keys and values
@@ -366,31 +284,28 @@ class PagedCausalLM(nn.Module):
         )
         assert self.max_model_len >= 1, f"max_model_len {self.max_model_len} < 1"
         assert self.num_layers == len(self.attention_layers()), "one attention layer per layer"
-        backends = {m.backend for m in self.attention_layers()}
-        impls = {m.impl for m in self.modules() if isinstance(m, (RMSNorm, SiluAndMul))}
-        assert len(backends) <= 1, f"attention layers on different backends: {sorted(backends)}"
-        want = {"cpu" if backends == {"cpu"} else "torch"} if backends else impls
-        assert impls <= want, f"small layers on {sorted(impls)} with attention on {sorted(backends)}"
+        impls = {m.impl for m in self.modules() if isinstance(m, (RMSNorm, SiluAndMul, RotaryEmbedding))}
+        want = self.attn_backend.layer_impl
+        assert impls <= {want}, f"small layers on {sorted(impls)} with the {self.attn_backend.name!r} backend"
 
     def use_backend(self, backend: str) -> str:
-        """Set every layer to ``backend`` ("torch", "triton" or "cpu"): the attention layers, and
-        the layers that have a ``forward_cpu`` (C on "cpu", torch otherwise). The loader calls it
-        once with the engine's backend (``minipaged.kernels.selector.get_attn_backend`` chose it);
-        models are built on "torch". Returns the backend it had, to switch back (the profile
-        compares backends on one model this way)."""
-        from minipaged.model.attention import PagedAttention
-
-        if backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
-        layers = self.attention_layers()
-        before = layers[0].backend if layers else backend
-        impl = "cpu" if backend == "cpu" else "torch"
+        """Run ``backend`` ("torch", "triton" or "cpu"): the model holds its object
+        (``kernels.selector.attn_backend``) and the layers that have a C pass take its
+        ``layer_impl``. The loader calls it once with the engine's backend; models are built on
+        "torch". Returns the backend it had, to switch back (the profile compares backends this way)."""
+        before, self.attn_backend = self.attn_backend.name, attn_backend(backend)
         for m in self.modules():
-            if isinstance(m, PagedAttention):
-                m.backend = backend
-            elif isinstance(m, (RMSNorm, SiluAndMul)):
-                m.impl = impl
+            if isinstance(m, (RMSNorm, SiluAndMul, RotaryEmbedding)):
+                m.impl = self.attn_backend.layer_impl
         return before
+
+    def prepare_attention(self, inp: ModelInput, block_size: int) -> ModelInput:
+        """Plan the step's attention once, for every layer, after the flat batch is built (vLLM:
+        the runner's attention-metadata builder): ``inp.attn_backend`` = this model's backend,
+        ``inp.attn_metadata`` = its plan. Returns ``inp``, on the device it will run on."""
+        inp.attn_backend = self.attn_backend
+        inp.attn_metadata = self.attn_backend.build_metadata(inp, block_size, self.num_heads * self.head_dim)
+        return inp
 
     def attention_layers(self) -> list:
         """The model's ``PagedAttention`` modules, in layer order."""

@@ -15,7 +15,7 @@ One decoder layer, pre-norm::
 
 written as vLLM writes it: each layer returns its output and the residual stream apart, and the
 next norm adds them (``RMSNorm(x, residual)``), so the add costs no pass of its own on the
-``"cpu"`` backend, whose layers run in C (``minipaged.model.layers``: ``forward_cpu``).
+``"cpu"`` backend, whose small layers run in C (``minipaged.model.layers``).
 
 Inputs
     ``forward(inp: ModelInput, kv_caches)``: the flat token batch of one step (``input_ids``
@@ -55,7 +55,7 @@ from minipaged.model.parallel import (
     RowParallelLinear,
     TensorParallelGroup,
     VocabParallelEmbedding,
-    load_into,
+    load_weights,
 )
 
 # Projections fused at load time: (fused parameter, checkpoint name, shard). vLLM calls this
@@ -77,7 +77,7 @@ class LlamaMLP(nn.Module):
     (column-parallel, no communication) and the same columns of down_proj (row-parallel: one
     all-reduce)."""
 
-    def __init__(self, config, impl: str = "torch", tp: TensorParallelGroup = SINGLE):
+    def __init__(self, config, tp: TensorParallelGroup = SINGLE):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         I = config.intermediate_size  # noqa: E741
@@ -86,7 +86,7 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = self.gate_up_proj.local_sizes[0]  # this rank's I / N
         self.act_fn = get_act_fn(config.hidden_act)
         # NOTE: SiLU (every Llama / Mistral / Qwen2 checkpoint) gets vLLM's fused SiluAndMul
-        self.silu_and_mul = SiluAndMul(impl) if config.hidden_act in ("silu", "swish") else None
+        self.silu_and_mul = SiluAndMul() if config.hidden_act in ("silu", "swish") else None
 
     def shard_rows(self, shard: str) -> slice:
         """Rows of ``gate_up_proj`` that hold checkpoint shard ``"gate"`` or ``"up"``."""
@@ -125,11 +125,6 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb  # shared by all layers; holds no weights
         self.attn = PagedAttention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5)
 
-    @property
-    def rope_in_c(self) -> bool:
-        """RoPE in place, in C (``RotaryEmbedding.rotate_cpu_``): with the "cpu" attention backend."""
-        return self.attn.backend == "cpu"
-
     def shard_rows(self, shard: str) -> slice:
         """Rows of ``qkv_proj`` that hold checkpoint shard ``"q"``, ``"k"`` or ``"v"`` (this rank's heads)."""
         return self.qkv_proj.local_rows(shard)
@@ -137,14 +132,10 @@ class LlamaAttention(nn.Module):
     def forward(self, cos_sin, h, kv_cache, inp: ModelInput) -> torch.Tensor:
         T = h.shape[0]
         qkv = self.qkv_proj(h)  # [T, q_size + 2 * kv_size]
-        # q and k sit side by side: one RoPE call rotates both ([T, H + KVH, D]).
-        if self.rope_in_c:
-            self.rotary_emb.rotate_cpu_(qkv, inp.positions, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim)
-        else:
-            qk = self.rotary_emb.rotate(
-                qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim), cos_sin
-            )
+        # q and k sit side by side: one RoPE call rotates both ([T, H + KVH, D])
+        qk = self.rotary_emb.rotate_heads(
+            qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos_sin, inp.positions
+        )
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, H, D], [T, KVH, D]
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         o = self.attn(q, k, v, kv_cache, inp)  # [T, H, D]
@@ -218,14 +209,13 @@ class LlamaForCausalLM(PagedCausalLM):
     def forward(self, inp: ModelInput, kv_caches) -> torch.Tensor:
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model {self.num_layers}")
+        if kv_caches and inp.attn_backend is not self.attn_backend:  # a hand-built input
+            self.prepare_attention(inp, kv_caches[0][0].shape[1])
         h = self.model.embed_tokens(inp.input_ids)  # [T, hidden]
         # RoPE angles depend only on the positions: looked up once, rotated in every layer
-        # (the C RoPE looks them up itself)
-        layers = self.model.layers
-        rope_in_c = len(layers) > 0 and layers[0].self_attn.rope_in_c
-        cos_sin = None if rope_in_c else self.model.rotary_emb.cos_sin(inp.positions, h.dtype)
+        cos_sin = self.model.rotary_emb.cos_sin(inp.positions, h.dtype)
         residual = None
-        for layer, kv_cache in zip(layers, kv_caches):
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
             h, residual = layer(cos_sin, h, residual, kv_cache, inp)  # [T, hidden] x 2
         if not (inp.is_decode_only and h.shape[0] == inp.num_seqs):  # else every row is a last token
             idx = inp.logits_indices  # only each sequence's last token: [B, hidden] from here
@@ -238,46 +228,9 @@ class LlamaForCausalLM(PagedCausalLM):
 
         Names match Hugging Face's, except that ``q_proj`` / ``k_proj`` / ``v_proj`` go into
         rows of ``qkv_proj`` and ``gate_proj`` / ``up_proj`` into rows of ``gate_up_proj``
-        (``STACKED_PARAMS``); every shard must be found exactly once. ``state_dict`` is a
-        mapping or an iterable of ``(name, tensor)`` pairs; a tensor may be a safetensors slice,
-        and a tensor-parallel rank copies (and so reads) only its shard of it
-        (``parallel.load_into``).
-        """
+        (``STACKED_PARAMS``): ``parallel.load_weights``, which copies a tensor-parallel rank's
+        shard only."""
         if self.tie_word_embeddings:  # NOTE: Module.to_empty() can untie shared parameters
             self.lm_head.weight = self.model.embed_tokens.weight
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-        missing = set()  # checkpoint names we still expect
-        for name in params:
-            fused = [(f, ckpt) for f, ckpt, _ in STACKED_PARAMS if f".{f}." in name]
-            missing.update(name.replace(f".{f}.", f".{ckpt}.") for f, ckpt in fused)
-            if not fused:
-                missing.add(name)
-        items = state_dict.items() if hasattr(state_dict, "items") else state_dict
-        for name, tensor in items:
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # the same tensor as embed_tokens
-            if "rotary_emb" in name:
-                continue  # older checkpoints store inv_freq; we compute it
-            target, rows = name, slice(None)
-            for fused, ckpt, shard in STACKED_PARAMS:
-                if f".{ckpt}." in name:
-                    target = name.replace(f".{ckpt}.", f".{fused}.")
-                    rows = modules[target.rsplit(".", 2)[0]].shard_rows(shard)
-                    break
-            if target not in params:
-                raise ValueError(f"checkpoint weight {name!r} has no place in {type(self).__name__}")
-            module_name, _, param_name = target.rpartition(".")
-            module = modules[module_name]
-            try:  # this rank's shard, into its rows (replicated: all of it)
-                if hasattr(module, "weight_loader"):
-                    module.weight_loader(param_name, tensor, rows)
-                else:
-                    load_into(params[target], tensor, rows)
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from e
-            missing.discard(name)
-        if self.tie_word_embeddings:
-            missing.discard("lm_head.weight")
-        if missing:
-            raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
+        skip = ("lm_head.weight",) if self.tie_word_embeddings else ()  # the same tensor as embed_tokens
+        load_weights(self, state_dict, STACKED_PARAMS, skip + ("rotary_emb",))  # NOTE: we compute inv_freq

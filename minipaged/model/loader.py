@@ -9,7 +9,7 @@ Inputs
     (downloaded by transformers where a network is reachable). ``dtype``: "float32",
     "float16" or "bfloat16". ``device``: anything ``torch.device`` accepts.
     ``attention_backend``: "torch", "triton" or "cpu" (``EngineConfig`` resolves "auto" first,
-    ``minipaged.kernels.selector``), set on every layer by ``PagedCausalLM.use_backend``.
+    ``minipaged.kernels.selector``), held by the model (``PagedCausalLM.use_backend``).
     ``tp``: a ``minipaged.model.parallel.TensorParallelGroup`` (rank r of N), or ``None`` for
     the whole model in one process.
 Output
@@ -55,9 +55,31 @@ import torch
 
 from minipaged.kernels.selector import ATTENTION_BACKENDS
 from minipaged.model.gpt2 import GPT2LMHeadModel
-from minipaged.model.layers import CALIBRATION_TEXT, PagedCausalLM, resolve_dtype
+from minipaged.model.kv_scales import CALIBRATION_TEXT
+from minipaged.model.layers import PagedCausalLM
 from minipaged.model.llama import LlamaForCausalLM
 from minipaged.model.parallel import check_tensor_parallel_size
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    """'float32' | 'float16' | 'bfloat16' (or a torch.dtype) -> torch.dtype."""
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype must be one of 'float32', 'float16', 'bfloat16', got {dtype!r}")
+
 
 COURSE_MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "course_model"
 

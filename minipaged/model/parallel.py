@@ -376,3 +376,48 @@ class ParallelLMHead(_Sharded, nn.Linear):
             return super().forward(h)
         logits = self.tp.all_gather(F.linear(h, self.weight))  # [B, N * ceil(V / N)]
         return logits[:, : self.org_vocab_size]  # [B, V]
+
+
+def load_weights(model: nn.Module, state_dict, stacked_params, skip=()) -> None:
+    """Copy a transformers state dict into ``model`` (cast to its dtype), this rank's shard of
+    each tensor (vLLM's ``load_weights`` with its ``stacked_params_mapping``).
+
+    Names match Hugging Face's, except the fused ones: ``stacked_params`` holds ``(fused,
+    checkpoint name, shard)`` triples (``q_proj`` goes into the ``"q"`` rows of ``qkv_proj``,
+    found by the owning module's ``shard_rows``); every shard must be found exactly once.
+    ``state_dict``: a mapping or an iterable of ``(name, tensor)`` pairs; a tensor may be a
+    safetensors slice, so a rank reads only its shard. Names containing one of ``skip`` are
+    neither loaded nor expected. Unknown or missing weights: ``ValueError`` naming them."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    missing = set()  # checkpoint names we still expect
+    for name in params:
+        fused = [(f, ckpt) for f, ckpt, _ in stacked_params if f".{f}." in name]
+        missing.update(name.replace(f".{f}.", f".{ckpt}.") for f, ckpt in fused)
+        if not fused:
+            missing.add(name)
+    items = state_dict.items() if hasattr(state_dict, "items") else state_dict
+    for name, tensor in items:
+        if any(s in name for s in skip):
+            continue
+        target, rows = name, slice(None)
+        for fused, ckpt, shard in stacked_params:
+            if f".{ckpt}." in name:
+                target = name.replace(f".{ckpt}.", f".{fused}.")
+                rows = modules[target.rsplit(".", 2)[0]].shard_rows(shard)
+                break
+        if target not in params:
+            raise ValueError(f"checkpoint weight {name!r} has no place in {type(model).__name__}")
+        module_name, _, param_name = target.rpartition(".")
+        module = modules[module_name]
+        try:  # this rank's shard, into its rows (replicated: all of it)
+            if hasattr(module, "weight_loader"):
+                module.weight_loader(param_name, tensor, rows)
+            else:
+                load_into(params[target], tensor, rows)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
+        missing.discard(name)
+    missing = {m for m in missing if not any(s in m for s in skip)}
+    if missing:
+        raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")

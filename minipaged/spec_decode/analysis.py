@@ -67,7 +67,7 @@ def teacher_forced_proposer(draft_model, prompt_token_ids, output_token_ids, blo
     """``propose(ctx, n)`` for ``replay_greedy``: the draft's argmax at every real position."""
     import torch
 
-    from minipaged.spec_decode.draft_model import build_model_input
+    from minipaged.model.input import build_model_input
 
     seq = list(prompt_token_ids) + list(output_token_ids)
     num_blocks = -(-len(seq) // block_size)

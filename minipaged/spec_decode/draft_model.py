@@ -45,9 +45,9 @@ from typing import Optional
 
 import torch
 
-from minipaged.engine.sampler import derive_seed
-from minipaged.model.input import ModelInput
-from minipaged.spec_decode.rejection_sampler import compute_probs, exponential_race, row_contexts
+from minipaged.model.input import build_model_input
+from minipaged.sample.rejection_sampler import compute_probs, exponential_race, row_contexts
+from minipaged.sample.sampler import derive_seed
 
 
 @dataclass
@@ -60,38 +60,6 @@ class DraftSeq:
     num_drafts: int = 0  # drafts to propose (0: only write this chunk's K/V)
     request: Optional[object] = None  # sampling params + tokens (needed when num_drafts > 0)
     seed: int = 0  # this step's draws of a sampled request
-
-
-def build_model_input(
-    items: Sequence[tuple[list[int], int, list[int]]], block_size: int, device="cpu"
-) -> ModelInput:
-    """A ``ModelInput`` from ``(block_ids, start, token_ids)`` per sequence: the token at
-    ``start + i`` goes to slot ``block_ids[p // bs] * bs + p % bs`` (chapter 02)."""
-    input_ids, positions, slots, tables, seq_lens, cu = [], [], [], [], [], [0]
-    for block_ids, start, tokens in items:
-        end = start + len(tokens)
-        if end > len(block_ids) * block_size:
-            raise RuntimeError(f"{len(block_ids)} blocks cannot hold position {end - 1}")
-        input_ids.extend(tokens)
-        positions.extend(range(start, end))
-        slots.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
-        tables.append(list(block_ids))
-        seq_lens.append(end)
-        cu.append(cu[-1] + len(tokens))
-    width = max(len(t) for t in tables)
-    cu_t = torch.tensor(cu, dtype=torch.int32)  # [B + 1]
-    inp = ModelInput(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),  # [T]
-        positions=torch.tensor(positions, dtype=torch.int64),  # [T]
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),  # [T]
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),  # [B]
-        cu_seqlens_q=cu_t,  # [B + 1]
-        logits_indices=(cu_t[1:] - 1).long(),  # [B] each sequence's last token
-        max_query_len=max(b - a for a, b in zip(cu, cu[1:])),
-        max_seq_len=max(seq_lens),
-    )
-    return inp if torch.device(device).type == "cpu" else inp.to(device)
 
 
 class DraftModelProposer:
@@ -122,10 +90,7 @@ class DraftModelProposer:
         limit = int(self.model.max_model_len)
         # how many each seq may propose: pass j writes position start + L - 1 + j
         want = [min(s.num_drafts, limit - (s.start + len(s.token_ids)) + 1, self.k) for s in seqs]
-        inp = build_model_input(
-            [(s.block_ids, s.start, s.token_ids) for s in seqs], self.block_size, self.device
-        )
-        logits = self.model.forward(inp, self.kv_caches)  # [B, V] each seq's last row
+        logits = self._forward([(s.block_ids, s.start, s.token_ids) for s in seqs])  # [B, V] last rows
         live = [i for i, n in enumerate(want) if n > 0]
         for j in range(max(want, default=0)):
             if j > 0:  # one more decode pass over the seqs that still propose
@@ -134,9 +99,7 @@ class DraftModelProposer:
                     (seqs[i].block_ids, seqs[i].start + len(seqs[i].token_ids) - 1 + j, [drafts[i][-1]])
                     for i in live
                 ]
-                logits = self.model.forward(
-                    build_model_input(items, self.block_size, self.device), self.kv_caches
-                )
+                logits = self._forward(items)
                 rows = list(range(len(live)))
             else:
                 rows = live
@@ -149,6 +112,11 @@ class DraftModelProposer:
         flat = [p for per in probs for p in per]
         V = int(self.model.vocab_size)
         return drafts, (torch.stack(flat) if flat else torch.empty(0, V, device=self.device))
+
+    def _forward(self, items) -> torch.Tensor:
+        """One draft pass over ``(block_ids, start, token_ids)`` per seq, at the target's slots."""
+        inp = build_model_input(items, self.block_size, self.device)
+        return self.model.forward(self.model.prepare_attention(inp, self.block_size), self.kv_caches)
 
     def _sample(self, seqs, live, logits, drafts, probs) -> None:
         """Append one draft to each live seq: argmax if greedy, else a draw from q."""

@@ -1,9 +1,10 @@
 """ModelRunner: the worker's side of a step. It keeps its own copy of every request it
 runs (tokens, block table), updated only from ``SchedulerOutput``, and turns each step's
-output into the tensors of one forward pass, then samples.
+output into the tensors of one forward pass, then samples (``minipaged/sample/``).
 
 Mirrors vLLM v1 ``vllm/v1/worker/gpu_model_runner.py`` (``_update_states``,
-``_prepare_inputs``; its ``CachedRequestState`` and ``BlockTable``); the paper's block moves
+``_prepare_inputs``, ``execute_model``, ``propose_draft_token_ids``; its
+``CachedRequestState`` and ``BlockTable``; ``vllm/v1/outputs.py``); the paper's block moves
 (swap, copy-on-write) and forks are ``PaperModelRunner``'s (``paper_runner.py``). It never
 sees the scheduler's objects: what it knows is what the output says
 (``SchedulerOutput.for_worker()``, plain data), which is why the same output can be sent to
@@ -12,23 +13,37 @@ several workers (tensor parallelism, paper section 4.6).
 Inputs
     ``execute_model(scheduler_output)``; in order: drop ``finished_req_ids`` and
     ``preempted_req_ids``; (re)build ``scheduled_new_reqs`` whole; append each
-    ``scheduled_cached_reqs``' ``new_block_ids``; build the batch; forward; sample the
-    rows whose tokens are all known.
-    For token ``i`` of a request with block table ``table``::
+    ``scheduled_cached_reqs``' ``new_block_ids``; build the batch; forward; sample the rows
+    whose tokens are all known (the ``Sampler``), or, for a request scheduled with ``m``
+    drafts, verify them on its ``1 + m`` rows (the ``RejectionSampler``); with speculative
+    decoding, propose the next step's drafts (``drafter``: n-gram or a draft model). For
+    token ``i`` of a request with block table ``table``::
 
         position = i
         slot     = table[i // block_size] * block_size + i % block_size
         seq_len  = num_computed_tokens + num_scheduled_tokens   (context after this step)
 Outputs
-    ``ModelRunnerOutput``: the sampled token of each request that got one (and its
-    ``Logprobs`` if asked). The runner appends it to its own copy, as vLLM's does, so the
-    next decode's input token is known without asking anyone.
+    ``ModelRunnerOutput``: per request of the batch (``req_ids``, in batch order) the list of
+    tokens it sampled: ``[]`` for a prefill chunk, one token, or a verified request's
+    accepted drafts + 1; the ``Logprobs`` of those that asked, and the drafts proposed for
+    the next step. The runner appends the tokens to its own copy, as vLLM's does, so the
+    next decode's input token is known without asking anyone; a verified request's copy
+    advances by its accepted tokens only, exactly as the scheduler's does.
+Proposals
+    ``ngram``: from the request's tokens. ``draft_model``: a ``DraftModelProposer`` whose
+    cache is addressed by the runner's block tables; *every* scheduled request runs its
+    pass 0 (a prefill chunk too), so that its draft K/V stays valid for the positions the
+    target computed. Requests with ``logprobs`` or stop strings get no drafts (one token a
+    step: the output processor reads them one at a time); vLLM drafts for them too. A
+    proposal past a request's block table is capped to the slots it holds (the
+    scheduler's lookahead reserves them).
 Invariants (``check_invariants``)
     every state's table holds its computed tokens; ``len(input_ids) == len(positions) ==
     len(slot_mapping) == total scheduled tokens``; the caches have the pool's shape.
 Failure mode
     an output naming a request the runner does not hold, or a table too short for the
-    scheduled tokens, is a scheduler bug: ``RuntimeError`` naming the request.
+    scheduled tokens, is a scheduler bug: ``RuntimeError`` naming the request; so are logits
+    rows that do not match the drafts.
 """
 
 from __future__ import annotations
@@ -39,8 +54,13 @@ from typing import Optional
 
 import torch
 
-from minipaged.model.input import ModelInput
+from minipaged.model.input import ModelInput, compute_slot_mapping
+from minipaged.sample.logprobs import Logprobs
+from minipaged.sample.rejection_sampler import RejectionSampler
+from minipaged.sample.sampler import Sampler, sample_seed
 from minipaged.sampling_params import SamplingParams
+from minipaged.spec_decode.draft_model import DraftModelProposer, DraftSeq
+from minipaged.spec_decode.ngram_proposer import NgramProposer
 
 
 @dataclass(slots=True)
@@ -63,13 +83,21 @@ class CachedRequestState:
 
 @dataclass
 class ModelRunnerOutput:
-    """What a step gives back: plain data (vLLM's ``ModelRunnerOutput``)."""
+    """What a step gives back: plain data (vLLM's ``ModelRunnerOutput``, ``vllm/v1/outputs.py``)."""
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> token
-    logprobs: dict[str, object] = field(default_factory=dict)  # request id -> Logprobs
-    # speculative decoding: a verified request's sampled_token_ids entry is a list (its
-    # accepted drafts + 1); draft_token_ids are the drafts proposed for the next step
-    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    req_ids: list[str] = field(default_factory=list)  # the batch, in order
+    req_id_to_index: dict[str, int] = field(default_factory=dict)
+    # one list per request, in req_ids order: [] (a prefill chunk), one token, or a
+    # verified request's accepted drafts + 1
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)  # request id -> its token's
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # for the next step
+
+    def __post_init__(self) -> None:
+        if not self.req_id_to_index:
+            self.req_id_to_index = {rid: i for i, rid in enumerate(self.req_ids)}
+        if not self.sampled_token_ids:
+            self.sampled_token_ids = [[] for _ in self.req_ids]
 
 
 class ModelRunner:
@@ -81,15 +109,16 @@ class ModelRunner:
         device: str = "cpu",
         kv_cache_dtype: str = "auto",
     ) -> None:
-        from minipaged.engine.sampler import Sampler
-
         self.model = model
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}  # the requests this worker runs
-        self.spec = None  # speculative decoding (``enable_speculation``)
+        # speculative decoding (``enable_speculation``): vLLM's drafter and rejection sampler
+        self.drafter: Optional[NgramProposer | DraftModelProposer] = None
+        self.rejection_sampler: Optional[RejectionSampler] = None
+        self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> q of its pending drafts
         self.step_times: Optional[dict[str, float]] = None  # the engine's profile, if it wants it
         # Per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
         # An int8 / fp8 cache (kv_cache_dtype) is allocated in 8 bits, its scales calibrated first.
@@ -100,38 +129,52 @@ class ModelRunner:
         )
 
     def enable_speculation(self, speculative_config, draft_model=None) -> None:
-        """Propose drafts after each step and verify them in the next (``SpecDecodeRunner``)."""
-        from minipaged.worker.spec_decode import SpecDecodeRunner
-
-        self.spec = SpecDecodeRunner(
-            speculative_config, draft_model, self.num_blocks, self.block_size, self.device
-        )
+        """Propose drafts after each step and verify them in the next."""
+        sc, k = speculative_config, speculative_config.num_speculative_tokens
+        if sc.method == "ngram":
+            self.drafter = NgramProposer(sc.prompt_lookup_min, sc.prompt_lookup_max, k)
+        else:
+            self.drafter = DraftModelProposer(draft_model, self.num_blocks, self.block_size, k, self.device)
+        self.rejection_sampler = RejectionSampler()
 
     # -- the step --------------------------------------------------------------------
     def execute_model(self, scheduler_output) -> ModelRunnerOutput:
-        """One step: update, forward, sample (see the module docstring)."""
+        """One step: update, forward; sample, or rejection-sample the requests scheduled
+        with drafts; propose the next drafts (see the module docstring)."""
         logits, req_ids = self.compute_logits(scheduler_output)
-        if self.spec is not None and logits is not None:
-            return self.spec.sample_and_propose(self, scheduler_output, logits, req_ids, ModelRunnerOutput())
+        out = ModelRunnerOutput(req_ids)
+        if logits is None:
+            return out
         t0 = time.perf_counter()
-        out = ModelRunnerOutput()
-        # the rows whose request has all its known tokens computed now get a new one
-        rows = [
-            b
-            for b, rid in enumerate(req_ids)
-            if self.requests[rid].num_computed_tokens == self.requests[rid].num_tokens
-        ]
-        reqs = [self.requests[req_ids[b]] for b in rows]
+        drafts_of = scheduler_output.scheduled_spec_decode_tokens
+        num_scheduled = scheduler_output.num_scheduled_tokens if self.drafter is not None else {}
+        # the rows whose request has all its known tokens computed now get a new one; a
+        # request scheduled with m drafts owns 1 + m rows (prepare_inputs)
+        rows, reqs, verified, row = [], [], [], 0
+        for rid in req_ids:
+            r = self.requests[rid]
+            if r.num_computed_tokens >= r.num_tokens and rid in drafts_of:
+                verified.append((row, r))
+            elif r.num_computed_tokens >= r.num_tokens:
+                rows.append(row)
+                reqs.append(r)
+            row += 1 + len(drafts_of.get(rid, ()))
+        if row != logits.shape[0]:
+            raise RuntimeError(f"{logits.shape[0]} logits rows for {row} sampled positions")
+        # NOTE: before the verification rolls the rejected drafts back: the drafter's start
+        starts = {rid: self.requests[rid].num_computed_tokens - n for rid, n in num_scheduled.items()}
         if rows:
             self._sample(logits, rows, reqs, out)
+        if verified:
+            self._verify(logits, verified, drafts_of, out)
         self._lap("sample", t0)
+        if self.drafter is not None:
+            out.draft_token_ids = self.propose_draft_token_ids(out, starts)
         return out
 
     def _sample(self, logits: torch.Tensor, rows: list[int], reqs: list[CachedRequestState], out) -> None:
         # NOTE: a greedy row needs no seed; a random one is seeded by its request and its
         # output position alone (see sampler.py), never by its place in the batch.
-        from minipaged.engine.sampler import sample_seed
-
         seeds = [
             0 if r.sampling_params.temperature == 0.0 else sample_seed(r.base_seed, len(r.output_token_ids))
             for r in reqs
@@ -142,9 +185,65 @@ class ModelRunner:
             tokens, logprobs = self.sampler.sample(logits, reqs, seeds)
         for r, t, lp in zip(reqs, tokens, logprobs):
             r.output_token_ids.append(int(t))  # NOTE: the runner knows its next input token
-            out.sampled_token_ids[r.req_id] = int(t)
+            out.sampled_token_ids[out.req_id_to_index[r.req_id]] = [int(t)]
             if lp is not None:
                 out.logprobs[r.req_id] = lp
+
+    def _verify(self, logits: torch.Tensor, verified: list, drafts_of: dict, out) -> None:
+        """The rejection sampler on the ``1 + m`` rows of each ``(first row, request)``
+        scheduled with ``m`` drafts; its copy keeps the accepted drafts + 1."""
+        reqs = [r for _, r in verified]
+        drafts = [drafts_of[r.req_id] for r in reqs]
+        rows = [i for (row, _), d in zip(verified, drafts) for i in range(row, row + 1 + len(d))]
+        seeds = [sample_seed(r.base_seed, len(r.output_token_ids)) for r in reqs]
+        qs = None
+        if any(r.req_id in self.draft_probs for r in reqs):
+            V = logits.shape[1]
+            qs = torch.cat(
+                [self.draft_probs.pop(r.req_id, torch.zeros(0, V))[: len(d)] for r, d in zip(reqs, drafts)]
+            )  # [sum m, V]
+        with torch.inference_mode():
+            target = logits[torch.tensor(rows, device=logits.device)]  # [sum (m + 1), V]
+            results = self.rejection_sampler(target, drafts, reqs, seeds, qs)
+        for r, d, tokens in zip(reqs, drafts, results):
+            r.num_computed_tokens -= len(d) + 1 - len(tokens)  # rejected: rewritten next step
+            r.output_token_ids.extend(tokens)
+            out.sampled_token_ids[out.req_id_to_index[r.req_id]] = tokens
+
+    def propose_draft_token_ids(self, out: ModelRunnerOutput, starts: dict[str, int]) -> dict[str, list[int]]:
+        """The drafts for the next step (vLLM's ``propose_draft_token_ids``); ``starts``: each
+        scheduled request's computed tokens before this step."""
+        sampled = {rid for rid, tokens in zip(out.req_ids, out.sampled_token_ids) if tokens}
+        if isinstance(self.drafter, NgramProposer):
+            return {
+                rid: d
+                for rid in out.req_ids
+                if rid in sampled
+                and _wants_drafts(r := self.requests[rid])
+                and (d := self.drafter.propose(r.prompt_token_ids + r.output_token_ids))
+            }
+        seqs, ids = [], []
+        for rid in starts:
+            r = self.requests[rid]
+            tokens = r.prompt_token_ids + r.output_token_ids
+            end = r.num_computed_tokens  # K/V valid below this position after the step
+            capacity = len(r.block_ids) * self.block_size
+            feed_last = rid in sampled and end < capacity  # the new token, if it has a slot
+            n = min(self.drafter.k, capacity - end) if feed_last and _wants_drafts(r) else 0
+            seed = sample_seed(r.base_seed, len(r.output_token_ids))
+            new = tokens[starts[rid] : end + int(feed_last)]  # the tokens its K/V lacks
+            if new:
+                seqs.append(DraftSeq(list(r.block_ids), starts[rid], new, n, r, seed))
+                ids.append(rid)
+        drafts, probs = self.drafter.propose(seqs)
+        proposed, row = {}, 0
+        for rid, d in zip(ids, drafts):
+            if d:
+                proposed[rid] = d
+                if probs is not None:
+                    self.draft_probs[rid] = probs[row : row + len(d)]
+            row += len(d)
+        return proposed
 
     def _lap(self, phase: str, since: float) -> float:
         now = time.perf_counter()
@@ -173,8 +272,7 @@ class ModelRunner:
         """vLLM's ``_update_states``: the runner's copies follow the output, nothing else."""
         for rid in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
             self.requests.pop(rid, None)
-            if self.spec is not None:
-                self.spec.draft_probs.pop(rid, None)
+            self.draft_probs.pop(rid, None)
         for new in scheduler_output.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id,
@@ -227,8 +325,7 @@ class ModelRunner:
             if len(table) * bs < end:
                 raise RuntimeError(f"request {rid!r}: {len(table)} blocks cannot hold {end} tokens")
             positions.extend(range(start, end))
-            # NOTE: the slot formula of chapter 02 (BlockTable.slot)
-            slot_mapping.extend(table[i // bs] * bs + i % bs for i in range(start, end))
+            slot_mapping.extend(compute_slot_mapping(table, start, end, bs))  # the slot formula of chapter 02
             tables.append(table)
             seq_lens.append(end)
             cu_seqlens_q.append(cu_seqlens_q[-1] + n)
@@ -250,7 +347,8 @@ class ModelRunner:
             max_query_len=max(b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])),
             max_seq_len=max(seq_lens),
         )
-        return inp if self.device.type == "cpu" else inp.to(self.device)
+        inp = inp if self.device.type == "cpu" else inp.to(self.device)
+        return self.model.prepare_attention(inp, bs)  # the step's attention plan, once for every layer
 
     def check_invariants(self) -> None:
         """Every layer has a K and a V cache of the pool's shape; every request's table can
@@ -265,3 +363,8 @@ class ModelRunner:
         for r in self.requests.values():
             assert len(r.block_ids) * self.block_size >= r.num_computed_tokens, f"{r.req_id}: table too short"
             assert all(0 <= b < self.num_blocks for b in r.block_ids), f"{r.req_id}: block outside the pool"
+
+
+def _wants_drafts(r: CachedRequestState) -> bool:
+    p = r.sampling_params
+    return p.logprobs is None and not p.stop

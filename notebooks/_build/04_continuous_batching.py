@@ -302,8 +302,8 @@ for step in range(4):
     plain = out.for_worker()  # all the worker ever sees
     print(f"step {step}: num_scheduled_tokens {plain.num_scheduled_tokens}")
     if step < 3:
-        result = runner.execute_model(plain)
-        sched.update_from_output(out, result.sampled_token_ids)
+        result = runner.execute_model(plain)  # a ModelRunnerOutput: one token list per request
+        sched.update_from_output(out, result)
 
 print("\nstep 3, the plain data the worker receives:")
 for new in plain.scheduled_new_reqs:
@@ -332,7 +332,7 @@ seen = {}
 hook = attn.register_forward_hook(lambda module, args, output: seen.update(args=args, out=output))
 result = runner.execute_model(plain)  # update states, prepare_inputs, forward, sample
 hook.remove()
-sched.update_from_output(out, result.sampled_token_ids)
+sched.update_from_output(out, result)
 q, k, v, (k_cache, v_cache), inp = seen["args"]  # q [T, H, D], k / v [T, KVH, D]
 req_ids = list(plain.num_scheduled_tokens)  # the batch order: running first, then admitted
 
@@ -393,7 +393,8 @@ triton_out = paged_attention_prefill(q, k_cache, v_cache, inp.block_tables, inp.
 print(f"output {list(ref.shape)} = [T, num_heads, head_dim]")
 print("the model's attention (torch backend) == reference:", torch.allclose(seen["out"], ref, atol=1e-5))
 print("Triton paged_attention_prefill == reference:       ", torch.allclose(triton_out, ref, atol=1e-5))
-print("tokens sampled this step (rows", inp.logits_indices.tolist(), "):", result.sampled_token_ids)
+print("tokens sampled this step (rows", inp.logits_indices.tolist(), "):",
+      dict(zip(result.req_ids, result.sampled_token_ids)))
 """)
 
 md(r"""

@@ -377,6 +377,34 @@ def test_update_from_output_misuse():
     s.check_invariants()
 
 
+@pytest.mark.parametrize("cls", [Scheduler, PaperScheduler])
+def test_update_from_output_takes_the_workers_output_or_a_dict(cls):
+    """A ``ModelRunnerOutput`` (``req_ids`` + one token list per request, ``[]`` for a
+    prefill chunk; duck-typed: core/ imports no worker) and a dict of ints or lists give
+    the same step (``utils.sampled_tokens``, the one place the shapes meet)."""
+    from types import SimpleNamespace
+
+    from minipaged.core.sched.utils import sampled_tokens
+
+    runs = []
+    for sampled in (
+        {"A": 9},
+        {"A": [9]},
+        SimpleNamespace(req_ids=["A", "B"], req_id_to_index={"A": 0, "B": 1}, sampled_token_ids=[[9], []]),
+    ):
+        s = cls(num_blocks=8, block_size=4, max_num_batched_tokens=5)
+        s.add_request(req("A", 3, 4))
+        s.add_request(req("B", 6, 4))
+        out = s.schedule()  # A's whole prompt, B's first 2 tokens
+        s.update_from_output(out, sampled)
+        s.check_invariants()
+        runs.append([(r.request_id, r.num_computed_tokens, r.output_token_ids) for r in s.running])
+    assert runs[0] == runs[1] == runs[2] == [("A", 3, [9]), ("B", 2, [])]
+    assert sampled_tokens({"A": 1, "B": (2, 3)}) == {"A": [1], "B": [2, 3]}
+    with pytest.raises(ValueError, match="ModelRunnerOutput or a dict"):
+        sampled_tokens([[1]])
+
+
 def test_finished_request_id_can_be_reused():
     s = PaperScheduler(num_blocks=8, block_size=4)
     drive(s, {0: [req("A", 3, 1)]})

@@ -1,4 +1,4 @@
-"""vLLM's sampling parameters (minipaged/sampling_params.py, engine/sampler.py,
+"""vLLM's sampling parameters (minipaged/sampling_params.py, sample/sampler.py,
 engine/detokenizer.py, engine/output_processor.py).
 
 References:
@@ -25,7 +25,7 @@ from minipaged import LLM, SamplingParams
 from minipaged.config import EngineConfig
 from minipaged.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from minipaged.engine.llm_engine import LLMEngine
-from minipaged.engine.sampler import (
+from minipaged.sample.sampler import (
     Sampler,
     apply_min_p,
     apply_min_tokens,

@@ -125,7 +125,7 @@ def _judge(ex, objects, seed="run-a"):
 
 def test_rejection_judge_passes_the_package_sampler(monkeypatch):
     from minipaged.checks import ch10
-    from minipaged.spec_decode.rejection_sampler import RejectionSampler
+    from minipaged.sample.rejection_sampler import RejectionSampler
 
     monkeypatch.setattr(ch10, "REJECTION_TRIALS", 2000)
     assert _judge("ex10.2", (RejectionSampler._random,)) == (True, "✅ ex10.2 passed")
@@ -262,12 +262,12 @@ def test_qkv_rows_and_refusals_agree_with_the_package():
 # exercise -> a solution that calls the package's implementation of it
 PACKAGE_CALLS = {
     "ch10": {
-        "ex10.1": "from minipaged.spec_decode import RejectionSampler\n\n"
+        "ex10.1": "from minipaged.sample import RejectionSampler\n\n"
         "def greedy_verify(drafts, target_argmax):\n"
         "    if len(target_argmax) != len(drafts) + 1:\n"
         "        raise ValueError('rows')\n"
         "    return RejectionSampler._greedy(drafts, target_argmax)\n",
-        "ex10.2": "from minipaged.spec_decode import RejectionSampler\n\n"
+        "ex10.2": "from minipaged.sample import RejectionSampler\n\n"
         "def rejection_sample(drafts, p, q, gen):\n"
         "    return RejectionSampler._random(drafts, p, q, gen)\n",
         "ex10.4": "from minipaged.spec_decode import expected_tokens_per_step\n\n"

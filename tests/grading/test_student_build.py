@@ -169,7 +169,7 @@ CALLS_THE_PACKAGE = {
         "ex7.2: your notebook's sustainable_rate is used here",
     ),
     "ex10.1": (  # the package's function object itself
-        "from minipaged.spec_decode.rejection_sampler import RejectionSampler\n"
+        "from minipaged.sample.rejection_sampler import RejectionSampler\n"
         "greedy_verify = RejectionSampler._greedy\n",
         "ex10.1: your notebook's greedy_verify is used here",
     ),

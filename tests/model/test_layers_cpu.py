@@ -1,4 +1,4 @@
-"""The small layers' ``forward_cpu`` (C, ``minipaged/kernels/csrc/layers_cpu.c``) against their
+"""The small layers' C pass (``forward_cpu``, ``minipaged/kernels/csrc/layers_cpu.c``) against their
 ``forward_native`` (torch): RMSNorm with and without the fused residual add, neox RoPE in place
 on the q/k columns of a fused qkv output, SiLU-and-mul; bad input; and a whole model built for
 ``attention_backend="cpu"`` against the same weights on ``"torch"``."""
@@ -62,7 +62,9 @@ def test_rope_in_place_equals_native_rotate(heads, kv_heads, head_dim):
     qk = (heads + kv_heads) * head_dim
     want = rope.rotate(qkv[:, :qk].reshape(T, -1, head_dim), rope.cos_sin(positions)).reshape(T, qk)
     got = qkv.clone()
-    rope.rotate_cpu_(got, positions, heads + kv_heads, head_dim)
+    rope.impl = "cpu"
+    out = rope.rotate_heads(got, heads + kv_heads, head_dim, None, positions)
+    assert out.data_ptr() == got.data_ptr(), "rotated in place, in qkv's own columns"
     torch.testing.assert_close(got[:, :qk], want, **TOL)
     assert torch.equal(got[:, qk:], qkv[:, qk:]), "v's columns are not rotated"
 
@@ -115,7 +117,8 @@ def test_a_cpu_model_runs_its_small_layers_in_c(tmp_path):
         == layer_t.mlp.silu_and_mul.impl
         == "torch"
     )
-    assert layer_c.self_attn.rope_in_c and not layer_t.self_attn.rope_in_c
+    assert on_cpu.model.rotary_emb.impl == "cpu" and on_torch.model.rotary_emb.impl == "torch"
+    assert on_cpu.attn_backend.name == "cpu" and on_torch.attn_backend.name == "torch"
 
 
 def test_use_backend_switches_every_layer_and_back(tmp_path):
@@ -135,11 +138,11 @@ def test_use_backend_switches_every_layer_and_back(tmp_path):
     want_cpu = run(llm)
     model = llm.llm_engine.model
     assert model.use_backend("torch") == "cpu"
-    assert model.model.norm.impl == "torch" and not model.model.layers[0].self_attn.rope_in_c
-    assert {m.backend for m in model.attention_layers()} == {"torch"}
+    assert model.model.norm.impl == model.model.layers[0].self_attn.rotary_emb.impl == "torch"
+    assert model.attn_backend.name == "torch"
     assert run(llm) == run(LLM(str(tmp_path), attention_backend="torch")) == want_cpu
     assert model.use_backend("cpu") == "torch"
-    assert model.model.layers[1].mlp.silu_and_mul.impl == "cpu" and model.model.layers[1].self_attn.rope_in_c
+    assert model.model.layers[1].mlp.silu_and_mul.impl == model.model.rotary_emb.impl == "cpu"
     assert run(llm) == want_cpu
     model.check_invariants()
     with pytest.raises(ValueError, match="attention_backend must be one of"):

@@ -11,8 +11,9 @@ import torch
 from _tiny_llama import VOCAB, make_tiny_llama
 
 from minipaged.model import load_model
+from minipaged.sample import RowContext
 from minipaged.sampling_params import SamplingParams
-from minipaged.spec_decode import DraftModelProposer, DraftSeq, RowContext, build_model_input
+from minipaged.spec_decode import DraftModelProposer, DraftSeq, build_model_input
 
 BS = 4
 

@@ -7,6 +7,8 @@ Two checks of the scheduler/worker boundary:
   copy-on-write) is recorded as ``SchedulerOutput.for_worker()``, pickled, and replayed into
   a fresh runner with no scheduler (``PaperModelRunner`` where the paper's scheduler ran):
   it samples exactly the tokens the engine did.
+And the runner's speculative half (vLLM's ``gpu_model_runner``): drafts verified by its
+rejection sampler, its copy rolled back over the rejected ones, the next drafts proposed.
 """
 
 from __future__ import annotations
@@ -68,9 +70,14 @@ def test_inputs_of_a_hand_written_output():
     assert inp.max_query_len == 5 and inp.max_seq_len == 5
 
     runner = ModelRunner(CountingModel(), num_blocks=8, block_size=4)
-    got = runner.execute_model(step0).sampled_token_ids
+    got = runner.execute_model(step0)
     tok_a = counting_reference([1, 2, 3, 4, 5], 1)[0]
-    assert got == {"a": tok_a}  # b is mid-prefill: no token
+    # one list per request, in batch order (vLLM's): b is mid-prefill, no token
+    assert (got.req_ids, got.req_id_to_index, got.sampled_token_ids) == (
+        ["a", "b"],
+        {"a": 0, "b": 1},
+        [[tok_a], []],
+    )
     assert runner.requests["a"].output_token_ids == [tok_a]  # the runner keeps its own copy
     # step 1: a decodes its token (the runner knows it), b its other 2 prompt tokens; b
     # needs no new block, a none either (6 tokens fit in 2 blocks)
@@ -118,7 +125,7 @@ def test_replayed_outputs_drive_a_fresh_runner_alone(name):
 
     def record(out):
         result = execute(out)
-        recorded.append((pickle.dumps(out.for_worker()), dict(result.sampled_token_ids)))
+        recorded.append((pickle.dumps(out.for_worker()), (result.req_ids, result.sampled_token_ids)))
         return result
 
     engine.executor.execute_model = record
@@ -147,7 +154,8 @@ def test_replayed_outputs_drive_a_fresh_runner_alone(name):
         out = pickle.loads(blob)
         assert _plain(out) and not out.scheduled and not out.preempted, "a scheduler object crossed"
         assert paper or not isinstance(out, PaperSchedulerOutput), "a paper output from vLLM v1's scheduler"
-        assert fresh.execute_model(out).sampled_token_ids == sampled
+        got = fresh.execute_model(out)
+        assert (got.req_ids, got.sampled_token_ids) == sampled
     assert not fresh.requests  # every finished id reached it (the last ones as the engine idled)
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(fresh.kv_caches, engine.model_runner.kv_caches))
 
@@ -166,3 +174,51 @@ def test_the_engine_forgets_finished_requests():
     assert not engine.model_runner.requests
     assert not hasattr(s, "finished") and not hasattr(s, "arrival_seq")
     assert isinstance(Request("x", [1]).arrival_order, int)  # the FCFS rank is the request's
+
+
+class NextTokenModel:
+    """next token = this token + 1, at every row the runner asks for (``logits_indices``)."""
+
+    num_layers, num_kv_heads, head_dim, eos_token_id, vocab_size = 1, 1, 2, None, 50
+
+    def allocate_kv_caches(self, num_blocks, block_size):
+        return [(torch.zeros(num_blocks, block_size, 1, 2), torch.zeros(num_blocks, block_size, 1, 2))]
+
+    def prepare_attention(self, inp, block_size):
+        return inp  # no attention: forward reads the input ids alone
+
+    def forward(self, inp, kv_caches):
+        nxt = (inp.input_ids[inp.logits_indices] + 1) % self.vocab_size  # [rows]
+        return torch.nn.functional.one_hot(nxt, self.vocab_size).float()  # [rows, V]
+
+
+def test_the_runner_verifies_drafts_and_proposes_the_next():
+    """vLLM's gpu_model_runner: forward, rejection-sample the request scheduled with drafts
+    (its entry is the accepted drafts + 1, its copy rolled back over the rejected one), then
+    the drafter proposes for the next step."""
+    from minipaged.spec_decode import SpeculativeConfig
+
+    runner = ModelRunner(NextTokenModel(), num_blocks=4, block_size=4)
+    sc = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    runner.enable_speculation(SpeculativeConfig.from_dict(sc))
+    assert runner.drafter.k == 3 and runner.rejection_sampler is not None
+    prompt = [1, 2, 3, 4, 1, 2, 3]
+    step0 = SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData("a", prompt, [], GREEDY, [0, 1, 2], 0)],
+        num_scheduled_tokens={"a": 7},
+        total_num_scheduled_tokens=7,
+    )
+    out = runner.execute_model(step0)
+    # 4 after 3; the suffix [2, 3, 4] was seen at position 1: 1, 2, 3 followed it
+    assert (out.sampled_token_ids, out.draft_token_ids) == ([[4]], {"a": [1, 2, 3]})
+    step1 = SchedulerOutput(  # the scheduler sends drafts of its own: 5 and 6 right, 9 wrong
+        scheduled_cached_reqs=[CachedRequestData("a", [], 7)],
+        num_scheduled_tokens={"a": 4},
+        total_num_scheduled_tokens=4,
+        scheduled_spec_decode_tokens={"a": [5, 6, 9]},
+    )
+    out = runner.execute_model(step1)
+    assert out.sampled_token_ids == [[5, 6, 7]] and out.draft_token_ids == {}
+    r = runner.requests["a"]
+    assert (r.output_token_ids, r.num_computed_tokens) == ([4, 5, 6, 7], 10)  # 7 + 4 - 1 rejected
+    runner.check_invariants()

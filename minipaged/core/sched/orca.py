@@ -118,7 +118,7 @@ class OrcaScheduler(Scheduler):
         self.num_steps += 1
         return out
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]):
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids):
         finished = super().update_from_output(output, sampled_token_ids)
         regions = self.allocator.regions  # NOTE: read directly: this runs per request per step
         for req, _ in output.scheduled:  # a decode wrote one more K/V into its region

@@ -416,13 +416,12 @@ class PaperScheduler:
         utils.insert_by_arrival(self.running, child)
 
     # -- after the model ran ----------------------------------------------------------
-    def update_from_output(
-        self, output: PaperSchedulerOutput, sampled_token_ids: dict[str, int]
-    ) -> list[Request]:
+    def update_from_output(self, output: PaperSchedulerOutput, sampled_token_ids) -> list[Request]:
         """As ``Scheduler.update_from_output``; a child forked this step computed nothing:
         its first token was sampled from its parent's logits row."""
         if output is not self._in_flight:
             raise ValueError("update_from_output() needs the output of the last schedule()")
+        sampled_token_ids = utils.sampled_tokens(sampled_token_ids)  # request id -> list[int]
         need = [  # NOTE: the dict lookup first: it rules out almost every request at once
             r.request_id
             for r, n in output.scheduled
@@ -450,11 +449,13 @@ class PaperScheduler:
         self._in_flight = None
         return finished
 
-    def _append_and_check(self, request: Request, token_id: int, finished: list[Request]) -> None:
-        request.append_output_token_id(token_id)
-        if utils.check_stop(request, self.max_model_len):
-            self._free_request(request)
-            finished.append(request)
+    def _append_and_check(self, request: Request, token_ids: list[int], finished: list[Request]) -> None:
+        for t in token_ids:
+            request.append_output_token_id(t)
+            if utils.check_stop(request, self.max_model_len):
+                self._free_request(request)
+                finished.append(request)
+                return  # NOTE: the tokens after a stop are dropped
 
     def _free_request(self, request: Request) -> None:
         rid = request.request_id

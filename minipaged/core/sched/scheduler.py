@@ -224,15 +224,17 @@ class Scheduler:
         out.preempted_req_ids.add(request.request_id)
 
     # -- after the model ran ----------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids) -> list[Request]:
         """Advance the scheduled requests, append each sampled token and stop the requests
         it ends (``check_stop``); return every request finished this step, refused ones
-        first. A request whose known tokens are all computed now needs a sampled token (or
-        a list); one verified with drafts gets a list (accepted drafts + 1) and its
-        ``num_computed_tokens`` goes back by the rejected drafts, as vLLM's."""
+        first. ``sampled_token_ids``: the worker's ``ModelRunnerOutput``, or a dict request
+        id -> token or list (``utils.sampled_tokens``). A request whose known tokens are all
+        computed now needs a sampled token; one verified with drafts gets a list (accepted
+        drafts + 1) and its ``num_computed_tokens`` goes back by the rejected drafts, as vLLM's."""
         if output is not self._in_flight:
             raise ValueError("update_from_output() needs the output of the last schedule()")
-        utils.check_sampled(output, sampled_token_ids)  # a token for each, 1 to m + 1 for m drafts
+        sampled = utils.sampled_tokens(sampled_token_ids)  # request id -> list[int]
+        utils.check_sampled(output, sampled)  # a token for each, 1 to m + 1 for m drafts
         finished: list[Request] = list(output.refused)
         for request, n in output.scheduled:
             if request.is_finished:  # aborted between schedule() and here
@@ -240,8 +242,7 @@ class Scheduler:
             request.num_computed_tokens += n
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk: no token
-            tokens = sampled_token_ids[request.request_id]
-            tokens = tokens if isinstance(tokens, list) else [tokens]
+            tokens = sampled[request.request_id]
             if drafts := output.scheduled_spec_decode_tokens.get(request.request_id):
                 # NOTE: as vLLM, the rejected drafts' slots stay: the next step rewrites them
                 request.num_computed_tokens -= len(drafts) + 1 - len(tokens)

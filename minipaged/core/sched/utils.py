@@ -1,7 +1,8 @@
 """Bookkeeping every scheduler shares (vLLM v1's, the paper's, the baselines), as plain
 functions: request validation, refusal of what can never fit, the stop check (vLLM's
 ``vllm/v1/core/sched/utils.py: check_stop``), the token count of one request for a step,
-the worker's view of a request, and the end-of-step checks.
+the worker's view of a request, the sampled tokens of a step in one shape
+(``sampled_tokens``), and the end-of-step checks.
 
 Inputs / outputs: ``Request`` objects and numbers in, booleans / strings / plain data out.
 Failure mode: ``ValueError`` naming the request for a caller's bad input;
@@ -109,10 +110,27 @@ def num_new_tokens(num_left: int, budget: int, chunked: bool, max_num_batched_to
     return 0
 
 
-def check_sampled(out: SchedulerOutput, sampled_token_ids: dict) -> None:
+def sampled_tokens(sampled) -> dict[str, list[int]]:
+    """What a step sampled, as request id -> its tokens, from either shape a caller hands
+    ``update_from_output``: the worker's ``ModelRunnerOutput`` (``req_ids`` and, in their
+    order, one list per request; ``[]`` = none this step), or a dict request id -> one
+    token or a list (tests, the simulator, the baselines). The one place it is normalised.
+
+    NOTE: duck-typed, so that ``core/`` never imports the worker (nor torch)."""
+    if isinstance(sampled, dict):
+        return {rid: list(t) if isinstance(t, (list, tuple)) else [t] for rid, t in sampled.items()}
+    if not hasattr(sampled, "req_ids"):
+        raise ValueError(
+            f"sampled_token_ids must be a ModelRunnerOutput or a dict, got {type(sampled).__name__}"
+        )
+    return {rid: t for rid, t in zip(sampled.req_ids, sampled.sampled_token_ids) if len(t)}
+
+
+def check_sampled(out: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> None:
     """ValueError unless every unfinished scheduled request whose known tokens are all
-    computed after ``out`` has an entry in ``sampled_token_ids``, and each one verified with
-    ``m`` drafts sampled 1 to ``m + 1`` tokens (its accepted drafts and one of the target's)."""
+    computed after ``out`` has an entry in ``sampled_token_ids`` (``sampled_tokens``' shape),
+    and each one verified with ``m`` drafts sampled 1 to ``m + 1`` tokens (its accepted
+    drafts and one of the target's)."""
     need = [  # NOTE: the dict lookup first: it rules out almost every request at once
         r.request_id
         for r, n in out.scheduled
@@ -124,7 +142,7 @@ def check_sampled(out: SchedulerOutput, sampled_token_ids: dict) -> None:
         raise ValueError(f"sampled_token_ids lacks a token for requests {need}")
     for rid, drafts in out.scheduled_spec_decode_tokens.items():
         got = sampled_token_ids.get(rid, [])
-        if not 1 <= (len(got) if isinstance(got, list) else 1) <= len(drafts) + 1:
+        if not 1 <= len(got) <= len(drafts) + 1:
             raise ValueError(f"request {rid!r}: {got} sampled for {len(drafts)} drafts")
 
 

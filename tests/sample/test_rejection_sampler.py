@@ -11,10 +11,8 @@ the test checks that the same statistic computed against q fails: the tolerance 
 import pytest
 import torch
 
-from minipaged.engine.sampler import Sampler
+from minipaged.sample import RejectionSampler, RowContext, Sampler, row_contexts
 from minipaged.sampling_params import SamplingParams
-from minipaged.spec_decode import RejectionSampler, RowContext, SpecDecodeStats
-from minipaged.spec_decode.rejection_sampler import row_contexts
 
 V = 6
 T = 20_000
@@ -158,14 +156,3 @@ def test_bad_shapes():
         rs(logits, [[0, 1]], [req], [0], q[:1])
     with pytest.raises(ValueError, match="seeds"):
         rs(logits, [[0, 1]], [req], [], q)
-
-
-def test_stats():
-    s = SpecDecodeStats()
-    s.observe(3, 2)
-    s.observe(3, 0)
-    s.observe(0, 0)  # no drafts: not a verification
-    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (2, 6, 2)
-    assert s.accepted_per_position == [1, 1, 0]
-    assert s.acceptance_rate == pytest.approx(2 / 6)
-    assert s.mean_acceptance_length == pytest.approx(2.0)

@@ -25,11 +25,11 @@ The rule
     sampling: accept ``d_j`` with probability ``min(1, p(d_j) / q(d_j))``; at the first
     rejection draw from the residual ``max(0, p - q)`` (renormalised); if all are accepted
     draw the bonus token from ``p_m``. Each output token is then distributed exactly as
-    the target's ``p`` (the theorem; ``tests/spec_decode/test_rejection_sampler.py``
+    the target's ``p`` (the theorem; ``tests/sample/test_rejection_sampler.py``
     checks it statistically).
     ``p`` is the target's distribution *after* the request's sampling rules (``min_tokens``,
     penalties with the drafts before it counted as output, temperature, min-p, top-k,
-    top-p), in the order of ``minipaged/engine/sampler.py``.
+    top-p), in the order of ``sampler.py``.
 Determinism
     a request's uniforms and its one exponential-race noise come from a generator seeded by
     ``seeds[r]`` alone: the result does not depend on the batch.
@@ -41,12 +41,12 @@ Failure mode
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from minipaged.engine.sampler import apply_min_p, apply_min_tokens, apply_penalties, apply_top_k_top_p
+from minipaged.sample.sampler import apply_min_p, apply_min_tokens, apply_penalties, apply_top_k_top_p
 from minipaged.sampling_params import SamplingParams
 
 
@@ -59,37 +59,6 @@ class RowContext:
     output_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: Optional[int] = None
-
-
-@dataclass
-class SpecDecodeStats:
-    """Drafts proposed and accepted, summed over steps (vLLM's ``SpecDecodingStats``)."""
-
-    num_drafts: int = 0  # requests that were verified with at least one draft
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)  # [k] draft j accepted
-
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        if num_draft_tokens == 0:
-            return
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        while len(self.accepted_per_position) < num_draft_tokens:
-            self.accepted_per_position.append(0)
-        for j in range(num_accepted):
-            self.accepted_per_position[j] += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted drafts / proposed drafts."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens a verification step yields on average: 1 + accepted drafts (vLLM's metric)."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
 
 def row_contexts(req, draft_token_ids: Sequence[int]) -> list[RowContext]:

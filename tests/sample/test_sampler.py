@@ -1,4 +1,4 @@
-"""Sampler: greedy, temperature, top-k, top-p, per-row seeds (minipaged/engine/sampler.py)."""
+"""Sampler: greedy, temperature, top-k, top-p, per-row seeds (minipaged/sample/sampler.py)."""
 
 import hashlib
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged import SamplingParams
-from minipaged.engine.sampler import (
+from minipaged.sample.sampler import (
     Sampler,
     apply_top_k_top_p,
     derive_seed,

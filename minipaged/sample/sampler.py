@@ -10,7 +10,8 @@ Inputs
     ``output_token_ids``, ``eos_token_id``).
 Outputs
     ``[B]`` int64 token ids; ``sample()`` also returns, per row that asked for
-    ``logprobs=k``, the top-k log-probabilities and the sampled token's (``Logprobs``).
+    ``logprobs=k``, the top-k log-probabilities and the sampled token's (``Logprobs``,
+    ``logprobs.py``).
 
 Rules, row by row, in vLLM v1's order
     1. log-probabilities for ``logprobs`` come from the *raw* logits (vLLM v1's default
@@ -49,11 +50,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from minipaged.sample.logprobs import Logprobs, compute_logprobs, gather_logprobs
 from minipaged.sampling_params import SamplingParams
 
 _SEED_MASK = (1 << 63) - 1
@@ -165,17 +166,6 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-@dataclass
-class Logprobs:
-    """One generated token's log-probabilities (raw logits): the top ``k`` and the sampled one."""
-
-    token_ids: list[int]  # the top k, best first
-    logprobs: list[float]
-    sampled_token_id: int
-    sampled_logprob: float
-    sampled_rank: int  # 1 = the most likely token
-
-
 class Sampler:
     """Penalties, min-tokens, greedy / temperature / min-p / top-k / top-p, a seed per row."""
 
@@ -192,41 +182,18 @@ class Sampler:
         self, logits: torch.Tensor, reqs: Sequence, seeds: Sequence[int]
     ) -> tuple[list[int], list[Optional[Logprobs]]]:
         """Tokens for the requests ``reqs`` (one per row) and, for each row whose params ask
-        for ``logprobs``, its ``Logprobs`` (None for the others).
-
-        NOTE: one log-softmax, one top-k (the largest k asked) and one rank count over all
-        the rows that want logprobs, then one ``tolist()``: the cost per step is one
-        batched op, whatever the number of rows and their k."""
+        for ``logprobs``, its ``Logprobs`` (None for the others; ``logprobs.py``)."""
         params = [r.sampling_params for r in reqs]
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw_logprobs = None
-        if want:  # NOTE: from the raw logits, before anything below changes them
-            rows = torch.tensor(want, device=logits.device)
-            raw_logprobs = logits.index_select(0, rows).float().log_softmax(dim=-1)  # [W, V]
+        # NOTE: from the raw logits, before anything below changes them
+        raw_logprobs = compute_logprobs(logits, want) if want else None  # [W, V]
         tokens_t = self.forward(logits, params, seeds, reqs)  # [B]
-        tokens = tokens_t.tolist()
         out: list[Optional[Logprobs]] = [None] * len(reqs)
-        if not want:
-            return tokens, out
-        V = raw_logprobs.shape[1]
-        max_k = min(V, max(params[i].logprobs for i in want))
-        chosen_ids = tokens_t.index_select(0, rows)  # [W]
-        chosen = raw_logprobs.gather(1, chosen_ids[:, None])  # [W, 1]
-        ranks = (raw_logprobs > chosen).sum(dim=-1) + 1  # [W] 1 = the most likely token
-        if max_k > 0:
-            top = raw_logprobs.topk(max_k, dim=-1)  # values, indices [W, max_k]
-            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
-        chosen_l, ranks_l = chosen[:, 0].tolist(), ranks.tolist()
-        for w, i in enumerate(want):
-            k = min(params[i].logprobs, V)
-            out[i] = Logprobs(
-                token_ids=top_ids[w][:k] if k > 0 else [],
-                logprobs=top_vals[w][:k] if k > 0 else [],
-                sampled_token_id=tokens[i],
-                sampled_logprob=chosen_l[w],
-                sampled_rank=int(ranks_l[w]),
-            )
-        return tokens, out
+        if want:
+            ks = [params[i].logprobs for i in want]
+            for i, lp in zip(want, gather_logprobs(raw_logprobs, ks, want, tokens_t)):
+                out[i] = lp
+        return tokens_t.tolist(), out
 
     def forward(
         self,
