@@ -175,6 +175,9 @@ class NextTokenModel:
     def allocate_kv_caches(self, num_blocks, block_size):
         return [(torch.zeros(num_blocks, block_size, 1, 2), torch.zeros(num_blocks, block_size, 1, 2))]
 
+    def prepare_attention(self, inp, block_size):
+        return inp  # no attention layer to plan for
+
     def forward(self, inp, kv_caches):
         nxt = (inp.input_ids[inp.logits_indices] + 1) % self.vocab_size  # [rows]
         return torch.nn.functional.one_hot(nxt, self.vocab_size).float()  # [rows, V]
