@@ -185,7 +185,7 @@ class NextTokenModel:
         return [(torch.zeros(num_blocks, block_size, 1, 2), torch.zeros(num_blocks, block_size, 1, 2))]
 
     def prepare_attention(self, inp, block_size):
-        return inp  # no attention: forward reads the input ids alone
+        return inp  # no attention layer to plan for
 
     def forward(self, inp, kv_caches):
         nxt = (inp.input_ids[inp.logits_indices] + 1) % self.vocab_size  # [rows]
