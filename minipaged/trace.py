@@ -150,6 +150,12 @@ def _paper_scheduler():
     return PaperScheduler
 
 
+def _paper_output():
+    from minipaged.core.sched.paper_output import PaperSchedulerOutput
+
+    return PaperSchedulerOutput
+
+
 def swapped_queue(scheduler) -> list:
     """The requests in the CPU pool, in arrival order: the paper's scheduler keeps them in
     its ``swapped`` queue; vLLM v1's scheduler (and the baselines built on it) never swaps."""
@@ -171,6 +177,7 @@ def record_step(scheduler, output, step: int) -> StepRecord:
     kv = scheduler.kv_cache_manager
     tables = {r.request_id: kv.get_block_ids(r.request_id) for r in scheduler.running}
     holders = count_holders(tables)
+    paper = isinstance(output, _paper_output())  # NOTE: only the paper's scheduler swaps
     return StepRecord(
         step=step,
         scheduled=dict(output.num_scheduled_tokens),
@@ -178,8 +185,8 @@ def record_step(scheduler, output, step: int) -> StepRecord:
         decode_ids=list(output.decode_ids),
         waiting_ids=[r.request_id for r in scheduler.waiting],
         preempted_ids=[r.request_id for r in output.preempted],
-        swapped_out_ids=[r.request_id for r in output.swapped_out],
-        swapped_in_ids=[r.request_id for r in output.swapped_in],
+        swapped_out_ids=[r.request_id for r in output.swapped_out] if paper else [],
+        swapped_in_ids=[r.request_id for r in output.swapped_in] if paper else [],
         swapped_ids=[r.request_id for r in swapped_queue(scheduler)],
         finished_ids=[r.request_id for r in output.finished],
         arrived_ids=[r.request_id for r in output.arrived],
@@ -239,8 +246,9 @@ def run_scheduler(
         sampled = {
             r.request_id: next_token(r) for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens
         }
-        for _, child in out.fork_samples:
-            sampled[child.request_id] = next_token(child)
+        if isinstance(out, _paper_output()):  # a forked child samples from its parent's row
+            for _, child in out.fork_samples:
+                sampled[child.request_id] = next_token(child)
         scheduler.update_from_output(out, sampled)
         trace.record(record_step(scheduler, out, step))
         for r in out.finished:

@@ -17,7 +17,7 @@ the last ``.``, so the n sequences of a group diverge) and of the context it rea
 
 from __future__ import annotations
 
-from minipaged.core import Request
+from minipaged.core import PaperSchedulerOutput, Request
 
 VOCAB = 50
 
@@ -71,10 +71,12 @@ class ContentPagedModel:
 
     def execute(self, output, kv_cache_manager) -> dict[str, int]:
         """One step; the sampled token of every sequence that needs one."""
-        self._copy(self.device, self.cpu, output.blocks_to_swap_out)
-        self._copy(self.cpu, self.device, output.blocks_to_swap_in)
-        self._copy(self.device, self.device, output.blocks_to_copy)
-        self.num_copies += len(output.blocks_to_copy)
+        paper = isinstance(output, PaperSchedulerOutput)  # only the paper's scheduler moves blocks
+        if paper:
+            self._copy(self.device, self.cpu, output.blocks_to_swap_out)
+            self._copy(self.cpu, self.device, output.blocks_to_swap_in)
+            self._copy(self.device, self.device, output.blocks_to_copy)
+            self.num_copies += len(output.blocks_to_copy)
         bs = self.block_size
         rows: dict[str, list[int]] = {}  # request id -> the context it read
         for req, n in output.scheduled:
@@ -100,7 +102,7 @@ class ContentPagedModel:
             rows[rid] = seen
         sampled = {rid: next_token(rid, seen) for rid, seen in rows.items()}
         # a sequence forked this step samples from its parent's row (same context)
-        for parent, child in output.fork_samples:
+        for parent, child in output.fork_samples if paper else ():
             sampled[child.request_id] = next_token(child.request_id, rows[parent.request_id])
         return sampled
 

@@ -10,7 +10,7 @@ outputs then differ from ``reference_outputs`` (a plain loop, no scheduler at al
 
 from __future__ import annotations
 
-from minipaged.core import Request
+from minipaged.core import PaperSchedulerOutput, Request
 
 VOCAB = 50
 
@@ -57,8 +57,9 @@ class FakePagedModel:
 
     def execute(self, output, kv_cache_manager) -> dict[str, int]:
         """Run one step; return the sampled token of each request that completes prefill."""
-        self._copy(self.device, self.cpu, output.blocks_to_swap_out)
-        self._copy(self.cpu, self.device, output.blocks_to_swap_in)
+        if isinstance(output, PaperSchedulerOutput):  # only the paper's scheduler swaps
+            self._copy(self.device, self.cpu, output.blocks_to_swap_out)
+            self._copy(self.cpu, self.device, output.blocks_to_swap_in)
         sampled = {}
         bs = self.block_size
         for req, n in output.scheduled:

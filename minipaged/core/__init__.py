@@ -18,6 +18,7 @@ from minipaged.core.kv import (
 )
 from minipaged.core.sched import (
     PaperScheduler,
+    PaperSchedulerOutput,
     Request,
     RequestStatus,
     Scheduler,
@@ -37,6 +38,7 @@ __all__ = [
     "KVCacheUsage",
     "NONE_HASH",
     "PaperScheduler",
+    "PaperSchedulerOutput",
     "Request",
     "RequestStatus",
     "Scheduler",

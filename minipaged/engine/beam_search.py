@@ -237,12 +237,14 @@ def beam_search(
         states.append(st)
     engine.reset_trace({"beam_search": True, "beam_width": k, "early_stopping": early_stopping})
     # NOTE: beams fork block tables, which vLLM v1 cannot: the paper's scheduler runs them,
-    # over the same KV caches (the engine is idle, so every block is free)
+    # over the same KV caches (the engine is idle, so every block is free), and the paper's
+    # runner does their copy-on-write copies (it runs vLLM v1's outputs as they are, after)
     core = engine.core
     paper = make_scheduler(
         cfg, core.model_info.num_blocks, core.num_cpu_blocks, engine.max_model_len, paper=True
     )
     v1, core.scheduler = core.scheduler, paper
+    core.executor.use_paper_runner()
     try:
         _run(engine, states)
     finally:  # leave the scheduler and the pool empty whatever happened

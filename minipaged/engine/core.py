@@ -64,6 +64,7 @@ from typing import Optional
 
 from minipaged.core.sched import (
     PaperScheduler,
+    PaperSchedulerOutput,
     Request,
     RequestStatus,
     Scheduler,
@@ -260,17 +261,19 @@ class EngineCore:
         num_blocks = config.num_blocks_for(bytes_per_block)
         num_cpu_blocks = config.cpu_blocks_for(num_blocks)
         scheduler = make_scheduler(config, num_blocks, num_cpu_blocks, max_model_len)
+        paper = isinstance(scheduler, PaperScheduler)  # NOTE: its runner does the block moves
         if tp > 1:
             from minipaged.executor.multiproc import MultiprocExecutor
 
             executor = MultiprocExecutor(
                 config.model, config.dtype, config.attention_backend, config.device, tp, num_blocks,
-                config.block_size, num_cpu_blocks, config.seed, config.kv_cache_dtype,
+                config.block_size, config.seed, config.kv_cache_dtype, paper, num_cpu_blocks,
             )  # fmt: skip
         else:
             executor = UniProcExecutor(
-                model, num_blocks, config.block_size, num_cpu_blocks, config.device, config.kv_cache_dtype
-            )
+                model, num_blocks, config.block_size, config.device, config.kv_cache_dtype, paper,
+                num_cpu_blocks,
+            )  # fmt: skip
         meta = {
             "model": config.model or "course_model",
             "scheduling": config.scheduling,
@@ -463,7 +466,9 @@ class EngineCore:
         """The requests that got a token this step (fork children after their parents)."""
         index, got = result.req_id_to_index, result.sampled_token_ids
         reqs = [r for r, _ in out.scheduled if r.request_id in index and got[index[r.request_id]]]
-        return reqs + [c for _, c in out.fork_samples if c.request_id in index and got[index[c.request_id]]]
+        if isinstance(out, PaperSchedulerOutput):
+            reqs += [c for _, c in out.fork_samples if c.request_id in index and got[index[c.request_id]]]
+        return reqs
 
     def _add_logprobs(self, reqs: list[Request], entries: dict) -> None:
         """Before the tokens are appended: ``entries[request_id]`` belongs to output
@@ -549,7 +554,7 @@ class EngineCore:
         reason = f"engine error: {type(exc).__name__}: {exc}"
         out, self._in_flight = self._in_flight, None
         failed = self.scheduler.fail_step(out, reason)
-        suspects = [] if out is None else [r.request_id for r in out.swapped_out]
+        suspects = [r.request_id for r in out.swapped_out] if isinstance(out, PaperSchedulerOutput) else []
         if out is None and self.trace.steps:  # it raised outside the step: the last step's
             suspects += list(self.trace.steps[-1].scheduled)
         failed += self.scheduler.finish_requests(suspects, RequestStatus.FINISHED_ABORTED, reason)

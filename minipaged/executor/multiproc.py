@@ -12,8 +12,9 @@ Rank 0 returns the ``ModelRunnerOutput``.
 
 Inputs
     ``MultiprocExecutor(model, dtype, attention_backend, device, tensor_parallel_size,
-    num_blocks, block_size, num_cpu_blocks, seed, kv_cache_dtype)``: what each worker needs to load its shard and
-    allocate its cache (``[num_blocks, block_size, KVH / N, D]`` per layer); then one
+    num_blocks, block_size, seed, kv_cache_dtype, paper, num_cpu_blocks)``: what each worker
+    needs to load its shard and allocate its cache (``[num_blocks, block_size, KVH / N, D]``
+    per layer; the paper's scheduler: ``PaperModelRunner``, with its CPU pool); then one
     ``execute_model(scheduler_output)`` per step.
 Outputs
     ``execute_model`` -> rank 0's ``ModelRunnerOutput`` (sampled tokens, logprobs);
@@ -49,7 +50,8 @@ WORKER_FACTORY = "minipaged.executor.multiproc:TensorParallelWorker"
 
 
 class TensorParallelWorker:
-    """One rank: its shard of the model and a ``ModelRunner`` over its heads of the cache."""
+    """One rank: its shard of the model and a ``ModelRunner`` (or, ``paper``, a
+    ``PaperModelRunner``) over its heads of the cache."""
 
     def __init__(
         self,
@@ -61,22 +63,32 @@ class TensorParallelWorker:
         attention_backend: str = "torch",
         num_blocks: int = 64,
         block_size: int = 16,
-        num_cpu_blocks: int = 0,
         seed: int = 0,
         kv_cache_dtype: str = "auto",
+        paper: bool = False,
+        num_cpu_blocks: int = 0,
     ) -> None:
         import torch
 
         from minipaged.model.loader import load_model
         from minipaged.worker.model_runner import ModelRunner
+        from minipaged.worker.paper_runner import PaperModelRunner
 
         torch.manual_seed(seed)
         self.rank = rank
         self.tp = tp
         self.model, _ = load_model(model, dtype, device, attention_backend, tp=tp)
-        self.model_runner = ModelRunner(
-            self.model, num_blocks, block_size, num_cpu_blocks, str(device), kv_cache_dtype
+        self.model_runner = (
+            PaperModelRunner(self.model, num_blocks, block_size, num_cpu_blocks, str(device), kv_cache_dtype)
+            if paper
+            else ModelRunner(self.model, num_blocks, block_size, str(device), kv_cache_dtype)
         )
+
+    def use_paper_runner(self) -> None:
+        """From now on the paper's runner, over this rank's caches (beam search)."""
+        from minipaged.worker.paper_runner import PaperModelRunner
+
+        self.model_runner = PaperModelRunner.from_runner(self.model_runner)
 
     def execute_model(self, worker_output):
         out = self.model_runner.execute_model(worker_output)
@@ -135,9 +147,10 @@ class MultiprocExecutor:
         tensor_parallel_size: int = 2,
         num_blocks: int = 64,
         block_size: int = 16,
-        num_cpu_blocks: int = 0,
         seed: int = 0,
         kv_cache_dtype: str = "auto",
+        paper: bool = False,
+        num_cpu_blocks: int = 0,
         timed: bool = True,
     ) -> None:
         kwargs = dict(
@@ -146,9 +159,10 @@ class MultiprocExecutor:
             attention_backend=attention_backend,
             num_blocks=num_blocks,
             block_size=block_size,
-            num_cpu_blocks=num_cpu_blocks,
             seed=seed,
             kv_cache_dtype=kv_cache_dtype,
+            paper=paper,
+            num_cpu_blocks=num_cpu_blocks,
             timed=timed,
         )
         self.tensor_parallel_size = tensor_parallel_size
@@ -162,6 +176,10 @@ class MultiprocExecutor:
     def compute_logits(self, scheduler_output):
         self.last_sent = scheduler_output.for_worker()
         return self.workers.call("compute_logits", self.last_sent)[0]
+
+    def use_paper_runner(self) -> None:
+        """From now on every worker runs the paper's runner, over its caches (beam search)."""
+        self.workers.call("use_paper_runner")
 
     def check_invariants(self) -> None:
         self.workers.call("check_invariants")

@@ -79,7 +79,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from minipaged.core.sched import PaperScheduler, Request, RequestStatus, StaticBatchScheduler
+from minipaged.core.sched import (
+    PaperScheduler,
+    PaperSchedulerOutput,
+    Request,
+    RequestStatus,
+    StaticBatchScheduler,
+)
 from minipaged.core.sched.orca import OrcaScheduler
 from minipaged.sampling_params import SamplingParams
 from minipaged.sim.arrivals import TraceRequest
@@ -387,7 +393,8 @@ def simulate(
                 sampled[r.request_id] = EOS_TOKEN_ID if last else OTHER_TOKEN_ID
                 if rec.first_token_time is None:
                     firsts.append(rec)
-        for _, child in out.fork_samples:  # forked this step: sampled from the parent's row
+        paper = isinstance(out, PaperSchedulerOutput)  # the paged policy: forks and swaps
+        for _, child in out.fork_samples if paper else ():  # forked: sampled from the parent's row
             rec = owner[child.request_id]
             last = child.num_output_tokens + 1 >= rec.output_len
             sampled[child.request_id] = EOS_TOKEN_ID if last else OTHER_TOKEN_ID
@@ -395,7 +402,7 @@ def simulate(
                 firsts.append(rec)
         if batch:
             t += step_time(batch)
-            if out.blocks_to_swap_out or out.blocks_to_swap_in:
+            if paper and (out.blocks_to_swap_out or out.blocks_to_swap_in):
                 moved = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
                 t += cost_model.swap_time(moved * block_size)
         elif not out.refused:

@@ -2,7 +2,7 @@
 
 A swap-out copies a victim's blocks from the device (GPU) pool to the CPU pool; a swap-in
 copies them back, to device blocks that may differ from the ones it left. The copies of one
-step are the ``SchedulerOutput``'s ``blocks_to_swap_out`` / ``blocks_to_swap_in`` lists of
+step are the ``PaperSchedulerOutput``'s ``blocks_to_swap_out`` / ``blocks_to_swap_in`` lists of
 ``(src, dst)`` block ids; the engine does them before the model runs.
 
     out = scheduler.schedule()

@@ -4,20 +4,20 @@ output into the tensors of one forward pass, then samples (``minipaged/sample/``
 
 Mirrors vLLM v1 ``vllm/v1/worker/gpu_model_runner.py`` (``_update_states``,
 ``_prepare_inputs``, ``execute_model``, ``propose_draft_token_ids``; its
-``CachedRequestState`` and ``BlockTable``; ``vllm/v1/outputs.py``) and the cache side of
-v0's ``cache_engine.py`` (CPU caches, swaps). It never sees the scheduler's objects: what it
-knows is what the output says (``SchedulerOutput.for_worker()``, plain data), which is
-why the same output can be sent to several workers (tensor parallelism, paper section 4.6).
+``CachedRequestState`` and ``BlockTable``; ``vllm/v1/outputs.py``); the paper's block moves
+(swap, copy-on-write) and forks are ``PaperModelRunner``'s (``paper_runner.py``). It never
+sees the scheduler's objects: what it knows is what the output says
+(``SchedulerOutput.for_worker()``, plain data), which is why the same output can be sent to
+several workers (tensor parallelism, paper section 4.6).
 
 Inputs
     ``execute_model(scheduler_output)``; in order: drop ``finished_req_ids`` and
     ``preempted_req_ids``; (re)build ``scheduled_new_reqs`` whole; append each
-    ``scheduled_cached_reqs``' ``new_block_ids``; do the block copies (swap out, swap in,
-    copy-on-write); build the batch; forward; sample the rows whose tokens are all known
-    (the ``Sampler``), or, for a request scheduled with ``m`` drafts, verify them on its
-    ``1 + m`` rows (the ``RejectionSampler``); with speculative decoding, propose the next
-    step's drafts (``drafter``: n-gram or a draft model). For token ``i`` of a request with
-    block table ``table``::
+    ``scheduled_cached_reqs``' ``new_block_ids``; build the batch; forward; sample the rows
+    whose tokens are all known (the ``Sampler``), or, for a request scheduled with ``m``
+    drafts, verify them on its ``1 + m`` rows (the ``RejectionSampler``); with speculative
+    decoding, propose the next step's drafts (``drafter``: n-gram or a draft model). For
+    token ``i`` of a request with block table ``table``::
 
         position = i
         slot     = table[i // block_size] * block_size + i % block_size
@@ -106,14 +106,12 @@ class ModelRunner:
         model,
         num_blocks: int,
         block_size: int,
-        num_cpu_blocks: int = 0,
         device: str = "cpu",
         kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.num_cpu_blocks = num_cpu_blocks
         self.device = torch.device(device)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}  # the requests this worker runs
@@ -129,17 +127,6 @@ class ModelRunner:
             if kv_cache_dtype == "auto"
             else model.allocate_kv_caches(num_blocks, block_size, kv_cache_dtype)
         )
-        self.cpu_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if num_cpu_blocks > 0:
-            pin = self.device.type == "cuda"
-            for k, _ in self.kv_caches:
-                shape = (num_cpu_blocks,) + tuple(k.shape[1:])  # [num_cpu_blocks, bs, KVH, D]
-                self.cpu_kv_caches.append(
-                    (
-                        torch.zeros(shape, dtype=k.dtype, pin_memory=pin),
-                        torch.zeros(shape, dtype=k.dtype, pin_memory=pin),
-                    )
-                )
 
     def enable_speculation(self, speculative_config, draft_model=None) -> None:
         """Propose drafts after each step and verify them in the next."""
@@ -152,10 +139,10 @@ class ModelRunner:
 
     # -- the step --------------------------------------------------------------------
     def execute_model(self, scheduler_output) -> ModelRunnerOutput:
-        """One step: update, copy blocks, forward; sample, or rejection-sample the requests
-        scheduled with drafts; propose the next drafts (see the module docstring)."""
+        """One step: update, forward; sample, or rejection-sample the requests scheduled
+        with drafts; propose the next drafts (see the module docstring)."""
         logits, req_ids = self.compute_logits(scheduler_output)
-        out = ModelRunnerOutput(req_ids + [c for _, c in scheduler_output.fork_sample_ids])
+        out = ModelRunnerOutput(req_ids)
         if logits is None:
             return out
         t0 = time.perf_counter()
@@ -176,9 +163,6 @@ class ModelRunner:
             raise RuntimeError(f"{logits.shape[0]} logits rows for {row} sampled positions")
         # NOTE: before the verification rolls the rejected drafts back: the drafter's start
         starts = {rid: self.requests[rid].num_computed_tokens - n for rid, n in num_scheduled.items()}
-        for parent, child in scheduler_output.fork_sample_ids:  # paper: the child samples
-            rows.append(req_ids.index(parent))  # from its parent's row (one prefill for all)
-            reqs.append(self.requests[child])
         if rows:
             self._sample(logits, rows, reqs, out)
         if verified:
@@ -268,11 +252,10 @@ class ModelRunner:
         return now
 
     def compute_logits(self, scheduler_output) -> tuple[Optional[torch.Tensor], list[str]]:
-        """Update the states, do the block copies and run the forward: logits ``[B, V]``
-        (each scheduled request's last token) and the request id of each row."""
+        """Update the states and run the forward: logits ``[B, V]`` (each scheduled
+        request's last token) and the request id of each row."""
         t = time.perf_counter()
         self.update_states(scheduler_output)
-        self.apply_cache_ops(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return None, []
         inp = self.prepare_inputs(scheduler_output)
@@ -367,44 +350,15 @@ class ModelRunner:
         inp = inp if self.device.type == "cpu" else inp.to(self.device)
         return self.model.prepare_attention(inp, bs)  # the step's attention plan, once for every layer
 
-    # -- cache moves ---------------------------------------------------------------
-    def apply_cache_ops(self, scheduler_output) -> None:
-        """Swap out, swap in, copy-on-write: the block moves decided this step, before the
-        forward. NOTE: swap-out first: the blocks it frees may be handed to someone in this
-        very step, and their old contents must be saved before they are overwritten."""
-        from minipaged.kernels import copy_blocks, swap_blocks
-
-        swap_out, swap_in = scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in
-        if (swap_out or swap_in) and not self.cpu_kv_caches:
-            raise RuntimeError("the scheduler swapped blocks but there is no CPU pool")
-        for pairs, to_cpu in ((swap_out, True), (swap_in, False)):
-            if pairs:
-                for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_kv_caches):
-                    swap_blocks(k, ck, pairs) if to_cpu else swap_blocks(ck, k, pairs)
-                    swap_blocks(v, cv, pairs) if to_cpu else swap_blocks(cv, v, pairs)
-        if scheduler_output.blocks_to_copy:
-            copy_blocks(
-                [k for k, _ in self.kv_caches],
-                [v for _, v in self.kv_caches],
-                scheduler_output.blocks_to_copy,
-            )
-
     def check_invariants(self) -> None:
-        """Every layer has a K and a V cache of the pool's shape; the CPU pool mirrors it;
-        every request's table can hold its computed tokens."""
+        """Every layer has a K and a V cache of the pool's shape; every request's table can
+        hold its computed tokens."""
         assert len(self.kv_caches) == self.model.num_layers, (
             f"{len(self.kv_caches)} cache pairs for {self.model.num_layers} layers"
         )
         for i, (k, v) in enumerate(self.kv_caches):
             assert k.shape == v.shape and k.shape[:2] == (self.num_blocks, self.block_size), (
                 f"layer {i}: caches {tuple(k.shape)} / {tuple(v.shape)}, want [{self.num_blocks}, {self.block_size}, KVH, D]"
-            )
-        assert len(self.cpu_kv_caches) == (len(self.kv_caches) if self.num_cpu_blocks else 0), (
-            "the CPU pool must have one cache pair per layer when num_cpu_blocks > 0"
-        )
-        for (k, _), (ck, cv) in zip(self.kv_caches, self.cpu_kv_caches):
-            assert ck.shape == cv.shape == (self.num_cpu_blocks,) + tuple(k.shape[1:]), (
-                f"CPU cache {tuple(ck.shape)} does not mirror device cache {tuple(k.shape)}"
             )
         for r in self.requests.values():
             assert len(r.block_ids) * self.block_size >= r.num_computed_tokens, f"{r.req_id}: table too short"

@@ -274,8 +274,8 @@ plt.close(fig)
 md(r"""
 Under swap the device side looks the same after step 2 (B holds no device blocks), but B's
 data is not gone: its blocks were *copied* to the CPU pool, and at step 4 they are copied
-back. The engine does the copies before the model runs; the `SchedulerOutput` says what to
-copy, as `(source, destination)` block ids:
+back. The engine's worker (`PaperModelRunner`) does the copies before the model runs; the
+step's `PaperSchedulerOutput` says what to copy, as `(source, destination)` block ids:
 """)
 
 code(r"""

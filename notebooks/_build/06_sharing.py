@@ -113,7 +113,7 @@ print(viz.block_tables_text(m, new_block_ids=[b.block_id for b in new]))
 assert m.get_block_ids("B") == [0, 2] and m.get_ref_cnt(1) == 1
 
 print("\nA's new blocks:", m.allocate_slots("A", 1))
-copies = m.take_pending_copies()  # what the scheduler puts into SchedulerOutput.blocks_to_copy
+copies = m.take_pending_copies()  # what the scheduler puts into PaperSchedulerOutput.blocks_to_copy
 print("copies for the engine (src, dst):", copies)
 assert copies == [(1, 2)]
 m.check_invariants()
@@ -167,8 +167,9 @@ assert trace[1].block_tables == {"g.0": [0, 2], "g.1": [0, 3], "g.2": [0, 1]}
 """)
 
 md(r"""
-In the engine the copies are applied by `ModelRunner.apply_cache_ops` before the forward; here
-they are in each step's `SchedulerOutput.blocks_to_copy`:
+In the engine the copies are applied by the paper's worker, `PaperModelRunner.apply_cache_ops`
+(`minipaged/worker/paper_runner.py`), before the forward; here they are in each step's
+`PaperSchedulerOutput.blocks_to_copy`:
 """)
 
 code(r"""

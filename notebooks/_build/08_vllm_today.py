@@ -78,7 +78,7 @@ Every pair below runs the same requests through two loops. Their contracts:
 | | |
 |---|---|
 | **inputs** | sequence groups (a request, or its `n` samples / beams) arriving over time; `max_num_seqs`, `max_num_batched_tokens`, a device pool and a CPU pool of blocks, `watermark`, `preemption_mode` (`"recompute"` or `"swap"`) |
-| **outputs** | per step a `SchedulerOutput`: the groups that run and their tokens, the blocks to swap out / in / copy (copy-on-write), the preempted and finished requests |
+| **outputs** | per step a `PaperSchedulerOutput` (a `SchedulerOutput` plus): the groups that run and their tokens, the blocks to swap out / in / copy (copy-on-write), the preempted and finished requests |
 | **invariants** | each group is in exactly one of waiting / running / swapped / finished; a waiting group is admitted only when its whole (re)prefill fits beside the blocks the running groups still need for theirs, with `watermark` of the pool spare (`watermark=None`: its first chunk fits); the victim is the latest-arrived running group, preempted all or nothing (its blocks to the CPU pool, or freed for recompute); of the heads of `swapped` and `waiting` the earlier arrival comes back first (FCFS), and nothing is brought back in a step that preempted; a block's `ref_cnt` equals the tables holding it |
 | **failure modes** | a request that can never fit is refused (`FINISHED_IGNORED`), the others run; a full CPU pool falls back to recompute; the silent one: a watermark too small for the pool, and swap traffic that costs more than recompute would |
 | **hand-check** | the cell below: A and B, 3-token prompts, 4 blocks of 2; B is swapped out at step 2 and back in at step 4, so it decodes 1 token there |

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from minipaged.core import (
     PaperScheduler,
+    PaperSchedulerOutput,
     Request,
     RequestStatus,
     Scheduler,
@@ -56,12 +57,13 @@ def drive(sched, arrivals, next_token=const_token(), max_steps=1000):  # noqa: B
         fin = sched.update_from_output(out, sampled)
         sched.check_invariants()
         tables = {r.request_id: sched.kv_cache_manager.get_block_ids(r.request_id) for r in sched.running}
+        paper = isinstance(out, PaperSchedulerOutput)
         log.append(
             dict(
                 scheduled=out.num_scheduled_tokens,
                 preempted=[r.request_id for r in out.preempted],
-                swapped_out=[r.request_id for r in out.swapped_out],
-                swapped_in=[r.request_id for r in out.swapped_in],
+                swapped_out=[r.request_id for r in out.swapped_out] if paper else [],
+                swapped_in=[r.request_id for r in out.swapped_in] if paper else [],
                 finished=[r.request_id for r in fin],
                 tables=tables,
                 out=out,
@@ -500,11 +502,12 @@ def run_property(sched_cls, c, specs, chunking):
         sched.check_invariants()
         if had_work:
             assert out.scheduled, "a step scheduled nothing while requests were waiting"
-        victims = [r.request_id for r in (*out.preempted, *out.swapped_out)]
+        paper = isinstance(out, PaperSchedulerOutput)
+        victims = [r.request_id for r in (*out.preempted, *(out.swapped_out if paper else ()))]
         # victims in preemption order: the latest arrival first
         victims.sort(key=seq.get, reverse=True)
         assert victims == running_before[::-1][: len(victims)]
-        for r in (*out.admitted, *out.swapped_in):
+        for r in (*out.admitted, *(out.swapped_in if paper else ())):
             admitted_order.append(r.request_id)
         sampled = model.execute(out, sched.kv_cache_manager)
         sched.update_from_output(out, sampled)
@@ -666,13 +669,14 @@ def _drive_checked(sched, arrivals, max_steps=2000):
                 sched.add_request(item)
         had_work = bool(sched.running or sched.waiting or getattr(sched, "swapped", ()))
         out = sched.schedule()
+        paper = isinstance(out, PaperSchedulerOutput)
         sched.check_invariants()
         if had_work:
-            assert out.scheduled or out.preempted or out.swapped_out or out.refused, (
+            assert out.scheduled or out.preempted or out.refused or (paper and out.swapped_out), (
                 f"step {step}: nothing scheduled, preempted or refused"
             )
         sampled = {r.request_id: 7 for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
-        sampled.update({c.request_id: 7 for _, c in out.fork_samples})
+        sampled.update({c.request_id: 7 for _, c in out.fork_samples} if paper else {})
         sched.update_from_output(out, sampled)
         sched.check_invariants()
         outs.append(out)

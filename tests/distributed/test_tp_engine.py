@@ -20,7 +20,7 @@ import torch
 from _tiny_llama import make_tiny_llama
 from _tp_cases import left_behind, shm_segments
 
-from minipaged import LLM, SamplingParams
+from minipaged import LLM, BeamSearchParams, SamplingParams
 from minipaged.distributed import WorkerDiedError
 from minipaged.model import COURSE_MODEL_DIR
 from minipaged.model.parallel import available_devices
@@ -98,6 +98,34 @@ def test_tp2_greedy_equals_tp1_and_transformers(checkpoints, name):
     )
 
 
+def test_tp2_runs_the_papers_block_moves_and_forks_as_tp1(checkpoints):
+    """The paper's scheduler (swap, copy-on-write forks for n = 2) on every worker's
+    ``PaperModelRunner`` (``PaperSchedulerOutput.for_worker()`` carries the moves and fork
+    ids); beam search switches a vLLM v1 engine's workers to it. All as tp=1."""
+    path, prompts = checkpoints["course"], PROMPTS["course"]
+    paper = dict(ENGINE, enable_prefix_caching=False, preemption_mode="swap", parallel_sampling="fork")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)
+    beam = BeamSearchParams(beam_width=2, max_tokens=8)  # NOTE: long enough to need copies
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+
+    def run(llm):
+        if llm.llm_engine.config.preemption_mode == "swap":
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert any(s.swapped_out_ids for s in llm.trace.steps), "no swap: the pool is too large"
+            assert any(s.shared_blocks for s in llm.trace.steps), "no fork"
+            return [[c.token_ids for c in o.outputs] for o in outs]
+        beams = llm.beam_search(prompts[:2], beam)  # then vLLM v1's outputs on the paper's runner
+        return [[s.token_ids for s in b.sequences] for b in beams] + [
+            o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)
+        ]
+
+    for kw in (paper, ENGINE):
+        want = run(LLM(path, **kw))
+        with LLM(path, tensor_parallel_size=2, **kw) as two:
+            assert run(two) == want
+            two.llm_engine.check_invariants()  # every worker's runner checks too (its CPU pool)
+
+
 def test_a_killed_worker_ends_generate_naming_its_rank(checkpoints):
     import multiprocessing
 
@@ -171,7 +199,7 @@ def test_serve_has_the_flag():
 
 _DRIVER = """
 import sys
-from minipaged import LLM, SamplingParams
+from minipaged import LLM, BeamSearchParams, SamplingParams
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], tensor_parallel_size=2, block_size=4, num_blocks=14)
     llm.generate(["w5 w6 w7"], SamplingParams(max_tokens=2), use_tqdm=False)

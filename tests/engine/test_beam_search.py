@@ -15,8 +15,9 @@ import random
 import pytest
 import torch
 
-from minipaged import LLM, BeamSearchParams
+from minipaged import LLM, BeamSearchParams, SamplingParams
 from minipaged.engine.beam_search import beam_search
+from minipaged.worker.paper_runner import PaperModelRunner
 
 VOCAB = 128
 rng = random.Random(7)
@@ -141,6 +142,13 @@ def test_paging_small_pool_chunks_and_copies(tiny):
     assert max(t - u for t, u in zip(table_blocks, used)) > 0  # sharing saved blocks
     eng = llm.llm_engine
     assert eng.kv_cache_manager.get_num_free_blocks() == 40
+    assert isinstance(eng.model_runner, PaperModelRunner)  # the copies are the paper runner's
+    # vLLM v1's scheduler again, on that runner: the tokens of an engine that never beamed
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    fresh = LLM(model=path, block_size=2, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=8)
+    assert not isinstance(fresh.llm_engine.model_runner, PaperModelRunner)
+    got, want = llm.generate(PROMPTS, sp), fresh.generate(PROMPTS, sp)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
 def test_bad_arguments(tiny):

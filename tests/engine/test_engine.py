@@ -18,6 +18,7 @@ from _counting_model import CountingModel, counting_reference  # noqa: E402
 
 from minipaged import SamplingParams
 from minipaged.config import EngineConfig
+from minipaged.core import PaperSchedulerOutput, RequestStatus
 from minipaged.engine.llm_engine import LLMEngine
 from minipaged.trace import EngineTrace
 
@@ -85,6 +86,37 @@ def test_counting_model_equals_reference(name):
     for i in range(9):
         assert info[str(i)]["arrival_step"] == arrivals[i]
         assert info[str(i)]["finish_step"] >= arrivals[i]
+
+
+def test_a_failed_step_that_swapped_out_aborts_the_swapped_ones_too():
+    """``EngineCore.fail_step``: the requests the failed step swapped out (their copy may be
+    half made) are aborted with the step's own; the others finish, both pools end empty."""
+    engine = LLMEngine(
+        EngineConfig(kv_cache_memory=1 << 16, **COUNTING_CONFIGS["swap"]), model=CountingModel()
+    )
+    for i, p in enumerate(_prompts(0, 6, max_len=25)):
+        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=16))
+    core, execute = engine.core, engine.executor.execute_model
+
+    def fail_on_swap_out(out):
+        if isinstance(out, PaperSchedulerOutput) and out.blocks_to_swap_out:
+            raise RuntimeError("the copy failed")
+        return execute(out)
+
+    engine.executor.execute_model = fail_on_swap_out
+    with pytest.raises(RuntimeError, match="copy failed"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    swapped = list(core._in_flight.swapped_out)
+    assert swapped
+    engine.output_processor.process_outputs(core.fail_step(RuntimeError("the copy failed")).outputs)
+    assert all(r.status == RequestStatus.FINISHED_ABORTED and "copy failed" in r.stop_reason for r in swapped)
+    engine.executor.execute_model = execute
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_invariants()
+    kv = engine.kv_cache_manager
+    assert kv.get_num_free_blocks() == kv.num_blocks and kv.get_num_free_cpu_blocks() == kv.num_cpu_blocks
 
 
 def test_refused_request_leaves_the_others_unchanged():

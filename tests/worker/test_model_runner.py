@@ -5,7 +5,8 @@ Two checks of the scheduler/worker boundary:
   tables worked out by hand, and the runner keeps its own copy of each request's tokens;
 - every step of a real engine run (preemption, chunked prefill, prefix caching, swap and
   copy-on-write) is recorded as ``SchedulerOutput.for_worker()``, pickled, and replayed into
-  a fresh runner with no scheduler: it samples exactly the tokens the engine did.
+  a fresh runner with no scheduler (``PaperModelRunner`` where the paper's scheduler ran):
+  it samples exactly the tokens the engine did.
 And the runner's speculative half (vLLM's ``gpu_model_runner``): drafts verified by its
 rejection sampler, its copy rolled back over the rejected ones, the next drafts proposed.
 """
@@ -22,9 +23,11 @@ from _counting_model import CountingModel, counting_reference  # noqa: E402
 from minipaged import SamplingParams
 from minipaged.config import EngineConfig
 from minipaged.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from minipaged.core.sched.paper_output import PaperSchedulerOutput
 from minipaged.core.sched.request import Request
 from minipaged.engine.llm_engine import LLMEngine
 from minipaged.worker import ModelRunner
+from minipaged.worker.paper_runner import PaperModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 
@@ -141,10 +144,16 @@ def test_replayed_outputs_drive_a_fresh_runner_alone(name):
     if name in ("recompute", "swap"):
         assert any(s.preempted_ids or s.swapped_out_ids for s in steps), "the pool should be too small"
 
-    fresh = ModelRunner(CountingModel(), cfg.num_blocks, cfg.block_size, engine.num_cpu_blocks)
+    paper = name in ("swap", "fork")  # the paper's scheduler, and so the paper's runner
+    assert isinstance(engine.model_runner, PaperModelRunner) == paper
+    if paper:
+        fresh = PaperModelRunner(CountingModel(), cfg.num_blocks, cfg.block_size, engine.num_cpu_blocks)
+    else:
+        fresh = ModelRunner(CountingModel(), cfg.num_blocks, cfg.block_size)
     for blob, sampled in recorded:
         out = pickle.loads(blob)
         assert _plain(out) and not out.scheduled and not out.preempted, "a scheduler object crossed"
+        assert paper or not isinstance(out, PaperSchedulerOutput), "a paper output from vLLM v1's scheduler"
         got = fresh.execute_model(out)
         assert (got.req_ids, got.sampled_token_ids) == sampled
     assert not fresh.requests  # every finished id reached it (the last ones as the engine idled)

@@ -8,7 +8,7 @@ Sharing (the paper's section 4.4)
     + 1); nothing is copied. Copy-on-write: when ``allocate_slots`` would write into a
     shared, partly filled last block, it takes a fresh block, records ``(src, dst)`` for
     the worker to copy before the forward (``take_pending_copies`` ->
-    ``SchedulerOutput.blocks_to_copy``) and drops one reference from the shared block.
+    ``PaperSchedulerOutput.blocks_to_copy``) and drops one reference from the shared block.
     Full shared blocks are never copied: a new token starts a new block.
 Swapping (the paper's section 4.5)
     With ``num_cpu_blocks > 0`` a second ``BlockPool`` stands for the CPU swap space.

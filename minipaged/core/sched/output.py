@@ -1,7 +1,7 @@
 """SchedulerOutput: what one engine step runs, as decided by ``schedule()``.
 
-Mirrors vLLM ``vllm/v1/core/sched/output.py`` (plus v0's ``blocks_to_swap_in`` /
-``blocks_to_swap_out`` / ``blocks_to_copy`` for the paper's scheduler).
+Mirrors vLLM ``vllm/v1/core/sched/output.py``. The paper's scheduler adds its block moves
+and forks in its own ``PaperSchedulerOutput`` (``paper_output.py``).
 
 Two halves
     *For the worker* (plain data: ids, token ids, block ids; what ``for_worker()`` keeps
@@ -9,17 +9,16 @@ Two halves
     does not know yet, or whose table it must replace, with their whole block table),
     ``scheduled_cached_reqs`` (the ones it knows: only their *new* block ids),
     ``num_scheduled_tokens`` (request id -> tokens, in batch order),
-    ``finished_req_ids`` / ``preempted_req_ids`` (drop them), the block copies, and
-    ``fork_samples`` (paper: a child whose first token is drawn from its parent's row),
+    ``finished_req_ids`` / ``preempted_req_ids`` (drop them),
     ``scheduled_spec_decode_tokens`` (speculative decoding: the drafts to verify).
     *For the scheduler and the pictures*: ``scheduled`` ``(Request, n)`` pairs and the
     other ``Request`` lists, read by ``update_from_output``, ``trace.record_step`` and
     the simulator; never by the worker.
 Invariants
-    ``scheduled`` is in batch order (running first, then swapped-in and admitted) and
+    ``scheduled`` is in batch order (running first, then admitted) and
     its ids equal ``num_scheduled_tokens``' keys in order;
-    ``total_num_scheduled_tokens == sum(num_scheduled_tokens.values())``; a step has
-    swap-outs or swap-ins, never both. The schedulers check these.
+    ``total_num_scheduled_tokens == sum(num_scheduled_tokens.values())``. The schedulers
+    check these.
 Failure mode
     Plain data: a malformed output is the scheduler's bug, caught by its checks.
 """
@@ -70,26 +69,16 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # batch order
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)  # since the previous step
-    preempted_req_ids: set[str] = field(default_factory=set)  # this step (recompute, swap)
-    # NOTE: a step has swap-outs or swap-ins, never both (nothing is brought back in a
-    # step that preempted), so the worker may do the copies in either order, before the
-    # model runs.
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) CoW
-    # paper: (parent id, child id) forked this step whose child samples from the parent's row
-    fork_sample_ids: list[tuple[str, str]] = field(default_factory=list)
+    preempted_req_ids: set[str] = field(default_factory=set)  # this step
     # speculative decoding: request id -> the drafts scheduled after its last token (vLLM's
     # name); the worker runs them and the rejection sampler verifies them
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     # -- for the scheduler, the trace and the simulator --------------------------------
     # (request, num_new_tokens) in batch order: running requests (decodes and continuing
-    # prefill chunks) first, then swapped-in and newly admitted ones.
+    # prefill chunks) first, then the admitted ones.
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)  # recompute, this step
-    swapped_out: list[Request] = field(default_factory=list)
-    swapped_in: list[Request] = field(default_factory=list)
     refused: list[Request] = field(default_factory=list)  # FINISHED_IGNORED this step
     admitted: list[Request] = field(default_factory=list)  # from waiting, this step
     arrived: list[Request] = field(default_factory=list)  # added since the previous step
@@ -97,10 +86,6 @@ class SchedulerOutput:
     decode_ids: list[str] = field(default_factory=list)  # scheduled for one decode token
     new_block_ids: list[int] = field(default_factory=list)  # device blocks given this step
     finished: list[Request] = field(default_factory=list)  # filled after the step
-    # paper: (parent, child) forks made this step, and those whose child samples from the
-    # parent's logits row (the prompt was prefilled once, for the parent)
-    forks: list[tuple[Request, Request]] = field(default_factory=list)
-    fork_samples: list[tuple[Request, Request]] = field(default_factory=list)
     # prefix caching: request_id -> prompt tokens found in the cache at admission
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
 
@@ -117,9 +102,5 @@ class SchedulerOutput:
             total_num_scheduled_tokens=self.total_num_scheduled_tokens,
             finished_req_ids=set(self.finished_req_ids),
             preempted_req_ids=set(self.preempted_req_ids),
-            blocks_to_swap_out=list(self.blocks_to_swap_out),
-            blocks_to_swap_in=list(self.blocks_to_swap_in),
-            blocks_to_copy=list(self.blocks_to_copy),
-            fork_sample_ids=list(self.fork_sample_ids),
             scheduled_spec_decode_tokens={k: list(v) for k, v in self.scheduled_spec_decode_tokens.items()},
         )

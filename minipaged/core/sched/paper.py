@@ -21,7 +21,8 @@ Concept
     shared blocks, copy-on-write later) and draw their first token from its logits row
     (``fork_samples``). ``fork_request`` forks a running request (beam search).
 Inputs / outputs
-    As ``Scheduler``, plus ``SchedulerOutput.blocks_to_swap_out`` / ``blocks_to_swap_in`` /
+    As ``Scheduler``, but ``schedule()`` returns a ``PaperSchedulerOutput``
+    (``paper_output.py``): plus ``blocks_to_swap_out`` / ``blocks_to_swap_in`` /
     ``blocks_to_copy``, ``swapped_out`` / ``swapped_in``, ``forks`` / ``fork_samples``.
     The worker gets a request's whole table again whenever copy-on-write changed it.
 Refusal
@@ -46,7 +47,8 @@ from minipaged.config import PARALLEL_SAMPLING, PREEMPTION_MODES
 from minipaged.core.kv.block import check_positive_int
 from minipaged.core.kv.block_manager_v0 import BlockSpaceManager
 from minipaged.core.sched import utils
-from minipaged.core.sched.output import CachedRequestData, SchedulerOutput
+from minipaged.core.sched.output import CachedRequestData
+from minipaged.core.sched.paper_output import PaperSchedulerOutput
 from minipaged.core.sched.request import Request, RequestStatus
 
 DEFAULT_WATERMARK = 0.05  # chapter 05's best on the course workloads (vLLM v0: 0.01)
@@ -136,17 +138,17 @@ class PaperScheduler:
         self._num_added = 0
         self._new_arrivals: list[Request] = []
         self._to_refuse: list[Request] = []
-        self._last_output: Optional[SchedulerOutput] = None
-        self._in_flight: Optional[SchedulerOutput] = None
+        self._last_output: Optional[PaperSchedulerOutput] = None
+        self._in_flight: Optional[PaperSchedulerOutput] = None
         self.num_steps = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
     # -- one step -------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> PaperSchedulerOutput:
         if self._in_flight is not None:
             raise RuntimeError("schedule() called twice without update_from_output()")
-        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        out = PaperSchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         out.arrived, self._new_arrivals = self._new_arrivals, []
         out.refused, self._to_refuse = self._to_refuse, []
@@ -265,7 +267,7 @@ class PaperScheduler:
         assert all(a is not None for a in allocated), "the block count promised room"
         return allocated
 
-    def _schedule(self, plan, new_blocks, out: SchedulerOutput) -> None:
+    def _schedule(self, plan, new_blocks, out: PaperSchedulerOutput) -> None:
         kv = self.kv_cache_manager
         copies = {d for _, d in kv.pending_copies}
         for (request, n), blocks in zip(plan, new_blocks):
@@ -283,7 +285,7 @@ class PaperScheduler:
             kv.cache_blocks(request, request.num_computed_tokens + n)
             self._maybe_fork(request, n, out)
 
-    def _maybe_fork(self, request: Request, n: int, out: SchedulerOutput) -> None:
+    def _maybe_fork(self, request: Request, n: int, out: PaperSchedulerOutput) -> None:
         """Fork the held sequences from ``request`` if this step computes its last prompt token."""
         group = self._fork_target(request)
         if group is None or request.num_computed_tokens + n != request.num_prompt_tokens:
@@ -305,7 +307,7 @@ class PaperScheduler:
                 out.fork_sample_ids.append((request.request_id, child.request_id))
         group.forked = True
 
-    def _preempt(self, victims: list[Request], out: SchedulerOutput) -> None:
+    def _preempt(self, victims: list[Request], out: PaperSchedulerOutput) -> None:
         """Swap the group out (all or nothing) or, failing that, recompute it."""
         for v in victims:
             v.num_preemptions += 1
@@ -331,7 +333,7 @@ class PaperScheduler:
         if g is not None:
             g.forked = False  # NOTE: the leader re-prefills the prompt, the others fork again
 
-    def _admit_next(self, budget: int, out: SchedulerOutput):
+    def _admit_next(self, budget: int, out: PaperSchedulerOutput):
         """Admit the head of ``waiting`` (with its group's seats): ``(plan, blocks)`` or None."""
         if not self.waiting:
             return None
@@ -368,7 +370,7 @@ class PaperScheduler:
         reserved = sum(kv.get_num_blocks_still_needed(r, self._forks_of(r)) for r in self.running)
         return kv.get_num_free_blocks() - reserved - need >= self.watermark_blocks
 
-    def _swap_in_next(self, budget: int, out: SchedulerOutput):
+    def _swap_in_next(self, budget: int, out: PaperSchedulerOutput):
         """Swap the head group of ``swapped`` back in if it and its next tokens fit."""
         kv = self.kv_cache_manager
         unit = self._units(self.swapped)[0]
@@ -414,7 +416,7 @@ class PaperScheduler:
         utils.insert_by_arrival(self.running, child)
 
     # -- after the model ran ----------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids) -> list[Request]:
+    def update_from_output(self, output: PaperSchedulerOutput, sampled_token_ids) -> list[Request]:
         """As ``Scheduler.update_from_output``; a child forked this step computed nothing:
         its first token was sampled from its parent's logits row."""
         if output is not self._in_flight:
@@ -497,7 +499,7 @@ class PaperScheduler:
         self.finish_requests([request_id], RequestStatus.FINISHED_ABORTED, "aborted")
 
     def fail_step(
-        self, output: Optional[SchedulerOutput], reason: str = "the engine step failed"
+        self, output: Optional[PaperSchedulerOutput], reason: str = "the engine step failed"
     ) -> list[Request]:
         """As ``Scheduler.fail_step`` (the children forked in that step too)."""
         ids = (
