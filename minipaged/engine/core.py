@@ -325,6 +325,7 @@ class EngineCore:
     def reset_trace(self, meta: Optional[dict] = None) -> EngineTrace:
         """Start a fresh trace (step numbers restart at 0); returns the old one."""
         old, self.trace = self.trace, self._new_trace(meta)
+        self._last = None  # NOTE: its step number belongs to the old trace
         return old
 
     @property

@@ -114,6 +114,28 @@ def test_a_stop_frees_the_sequence_before_the_next_step(llm):
     assert_same(done, llm.generate(PROMPTS, params, use_tqdm=False))
 
 
+def test_a_stop_after_the_trace_was_reset_still_frees_the_sequence(llm):
+    """A trace drained (``reset_trace``, the server's ``/trace`` with reset) between a step
+    and the frontend's stop: the stop no longer rewrites the old trace's step record (it once
+    raised IndexError there and killed the engine core)."""
+    proc = make_core(llm, check_invariants=True)
+    core, tok = proc.core, llm.get_tokenizer()
+    processor, front = Processor(core.model_info, tok), OutputProcessor(tok)
+    params = SamplingParams(temperature=0.0, max_tokens=60, stop=["."])
+    _, ids = processor.tokenize(PROMPTS[0])
+    children = processor.process_inputs("r0", ids, params)
+    front.add_request("r0", None, ids, params, children, stream=True)
+    proc.handle(("add", [("r0", children)]))
+    stops = []
+    while core.has_unfinished_requests() and not stops:
+        stops = front.process_outputs(proc.step().outputs).reqs_to_stop
+    assert stops, "no stop string was found: the case tests nothing"
+    core.reset_trace()
+    assert proc.handle(("stop", stops)) == []
+    assert not core.has_unfinished_requests() and core.requests == {}
+    assert core.scheduler.kv_cache_manager.get_num_free_blocks() == core.model_info.num_blocks
+
+
 def test_the_core_refuses_bad_adds_and_ignores_unknown_aborts(llm):
     proc = make_core(llm)
     tok = llm.get_tokenizer()
