@@ -426,6 +426,11 @@ DESIGN_KNOBS = {"num_blocks": 24, "block_size": 4, "max_num_seqs": 8, "max_num_b
 _MAX_STEPS = 2000
 PREEMPTION_BAR = 0.5  # a rule's preemptions, all workloads together, at most this share of the default's
 STEPS_MARGIN = 0.10  # and its steps (throughput) at most this much more than the default's
+# NOTE: judged on totals over many random workloads, a sound rule clears the bar on every
+# draw: the authored rule's totals over 200 are 1.04 +- 0.006 of the default's steps and
+# 0.22 +- 0.04 of its preemptions. A bar per workload, over 12, failed it on 4% of draws:
+# a rule that passed the local check could fail grading.
+RANDOM_DESIGN_WORKLOADS = 200
 
 
 class _Stop(Exception):
@@ -511,7 +516,7 @@ def run_admission(rule, workload=DESIGN_WORKLOAD, knobs=None) -> dict:
 
 def _design_cases(rng):
     cases = [{"name": "DESIGN_WORKLOAD", "workload": DESIGN_WORKLOAD, "knobs": {}}]
-    for k in range(12):
+    for k in range(RANDOM_DESIGN_WORKLOADS):
         n = rng.randint(1, 8)
         w = sorted(
             ((rng.randint(1, 14), rng.randint(1, 14), rng.randint(0, 5)) for _ in range(n)),
@@ -549,8 +554,8 @@ def _replay(case, decisions) -> dict:
 
 def judge_design(cases, expected, got) -> str | None:
     """The bar, on the trusted side: every run sound (replayed here from the rule's
-    decisions), then at most ``PREEMPTION_BAR`` of the default's preemptions in all (never
-    more on one workload) and at most ``STEPS_MARGIN`` more steps in all."""
+    decisions), then at most ``PREEMPTION_BAR`` of the default's preemptions in all and at
+    most ``STEPS_MARGIN`` more steps in all."""
     order = sorted(range(len(cases)), key=lambda i: (len(cases[i]["workload"]), i))
     mine = {}
     for pos, i in enumerate(order):
@@ -584,18 +589,12 @@ def judge_design(cases, expected, got) -> str | None:
     base_pre = sum(e["value"]["preemptions"] for e in expected)
     my_steps = sum(m["steps"] for m in mine.values())
     my_pre = sum(m["preemptions"] for m in mine.values())
-    worse = [
-        cases[i]["name"]
-        for i in range(len(cases))
-        if mine[i]["preemptions"] > expected[i]["value"]["preemptions"]
-    ]
-    if worse or my_pre > base_pre * PREEMPTION_BAR or my_steps > base_steps * (1 + STEPS_MARGIN):
+    if my_pre > base_pre * PREEMPTION_BAR or my_steps > base_steps * (1 + STEPS_MARGIN):
         return (
             f"ex5.6: your rule runs, but does not clear the bar on the checker's {len(cases)} workloads: "
             f"at most {PREEMPTION_BAR:.0%} of the default rule's preemptions in all (default {base_pre}, "
-            f"yours {my_pre}), never more on any one workload"
-            + (f" (more on: {', '.join(worse)})" if worse else "")
-            + f", and at most {STEPS_MARGIN:.0%} more steps in all (default {base_steps}, yours {my_steps})"
+            f"yours {my_pre}) and at most {STEPS_MARGIN:.0%} more steps in all (default {base_steps}, "
+            f"yours {my_steps})"
         )
     return None
 

@@ -266,12 +266,13 @@ nb.exercise(
     tokens it had already produced when it was preempted, against exactly that thrash.) The
     scheduler here starts from the first-chunk rule: design your own.
 
-    - **The bar** (read it first): on the checker's workloads taken together, at most half
-      the preemptions of the default rule (and never more on any one workload), with at
-      most 10% more steps (throughput within 10%). Always admitting (`lambda s, r: True`)
-      is the default rule, so it does not pass; a rule that refuses more than it must
-      (reserving every running request's whole `max_tokens` up front, say) stops the
-      preemptions but costs steps, and can miss the 10%.
+    - **The bar** (read it first): on the checker's 201 workloads taken together, at most
+      half the preemptions of the default rule, with at most 10% more steps (throughput
+      within 10%); totals, so a rule may lose a little on one workload and win on others.
+      Always admitting (`lambda s, r: True`) is the default rule, so it does not pass; a
+      rule that refuses more than it must (admitting a request only when its own whole
+      `max_tokens` fits too, beside every running request's, say) never preempts but
+      costs steps, and misses the 10% on most draws of workloads.
     - **The hook**: the scheduler calls `can_admit(scheduler, request)` for the head of
       `waiting` after the running requests got their blocks for this step (so their block
       tables already include this step), when a seat and budget are left and before
