@@ -354,10 +354,6 @@ class AsyncLLM:
     def tokenize(self, prompt, name: str = "prompt"):
         return self.processor.tokenize(prompt, name)
 
-    @property
-    def num_logprob_dicts(self) -> int:
-        return self.output_processor.num_logprob_dicts
-
     def get_num_unfinished_requests(self) -> int:
         """The core's unfinished requests, as of its last message."""
         return self.client.get_num_unfinished_requests()

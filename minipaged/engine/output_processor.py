@@ -19,8 +19,8 @@ Outputs
     or the EOS / stop token that ended a sample, is cut unless ``include_stop_str_in_output``;
     ``token_ids`` keep every generated token up to the end.
 Invariants
-    a tracked sample has one ``Logprobs`` entry per token when it asked for logprobs, and
-    its detokenizers have seen every token; every logprob dict is built once.
+    a tracked sample has one ``FlatLogprobs`` position per token when it asked for
+    logprobs, stored once as the token arrives, and its detokenizers have seen every token.
 Failure mode
     none of its own: outputs of unknown requests (aborted here already) are ignored.
 """
@@ -34,22 +34,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from minipaged.engine.detokenizer import IncrementalDetokenizer
-from minipaged.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from minipaged.engine.outputs import CompletionOutput, FlatLogprobs, RequestOutput
 from minipaged.sampling_params import SamplingParams
-
-
-def logprob_dict(entry, piece: Callable) -> dict:
-    """One generated token's ``Logprobs`` as vLLM's dict: the sampled token, then the top k
-    (token id -> ``Logprob`` with its rank and text, ``piece(token_id)``)."""
-    d = {
-        entry.sampled_token_id: Logprob(
-            entry.sampled_logprob, entry.sampled_rank, piece(entry.sampled_token_id)
-        )
-    }
-    for rank, (tid, lp) in enumerate(zip(entry.token_ids, entry.logprobs), start=1):
-        if tid not in d:
-            d[tid] = Logprob(lp, rank, piece(tid))
-    return d
 
 
 @dataclass
@@ -60,8 +46,8 @@ class _SampleState:
     params: SamplingParams  # as the core runs it (n=1, the model's further EOS ids as stop ids)
     eos_token_id: Optional[int]
     token_ids: list[int] = field(default_factory=list)
-    logprobs: Optional[list] = None  # Logprobs entries, one per token
-    logprob_dicts: Optional[list] = None  # the same as vLLM's dicts, built once each
+    logprobs: Optional[FlatLogprobs] = None  # one position per token, when asked for
+    cumulative_logprob: float = 0.0  # the sampled tokens' log-probabilities, summed
     detokenizer: Optional[IncrementalDetokenizer] = None  # with stop strings
     stream_text: Optional[IncrementalDetokenizer] = None  # a stream's text, without stop strings
     finish_reason: Optional[str] = None
@@ -105,7 +91,7 @@ class OutputProcessor:
         self.piece = piece
         self.request_states: dict[str, RequestState] = {}
         self._samples: dict[str, tuple[RequestState, int]] = {}  # sequence id -> (request, index)
-        self.num_logprob_dicts = 0  # logprob dicts built (one per token that asked for them)
+        self.num_logprob_tokens = 0  # tokens whose logprobs were stored (each once)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id, prompt, prompt_token_ids, params, core_requests, stream=False) -> None:
@@ -116,7 +102,7 @@ class OutputProcessor:
         for r in core_requests:
             s = _SampleState(r.request_id, r.sampling_params, r.eos_token_id)
             if params.logprobs is not None:
-                s.logprobs, s.logprob_dicts = [], []
+                s.logprobs = FlatLogprobs()
             if params.stop and tok is not None:
                 s.detokenizer = IncrementalDetokenizer(tok, prompt_token_ids, params)
             elif stream and tok is not None:
@@ -159,7 +145,13 @@ class OutputProcessor:
             new = o.new_token_ids
             for k, t in enumerate(new):
                 if s.logprobs is not None and o.new_logprobs is not None and k < len(o.new_logprobs):
-                    s.logprobs.append(o.new_logprobs[k])
+                    # NOTE: each token's logprobs stored as it arrives (vLLM's LogprobsProcessor),
+                    # never all of a long answer at once when it finishes: that burst (16 x 480
+                    # tokens of 21 entries) held every other request's outputs back for a second
+                    entry = o.new_logprobs[k]
+                    s.logprobs.append_position(entry, self.piece)
+                    s.cumulative_logprob += entry.sampled_logprob
+                    self.num_logprob_tokens += 1
                 s.token_ids.append(int(t))
                 last = k == len(new) - 1
                 if last and o.finish_reason is not None:
@@ -175,11 +167,6 @@ class OutputProcessor:
                         break
             if not new and o.finish_reason is not None:
                 s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
-            if s.logprobs is not None:
-                # NOTE: each token's dicts as it arrives (vLLM's LogprobsProcessor), never all
-                # of a long answer at once when it finishes: that burst (16 x 480 tokens of 21
-                # entries) held every other request's outputs back for a second
-                self._logprob_dicts(s)
         request_outputs = []
         for rid, state in moved.items():
             if state.finished:
@@ -190,17 +177,6 @@ class OutputProcessor:
         return OutputProcessorOutput(request_outputs, stops)
 
     # -- building outputs (the only place) ---------------------------------------------------
-    def _logprob_dicts(self, s: _SampleState) -> Optional[list]:
-        if s.logprobs is None:
-            return None
-        dicts = s.logprob_dicts
-        n = len(s.token_ids)
-        if len(dicts) < n:
-            before = len(dicts)
-            dicts.extend(logprob_dict(e, self.piece) for e in s.logprobs[before:n])
-            self.num_logprob_dicts += len(dicts) - before
-        return dicts
-
     def _final_text(self, s: _SampleState) -> str:
         if s.detokenizer is not None:
             return s.detokenizer.output_text
@@ -229,24 +205,22 @@ class OutputProcessor:
         return None
 
     def _completion(self, j: int, s: _SampleState) -> CompletionOutput:
-        lps = self._logprob_dicts(s)
         if s.finished:
-            cumulative = None if s.logprobs is None else float(sum(e.sampled_logprob for e in s.logprobs))
             return CompletionOutput(
                 index=j,
                 text=self._final_text(s),
                 token_ids=list(s.token_ids),
                 finish_reason=s.finish_reason,
                 stop_reason=self._stop_reason(s),
-                cumulative_logprob=cumulative,
-                logprobs=None if lps is None else list(lps),
+                cumulative_logprob=None if s.logprobs is None else s.cumulative_logprob,
+                logprobs=s.logprobs,  # NOTE: complete: nothing is appended after the finish
             )
         detok = s.detokenizer if s.detokenizer is not None else s.stream_text
         return CompletionOutput(
             index=j,
             text="" if detok is None else detok.output_text,
             token_ids=list(s.token_ids),
-            logprobs=lps,  # NOTE: the growing list itself (cumulative, as the text)
+            logprobs=s.logprobs,  # NOTE: the growing one itself (cumulative, as the text)
         )
 
     def _request_output(self, state: RequestState) -> RequestOutput:

@@ -289,9 +289,9 @@ def test_an_engine_that_keeps_failing_is_unusable_and_health_says_503(llm, monke
 
 
 # -- bounded per-step cost ---------------------------------------------------------------------
-def test_streamed_logprobs_are_built_once_per_token_and_equal_offline(llm, server, client):
+def test_streamed_logprobs_are_stored_once_per_token_and_equal_offline(llm, server, client):
     ae = server.serving.engine_client
-    before = ae.num_logprob_dicts
+    before = ae.output_processor.num_logprob_tokens
     n, k, m = 2, 3, 24
     stream = client.completions.create(
         model=server.serving.model_name,
@@ -317,10 +317,9 @@ def test_streamed_logprobs_are_built_once_per_token_and_equal_offline(llm, serve
         ref = [(tok.decode([t]), d[t].logprob) for t, d in zip(c.token_ids, c.logprobs)]
         assert [p for p, _ in got[j]] == [p for p, _ in ref]
         assert [lp for _, lp in got[j]] == pytest.approx([lp for _, lp in ref], abs=1e-4)
-    # each streamed token's dict was built once by the server (the old one rebuilt every past
-    # token's on every step: n * m * (m + 1) / 2); the last token comes with the finished
-    # output, which the engine builds
-    assert n * (m - 1) <= ae.num_logprob_dicts - before <= n * m
+    # each token's logprobs were stored once, as it arrived (the old server rebuilt every past
+    # token's on every step: n * m * (m + 1) / 2)
+    assert ae.output_processor.num_logprob_tokens - before == n * m
     wait_idle(server)
 
 
