@@ -46,9 +46,9 @@ class FlatLogprobs(Sequence):
     built when read), stored flat as vLLM's ``vllm.logprobs.FlatLogprobs``: position ``i``'s
     candidates are entries ``start[i]:start[i + 1]`` of ``token_ids``, ``logprobs``,
     ``ranks`` and ``decoded``. Where vLLM keeps plain lists, the numbers here sit in typed
-    arrays: a long answer is a few buffers, not a Python object per candidate (16 x 480
-    tokens of 21 candidates were 480,000 objects, whose freed memory the server never got
-    back). Append-only: a partial output shares it, reading only its first tokens."""
+    arrays: a long answer is a few buffers, not a Python object per candidate (whose freed
+    memory CPython's small-object arenas kept: docs/serving.md). Append-only: a partial
+    output shares it, reading only its first tokens."""
 
     __slots__ = ("start", "token_ids", "logprobs", "ranks", "decoded")
 
