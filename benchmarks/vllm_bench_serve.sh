@@ -6,7 +6,9 @@
 #
 # usage: bash benchmarks/vllm_bench_serve.sh [OUT_DIR]      (needs .venv-vllm: scripts/setup_vllm_venv.sh)
 # env:   RATE (32), NUM_PROMPTS (200), INPUT_LEN (64), OUTPUT_LEN (48), MINIPAGED (minipaged),
-#        ORDER ("vllm minipaged"; alternate it between runs: a shared machine drifts)
+#        ORDER ("vllm minipaged"; alternate it between runs: a shared machine drifts),
+#        MINIPAGED_ARGS (extra `minipaged serve` arguments: for RATE=inf with more prompts than
+#        its --max-waiting-requests (256), raise it, or the rest get 503s where vLLM queues)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-$ROOT/benchmarks/results/vllm_bench_serve}"
@@ -52,6 +54,6 @@ start_vllm() {
 }
 start_minipaged() {
   run minipaged "${MINIPAGED:-minipaged}" serve --model "$MODEL" --served-model-name course \
-    --dtype float32 --max-num-seqs 64 --host 127.0.0.1
+    --dtype float32 --max-num-seqs 64 --host 127.0.0.1 ${MINIPAGED_ARGS:-}
 }
 for server in ${ORDER:-vllm minipaged}; do "start_$server"; done
