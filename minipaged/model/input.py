@@ -1,6 +1,6 @@
 """ModelInput: the tensors one engine step hands to the model.
 
-Built by ``minipaged.worker.model_runner.ModelRunner.prepare`` from a SchedulerOutput;
+Built by ``minipaged.worker.model_runner.ModelRunner.prepare_inputs`` from a SchedulerOutput;
 consumed by the model's forward and, through it, by the attention backend.
 Mirrors the attention metadata of vLLM ``vllm/v1/attention/backends/*``.
 
@@ -11,9 +11,9 @@ prefilling one its chunk. Its query rows are the *last* ``q_len`` positions of i
 context of ``seq_lens[b]`` tokens; the earlier ones are already in the cache.
 
 ``compute_slot_mapping(block_ids, start, end, block_size)`` is the worker side's one slot
-formula (vLLM: ``BlockTable.compute_slot_mapping``), called by the runner, the draft model and
-a tensor-parallel shard; ``build_model_input`` builds a whole input from ``(block_ids, start,
-token_ids)`` per sequence. After the flat batch is built, ``PagedCausalLM.prepare_attention``
+formula (vLLM: ``BlockTable.compute_slot_mapping``); ``build_model_input`` builds a whole input
+from ``(block_ids, start, token_ids)`` per sequence, the one builder of the runner, the draft
+model and a tensor-parallel shard. After the flat batch is built, ``PagedCausalLM.prepare_attention``
 plans the step's attention once: it sets ``attn_backend`` and ``attn_metadata``, which every
 attention layer reads (vLLM v1: the runner builds the attention metadata and the forward
 context carries it to every layer).
@@ -36,7 +36,7 @@ class ModelInput:
     block_tables: torch.Tensor  # [B, max_blocks] int32: per sequence, padded with 0
     seq_lens: torch.Tensor  # [B] int32: context length after this step (cached + new)
     cu_seqlens_q: torch.Tensor  # [B + 1] int32: prefix sums of the query lengths
-    logits_indices: torch.Tensor  # [B] int64: row of each sequence's last token in T
+    logits_indices: torch.Tensor  # [B (+ drafts)] int64: rows to sample (a verification: 1 + m)
     max_query_len: int  # max over b of the query length
     max_seq_len: int  # max over b of seq_lens
     # NOTE: set once per step by ``PagedCausalLM.prepare_attention``, read by every attention
@@ -71,20 +71,25 @@ def compute_slot_mapping(block_ids: Sequence[int], start: int, end: int, block_s
     return [block_ids[i // block_size] * block_size + i % block_size for i in range(start, end)]
 
 
-def build_model_input(items, block_size: int, device="cpu") -> ModelInput:
+def build_model_input(
+    items, block_size: int, device="cpu", num_logits: Optional[Sequence[int]] = None
+) -> ModelInput:
     """A ``ModelInput`` on ``device`` from ``(block_ids, start, token_ids)`` per sequence: its new
-    tokens, at positions ``start ..`` (the ones before are cached), logits of its last one."""
-    ids, positions, slots, tables, seq_lens, cu = [], [], [], [], [], [0]
-    for block_ids, start, tokens in items:
+    tokens, at positions ``start ..`` (the ones before are cached). ``num_logits[b]``: how many
+    of sequence ``b``'s last rows want logits (default 1; a request verifying m drafts, 1 + m)."""
+    ids, positions, slots, tables, seq_lens, cu, logits_indices = [], [], [], [], [], [0], []
+    for b, (block_ids, start, tokens) in enumerate(items):
         end = start + len(tokens)
         ids.extend(tokens)
         positions.extend(range(start, end))
-        slots.extend(compute_slot_mapping(block_ids, start, end, block_size))
+        slots.extend(
+            compute_slot_mapping(block_ids, start, end, block_size)
+        )  # the slot formula of chapter 02
         tables.append(list(block_ids))
         seq_lens.append(end)
         cu.append(cu[-1] + len(tokens))
+        logits_indices.extend(range(cu[-1] - (num_logits[b] if num_logits else 1), cu[-1]))
     width = max(len(t) for t in tables)
-    cu_t = torch.tensor(cu, dtype=torch.int32)  # [B + 1]
     inp = ModelInput(
         input_ids=torch.tensor(ids, dtype=torch.int64),  # [T]
         positions=torch.tensor(positions, dtype=torch.int64),  # [T]
@@ -92,8 +97,8 @@ def build_model_input(items, block_size: int, device="cpu") -> ModelInput:
         # NOTE: padded with 0; the attention never reads past seq_lens[b]
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),  # [B]
-        cu_seqlens_q=cu_t,  # [B + 1]
-        logits_indices=(cu_t[1:] - 1).long(),  # [B] each sequence's last token
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),  # [B + 1]
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),  # [B (+ drafts)] rows to sample
         max_query_len=max(b - a for a, b in zip(cu, cu[1:])),
         max_seq_len=max(seq_lens),
     )

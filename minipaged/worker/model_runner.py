@@ -54,7 +54,7 @@ from typing import Optional
 
 import torch
 
-from minipaged.model.input import ModelInput, compute_slot_mapping
+from minipaged.model.input import ModelInput, build_model_input
 from minipaged.sample.logprobs import Logprobs
 from minipaged.sample.rejection_sampler import RejectionSampler
 from minipaged.sample.sampler import Sampler, sample_seed
@@ -294,61 +294,29 @@ class ModelRunner:
             r.num_computed_tokens = cached.num_computed_tokens
 
     def prepare_inputs(self, scheduler_output) -> ModelInput:
-        """The flat batch of this step's tokens (vLLM's ``_prepare_inputs``)."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        tables: list[list[int]] = []
-        seq_lens: list[int] = []
-        cu_seqlens_q = [0]
-        logits_indices: list[int] = []
+        """The flat batch of this step's tokens (vLLM's ``_prepare_inputs``): per scheduled
+        request its new known tokens, then its drafts; the logits of its last row, or of all
+        ``1 + m`` rows of a request that verifies ``m`` drafts."""
+        items, num_logits = [], []
         drafts_of = scheduler_output.scheduled_spec_decode_tokens
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             r = self.requests.get(rid)
             if r is None:
                 raise RuntimeError(f"request {rid!r} is scheduled but this worker does not hold it")
+            if len(r.block_ids) * self.block_size < r.num_computed_tokens + n:
+                raise RuntimeError(f"request {rid!r}: {len(r.block_ids)} blocks cannot hold its tokens")
             drafts = drafts_of.get(rid, [])
-            n -= len(drafts)  # NOTE: the drafts come after the request's known tokens
-            start, end, num_prompt = r.num_computed_tokens, r.num_computed_tokens + n, len(r.prompt_token_ids)
-            # the new tokens, without building prompt + output for a decode
-            if start >= num_prompt:
-                input_ids.extend(r.output_token_ids[start - num_prompt : end - num_prompt])
-            elif end <= num_prompt:
-                input_ids.extend(r.prompt_token_ids[start:end])
-            else:
-                input_ids.extend(r.prompt_token_ids[start:])
-                input_ids.extend(r.output_token_ids[: end - num_prompt])
-            input_ids.extend(drafts)
-            n, end = n + len(drafts), end + len(drafts)
-            table = r.block_ids
-            if len(table) * bs < end:
-                raise RuntimeError(f"request {rid!r}: {len(table)} blocks cannot hold {end} tokens")
-            positions.extend(range(start, end))
-            slot_mapping.extend(compute_slot_mapping(table, start, end, bs))  # the slot formula of chapter 02
-            tables.append(table)
-            seq_lens.append(end)
-            cu_seqlens_q.append(cu_seqlens_q[-1] + n)
-            # a verified request needs the logits of every row (one per draft + the bonus)
-            logits_indices.extend(range(cu_seqlens_q[-1] - 1 - len(drafts), cu_seqlens_q[-1]))
-        if len(input_ids) != cu_seqlens_q[-1]:
-            raise RuntimeError(f"{len(input_ids)} input ids for {cu_seqlens_q[-1]} tokens")
-        max_blocks = max(len(t) for t in tables)
-        cu = torch.tensor(cu_seqlens_q, dtype=torch.int32)  # [B + 1]
-        inp = ModelInput(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64),  # [T]
-            positions=torch.tensor(positions, dtype=torch.int64),  # [T]
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),  # [T]
-            # NOTE: padded with 0; the attention never reads past seq_lens[b]
-            block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),  # [B]
-            cu_seqlens_q=cu,  # [B + 1]
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),  # [B + drafts] rows to sample
-            max_query_len=max(b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])),
-            max_seq_len=max(seq_lens),
-        )
-        inp = inp if self.device.type == "cpu" else inp.to(self.device)
-        return self.model.prepare_attention(inp, bs)  # the step's attention plan, once for every layer
+            start, num_prompt = r.num_computed_tokens, len(r.prompt_token_ids)
+            end = start + n - len(drafts)  # NOTE: the drafts come after the request's known tokens
+            # the new tokens, without building prompt + output for a decode (NOTE: max(.., 0): a
+            # negative slice end would count from the end)
+            a, b = max(start - num_prompt, 0), max(end - num_prompt, 0)
+            tokens = r.prompt_token_ids[start:end] + r.output_token_ids[a:b]
+            items.append((r.block_ids, start, tokens + drafts))
+            num_logits.append(1 + len(drafts))
+        inp = build_model_input(items, self.block_size, self.device, num_logits)
+        # the step's attention plan, once for every layer
+        return self.model.prepare_attention(inp, self.block_size)
 
     def check_invariants(self) -> None:
         """Every layer has a K and a V cache of the pool's shape; every request's table can
