@@ -23,14 +23,30 @@ Failure mode
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from minipaged.model.attention import PagedAttention
 from minipaged.model.input import ModelInput
-from minipaged.model.layers import PagedCausalLM, get_act_fn
+from minipaged.model.layers import PagedCausalLM
 
 # Conv1D weights in a Hugging Face GPT-2 checkpoint, stored [in, out].
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def get_act_fn(name: str):
+    """The activation called ``name`` in a transformers config (``activation_function``)."""
+    acts = {
+        "silu": F.silu,
+        "gelu": F.gelu,
+        "relu": F.relu,
+        # gelu_new (GPT-2) is the tanh approximation of GELU.
+        "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    }
+    if name not in acts:
+        raise ValueError(f"config.activation_function {name!r} is not supported")
+    return acts[name]
 
 
 class GPT2Attention(nn.Module):

@@ -3,8 +3,8 @@ the base class every paged model derives from.
 
 Mirrors vLLM ``vllm/model_executor/layers/layernorm.py`` (RMSNorm),
 ``rotary_embedding.py`` (RotaryEmbedding, neox style) and ``activation.py`` (SiluAndMul).
-As vLLM's ``CustomOp`` layers do, each has a readable ``forward_native`` (torch: the reference)
-and a C pass (``minipaged/kernels/csrc/layers_cpu.c``): ``impl="cpu"`` runs the C one. The
+Each is a ``CustomOp``, as in vLLM: a readable ``forward_native`` (torch: the reference) and a
+C pass (``minipaged/kernels/csrc/layers_cpu.c``): ``impl="cpu"`` runs the C one. The
 model's backend decides (``use_backend``: its ``layer_impl``, "cpu" for ``attention_backend="cpu"``).
 
 Inputs / outputs
@@ -28,7 +28,7 @@ Invariants
       ``prepare_attention`` plans a step with it, once for every layer.
 
 Failure mode
-    Unsupported RoPE variants or activations raise ``ValueError`` naming the config field.
+    Unsupported RoPE variants raise ``ValueError`` naming the config field.
 """
 
 from __future__ import annotations
@@ -48,13 +48,21 @@ from minipaged.model.input import ModelInput
 LAYER_IMPLS = ("torch", "cpu")
 
 
-def _check_impl(impl: str) -> str:
-    if impl not in LAYER_IMPLS:
-        raise ValueError(f"impl must be one of {LAYER_IMPLS}, got {impl!r}")
-    return impl
+class CustomOp(nn.Module):
+    """vLLM's ``CustomOp``: ``forward`` runs ``forward_native`` (torch, the reference) or, with
+    ``impl="cpu"``, ``forward_cpu`` (C: ``minipaged/kernels/csrc/layers_cpu.c``)."""
+
+    def __init__(self, impl: str = "torch"):
+        super().__init__()
+        if impl not in LAYER_IMPLS:
+            raise ValueError(f"impl must be one of {LAYER_IMPLS}, got {impl!r}")
+        self.impl = impl
+
+    def forward(self, *args, **kwargs):
+        return (self.forward_cpu if self.impl == "cpu" else self.forward_native)(*args, **kwargs)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
     """y = x / sqrt(mean(x^2) + eps) * weight  (Llama, Mistral, Qwen2).
 
     ``forward(x)`` -> y; ``forward(x, residual)`` -> ``(norm(x + residual), x + residual)``,
@@ -62,15 +70,9 @@ class RMSNorm(nn.Module):
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, impl: str = "torch"):
-        super().__init__()
+        super().__init__(impl)
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.impl = _check_impl(impl)
-
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if self.impl == "cpu":
-            return self.forward_cpu(x, residual)
-        return self.forward_native(x, residual)
 
     def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if residual is not None:
@@ -84,23 +86,18 @@ class RMSNorm(nn.Module):
         return cpu_kernels.rms_norm_cpu(x, self.weight, self.eps, residual)  # ``residual`` += x in place
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(CustomOp):
     """silu(gate) * up for x = [gate, up] side by side ([T, 2n] -> [T, n]), as the fused
     ``gate_up_proj`` writes them."""
-
-    def __init__(self, impl: str = "torch"):
-        super().__init__()
-        self.impl = _check_impl(impl)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.impl == "cpu":
-            return cpu_kernels.silu_and_mul_cpu(x)
-        return self.forward_native(x)
 
     @staticmethod
     def forward_native(x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)  # 2 x [T, n]
         return F.silu(gate) * up  # [T, n]
+
+    @staticmethod
+    def forward_cpu(x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.silu_and_mul_cpu(x)
 
 
 def rope_parameters(config) -> dict:
@@ -125,7 +122,7 @@ def rope_parameters(config) -> dict:
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     """Rotary position embedding, neox style (rotate the two halves of each head).
 
     With ``x = [x1, x2]`` (two halves of a head) and angles ``pos * inv_freq``::
@@ -138,8 +135,7 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, config, head_dim: int, impl: str = "torch"):
-        super().__init__()
-        self.impl = _check_impl(impl)
+        super().__init__(impl)
         params = rope_parameters(config)
         rope_type = params["rope_type"]
         if rope_type == "default":
@@ -160,10 +156,8 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = inv_freq.float().cpu()  # [D/2]
         self.attention_scaling = float(attention_scaling)
         self.max_positions = int(getattr(config, "max_position_embeddings", 2048))
-        freqs = (
-            torch.arange(self.max_positions, dtype=torch.float, device="cpu")[:, None]
-            * self.inv_freq[None, :]
-        )  # [P, D/2]
+        # [P, D/2]; NOTE: device="cpu" even under the loader's meta-device context
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float, device="cpu"), self.inv_freq)
         self.cos_cache = freqs.cos() * self.attention_scaling  # [P, D/2]
         self.sin_cache = freqs.sin() * self.attention_scaling  # [P, D/2]
 
@@ -194,22 +188,6 @@ class RotaryEmbedding(nn.Module):
             cpu_kernels.rotary_neox_cpu(x, positions, self.cos_cache, self.sin_cache, num_heads, D)
             return x[:, : num_heads * D].view(x.shape[0], num_heads, D)
         return self.rotate(x[:, : num_heads * D].view(x.shape[0], num_heads, D), cos_sin)
-
-
-def get_act_fn(name: str):
-    """The activation called ``name`` in a transformers config (``hidden_act``)."""
-    acts = {
-        "silu": F.silu,
-        "swish": F.silu,
-        "gelu": F.gelu,
-        "relu": F.relu,
-        # gelu_new (GPT-2) is the tanh approximation of GELU.
-        "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    }
-    if name not in acts:
-        raise ValueError(f"config.hidden_act / activation_function {name!r} is not supported")
-    return acts[name]
 
 
 class PagedCausalLM(nn.Module):
@@ -284,7 +262,7 @@ class PagedCausalLM(nn.Module):
         )
         assert self.max_model_len >= 1, f"max_model_len {self.max_model_len} < 1"
         assert self.num_layers == len(self.attention_layers()), "one attention layer per layer"
-        impls = {m.impl for m in self.modules() if isinstance(m, (RMSNorm, SiluAndMul, RotaryEmbedding))}
+        impls = {m.impl for m in self.modules() if isinstance(m, CustomOp)}
         want = self.attn_backend.layer_impl
         assert impls <= {want}, f"small layers on {sorted(impls)} with the {self.attn_backend.name!r} backend"
 
@@ -295,7 +273,7 @@ class PagedCausalLM(nn.Module):
         "torch". Returns the backend it had, to switch back (the profile compares backends this way)."""
         before, self.attn_backend = self.attn_backend.name, attn_backend(backend)
         for m in self.modules():
-            if isinstance(m, (RMSNorm, SiluAndMul, RotaryEmbedding)):
+            if isinstance(m, CustomOp):
                 m.impl = self.attn_backend.layer_impl
         return before
 

@@ -32,7 +32,8 @@ Invariants
 
 Failure mode
     Features outside the family as written here (Qwen3's q/k norms, sliding-window attention
-    beyond the window) are not implemented: Qwen3 is refused by the loader, and
+    beyond the window, an activation other than silu) are not implemented: Qwen3 is refused
+    by the loader, a ``hidden_act`` other than silu by ``LlamaMLP`` (as vLLM's), and
     ``max_model_len`` is capped at a Mistral-style ``sliding_window`` so the window never
     matters.
 """
@@ -46,7 +47,7 @@ from torch import nn
 
 from minipaged.model.attention import PagedAttention
 from minipaged.model.input import ModelInput
-from minipaged.model.layers import PagedCausalLM, RMSNorm, RotaryEmbedding, SiluAndMul, get_act_fn
+from minipaged.model.layers import PagedCausalLM, RMSNorm, RotaryEmbedding, SiluAndMul
 from minipaged.model.parallel import (
     SINGLE,
     MergedColumnParallelLinear,
@@ -79,25 +80,23 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, config, tp: TensorParallelGroup = SINGLE):
         super().__init__()
+        if config.hidden_act not in ("silu", "swish"):  # as vLLM's LlamaMLP
+            raise ValueError(
+                f"config.hidden_act {config.hidden_act!r} is not supported: the Llama family uses silu"
+            )
         bias = bool(getattr(config, "mlp_bias", False))
         I = config.intermediate_size  # noqa: E741
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [I, I], bias, tp)
         self.down_proj = RowParallelLinear(I, config.hidden_size, bias, tp)
         self.intermediate_size = self.gate_up_proj.local_sizes[0]  # this rank's I / N
-        self.act_fn = get_act_fn(config.hidden_act)
-        # NOTE: SiLU (every Llama / Mistral / Qwen2 checkpoint) gets vLLM's fused SiluAndMul
-        self.silu_and_mul = SiluAndMul() if config.hidden_act in ("silu", "swish") else None
+        self.act_fn = SiluAndMul()
 
     def shard_rows(self, shard: str) -> slice:
         """Rows of ``gate_up_proj`` that hold checkpoint shard ``"gate"`` or ``"up"``."""
         return self.gate_up_proj.local_rows({"gate": 0, "up": 1}[shard])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        if self.silu_and_mul is not None:
-            return self.down_proj(self.silu_and_mul(gate_up))  # [T, hidden]
-        gate, up = gate_up.chunk(2, dim=-1)  # 2 x [T, intermediate]
-        return self.down_proj(self.act_fn(gate) * up)  # [T, hidden]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, 2 * I] -> [T, I] -> [T, hidden]
 
 
 class LlamaAttention(nn.Module):

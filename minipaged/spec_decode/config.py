@@ -37,6 +37,12 @@ SPEC_METHODS = ("ngram", "draft_model")
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default for both bounds when neither is given
 
 
+def wants_drafts(sampling_params) -> bool:
+    """Whether a request is drafted for: not with ``logprobs`` or stop strings (one token a
+    step: the output processor reads them one at a time); vLLM drafts for them too."""
+    return sampling_params.logprobs is None and not sampling_params.stop
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 

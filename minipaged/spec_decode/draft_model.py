@@ -47,7 +47,8 @@ import torch
 
 from minipaged.model.input import build_model_input
 from minipaged.sample.rejection_sampler import compute_probs, exponential_race, row_contexts
-from minipaged.sample.sampler import derive_seed
+from minipaged.sample.sampler import derive_seed, sample_seed
+from minipaged.spec_decode.config import wants_drafts
 
 
 @dataclass
@@ -80,6 +81,28 @@ class DraftModelProposer:
             assert k.shape == v.shape and k.shape[:2] == (self.num_blocks, self.block_size), (
                 f"draft cache {tuple(k.shape)} is not [{self.num_blocks}, {self.block_size}, KVH, D]"
             )
+
+    def prepare_inputs(
+        self, requests, starts: dict[str, int], sampled: set[str]
+    ) -> list[tuple[str, DraftSeq]]:
+        """The step of the module docstring, per scheduled request (vLLM: the proposer's
+        ``prepare_inputs``): ``requests``, the runner's states by id, after the step;
+        ``starts``, each one's computed tokens before it; ``sampled``, the ids that got a token.
+        Drafts only for a request that wants them and whose new token has a slot, at most
+        the slots its table holds past it (the scheduler's lookahead)."""
+        out = []
+        for rid, start in starts.items():
+            r = requests[rid]
+            end = r.num_computed_tokens  # K/V valid below this position after the step
+            capacity = len(r.block_ids) * self.block_size
+            feed_last = rid in sampled and end < capacity  # the new token, if it has a slot
+            n = min(self.k, capacity - end) if feed_last and wants_drafts(r.sampling_params) else 0
+            tokens = r.prompt_token_ids + r.output_token_ids
+            new = tokens[start : end + int(feed_last)]  # the tokens its draft K/V lacks
+            if new:
+                seed = sample_seed(r.base_seed, len(r.output_token_ids))
+                out.append((rid, DraftSeq(list(r.block_ids), start, new, n, r, seed)))
+        return out
 
     @torch.inference_mode()
     def propose(self, seqs: Sequence[DraftSeq]) -> tuple[list[list[int]], Optional[torch.Tensor]]:

@@ -33,10 +33,8 @@ Proposals
     ``ngram``: from the request's tokens. ``draft_model``: a ``DraftModelProposer`` whose
     cache is addressed by the runner's block tables; *every* scheduled request runs its
     pass 0 (a prefill chunk too), so that its draft K/V stays valid for the positions the
-    target computed. Requests with ``logprobs`` or stop strings get no drafts (one token a
-    step: the output processor reads them one at a time); vLLM drafts for them too. A
-    proposal past a request's block table is capped to the slots it holds (the
-    scheduler's lookahead reserves them).
+    target computed (its ``prepare_inputs``). Requests with ``logprobs`` or stop strings get
+    no drafts (``spec_decode.config.wants_drafts``).
 Invariants (``check_invariants``)
     every state's table holds its computed tokens; ``len(input_ids) == len(positions) ==
     len(slot_mapping) == total scheduled tokens``; the caches have the pool's shape.
@@ -59,7 +57,8 @@ from minipaged.sample.logprobs import Logprobs
 from minipaged.sample.rejection_sampler import RejectionSampler
 from minipaged.sample.sampler import Sampler, sample_seed
 from minipaged.sampling_params import SamplingParams
-from minipaged.spec_decode.draft_model import DraftModelProposer, DraftSeq
+from minipaged.spec_decode.config import wants_drafts
+from minipaged.spec_decode.draft_model import DraftModelProposer
 from minipaged.spec_decode.ngram_proposer import NgramProposer
 
 
@@ -219,25 +218,13 @@ class ModelRunner:
                 rid: d
                 for rid in out.req_ids
                 if rid in sampled
-                and _wants_drafts(r := self.requests[rid])
+                and wants_drafts((r := self.requests[rid]).sampling_params)
                 and (d := self.drafter.propose(r.prompt_token_ids + r.output_token_ids))
             }
-        seqs, ids = [], []
-        for rid in starts:
-            r = self.requests[rid]
-            tokens = r.prompt_token_ids + r.output_token_ids
-            end = r.num_computed_tokens  # K/V valid below this position after the step
-            capacity = len(r.block_ids) * self.block_size
-            feed_last = rid in sampled and end < capacity  # the new token, if it has a slot
-            n = min(self.drafter.k, capacity - end) if feed_last and _wants_drafts(r) else 0
-            seed = sample_seed(r.base_seed, len(r.output_token_ids))
-            new = tokens[starts[rid] : end + int(feed_last)]  # the tokens its K/V lacks
-            if new:
-                seqs.append(DraftSeq(list(r.block_ids), starts[rid], new, n, r, seed))
-                ids.append(rid)
-        drafts, probs = self.drafter.propose(seqs)
+        pairs = self.drafter.prepare_inputs(self.requests, starts, sampled)  # (request id, DraftSeq)
+        drafts, probs = self.drafter.propose([seq for _, seq in pairs])
         proposed, row = {}, 0
-        for rid, d in zip(ids, drafts):
+        for (rid, _), d in zip(pairs, drafts):
             if d:
                 proposed[rid] = d
                 if probs is not None:
@@ -331,8 +318,3 @@ class ModelRunner:
         for r in self.requests.values():
             assert len(r.block_ids) * self.block_size >= r.num_computed_tokens, f"{r.req_id}: table too short"
             assert all(0 <= b < self.num_blocks for b in r.block_ids), f"{r.req_id}: block outside the pool"
-
-
-def _wants_drafts(r: CachedRequestState) -> bool:
-    p = r.sampling_params
-    return p.logprobs is None and not p.stop

@@ -1,6 +1,7 @@
 """The shape the course promises (issue 23): vLLM v1's scheduler is one loop of at most 250
 code lines with no hook methods; the v1 KV-cache manager has no fork, copy-on-write or swap;
-the worker never reaches into the scheduler's objects."""
+the worker never reaches into the scheduler's objects; the student's v1 path is at most 1,400
+code lines (issue 37)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import ast
 import inspect
 import io
 import tokenize
+from pathlib import Path
 
+import minipaged
 from minipaged.core import KVCacheManager, Scheduler
 from minipaged.core.sched import scheduler as v1
 from minipaged.worker import model_runner
@@ -69,3 +72,30 @@ def test_the_worker_does_not_import_the_scheduler_side():
     tree = ast.parse(inspect.getsource(model_runner))
     imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not [m for m in imported if m and m.startswith("minipaged.core")], imported
+
+
+# The student's v1 path (issue 37): what one reads to follow a request through vLLM v1's
+# loop, in minipaged: scheduler, kv manager, pool, table, request, output, runner, the Llama
+# model with the layers and attention it is built of, and the reference kernel. Not on it:
+# the paper's path (paper.py, block_manager_v0.py, paper_runner.py), the free queue and
+# hashing of block.py, the other kernels, tensor parallelism (parallel.py), the proposers.
+STUDENT_V1_PATH = (
+    "core/sched/scheduler.py",
+    "core/kv/kv_cache_manager.py",
+    "core/kv/block_pool.py",
+    "core/kv/block_table.py",
+    "core/sched/request.py",
+    "core/sched/output.py",
+    "worker/model_runner.py",
+    "model/llama.py",
+    "model/layers.py",
+    "model/attention.py",
+    "model/input.py",
+    "kernels/reference.py",
+)
+
+
+def test_the_student_v1_path_is_at_most_1400_code_lines():
+    root = Path(minipaged.__file__).parent
+    per_file = {f: code_lines((root / f).read_text()) for f in STUDENT_V1_PATH}
+    assert sum(per_file.values()) <= 1400, per_file

@@ -110,11 +110,11 @@ def test_a_cpu_model_runs_its_small_layers_in_c(tmp_path):
     on_cpu, _ = load_model(str(tmp_path), attention_backend="cpu")
     on_torch, _ = load_model(str(tmp_path), attention_backend="torch")
     layer_c, layer_t = on_cpu.model.layers[0], on_torch.model.layers[0]
-    assert on_cpu.model.norm.impl == layer_c.input_layernorm.impl == layer_c.mlp.silu_and_mul.impl == "cpu"
+    assert on_cpu.model.norm.impl == layer_c.input_layernorm.impl == layer_c.mlp.act_fn.impl == "cpu"
     assert (
         on_torch.model.norm.impl
         == layer_t.post_attention_layernorm.impl
-        == layer_t.mlp.silu_and_mul.impl
+        == layer_t.mlp.act_fn.impl
         == "torch"
     )
     assert on_cpu.model.rotary_emb.impl == "cpu" and on_torch.model.rotary_emb.impl == "torch"
@@ -142,7 +142,7 @@ def test_use_backend_switches_every_layer_and_back(tmp_path):
     assert model.attn_backend.name == "torch"
     assert run(llm) == run(LLM(str(tmp_path), attention_backend="torch")) == want_cpu
     assert model.use_backend("cpu") == "torch"
-    assert model.model.layers[1].mlp.silu_and_mul.impl == model.model.rotary_emb.impl == "cpu"
+    assert model.model.layers[1].mlp.act_fn.impl == model.model.rotary_emb.impl == "cpu"
     assert run(llm) == want_cpu
     model.check_invariants()
     with pytest.raises(ValueError, match="attention_backend must be one of"):
