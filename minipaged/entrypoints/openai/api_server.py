@@ -75,6 +75,7 @@ from minipaged.entrypoints.openai.serving import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_SHUTDOWN_GRACE,
+    quiet_dropped_streams,
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -544,7 +545,7 @@ def uvicorn_config(
         raise ValueError(f"http must be 'auto', 'h11' or 'httptools', got {http!r}")
     if loop not in ("auto", "asyncio", "uvloop"):
         raise ValueError(f"loop must be 'auto', 'asyncio' or 'uvloop', got {loop!r}")
-    return uvicorn.Config(
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -556,6 +557,8 @@ def uvicorn_config(
         timeout_keep_alive=5,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
+    quiet_dropped_streams()  # NOTE: after Config(), which configures uvicorn's loggers
+    return config
 
 
 # seconds responses have to go out after the drain (uvicorn's timeout_graceful_shutdown)

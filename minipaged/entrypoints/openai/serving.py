@@ -37,7 +37,9 @@ Failure mode
 """
 
 import asyncio
+import contextvars
 import json
+import logging
 import re
 import time
 import uuid
@@ -90,13 +92,33 @@ def sse(data) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
+# set by an SSEResponse that ends unfinished on purpose (a dropped unread stream), in the
+# request's context, which uvicorn's request cycle shares: its "ASGI callable returned without
+# completing response." error, logged next, would be a false alarm (the drop is counted in /metrics)
+_DROPPING_STREAM = contextvars.ContextVar("minipaged_dropping_stream", default=False)
+
+
+class _DroppedStreamFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_DROPPING_STREAM.get() and record.getMessage().startswith("ASGI callable returned"))
+
+
+def quiet_dropped_streams() -> None:
+    """Keep uvicorn from logging a deliberately dropped stream as an error (idempotent; call it
+    after uvicorn configured its loggers, which resets them)."""
+    log = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _DroppedStreamFilter) for f in log.filters):
+        log.addFilter(_DroppedStreamFilter())
+
+
 class SSEResponse(Response):
     """Streams ``events`` (strings) as text/event-stream.
 
     It listens for ``http.disconnect`` itself (whatever the ASGI spec version), stops the
     stream at once when the client goes, and always calls ``on_close()`` last. When
     ``dropped`` is set (the engine let go of output the client left unread), the response
-    ends unfinished: the server closes the connection.
+    ends unfinished: the server closes the connection, without uvicorn's error line for it
+    (``quiet_dropped_streams``: the drop is by design, and counted in ``/metrics``).
     """
 
     media_type = "text/event-stream"
@@ -124,10 +146,13 @@ class SSEResponse(Response):
                 pass
 
         tasks = {asyncio.create_task(stream()), asyncio.create_task(watch())}
-        if self.dropped is not None:  # NOTE: the client reads nothing: its connection is closed
-            tasks.add(asyncio.create_task(self.dropped.wait()))
+        drop = None if self.dropped is None else asyncio.create_task(self.dropped.wait())
+        if drop is not None:  # NOTE: the client reads nothing: its connection is closed
+            tasks.add(drop)
         try:
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if drop in done:
+                _DROPPING_STREAM.set(True)  # ends unfinished: uvicorn closes the connection
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
