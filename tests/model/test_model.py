@@ -256,6 +256,20 @@ def test_unsupported_architecture_raises_value_error(tmp_path):
         load_model(str(tmp_path))
 
 
+def test_a_llama_config_with_another_activation_is_refused_by_name():
+    """As vLLM's LlamaMLP: only silu; a config asking for another activation gets a
+    ValueError naming ``config.hidden_act``, not a model that computes something else."""
+    from minipaged.model.llama import LlamaForCausalLM
+
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64
+    )
+    LlamaForCausalLM(config)  # silu: built
+    config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="config.hidden_act 'gelu'"):
+        LlamaForCausalLM(config)
+
+
 @pytest.mark.parametrize("kwargs", [{"dtype": "float64"}, {"attention_backend": "cuda"}])
 def test_bad_arguments_raise_value_error(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
