@@ -177,3 +177,32 @@ def test_teacher_forced_replay_counts_what_the_online_drafts_would(draft, hf):
         i += a + 1
     assert replayed == online
     assert any(a < d for d, a in online) and any(a > 0 for _, a in online)
+
+
+def test_prepare_inputs_by_hand(draft):
+    """The module docstring's step on a tiny case (block size 4, k = 4). ``a``: its 5-token
+    prompt computed this step and one token sampled: pass 0 runs all 6 tokens from 0; 3
+    drafts, not 4: passes 1 and 2 write positions 6 and 7, the last of its table's 8 slots. ``b``: a prefill chunk (3 of 6 prompt tokens, nothing
+    sampled): its K/V only, no drafts. ``c``: sampled, but asks for logprobs: K/V, no drafts.
+    ``d``: nothing new to run (it gets nothing)."""
+    from minipaged.worker.model_runner import CachedRequestState
+
+    def state(rid, prompt, output, blocks, computed, **params):
+        return CachedRequestState(rid, prompt, output, SamplingParams(**params), blocks, computed)
+
+    requests = {
+        "a": state("a", [1, 2, 3, 4, 5], [6], [7, 2], 5, temperature=0.0),
+        "b": state("b", [1, 2, 3, 4, 5, 6], [], [3, 4], 3, temperature=0.0),
+        "c": state("c", [9, 8], [7], [5], 2, temperature=0.0, logprobs=1),
+        "d": state("d", [9, 8], [], [6], 2, temperature=0.0),
+    }
+    prop = DraftModelProposer(draft, 8, BS, 4)
+    got = {
+        rid: (s.block_ids, s.start, s.token_ids, s.num_drafts)
+        for rid, s in prop.prepare_inputs(requests, {"a": 0, "b": 0, "c": 0, "d": 2}, sampled={"a", "c"})
+    }
+    assert got == {
+        "a": ([7, 2], 0, [1, 2, 3, 4, 5, 6], 3),
+        "b": ([3, 4], 0, [1, 2, 3], 0),
+        "c": ([5], 0, [9, 8, 7], 0),
+    }
