@@ -182,9 +182,9 @@ def test_teacher_forced_replay_counts_what_the_online_drafts_would(draft, hf):
 def test_prepare_inputs_by_hand(draft):
     """The module docstring's step on a tiny case (block size 4, k = 4). ``a``: its 5-token
     prompt computed this step and one token sampled: pass 0 runs all 6 tokens from 0; 3
-    drafts, not 4: passes 1 and 2 write positions 6 and 7, the last of its table's 8 slots. ``b``: a prefill chunk (3 of 6 prompt tokens, nothing
-    sampled): its K/V only, no drafts. ``c``: sampled, but asks for logprobs: K/V, no drafts.
-    ``d``: nothing new to run (it gets nothing)."""
+    drafts, not 4: passes 1 and 2 write positions 6 and 7, the last of its table's 8 slots.
+    ``b``: a prefill chunk (3 of 6 prompt tokens, nothing sampled): its K/V only, no drafts.
+    ``c``: sampled, but asks for logprobs: K/V, no drafts. ``d``: nothing new to run."""
     from minipaged.worker.model_runner import CachedRequestState
 
     def state(rid, prompt, output, blocks, computed, **params):
