@@ -13,8 +13,8 @@ context of ``seq_lens[b]`` tokens; the earlier ones are already in the cache.
 ``compute_slot_mapping(block_ids, start, end, block_size)`` is the worker side's one slot
 formula (vLLM: ``BlockTable.compute_slot_mapping``); ``build_model_input`` builds a whole input
 from ``(block_ids, start, token_ids)`` per sequence, the one builder of the runner, the draft
-model and a tensor-parallel shard. After the flat batch is built, ``PagedCausalLM.prepare_attention``
-plans the step's attention once: it sets ``attn_backend`` and ``attn_metadata``, which every
+model and a tensor-parallel shard. After the flat batch is built,
+``PagedCausalLM.prepare_attention`` plans the step's attention once: it sets ``attn_backend`` and ``attn_metadata``, which every
 attention layer reads (vLLM v1: the runner builds the attention metadata and the forward
 context carries it to every layer).
 """
@@ -82,10 +82,9 @@ def build_model_input(
         end = start + len(tokens)
         ids.extend(tokens)
         positions.extend(range(start, end))
-        slots.extend(
-            compute_slot_mapping(block_ids, start, end, block_size)
-        )  # the slot formula of chapter 02
-        tables.append(list(block_ids))
+        # the slot formula of chapter 02
+        slots.extend(compute_slot_mapping(block_ids, start, end, block_size))
+        tables.append(block_ids)
         seq_lens.append(end)
         cu.append(cu[-1] + len(tokens))
         logits_indices.extend(range(cu[-1] - (num_logits[b] if num_logits else 1), cu[-1]))
@@ -95,7 +94,7 @@ def build_model_input(
         positions=torch.tensor(positions, dtype=torch.int64),  # [T]
         slot_mapping=torch.tensor(slots, dtype=torch.int64),  # [T]
         # NOTE: padded with 0; the attention never reads past seq_lens[b]
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        block_tables=torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),  # [B]
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),  # [B + 1]
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64),  # [B (+ drafts)] rows to sample

@@ -97,8 +97,7 @@ class DraftModelProposer:
             capacity = len(r.block_ids) * self.block_size
             feed_last = rid in sampled and end < capacity  # the new token, if it has a slot
             n = min(self.k, capacity - end) if feed_last and wants_drafts(r.sampling_params) else 0
-            tokens = r.prompt_token_ids + r.output_token_ids
-            new = tokens[start : end + int(feed_last)]  # the tokens its draft K/V lacks
+            new = r.token_slice(start, end + int(feed_last))  # the tokens its draft K/V lacks
             if new:
                 seed = sample_seed(r.base_seed, len(r.output_token_ids))
                 out.append((rid, DraftSeq(list(r.block_ids), start, new, n, r, seed)))

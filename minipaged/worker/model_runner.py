@@ -79,6 +79,12 @@ class CachedRequestState:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Its tokens ``start .. end - 1`` (prompt, then output), without building the whole list.
+        NOTE: max(.., 0): a negative slice end would count from the end."""
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[start:end] + self.output_token_ids[max(start - p, 0) : max(end - p, 0)]
+
 
 @dataclass
 class ModelRunnerOutput:
@@ -293,13 +299,9 @@ class ModelRunner:
             if len(r.block_ids) * self.block_size < r.num_computed_tokens + n:
                 raise RuntimeError(f"request {rid!r}: {len(r.block_ids)} blocks cannot hold its tokens")
             drafts = drafts_of.get(rid, [])
-            start, num_prompt = r.num_computed_tokens, len(r.prompt_token_ids)
+            start = r.num_computed_tokens
             end = start + n - len(drafts)  # NOTE: the drafts come after the request's known tokens
-            # the new tokens, without building prompt + output for a decode (NOTE: max(.., 0): a
-            # negative slice end would count from the end)
-            a, b = max(start - num_prompt, 0), max(end - num_prompt, 0)
-            tokens = r.prompt_token_ids[start:end] + r.output_token_ids[a:b]
-            items.append((r.block_ids, start, tokens + drafts))
+            items.append((r.block_ids, start, r.token_slice(start, end) + drafts))
             num_logits.append(1 + len(drafts))
         inp = build_model_input(items, self.block_size, self.device, num_logits)
         # the step's attention plan, once for every layer
