@@ -15,7 +15,6 @@ bounds a lighter load).
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
 
@@ -27,11 +26,12 @@ DROPPED = "minipaged:unread_streams_dropped_total"
 
 def _dropped(url: str) -> float:
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
-    m = re.search(
-        rf"^{re.escape(DROPPED)}(?:{{[^}}]*}})? ([0-9.e+]+)$", httpx.get(url + "/metrics").text, re.M
+    text = httpx.get(url + "/metrics").text
+    return sum(
+        s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == DROPPED
     )
-    return float(m.group(1)) if m else 0.0
 
 
 def main(argv: list[str]) -> int:
