@@ -78,19 +78,14 @@ def test_every_sampled_token_is_its_own_event(llm, mode):
 
 
 # -- 2. unread streams ------------------------------------------------------------------------------
-def test_a_finished_unread_stream_is_dropped_after_its_time_and_counted(llm):
+def test_a_finished_unread_stream_is_dropped_after_its_time_and_counted(llm, caplog):
     """A client that sends a big streamed request and never reads (a tiny receive buffer):
     once the answer is finished and ``unread_timeout`` has passed, its output is dropped,
     the connection closed and ``minipaged:unread_streams_dropped_total`` counts it. The drop
     is by design: uvicorn's "returned without completing response" error is not logged."""
     import logging
 
-    class Records(logging.Handler):
-        def emit(self, record):
-            errors.append(record.getMessage())
-
-    errors: list = []
-    handler = Records(logging.ERROR)
+    uvicorn_log = logging.getLogger("uvicorn.error")
     # NOTE: 2.9 MB of events: more than the sockets' buffers on loopback take (~1 MB)
     body = {
         "prompt": "Hi",
@@ -104,7 +99,7 @@ def test_a_finished_unread_stream_is_dropped_after_its_time_and_counted(llm):
     }
     with serve_engine(llm, unread_timeout=0.5, max_n=16) as srv:
         # NOTE: after uvicorn configured its loggers (which resets their handlers); they do not propagate
-        logging.getLogger("uvicorn.error").addHandler(handler)
+        uvicorn_log.addHandler(caplog.handler)
         assert metric(srv.url, "minipaged:unread_streams_dropped_total") == 0
         ae = srv.serving.engine_client
         sock = socket.socket()
@@ -129,7 +124,10 @@ def test_a_finished_unread_stream_is_dropped_after_its_time_and_counted(llm):
         finally:
             sock.close()
         wait_idle(srv)
-    logging.getLogger("uvicorn.error").removeHandler(handler)
+        uvicorn_log.removeHandler(caplog.handler)
+    errors = [
+        r.getMessage() for r in caplog.records if r.name == "uvicorn.error" and r.levelno >= logging.ERROR
+    ]
     assert not errors, errors
 
 
